@@ -1,0 +1,123 @@
+"""Config: validation errors name file, line, field, value and what is allowed; overrides; exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.conftest import cli, example, write_config
+from toolkit.config import dump_config, load_config
+from toolkit.errors import ConfigError
+
+
+def error_of(path, overrides=()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    assert info.value.exit_code == 2
+    return str(info.value)
+
+
+def test_example_configs_load(tiny, tmp_path):
+    for name in ("tiny-grpo.yaml", "tiny-ppo.yaml"):
+        cfg = load_config(write_config(tmp_path, example(name, tiny)))
+        assert cfg.samples_per_step == cfg.rollout.prompts_per_step * cfg.rollout.group_size
+
+
+def test_unknown_key_names_line_and_allowed_keys(tiny, tmp_path):
+    data = example("tiny-grpo.yaml", tiny)
+    data["rollout"]["gruop_size"] = 4
+    path = write_config(tmp_path, data)
+    line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if "gruop_size" in text)
+    msg = error_of(path)
+    assert f"{path}:{line}: rollout.gruop_size: unknown key 'gruop_size'" in msg
+    assert "group_size" in msg and "max_new_tokens" in msg  # the allowed keys are listed
+
+
+def test_wrong_type_and_bad_value(tiny, tmp_path):
+    data = example("tiny-grpo.yaml", tiny)
+    data["rollout"]["max_new_tokens"] = "many"
+    data["run"]["algorithm"] = "dpo"
+    msg = error_of(write_config(tmp_path, data))
+    assert "rollout.max_new_tokens: got 'many'" in msg and "integer" in msg
+    assert "run.algorithm: got 'dpo'" in msg and "'grpo' or 'ppo'" in msg
+
+
+def test_batch_not_divisible(tiny, tmp_path):
+    data = example("tiny-grpo.yaml", tiny, rollout={"prompts_per_step": 10, "group_size": 3})
+    msg = error_of(write_config(tmp_path, data))
+    assert "a step has 30 samples" in msg and "trainer.micro_batch_size 16" in msg
+
+
+def test_grpo_needs_groups(tiny, tmp_path):
+    data = example("tiny-grpo.yaml", tiny, rollout={"group_size": 1, "prompts_per_step": 16})
+    assert "GRPO needs >= 2 samples per prompt" in error_of(write_config(tmp_path, data))
+
+
+def test_missing_model_path(tiny, tmp_path):
+    data = example("tiny-grpo.yaml", tiny)
+    data["model"]["actor"] = "no/such/model"
+    path = write_config(tmp_path, data)
+    msg = error_of(path)
+    assert "model.actor: got 'no/such/model': no such directory" in msg
+    assert str(tmp_path / "no/such/model") in msg  # resolved against the config's directory
+
+
+def test_reward_function_not_importable(tiny, tmp_path):
+    data = example("tiny-grpo.yaml", tiny)
+    data["reward"]["functions"][0]["function"] = "nosuchpkg.rewards:score"
+    assert "cannot import module 'nosuchpkg.rewards'" in error_of(write_config(tmp_path, data))
+    data["reward"]["functions"][0]["function"] = "toolkit.rewards.examples:nope"
+    assert "has no function 'nope'" in error_of(write_config(tmp_path, data))
+
+
+def test_no_reward(tiny, tmp_path):
+    data = example("tiny-grpo.yaml", tiny, reward={"functions": []})
+    assert "no reward" in error_of(write_config(tmp_path, data))
+
+
+def test_invalid_yaml_names_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("run:\n  name: x\n  steps: [1, 2\n")
+    assert f"{path}:4" in error_of(path) and "not valid YAML" in error_of(path)
+
+
+def test_overrides(tiny, tmp_path):
+    path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    cfg = load_config(path, ["rollout.group_size=8", "trainer.lr=2e-6", "reward.functions.0.weight=0.5",
+                             "run.name=my run"])
+    assert cfg.rollout.group_size == 8 and cfg.trainer.lr == 2e-6
+    assert cfg.reward.functions[0].weight == 0.5 and cfg.run.name == "my run"
+    msg = error_of(path, ["rollout.temprature=0.5"])
+    assert "--set rollout.temprature=0.5: rollout.temprature: unknown key" in msg
+    assert "--set rollout.temperature=0" in error_of(path, ["rollout.temperature=0"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(path, ["rollout.group_size"])
+
+
+def test_resolved_config_round_trips(tiny, tmp_path):
+    cfg = load_config(write_config(tmp_path, example("tiny-ppo.yaml", tiny)))
+    again = write_config(tmp_path / "again", yaml.safe_load(dump_config(cfg)))
+    assert load_config(again) == cfg
+
+
+def test_cli_exit_code_2_and_no_run_dir(tiny, tmp_path):
+    data = example("tiny-grpo.yaml", tiny)
+    data["rollout"]["group_size"] = 0
+    path = write_config(tmp_path, data)
+    run_dir = tmp_path / "run"
+    result = cli("run", path, "--run-dir", run_dir, timeout=60)
+    assert result.returncode == 2
+    assert "rollout.group_size: got 0" in result.stderr and "Traceback" not in result.stderr
+    assert not run_dir.exists()
+
+
+def test_bad_prompt_line_is_a_config_error(tiny, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b"\n')
+    data = example("tiny-grpo.yaml", tiny, data={"prompts": str(prompts)})
+    result = cli("run", write_config(tmp_path, data), "--run-dir", tmp_path / "run", timeout=60)
+    assert result.returncode == 2
+    assert f"{prompts}:2: not valid JSON" in result.stderr
+    prompts.write_text('{"text": "a"}\n')
+    result = cli("run", write_config(tmp_path, data), "--run-dir", tmp_path / "run2", timeout=60)
+    assert result.returncode == 2 and f"{prompts}:1: no non-empty string field 'prompt'" in result.stderr

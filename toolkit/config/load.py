@@ -1,0 +1,155 @@
+"""Read a run config from YAML, apply `--set a.b=c` overrides, validate, and explain errors by file and line."""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from toolkit.config.schema import RunConfig
+from toolkit.errors import ConfigError
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Load and validate `path` with overrides applied; raise ConfigError naming file, line and field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of sections (run:, model:, ...), got {type(data).__name__}")
+    overridden = {}
+    for expr in overrides:
+        key = apply_override(data, expr)
+        overridden[key] = expr
+    return validate(data, base_dir=path.resolve().parent, source=path, text=text, overridden=overridden)
+
+
+def validate(data: dict, base_dir: Path, source: Path | str = "<config>", text: str | None = None,
+             overridden: dict[tuple, str] | None = None) -> RunConfig:
+    """Validate a config mapping; relative paths resolve against `base_dir`."""
+    try:
+        return RunConfig.model_validate(data, context={"base_dir": str(base_dir)})
+    except ValidationError as e:
+        lines = [_explain(err, source, text, overridden or {}) for err in e.errors()]
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def apply_override(data: dict, expr: str) -> tuple:
+    """Apply `a.b.c=value` (value parsed as YAML) to `data` in place; return the key path."""
+    key, sep, raw = expr.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {expr!r}: expected KEY=VALUE, e.g. --set rollout.group_size=8")
+    parts: list[Any] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not isinstance(part, int) or part >= len(node):
+                raise ConfigError(f"--set {expr!r}: {'.'.join(map(str, parts[:i + 1]))} is not an index of the list")
+            node = node[part]
+        else:
+            node = node.setdefault(part, {})
+            if not isinstance(node, (dict, list)):
+                raise ConfigError(f"--set {expr!r}: {'.'.join(map(str, parts[:i + 1]))} is a value, not a section")
+    last = parts[-1]
+    if isinstance(node, list):
+        if not isinstance(last, int) or last >= len(node):
+            raise ConfigError(f"--set {expr!r}: {key} is not an index of the list")
+    node[last] = value
+    return tuple(parts)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config (absolute paths, defaults filled in) as YAML."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _explain(err: dict, source, text: str | None, overridden: dict[tuple, str]) -> str:
+    loc = tuple(err["loc"])
+    field = ".".join(str(p) for p in loc) or "(top level)"
+    kind = err["type"]
+    msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1])
+        msg = f"unknown key {loc[-1]!r}; allowed here: {', '.join(allowed)}"
+    elif kind == "missing":
+        msg = "missing; this field is required"
+    elif "input" in err and not isinstance(err["input"], (dict, list)):
+        msg = f"got {err['input']!r}: {msg[0].lower()}{msg[1:]}"
+    origin = next((expr for key, expr in overridden.items() if loc[: len(key)] == key), None)
+    if origin is not None:
+        where = f"--set {origin}"
+    elif text is not None:
+        where = f"{source}:{_line_of(text, loc)}"
+    else:
+        where = str(source)
+    if not loc:
+        return f"{where}: {msg}"
+    return f"{where}: {field}: {msg}"
+
+
+def _line_of(text: str, loc: tuple) -> int:
+    """Line (1-based) of the deepest part of `loc` that exists in the YAML text."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return 1
+    line = node.start_mark.line + 1 if node is not None else 1
+    for part in loc:
+        child = None
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if key_node.value == str(part):
+                    child, line = value_node, key_node.start_mark.line + 1
+                    break
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            child = node.value[part]
+            line = child.start_mark.line + 1
+        if child is None:
+            break
+        node = child
+    return line
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    """Field names of the section at `loc` (walking list items and optionals)."""
+    model: Any = RunConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return []
+        model = _section_type(model.model_fields[part].annotation)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return list(model.model_fields)
+    return []
+
+
+def _section_type(annotation: Any) -> Any:
+    """The BaseModel inside `X`, `list[X]`, `X | None` (or the annotation itself)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _section_type(arg)
+        if isinstance(found, type) and issubclass(found, BaseModel):
+            return found
+    if isinstance(annotation, types.UnionType):
+        return None
+    return annotation

@@ -1,0 +1,334 @@
+"""The run config: one YAML file per run, validated into these dataclasses before any process starts.
+
+Relative paths are resolved against the directory of the config file. Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+def _resolve(value: str | Path, info: ValidationInfo) -> Path:
+    path = Path(str(value)).expanduser()
+    base = (info.context or {}).get("base_dir")
+    if not path.is_absolute() and base is not None:
+        path = Path(base) / path
+    return path.resolve()
+
+
+def _model_dir(value: Any, info: ValidationInfo) -> str:
+    path = _resolve(value, info)
+    if not path.is_dir():
+        raise ValueError(f"no such directory {str(path)!r}; give the path of a Hugging Face model directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{str(path)!r} has no config.json; give a Hugging Face model directory (save_pretrained)")
+    return str(path)
+
+
+def _existing_file(value: Any, info: ValidationInfo) -> str:
+    path = _resolve(value, info)
+    if not path.is_file():
+        raise ValueError(f"no such file {str(path)!r}")
+    return str(path)
+
+
+def load_function(import_path: str):
+    """Import `package.module:function` and return the callable; ValueError says what is wrong."""
+    module_name, _, attr = import_path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"cannot import module {module_name!r} of {import_path!r} ({e}); install it or add its folder to PYTHONPATH"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+ModelDir = Annotated[str, AfterValidator(_model_dir)]
+ExistingFile = Annotated[str, AfterValidator(_existing_file)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class RunSection(Section):
+    name: str = "run"
+    """Name of the run (used for the default run directory `runs/<name>` and the Slurm job name)."""
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    """`grpo`: group-relative advantages, no critic. `ppo`: critic, GAE, clipped value loss."""
+    steps: PositiveInt = 10
+    """Number of steps (experience batches, each followed by one policy update and weight sync)."""
+    seed: int = 0
+    """Seed for prompt order, sampling and model initialisation."""
+
+
+class DataSection(Section):
+    prompts: ExistingFile
+    """JSON Lines file, one object per line with at least the `prompt_key` field; other fields are
+    passed to rule-based reward functions as keyword arguments."""
+    prompt_key: str = "prompt"
+    """Field of each line that holds the prompt text."""
+    shuffle: bool = True
+    """Shuffle prompt order (seeded by `run.seed`) every pass over the file."""
+    chat_template: bool = False
+    """Wrap each prompt as a user message with the tokenizer's chat template."""
+
+
+class ModelSection(Section):
+    actor: ModelDir
+    """Hugging Face causal-LM directory: the policy that is trained and that generators serve."""
+    tokenizer: ModelDir | None = None
+    """Tokenizer directory (default: `actor`)."""
+    reference: ModelDir | None = None
+    """Reference model for the KL penalty (default: `actor`)."""
+    critic: ModelDir | None = None
+    """PPO only: initial critic backbone; a value head is added (default: `actor`)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype for every model (weights and computation)."""
+    forward_batch_size: PositiveInt = 16
+    """Samples per no-gradient forward pass (reference and reward scores, old log-probs and values)."""
+
+
+class VllmSection(Section):
+    kv_cache_gb: float = Field(default=0.5, gt=0)
+    """Memory for the KV cache of each generator worker, in GB (on CPU this is host memory)."""
+    tensor_parallel_size: PositiveInt = 1
+    """vLLM tensor-parallel size of each generator worker."""
+    enforce_eager: bool = True
+    """Skip torch.compile/graph capture: start in seconds instead of ~20 s (slower decode on GPU)."""
+
+
+class RolloutSection(Section):
+    prompts_per_step: PositiveInt = 16
+    """Prompts per step; each gives `group_size` samples."""
+    group_size: PositiveInt = 4
+    """Samples per prompt (GRPO compares a sample with the others of its group; needs >= 2)."""
+    max_prompt_tokens: PositiveInt = 256
+    """Longer prompts are cut from the left (and counted in the generator log)."""
+    max_new_tokens: PositiveInt = 64
+    """Most tokens a response may have."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature (the trainer scores log-probs at the same temperature)."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    """`vllm`, `hf` (transformers `generate`, the fallback without vLLM), or `auto` (vllm if installed)."""
+    vllm: VllmSection = VllmSection()
+    """Settings of the vLLM engine."""
+
+
+class RewardFunction(Section):
+    function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """Import path `package.module:function`; called as `function(prompt=..., response=..., **fields, **args)`
+    and must return a number."""
+    weight: float = 1.0
+    """Weight of this component in the total reward."""
+    name: str | None = None
+    """Name of the component in metrics (default: the function name)."""
+    args: dict[str, Any] = {}
+    """Extra keyword arguments for the function."""
+
+    @model_validator(mode="after")
+    def _importable(self) -> "RewardFunction":
+        load_function(self.function)
+        if self.name is None:
+            self.name = self.function.split(":")[1]
+        return self
+
+
+class RewardModel(Section):
+    path: ModelDir
+    """Hugging Face sequence-classification model with one label; its score of prompt+response."""
+    weight: float = 1.0
+    """Weight of this component in the total reward."""
+    name: str | None = None
+    """Name of the component in metrics (default: `rm<index>`)."""
+
+
+class RewardSection(Section):
+    functions: list[RewardFunction] = []
+    """Rule-based reward functions."""
+    models: list[RewardModel] = []
+    """Reward models."""
+
+    @model_validator(mode="after")
+    def _named(self) -> "RewardSection":
+        if not self.functions and not self.models:
+            raise ValueError("no reward: give at least one entry in reward.functions or reward.models")
+        for i, rm in enumerate(self.models):
+            rm.name = rm.name or f"rm{i}"
+        names = [c.name for c in [*self.functions, *self.models]]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"reward component names must differ; repeated: {duplicated} (set `name:`)")
+        return self
+
+
+class KLSection(Section):
+    coef: float = Field(default=0.01, ge=0)
+    """KL coefficient (initial value when adaptive)."""
+    adaptive: bool = False
+    """Adapt the coefficient towards `target` (Ziegler et al. 2019)."""
+    target: float = Field(default=6.0, gt=0)
+    """Adaptive only: target KL per sequence (sum over response tokens)."""
+    horizon: PositiveInt = 10000
+    """Adaptive only: number of samples over which the coefficient moves by at most ±20%."""
+
+
+class AlgorithmSection(Section):
+    clip_eps: float = Field(default=0.2, gt=0)
+    """PPO clip range of the policy ratio."""
+    value_clip_eps: float = Field(default=0.2, gt=0)
+    """PPO only: clip range of the value update."""
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """PPO only: discount."""
+    lam: float = Field(default=0.95, ge=0, le=1)
+    """PPO only: GAE lambda."""
+    epochs: PositiveInt = 1
+    """Passes over each experience batch."""
+    normalize_advantages: bool = True
+    """GRPO: divide by the group's standard deviation. PPO: whiten advantages over the batch."""
+    kl: KLSection = KLSection()
+    """KL to the reference model: a per-token reward penalty (PPO) or a loss term (GRPO, k3 estimator)."""
+
+
+class TrainerSection(Section):
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage for actor and critic."""
+    lr: float = Field(default=1e-5, gt=0)
+    """Actor learning rate (AdamW)."""
+    critic_lr: float = Field(default=1e-5, gt=0)
+    """PPO only: critic learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(default=1.0, gt=0)
+    """Gradient norm clip."""
+    micro_batch_size: PositiveInt = 8
+    """Samples per forward/backward on each trainer rank."""
+    updates_per_step: PositiveInt = 1
+    """Optimizer updates per epoch over an experience batch (mini-batches)."""
+    weight_sync_bucket_mb: float = Field(default=64, gt=0)
+    """Weights are broadcast to generators in buckets of about this size."""
+
+
+class GroupSection(Section):
+    workers: PositiveInt = 1
+    """Worker processes of this role."""
+    cpus_per_worker: PositiveInt | None = None
+    """CPU threads of each worker (default: all cores of the machine)."""
+    gpus_per_worker: int = Field(default=0, ge=0)
+    """GPUs of each worker."""
+    env: dict[str, str] = {}
+    """Extra environment variables for these workers."""
+
+
+class PlacementSection(Section):
+    strategy: Literal["separation"] = "separation"
+    """Where roles run: `separation` gives generator, scorer and trainer each their own workers."""
+    generator: GroupSection = GroupSection()
+    """Generator workers (vLLM engines)."""
+    scorer: GroupSection = GroupSection()
+    """Scorer workers (reference model and rewards)."""
+    trainer: GroupSection = GroupSection()
+    """Trainer workers: the data-parallel ranks of the DeepSpeed actor (and critic)."""
+
+
+class TransportSection(Section):
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    """Workers and the coordinator exchange heartbeats this often."""
+    heartbeat_timeout_s: float = Field(default=60.0, gt=0)
+    """A worker silent this long is declared dead and the run stops."""
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    """Most time for every worker to register and load its models."""
+    step_timeout_s: float = Field(default=1800.0, gt=0)
+    """Most time for one step (generate, score, train, sync); also the timeout of every collective."""
+    max_inflight_messages: PositiveInt = 8
+    """Messages queued per data connection before the sender blocks (backpressure)."""
+    bind_host: str | None = None
+    """Address to bind sockets to (default: 127.0.0.1 for local runs, the node's address under Slurm)."""
+
+    @model_validator(mode="after")
+    def _heartbeats(self) -> "TransportSection":
+        if self.heartbeat_timeout_s < 3 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least 3 x heartbeat_interval_s "
+                f"({self.heartbeat_interval_s})"
+            )
+        return self
+
+
+class RunConfig(Section):
+    run: RunSection = RunSection()
+    """What to run."""
+    data: DataSection
+    """Prompts."""
+    model: ModelSection
+    """Models."""
+    rollout: RolloutSection = RolloutSection()
+    """Sampling."""
+    reward: RewardSection
+    """Rewards."""
+    algorithm: AlgorithmSection = AlgorithmSection()
+    """Advantages and losses."""
+    trainer: TrainerSection = TrainerSection()
+    """DeepSpeed training."""
+    placement: PlacementSection = PlacementSection()
+    """Which workers run which roles."""
+    transport: TransportSection = TransportSection()
+    """ZeroMQ, heartbeats and timeouts."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        if self.run.algorithm == "grpo" and self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size is {self.rollout.group_size}; GRPO needs >= 2 samples per prompt "
+                "to compare them (or set run.algorithm: ppo)"
+            )
+        per_update = self.trainer.micro_batch_size * self.placement.trainer.workers * self.trainer.updates_per_step
+        if self.samples_per_step % per_update:
+            raise ValueError(
+                f"a step has {self.samples_per_step} samples (rollout.prompts_per_step {self.rollout.prompts_per_step}"
+                f" x rollout.group_size {self.rollout.group_size}), not divisible by trainer.micro_batch_size "
+                f"{self.trainer.micro_batch_size} x placement.trainer.workers {self.placement.trainer.workers} x "
+                f"trainer.updates_per_step {self.trainer.updates_per_step} = {per_update}; change one of them"
+            )
+        if self.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError("rollout.backend is 'vllm' but vLLM is not installed; install it or use backend: hf")
+        return self
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples in one experience batch: `prompts_per_step * group_size`."""
+        return self.rollout.prompts_per_step * self.rollout.group_size
+
+    @property
+    def tokenizer_path(self) -> Path:
+        """`model.tokenizer`, or the actor's directory."""
+        return Path(self.model.tokenizer or self.model.actor)
+
+    @property
+    def reference_path(self) -> Path:
+        """`model.reference`, or the actor's directory."""
+        return Path(self.model.reference or self.model.actor)
+
+    @property
+    def critic_path(self) -> Path:
+        """`model.critic`, or the actor's directory."""
+        return Path(self.model.critic or self.model.actor)
+
+    @property
+    def generation_backend(self) -> str:
+        """`rollout.backend` with `auto` resolved: vllm when it is installed, else hf."""
+        if self.rollout.backend != "auto":
+            return self.rollout.backend
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"

@@ -1,0 +1,25 @@
+"""Project errors: what the user did wrong (ConfigError) or how a run failed (RunError)."""
+
+
+class ToolkitError(Exception):
+    """An error the CLI prints without a traceback."""
+
+    exit_code = 1
+
+
+class ConfigError(ToolkitError):
+    """A run config (or a file it names) is wrong; raised before any process starts."""
+
+    exit_code = 2
+
+
+class RunError(ToolkitError):
+    """A run stopped because a worker failed, stopped heart-beating or timed out."""
+
+    exit_code = 1
+
+
+class Interrupted(ToolkitError):
+    """The user pressed Ctrl-C (or the driver got SIGTERM); the run was stopped cleanly."""
+
+    exit_code = 130
