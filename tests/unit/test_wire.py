@@ -1,0 +1,163 @@
+"""Wire format: round trip, and rejection of forged, altered, replayed and malformed frames."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from toolkit.transport.sockets import Inbox, Outbox
+from toolkit.transport.wire import MAGIC, Codec, FrameError, new_secret
+
+SECRET = b"s" * 32
+
+
+def arrays():
+    rng = np.random.default_rng(0)
+    return {"tokens": rng.integers(0, 50000, 37, dtype=np.int32),
+            "logprobs": rng.standard_normal((3, 5)).astype(np.float32),
+            "mask": np.array([True, False, True]), "empty": np.zeros((0, 4), np.int64),
+            "scalar": np.float64(2.5) * np.ones(())}
+
+
+def test_round_trip():
+    tx, rx = Codec(SECRET, "generator:0"), Codec(SECRET, "scorer:0")
+    sent = arrays()
+    msg = rx.decode(tx.encode("samples", {"step": 3, "names": ["a", "b"], "nested": {"x": 1.5}}, sent))
+    assert msg.kind == "samples" and msg.meta == {"step": 3, "names": ["a", "b"], "nested": {"x": 1.5}}
+    assert msg.sender.startswith("generator:0#") and msg.seq == 1
+    assert set(msg.arrays) == set(sent)
+    for name, a in sent.items():
+        b = msg.arrays[name]
+        assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b)
+
+
+def test_buffers_are_not_copied_on_send():
+    a = np.arange(1000, dtype=np.float32)
+    frames = Codec(SECRET, "x").encode("k", {}, {"a": a})
+    assert np.shares_memory(np.frombuffer(frames[2], dtype=np.float32), a)
+
+
+def test_wrong_secret_is_rejected():
+    frames = Codec(new_secret(), "intruder").encode("samples", {"step": 0}, arrays())
+    with pytest.raises(FrameError) as info:
+        Codec(SECRET, "scorer:0").decode(frames)
+    assert info.value.reason == "bad-mac"
+
+
+@pytest.mark.parametrize("index", [1, 2, 3])
+def test_altered_frame_is_rejected(index):
+    frames = [bytes(f) for f in Codec(SECRET, "g").encode("samples", {"step": 0}, arrays())]
+    altered = bytearray(frames[index])
+    altered[len(altered) // 2] ^= 0x01
+    frames[index] = bytes(altered)
+    with pytest.raises(FrameError, match="authentication failed"):
+        Codec(SECRET, "s").decode(frames)
+
+
+def test_replay_is_rejected():
+    tx, rx = Codec(SECRET, "g"), Codec(SECRET, "s")
+    first = tx.encode("a", {}, {})
+    rx.decode(first)
+    rx.decode(tx.encode("b", {}, {}))
+    with pytest.raises(FrameError) as info:
+        rx.decode(first)
+    assert info.value.reason == "replay"
+
+
+def forged(header: dict, buffers: list[bytes]) -> list:
+    """Frames with a valid MAC around an arbitrary header (as from a buggy peer that knows the secret)."""
+    codec = Codec(SECRET, "x")
+    body = [MAGIC, msgpack.packb(header), *buffers]
+    return [*body, codec._mac(body)]
+
+
+@pytest.mark.parametrize("header,buffers,detail", [
+    ({"kind": "k", "sender": "a", "seq": 1, "meta": {}, "arrays": [["x", "object", [1]]]}, [b"12345678"], "dtype"),
+    ({"kind": "k", "sender": "a", "seq": 1, "meta": {}, "arrays": [["x", "int32", [3]]]}, [b"1234"], "needs 12 bytes"),
+    ({"kind": "k", "sender": "a", "seq": 1, "meta": {}, "arrays": [["x", "int32", [-1]]]}, [b""], "bad shape"),
+    ({"kind": "k", "sender": "a", "seq": 1, "meta": {}, "arrays": []}, [b"extra"], "0 arrays but 1 buffers"),
+    ({"kind": 5, "sender": "a", "seq": 1, "meta": {}, "arrays": []}, [], "strings"),
+    ({"kind": "k", "sender": "a", "seq": "1", "meta": {}, "arrays": []}, [], "seq"),
+    ({"kind": "k", "sender": "a"}, [], "header keys"),
+])
+def test_malformed_header_is_rejected(header, buffers, detail):
+    with pytest.raises(FrameError, match=detail) as info:
+        Codec(SECRET, "s").decode(forged(header, buffers))
+    assert info.value.reason == "malformed"
+
+
+def test_garbage_is_rejected():
+    rx = Codec(SECRET, "s")
+    for frames in ([b"hello"], [b"SRLHF0", b"x", b"y"], [MAGIC, b"\xc1", b"0" * 32]):
+        with pytest.raises(FrameError):
+            rx.decode(frames)
+    body = [MAGIC, b"\xc1\xc1"]  # authenticated but not msgpack
+    with pytest.raises(FrameError, match="not msgpack"):
+        rx.decode([*body, Codec(SECRET, "x")._mac(body)])
+
+
+def test_forged_frames_from_another_process_are_dropped_and_counted():
+    """A real ZeroMQ inbox; a separate process sends a forged frame, garbage, then a valid message."""
+    ctx = zmq.Context()
+    inbox = Inbox(ctx, Codec(SECRET, "scorer:0"), "127.0.0.1", hwm=4)
+    script = textwrap.dedent(f"""
+        import numpy as np, zmq
+        from toolkit.transport.sockets import Outbox
+        from toolkit.transport.wire import Codec
+        ctx = zmq.Context()
+        bad = Outbox(ctx, Codec(b"x" * 32, "intruder"), [{inbox.address!r}], hwm=4)
+        bad.send("samples", {{"step": 0}}, {{"a": np.ones(3, np.float32)}})
+        raw = ctx.socket(zmq.PUSH); raw.connect({inbox.address!r}); raw.send_multipart([b"garbage", b"x", b"y"])
+        good = Outbox(ctx, Codec({SECRET!r}, "generator:0"), [{inbox.address!r}], hwm=4)
+        good.send("samples", {{"step": 7}}, {{"a": np.arange(4, dtype=np.int64)}})
+        import time; time.sleep(0.5)
+        bad.close(); good.close(); raw.close(linger=0)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        # three senders on three connections: arrival order between them is not defined
+        deadline = time.monotonic() + 30
+        received = []
+        while (not received or sum(inbox.rejected.values()) < 2) and time.monotonic() < deadline:
+            msg = inbox.recv(timeout_s=0.5)
+            if msg is not None:
+                received.append(msg)
+        assert len(received) == 1, "the valid message never came (or came twice)"
+        assert received[0].meta == {"step": 7} and received[0].arrays["a"].tolist() == [0, 1, 2, 3]
+        assert inbox.rejected == {"bad-mac": 1, "malformed": 1}
+    finally:
+        proc.wait(timeout=30)
+        inbox.close()
+        ctx.term()
+
+
+def test_outbox_blocks_then_times_out_when_nobody_reads():
+    """Backpressure: with nobody reading, sends stop after the high-water marks and then time out."""
+    ctx = zmq.Context()
+    inbox = Inbox(ctx, Codec(SECRET, "s"), "127.0.0.1", hwm=2)
+    outbox = Outbox(ctx, Codec(SECRET, "g"), [inbox.address], hwm=2)
+    big = {"a": np.zeros(2**20, np.uint8)}
+    sent = 0
+    try:
+        with pytest.raises(TimeoutError, match="no consumer"):
+            for _ in range(100):
+                outbox.send("x", {}, big, timeout_s=1.0)
+                sent += 1
+        assert sent < 20, f"{sent} MB accepted with nobody reading"
+        drained = 0
+        while inbox.recv(1.0) is not None:  # the consumer catches up ...
+            drained += 1
+        assert drained == sent
+        outbox.send("x", {}, big, timeout_s=5.0)  # ... and data flows again
+        assert inbox.recv(5.0) is not None
+    finally:
+        outbox.close()
+        inbox.close()
+        ctx.term()

@@ -1,0 +1,94 @@
+"""Control plane, worker side: a DEALER for commands and events, and a heartbeat thread.
+
+Both connect to the coordinator's ROUTER socket. The heartbeat thread has its own socket (ZeroMQ
+sockets are not thread-safe) and identity `<worker>/hb`; the coordinator answers each heartbeat with a
+`pong`. A worker that hears no pong for `timeout_s` assumes the driver is gone and ends itself and its
+children, so no worker outlives its run.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from toolkit.transport.sockets import decode_or_count
+from toolkit.transport.wire import Codec, Message
+
+log = logging.getLogger(__name__)
+
+
+class ControlClient:
+    """Commands from and events to the coordinator, for the worker's main thread."""
+
+    def __init__(self, ctx: zmq.Context, codec: Codec, address: str, worker_id: str):
+        self.codec = codec
+        self.socket = ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.socket.setsockopt(zmq.LINGER, 2000)  # let a last `failed` event out before exit
+        self.socket.connect(address)
+        self.rejected = collections.Counter()
+
+    def send(self, kind: str, **meta) -> None:
+        self.socket.send_multipart(self.codec.encode(kind, meta))
+
+    def recv(self, timeout_s: float) -> Message | None:
+        """The next valid command, or None after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.socket.poll(left_ms):
+                return None
+            msg = decode_or_count(self.codec, self.socket.recv_multipart(), self.rejected)
+            if msg is not None:
+                return msg
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class Heartbeat(threading.Thread):
+    """Sends a heartbeat every `interval_s`; calls `on_lost` if the coordinator is silent for `timeout_s`.
+
+    `status` is a dict the worker's main thread updates (phase, step, policy_version); each heartbeat
+    carries a copy, so the driver can show what every worker is doing.
+    """
+
+    def __init__(self, ctx: zmq.Context, secret: bytes, address: str, worker_id: str, interval_s: float,
+                 timeout_s: float, on_lost: Callable[[float], None]):
+        super().__init__(name=f"heartbeat-{worker_id}", daemon=True)
+        self._ctx, self._address, self._worker_id = ctx, address, worker_id
+        self._codec = Codec(secret, f"{worker_id}/hb")
+        self._interval_s, self._timeout_s, self._on_lost = interval_s, timeout_s, on_lost
+        self._stop_event = threading.Event()
+        self.status: dict = {}
+
+    def run(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self._worker_id}/hb".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._address)
+        last_pong = time.monotonic()
+        rejected = collections.Counter()
+        try:
+            while not self._stop_event.is_set():
+                sock.send_multipart(self._codec.encode("heartbeat", {"status": dict(self.status)}))
+                deadline = time.monotonic() + self._interval_s
+                while (left := deadline - time.monotonic()) > 0 and not self._stop_event.is_set():
+                    if sock.poll(int(left * 1000) + 1):
+                        msg = decode_or_count(self._codec, sock.recv_multipart(), rejected)
+                        if msg is not None and msg.kind == "pong":
+                            last_pong = time.monotonic()
+                silent = time.monotonic() - last_pong
+                if silent > self._timeout_s and not self._stop_event.is_set():
+                    self._on_lost(silent)
+                    return
+        finally:
+            sock.close()
+
+    def stop(self) -> None:
+        self._stop_event.set()

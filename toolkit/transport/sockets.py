@@ -1,0 +1,88 @@
+"""Data-plane sockets: an Inbox (bound PULL) and an Outbox (PUSH to every consumer of the next stage).
+
+Outboxes round-robin across the workers of the next stage and hold at most `hwm` messages per
+connection: when consumers fall behind, `send` blocks (backpressure) and gives up after a timeout
+instead of filling memory. Frames that fail authentication are dropped and counted by reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import zmq
+
+from toolkit.transport.wire import Codec, FrameError, Message
+
+log = logging.getLogger(__name__)
+
+
+class Inbox:
+    """Receives authenticated messages on a socket bound to `host` (a free port is chosen)."""
+
+    def __init__(self, ctx: zmq.Context, codec: Codec, host: str, hwm: int):
+        self.codec = codec
+        self.socket = ctx.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.RCVHWM, hwm)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        port = self.socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.rejected: collections.Counter = collections.Counter()
+
+    def recv(self, timeout_s: float) -> Message | None:
+        """The next valid message, or None when nothing valid came within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.socket.poll(left_ms):
+                return None
+            msg = decode_or_count(self.codec, self.socket.recv_multipart(copy=False), self.rejected)
+            if msg is not None:
+                return msg
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class Outbox:
+    """Sends to the consumers at `addresses`, round-robin, blocking when `hwm` messages are queued."""
+
+    def __init__(self, ctx: zmq.Context, codec: Codec, addresses: list[str], hwm: int):
+        self.codec = codec
+        self.socket = ctx.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.SNDHWM, hwm)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        # Queue only to peers whose connection is up: a missing peer blocks the sender, not memory.
+        self.socket.setsockopt(zmq.IMMEDIATE, 1)
+        self.socket.setsockopt(zmq.SNDTIMEO, 200)
+        for address in addresses:
+            self.socket.connect(address)
+        self.addresses = list(addresses)
+
+    def send(self, kind: str, meta: dict | None = None, arrays: dict | None = None, timeout_s: float = 60.0) -> None:
+        """Send one message; raise TimeoutError if no consumer took it within `timeout_s`."""
+        frames = self.codec.encode(kind, meta, arrays)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.socket.send_multipart(frames, copy=False)
+                return
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"no consumer at {', '.join(self.addresses)} accepted a {kind!r} message in {timeout_s:.0f} s"
+                    ) from None
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def decode_or_count(codec: Codec, frames: list, rejected: collections.Counter) -> Message | None:
+    """Decode frames; on a bad frame log it, count its reason and return None."""
+    try:
+        return codec.decode(frames)
+    except FrameError as e:
+        rejected[e.reason] += 1
+        log.warning("dropped a frame (%s); %d dropped so far", e, sum(rejected.values()))
+        return None

@@ -1,0 +1,169 @@
+"""Wire format: a msgpack header plus raw array buffers, authenticated with a per-run secret.
+
+A message travels as ZeroMQ multipart frames:
+
+    [MAGIC, header, buffer_0, ..., buffer_n-1, mac]
+
+- header: msgpack map {kind, sender, seq, meta, arrays: [[name, dtype, shape], ...]}; never pickle.
+- buffers: the arrays' bytes, C order, sent without copying.
+- mac: HMAC-SHA256 over every preceding frame, each prefixed by its 8-byte length.
+
+`Codec.decode` checks the MAC before it parses anything, then the header's shape, then that every buffer
+has exactly the bytes its dtype and shape need, and that `seq` grows per sender (no replays). A frame that
+fails raises `FrameError` with the reason; receivers log it, count it and drop it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import os
+import secrets
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+MAGIC = b"SRLHF1"
+MAC_BYTES = 32
+# Only plain numeric dtypes cross the wire (no object arrays, no structured dtypes).
+DTYPES = {"bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64"}
+MAX_HEADER_BYTES = 16 * 2**20
+MAX_ARRAYS = 1024
+
+
+class FrameError(ValueError):
+    """A received message was forged, damaged, replayed or malformed."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class Message:
+    """What roles exchange: a kind, small metadata, and named numpy arrays."""
+
+    kind: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    sender: str = ""
+    seq: int = 0
+
+
+def new_secret() -> bytes:
+    """A fresh per-run secret."""
+    return secrets.token_bytes(32)
+
+
+def read_secret(path: str | os.PathLike) -> bytes:
+    """Read the run secret from a file that only its owner may read."""
+    mode = os.stat(path).st_mode
+    if mode & 0o077:
+        raise PermissionError(f"{path}: run secret is readable by others (mode {oct(mode & 0o777)}); chmod 600 it")
+    with open(path, "rb") as f:
+        secret = f.read()
+    if len(secret) < 16:
+        raise ValueError(f"{path}: run secret is too short ({len(secret)} bytes)")
+    return secret
+
+
+class Codec:
+    """Encodes messages of one sender and decodes (and authenticates) messages of any sender."""
+
+    def __init__(self, secret: bytes, sender: str):
+        self._secret = secret
+        # A random suffix tells two incarnations of the same worker apart (their seqs restart at 0).
+        self.sender = f"{sender}#{secrets.token_hex(4)}"
+        self._seq = itertools.count(1)
+        self._last_seq: dict[str, int] = {}
+
+    def encode(self, kind: str, meta: dict | None = None, arrays: dict[str, np.ndarray] | None = None) -> list:
+        """Frames for one message (buffers are views of the arrays, not copies)."""
+        specs, buffers = [], []
+        for name, arr in (arrays or {}).items():
+            arr = np.asarray(arr)
+            if not arr.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d arrays into 1-d)
+                arr = arr.copy(order="C")
+            if arr.dtype.name not in DTYPES:
+                raise TypeError(f"array {name!r} has dtype {arr.dtype}; allowed: {sorted(DTYPES)}")
+            specs.append([name, arr.dtype.name, list(arr.shape)])
+            buffers.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        header = msgpack.packb(
+            {"kind": kind, "sender": self.sender, "seq": next(self._seq), "meta": meta or {}, "arrays": specs},
+            use_bin_type=True,
+        )
+        frames = [MAGIC, header, *buffers]
+        return [*frames, self._mac(frames)]
+
+    def decode(self, frames: list) -> Message:
+        """Authenticate and parse frames (bytes, memoryviews or zmq.Frame); raise FrameError if bad."""
+        views = [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
+        if len(views) < 3:
+            raise FrameError("malformed", f"{len(views)} frames, need at least 3")
+        if bytes(views[0]) != MAGIC:
+            raise FrameError("malformed", "bad magic (not a slurm-rlhf frame, or another version)")
+        *body, mac = views
+        if len(mac) != MAC_BYTES or not hmac.compare_digest(self._mac(body), bytes(mac)):
+            raise FrameError("bad-mac", "authentication failed (wrong run secret, or the frame was altered)")
+        header = self._parse_header(body[1])
+        buffers = body[2:]
+        specs = header["arrays"]
+        if len(specs) != len(buffers):
+            raise FrameError("malformed", f"header lists {len(specs)} arrays but {len(buffers)} buffers came")
+        sender, seq = header["sender"], header["seq"]
+        last = self._last_seq.get(sender, 0)
+        if seq <= last:
+            raise FrameError("replay", f"seq {seq} from {sender} after {last}")
+        arrays = {}
+        for spec, buf in zip(specs, buffers):
+            name, dtype, shape = _check_spec(spec)
+            need = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            if len(buf) != need:
+                raise FrameError("malformed", f"array {name!r} {dtype}{tuple(shape)} needs {need} bytes, got {len(buf)}")
+            arrays[name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
+        self._last_seq[sender] = seq
+        return Message(header["kind"], header["meta"], arrays, sender, seq)
+
+    def _mac(self, frames) -> bytes:
+        h = hmac.new(self._secret, digestmod=hashlib.sha256)
+        for f in frames:
+            f = memoryview(f)
+            h.update(struct.pack("<Q", f.nbytes))
+            h.update(f)
+        return h.digest()
+
+    @staticmethod
+    def _parse_header(raw) -> dict:
+        if len(raw) > MAX_HEADER_BYTES:
+            raise FrameError("malformed", f"header of {len(raw)} bytes")
+        try:
+            header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several types for bad input
+            raise FrameError("malformed", f"header is not msgpack ({type(e).__name__})") from None
+        if not isinstance(header, dict) or set(header) != {"kind", "sender", "seq", "meta", "arrays"}:
+            raise FrameError("malformed", "header keys")
+        if not isinstance(header["kind"], str) or not isinstance(header["sender"], str):
+            raise FrameError("malformed", "kind and sender must be strings")
+        if not isinstance(header["seq"], int) or isinstance(header["seq"], bool):
+            raise FrameError("malformed", "seq must be an integer")
+        if not isinstance(header["meta"], dict) or not isinstance(header["arrays"], list):
+            raise FrameError("malformed", "meta must be a map and arrays a list")
+        if len(header["arrays"]) > MAX_ARRAYS:
+            raise FrameError("malformed", f"{len(header['arrays'])} arrays")
+        return header
+
+
+def _check_spec(spec) -> tuple[str, str, list[int]]:
+    if not (isinstance(spec, list) and len(spec) == 3):
+        raise FrameError("malformed", "array spec must be [name, dtype, shape]")
+    name, dtype, shape = spec
+    if not isinstance(name, str) or dtype not in DTYPES:
+        raise FrameError("malformed", f"array {name!r}: dtype {dtype!r} not allowed")
+    if not (isinstance(shape, list) and len(shape) <= 8
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
+        raise FrameError("malformed", f"array {name!r}: bad shape {shape!r}")
+    return name, dtype, shape
