@@ -1,0 +1,134 @@
+"""Advantages, losses and KL control against values computed by hand (worked out in the comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from toolkit.algorithms.advantages import gae, grpo_advantages, kl_penalized_rewards, last_token_index, masked_whiten
+from toolkit.algorithms.kl_controller import AdaptiveKLController, FixedKLController
+from toolkit.algorithms.losses import kl_estimate, masked_mean, policy_loss, value_loss
+
+T = torch.tensor
+
+
+def close(a, b, tol=1e-5):
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol)
+
+
+def test_grpo_advantages():
+    # group 0: [1,0,0], mean 1/3, deviations [2/3,-1/3,-1/3], sample var (4+1+1)/9/2 = 1/3, std 0.57735
+    # group 1: [1,2,2], mean 5/3, deviations [-2/3,1/3,1/3], same std
+    rewards = T([1.0, 0.0, 0.0, 1.0, 2.0, 2.0])
+    groups = T([0, 0, 0, 7, 7, 7])
+    s = 1 / math.sqrt(1 / 3)
+    assert close(grpo_advantages(rewards, groups), [2 / 3 * s, -1 / 3 * s, -1 / 3 * s, -2 / 3 * s, 1 / 3 * s, 1 / 3 * s],
+                 1e-4)
+    assert close(grpo_advantages(rewards, groups, normalize_std=False), [2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3])
+    # groups may be interleaved; equal rewards and single-sample groups give 0
+    assert close(grpo_advantages(T([3.0, 5.0, 3.0, 1.0]), T([1, 2, 1, 3])), [0, 0, 0, 0])
+
+
+def test_last_token_index():
+    mask = T([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    assert last_token_index(mask).tolist() == [2, 3, 0]
+
+
+def test_kl_penalized_rewards():
+    # kl = lp - ref = [0.5, 0, 0.5]; r = -0.1 * kl, plus the score 2 on the last response token
+    lp, ref = T([[-1.0, -2.0, -0.5, 0.0]]), T([[-1.5, -2.0, -1.0, 0.0]])
+    rewards = kl_penalized_rewards(T([2.0]), lp, ref, T([[1.0, 1.0, 1.0, 0.0]]), 0.1)
+    assert close(rewards, [[-0.05, 0.0, 1.95, 0.0]])
+
+
+def test_gae_by_hand():
+    # gamma 1, lambda 0.5, r = [0,0,1], V = [.5,.6,.7]:
+    # t2: delta = 1 - .7 = .3, A = .3; t1: delta = .7 - .6 = .1, A = .1 + .5*.3 = .25; t0: .1 + .5*.25 = .225
+    rewards, values, mask = T([[0.0, 0.0, 1.0]]), T([[0.5, 0.6, 0.7]]), T([[1.0, 1.0, 1.0]])
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    assert close(adv, [[0.225, 0.25, 0.3]]) and close(ret, [[0.725, 0.85, 1.0]])
+    # gamma .9: t2: A = .3; t1: delta = .9*.7 - .6 = .03, A = .03 + .45*.3 = .165; t0: .9*.6 - .5 = .04 + .45*.165
+    adv, _ = gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    assert close(adv, [[0.04 + 0.45 * 0.165, 0.165, 0.3]])
+
+
+def test_gae_ignores_prompt_and_padding():
+    # the same response inside [prompt | response x3 | padding]; values outside the span must not leak in
+    rewards = T([[5.0, 0.0, 0.0, 1.0, 7.0]])
+    values = T([[9.0, 0.5, 0.6, 0.7, 9.0]])
+    mask = T([[0.0, 1.0, 1.0, 1.0, 0.0]])
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    assert close(adv, [[0.0, 0.225, 0.25, 0.3, 0.0]]) and close(ret, [[0.0, 0.725, 0.85, 1.0, 0.0]])
+
+
+def test_masked_whiten():
+    # entries 1, 2, 3 (100 is masked out): mean 2, var 2/3
+    x, mask = T([[1.0, 2.0, 3.0, 100.0]]), T([[1.0, 1.0, 1.0, 0.0]])
+    z = 1 / math.sqrt(2 / 3)
+    assert close(masked_whiten(x, mask), [[-z, 0.0, z, 0.0]], 1e-4)
+    # with statistics summed across two identical ranks the result is the same
+    assert close(masked_whiten(x, mask, all_reduce=lambda t: t * 2), [[-z, 0.0, z, 0.0]], 1e-4)
+
+
+def test_policy_loss_by_hand():
+    # ratio [1.5, 0.5], eps .2, A = +1: min([1.5, .5], [1.2, .8]) = [1.2, .5] -> loss -(1.7)/2 = -.85
+    # A = -1: min([-1.5, -.5], [-1.2, -.8]) = [-1.5, -.8] -> loss 2.3/2 = 1.15; a masked third token is ignored
+    old = T([[0.0, 0.0, 0.0]])
+    lp = T([[math.log(1.5), math.log(0.5), 50.0]])
+    mask = T([[1.0, 1.0, 0.0]])
+    loss, stats = policy_loss(lp, old, T([[1.0, 1.0, 1.0]]), mask, 0.2)
+    assert close(loss, -0.85) and close(stats["clip_frac"], 0.5)
+    loss, stats = policy_loss(lp, old, T([[-1.0, -1.0, -1.0]]), mask, 0.2)
+    assert close(loss, 1.15) and close(stats["clip_frac"], 0.5)
+    # approx_kl = mean of 0.5 * log_ratio^2
+    assert close(stats["approx_kl"], 0.25 * (math.log(1.5) ** 2 + math.log(0.5) ** 2))
+
+
+def test_policy_loss_gradient_is_zero_when_clipped():
+    lp = T([[math.log(1.5)]]).requires_grad_()
+    loss, _ = policy_loss(lp, T([[0.0]]), T([[1.0]]), T([[1.0]]), 0.2)
+    loss.backward()
+    assert lp.grad.abs().item() == 0.0
+
+
+def test_value_loss_by_hand():
+    # clipped = .5 + clamp([.5, -.5], +-.2) = [.7, .3]; (v-R)^2 = [1, 0]; (vc-R)^2 = [1.69, .09]
+    # loss = .5 * mean(max) = .5 * (1.69 + .09) / 2 = .445
+    loss, stats = value_loss(T([[1.0, 0.0]]), T([[0.5, 0.5]]), T([[2.0, 0.0]]), T([[1.0, 1.0]]), 0.2)
+    assert close(loss, 0.445) and close(stats["value_clip_frac"], 1.0)
+
+
+def test_kl_estimators():
+    # log p - log q = 1: k1 = 1, k2 = .5, k3 = e^-1 - 1 + 1
+    lp, ref = T([-1.0]), T([-2.0])
+    assert close(kl_estimate(lp, ref, "k1"), [1.0])
+    assert close(kl_estimate(lp, ref, "k2"), [0.5])
+    assert close(kl_estimate(lp, ref, "k3"), [math.exp(-1)])
+    assert close(kl_estimate(ref, ref, "k3"), [0.0])
+    with pytest.raises(ValueError, match="k1, k2 or k3"):
+        kl_estimate(lp, ref, "k4")
+
+
+def test_masked_mean():
+    assert close(masked_mean(T([[1.0, 3.0, 100.0]]), T([[1.0, 1.0, 0.0]])), 2.0)
+    assert close(masked_mean(T([[1.0, 3.0], [5.0, 7.0]]), T([[1.0, 0.0], [1.0, 1.0]]), dim=1), [1.0, 6.0])
+    assert masked_mean(T([1.0]), T([0.0])).item() == 0.0
+
+
+def test_kl_controllers():
+    fixed = FixedKLController(0.1)
+    fixed.update(100.0, 1000)
+    assert fixed.coef == 0.1
+    # error = clip(kl/target - 1, +-.2); coef *= 1 + error * n / horizon
+    c = AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    c.update(9.0, 1000)   # error .5 -> .2: x1.02
+    assert close(c.coef, 0.102)
+    c.update(3.0, 1000)   # error -.5 -> -.2: x0.98
+    assert close(c.coef, 0.102 * 0.98)
+    c.update(6.6, 1000)   # error .1: x1.01
+    assert close(c.coef, 0.102 * 0.98 * 1.01)
+    restored = AdaptiveKLController(1.0, 6.0, 10000)
+    restored.load_state_dict(c.state_dict())
+    assert restored.coef == c.coef

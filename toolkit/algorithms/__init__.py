@@ -1,0 +1,1 @@
+"""Algorithms as pure tensor functions: advantages (GRPO, GAE), losses (PPO policy/value, KL), KL control."""

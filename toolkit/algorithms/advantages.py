@@ -1,0 +1,78 @@
+"""Advantages: group-relative (GRPO) and GAE over a KL-penalised per-token reward (PPO).
+
+Per-token tensors are [batch, positions] with a 0/1 `mask` that marks the response tokens; each row's
+response is one contiguous span (prompt before it, padding after it).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """A_i = (r_i - mean_g) / (std_g + eps) over the samples of i's group g (one advantage per sample).
+
+    std is the sample standard deviation (Bessel-corrected, as TRL); a group of one sample gets 0.
+    DeepSeekMath's GRPO uses the same outcome advantage for every token of the response.
+    """
+    rewards = rewards.float()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if len(inverse) else 0
+    zeros = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
+    counts = zeros.index_add(0, inverse, torch.ones_like(rewards))
+    mean = zeros.index_add(0, inverse, rewards) / counts
+    centered = rewards - mean[inverse]
+    if normalize_std:
+        var = zeros.index_add(0, inverse, centered**2) / (counts - 1).clamp(min=1)
+        centered = centered / (var.sqrt()[inverse] + eps)
+    return centered
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last masked position (0 for an all-zero row)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.zeros_like(positions)).max(dim=1).values
+
+
+def kl_penalized_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                         mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """r_t = -kl_coef * (logprob_t - ref_logprob_t) on response tokens, plus the score on the last one."""
+    rewards = -kl_coef * (logprobs - ref_logprobs) * mask
+    rows = torch.arange(len(scores), device=scores.device)
+    rewards[rows, last_token_index(mask)] += scores.to(rewards.dtype)
+    return rewards
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over each row's response span.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t, with V = 0 after the last response token;
+    A_t = delta_t + gamma * lam * A_{t+1}; returns_t = A_t + V_t. Zero outside the mask.
+    """
+    mask = mask.to(values.dtype)
+    advantages = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])
+    next_value = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]
+        advantages[:, t] = running
+        next_value = values[:, t] * mask[:, t]
+    return advantages, (advantages + values) * mask
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over masked entries; `all_reduce` sums statistics across data-parallel ranks."""
+    mask = mask.to(x.dtype)
+    stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()])
+    if all_reduce is not None:
+        stats = all_reduce(stats)
+    total, total_sq, count = stats
+    mean = total / count.clamp(min=1)
+    var = (total_sq / count.clamp(min=1) - mean**2).clamp(min=0)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
