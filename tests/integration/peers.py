@@ -1,0 +1,111 @@
+"""Peer processes for the weight-sync tests: `python -m tests.integration.peers KIND ARGS...`.
+
+generator CONFIG BACKEND HOST PORT OUT SEQS    join the sync group as rank 1, record log-probs of SEQS
+                                               before and after receiving one version of the weights
+zero3 RANK CONFIG DIR                          a ZeRO-3 trainer rank (of 2): one training step, then sync
+receiver CONFIG DIR                            an HF engine that receives the ZeRO-3 trainer's weights
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+BUCKET_BYTES = 64 * 1024  # small buckets: the tiny model's 1.8 MB go in many pieces
+
+
+def _engine(config: str, backend: str):
+    import torch
+
+    from toolkit.config import load_config
+    from toolkit.roles.engines import make_engine
+
+    return make_engine(backend, load_config(config), torch.device("cpu"))
+
+
+def generator(config, backend, host, port, out, seqs) -> None:
+    engine = _engine(config, backend)
+    engine.join_weight_sync(host, int(port), 1, 2, BUCKET_BYTES, 120)
+    sequences = json.loads(Path(seqs).read_text())
+    before = [engine.prompt_logprobs(s, top=20) for s in sequences]
+    version = engine.receive_weights()
+    after = [engine.prompt_logprobs(s, top=20) for s in sequences]
+    as_json = lambda runs: [[{str(k): v for k, v in pos.items()} for pos in run] for run in runs]  # noqa: E731
+    Path(out).write_text(json.dumps({"version": version, "before": as_json(before), "after": as_json(after)}))
+
+
+def _wait_port(directory: Path) -> int:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if (directory / "port").exists() and (directory / "port").read_text().strip():
+            return int((directory / "port").read_text())
+        time.sleep(0.1)
+    raise TimeoutError("no store port from rank 0")
+
+
+def zero3(rank, config, directory) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.config import load_config
+    from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, manifest_of, plan_buckets
+
+    rank, directory = int(rank), Path(directory)
+    cfg = load_config(config)
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0")
+    timeout = datetime.timedelta(seconds=120)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        (directory / "port.tmp").write_text(str(store.port))
+        os.replace(directory / "port.tmp", directory / "port")
+    else:
+        store = dist.TCPStore("127.0.0.1", _wait_port(directory), is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore("trainer", store), rank=rank, world_size=2, timeout=timeout)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.actor, dtype=torch.float32)
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 4,
+                 "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+                 "steps_per_print": 2**31 - 1}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      config=ds_config)
+    torch.manual_seed(rank)
+    ids = torch.randint(3, 500, (2, 12))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    params = list(engine.module.named_parameters())
+    partitioned = all(p.ds_tensor.numel() < p.ds_numel for _, p in params if p.ds_numel > 1000)
+    manifest = manifest_of(params)
+    buckets = plan_buckets(manifest, BUCKET_BYTES)
+    if rank == 0:
+        sender = WeightSender(form_group(store, 0, 2, 120, torch.device("cpu")), manifest, BUCKET_BYTES,
+                              torch.device("cpu"))
+        sender.send(1, gathered_buckets([p for _, p in params], buckets, zero3=True))
+    else:
+        for _ in gathered_buckets([p for _, p in params], buckets, zero3=True):
+            pass
+    with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+        if rank == 0:
+            torch.save({n: p.data.clone() for n, p in params}, directory / "expected.pt")
+            (directory / "partitioned").write_text(str(partitioned))
+    dist.barrier()
+
+
+def receiver(config, directory) -> None:
+    import torch
+
+    directory = Path(directory)
+    engine = _engine(config, "hf")
+    engine.join_weight_sync("127.0.0.1", _wait_port(directory), 1, 2, BUCKET_BYTES, 120)
+    version = engine.receive_weights()
+    torch.save({"version": version, "weights": {n: p.data.clone() for n, p in engine.model.named_parameters()}},
+               directory / "received.pt")
+
+
+if __name__ == "__main__":
+    kind, *args = sys.argv[1:]
+    {"generator": generator, "zero3": zero3, "receiver": receiver}[kind](*args)

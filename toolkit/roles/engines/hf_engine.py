@@ -1,0 +1,80 @@
+"""transformers `generate` engine: the fallback on machines without vLLM."""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.roles.engines import Completion
+from toolkit.weights.sync import WeightReceiver, connect_store, form_group
+
+
+class HFEngine:
+    ranks = 1
+
+    def __init__(self, cfg, device):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.cfg, self.device = cfg, device
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.actor, dtype=getattr(torch, cfg.model.dtype))
+        self.model.to(device).eval()
+        r = cfg.rollout
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_id = self.tokenizer.eos_token_id
+        # Explicit: a model's own generation_config (e.g. top_k=50) must not change what is sampled.
+        self.gen_config = GenerationConfig(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=0,
+                                           max_new_tokens=r.max_new_tokens, pad_token_id=self.pad_id,
+                                           eos_token_id=self.eos_id, output_scores=True, return_dict_in_generate=True)
+        self._receiver = None
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
+        torch.manual_seed(seeds[0])  # one seed per call: reproducible for the same batch of prompts
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            attention[i, width - len(p):] = 1
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+                                  generation_config=self.gen_config)
+        new = out.sequences[:, width:].cpu()
+        logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu()
+        token_lp = logprobs.gather(-1, new[..., None])[..., 0]
+        completions = []
+        for i in range(len(prompts)):
+            row = new[i].tolist()
+            finished = self.eos_id in row  # generate pads finished rows after their EOS
+            end = row.index(self.eos_id) + 1 if finished else len(row)
+            completions.append(Completion(row[:end], token_lp[i, :end].tolist(), finished,
+                                          self.tokenizer.decode(row[:end], skip_special_tokens=True)))
+        return completions
+
+    @torch.no_grad()
+    def prompt_logprobs(self, tokens: list[int], top: int = 0) -> list[dict[int, float]]:
+        """For each token after the first: {token id: log-prob} of that token and the `top` likeliest ones."""
+        logits = self.model(torch.tensor([tokens], device=self.device)).logits[0, :-1].float()
+        logprobs = logits.log_softmax(-1).cpu()
+        out = []
+        for position, token in enumerate(tokens[1:]):
+            ids = [token, *logprobs[position].topk(top).indices.tolist()] if top else [token]
+            out.append({i: float(logprobs[position, i]) for i in ids})
+        return out
+
+    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, bucket_bytes: int,
+                         timeout_s: float) -> int:
+        store = connect_store(host, port, timeout_s)
+        group = form_group(store, first_rank, world_size, timeout_s, self.device)
+        self._receiver = WeightReceiver(group, bucket_bytes, self.device)
+        return len(self._receiver.manifest)
+
+    @torch.no_grad()
+    def receive_weights(self) -> int:
+        version, tensors = self._receiver.receive()
+        params = dict(self.model.named_parameters())
+        for name, tensor in tensors:
+            params[name].data.copy_(tensor)
+        return version
+
+    def close(self) -> None:
+        self.model = None

@@ -1,0 +1,74 @@
+"""vLLM engine: one in-process `vllm.LLM` per generator worker, weights reloaded in place."""
+
+from __future__ import annotations
+
+import os
+
+from toolkit.roles.engines import Completion
+
+EXTENSION = "toolkit.weights.vllm_extension.WeightSyncExtension"
+
+
+class VllmEngine:
+    def __init__(self, cfg, device):
+        # The engine core runs in this process: one vLLM import instead of three, and no orphans.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        vcfg = cfg.rollout.vllm
+        self.cfg = cfg
+        self.ranks = vcfg.tensor_parallel_size
+        self.llm = LLM(
+            model=cfg.model.actor,
+            tokenizer=str(cfg.tokenizer_path),
+            dtype=cfg.model.dtype,
+            seed=cfg.run.seed,
+            max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
+            tensor_parallel_size=vcfg.tensor_parallel_size,
+            distributed_executor_backend="uni" if vcfg.tensor_parallel_size == 1 else "mp",
+            enforce_eager=vcfg.enforce_eager,
+            kv_cache_memory_bytes=int(vcfg.kv_cache_gb * 2**30),
+            # Log-probs of the distribution actually sampled from (after temperature/top-p).
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            worker_extension_cls=EXTENSION,
+        )
+
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        r = self.cfg.rollout
+        params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
+                                 logprobs=0, seed=seed) for seed in seeds]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        completions = []
+        for out in outputs:
+            c = out.outputs[0]
+            tokens = list(c.token_ids)
+            completions.append(Completion(tokens, [step[t].logprob for t, step in zip(tokens, c.logprobs)],
+                                          c.finish_reason == "stop", c.text))
+        return completions
+
+    def prompt_logprobs(self, tokens: list[int], top: int = 0) -> list[dict[int, float]]:
+        """For each token after the first: {token id: log-prob} of that token and the `top` likeliest ones."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=tokens)],
+                                SamplingParams(max_tokens=1, prompt_logprobs=top), use_tqdm=False)[0]
+        return [{t: lp.logprob for t, lp in step.items()} for step in out.prompt_logprobs[1:]]
+
+    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, bucket_bytes: int,
+                         timeout_s: float) -> int:
+        return self.llm.collective_rpc("join_weight_sync",
+                                       args=(host, port, first_rank, world_size, bucket_bytes, timeout_s))[0]
+
+    def receive_weights(self) -> int:
+        version = self.llm.collective_rpc("receive_weights")[0]
+        # Cached KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+        return version
+
+    def close(self) -> None:
+        self.llm = None
