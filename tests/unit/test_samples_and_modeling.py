@@ -1,0 +1,70 @@
+"""SampleBatch (ragged samples over the wire) and the padded layout the scorer and trainer share."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from toolkit.roles.modeling import gather_responses, pad_samples, scatter_responses, token_logprobs
+from toolkit.roles.samples import SampleBatch, ragged
+from toolkit.transport.wire import Codec
+
+
+def batch(step=0, prompts=([1, 2, 3], [4]), responses=([5, 6], [7, 8, 9]), group=(0, 1)):
+    pt, po = ragged(list(prompts), np.int32)
+    rt, ro = ragged(list(responses), np.int32)
+    lp, _ = ragged([[-0.5 - i for i in range(len(r))] for r in responses], np.float32)
+    n = len(prompts)
+    return SampleBatch(step=step, prompt_ids=np.arange(n, dtype=np.int64) + 10, group_index=np.asarray(group, np.int32),
+                       sample_index=np.zeros(n, np.int32), policy_version=np.full(n, 3, np.int32), prompt_tokens=pt,
+                       prompt_offsets=po, response_tokens=rt, response_offsets=ro, behaviour_logprobs=lp,
+                       finished=np.array([True, False][:n]), prompts=[f"p{i}" for i in range(n)],
+                       responses=[f"r{i}" for i in range(n)], fields_=[{"topic": "x"}] * n)
+
+
+def test_message_round_trip():
+    b = batch()
+    b.ref_logprobs = np.array([-1, -2, -3, -4, -5], np.float32)
+    b.rewards = np.array([[1.0, 0.5], [0.0, 2.0]], np.float32)
+    b.reward_names, b.reward_weights = ["rule", "rm"], [1.0, 0.5]
+    tx, rx = Codec(b"k" * 32, "scorer:0"), Codec(b"k" * 32, "trainer:0")
+    kind, meta, arrays = b.to_message()
+    got = SampleBatch.from_message(rx.decode(tx.encode(kind, meta, arrays)))
+    assert got.prompt(0).tolist() == [1, 2, 3] and got.response(1).tolist() == [7, 8, 9]
+    assert got.total_reward.tolist() == [1.25, 1.0]
+    assert got.fields_ == [{"topic": "x"}] * 2 and got.policy_version.tolist() == [3, 3]
+
+
+def test_concat_and_select():
+    a, b = batch(), batch(prompts=([9, 9],), responses=([1],), group=(2,))
+    both = SampleBatch.concat([a, b])
+    assert len(both) == 3 and both.response(2).tolist() == [1] and both.prompt(2).tolist() == [9, 9]
+    assert both.response_offsets.tolist() == [0, 2, 5, 6]
+    picked = both.select(np.array([2, 0]))
+    assert picked.response(0).tolist() == [1] and picked.response(1).tolist() == [5, 6]
+    assert picked.behaviour_logprobs.tolist() == [-0.5, -0.5, -1.5] and picked.prompts == ["p0", "p0"]
+
+
+def test_padded_layout():
+    # sample 0: prompt [1,2,3] + response [5,6] -> response token j scored at position 2 + j
+    # sample 1: prompt [4] + response [7,8,9] -> positions 0, 1, 2
+    b = batch()
+    p = pad_samples(b, pad_id=0)
+    assert p.input_ids.tolist() == [[1, 2, 3, 5, 6], [4, 7, 8, 9, 0]]
+    assert p.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert p.action_mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
+    placed = scatter_responses(b.behaviour_logprobs, b.response_offsets, p)
+    assert placed.tolist() == [[0, 0, -0.5, -1.5], [-0.5, -1.5, -2.5, 0]]
+    back = gather_responses(placed, p)
+    assert [x.tolist() for x in back] == [[-0.5, -1.5], [-0.5, -1.5, -2.5]]
+    trimmed = p.rows(torch.tensor([0]))
+    assert trimmed.input_ids.shape == (1, 5) and p.rows(torch.tensor([1])).input_ids.shape == (1, 4)
+
+
+def test_token_logprobs_match_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 11)
+    ids = torch.randint(0, 11, (2, 6))
+    for temperature in (1.0, 0.7):
+        expected = (logits[:, :-1] / temperature).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        assert torch.allclose(token_logprobs(logits, ids, temperature), expected, atol=1e-6)

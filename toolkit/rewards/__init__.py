@@ -1,0 +1,1 @@
+"""Rule-based reward functions shipped with the toolkit (name them in `reward.functions`)."""

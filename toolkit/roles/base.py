@@ -1,0 +1,52 @@
+"""Role: the part of the RL loop a worker hosts, driven by data messages and coordinator commands."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+class Role:
+    def __init__(self, worker):
+        self.worker = worker
+        self.cfg = worker.cfg
+        self.status = worker.status
+
+    @property
+    def device(self):
+        import torch
+
+        if self.worker.group.gpus_per_worker and torch.cuda.is_available():
+            return torch.device("cuda", 0)  # each worker sees only its own GPUs
+        return torch.device("cpu")
+
+    def prepare(self) -> dict:
+        """Called before registering; returns extra fields for the address book."""
+        return {}
+
+    def setup(self) -> None:
+        """Load models, join groups; the address book is `self.worker.book`."""
+
+    def serve(self) -> None:
+        """Handle commands and data until `shutdown`."""
+        while True:
+            event = self.worker.next_event(1.0)
+            if event is None:
+                continue
+            source, msg = event
+            if source == "command":
+                if msg.kind == "shutdown":
+                    return
+                self.on_command(msg)
+            else:
+                self.on_data(msg)
+
+    def on_command(self, msg) -> None:
+        log.warning("ignored command %r", msg.kind)
+
+    def on_data(self, msg) -> None:
+        log.warning("ignored data message %r", msg.kind)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,117 @@
+"""Generator role: prompts in, sampled responses out (vLLM, or transformers as the fallback).
+
+Each sample is drawn with its own seed, a hash of (run seed, step, prompt id, sample index), so what is
+sampled does not depend on how prompts are batched or which generator worker got them. On `sync` the
+generator joins the trainer's broadcast and reloads the new weights in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+import numpy as np
+
+from toolkit.placement.plan import group_of
+from toolkit.roles.base import Role
+from toolkit.roles.samples import SampleBatch, ragged
+
+log = logging.getLogger(__name__)
+
+
+def sample_seed(run_seed: int, step: int, prompt_id: int, sample_index: int) -> int:
+    digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt_id}:{sample_index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+class GeneratorRole(Role):
+    def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        from toolkit.roles.engines import make_engine
+
+        cfg = self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        backend = cfg.generation_backend
+        log.info("starting the %s engine for %s", backend, cfg.model.actor)
+        started = time.monotonic()
+        self.engine = make_engine(backend, cfg, self.device)
+        log.info("engine ready in %.1f s", time.monotonic() - started)
+        self.version = 0
+        self.status["policy_version"] = 0
+        self.truncated = 0
+        # Join the weight-sync group hosted by trainer rank 0: ranks 1.. are generator engine ranks.
+        host, port = self.worker.book[group_of(self.worker.groups, "trainer").worker_ids()[0]]["store"].rsplit(":", 1)
+        n_workers = self.worker.group.workers
+        first_rank = 1 + self.worker.rank * self.engine.ranks
+        n_weights = self.engine.join_weight_sync(host, int(port), first_rank, 1 + n_workers * self.engine.ranks,
+                                                 int(cfg.trainer.weight_sync_bucket_mb * 2**20),
+                                                 cfg.transport.step_timeout_s)
+        log.info("joined the weight-sync group as rank %d (%d weights)", first_rank, n_weights)
+
+    def on_data(self, msg) -> None:
+        if msg.kind != "prompts":
+            return super().on_data(msg)
+        meta = msg.meta
+        step, ids, texts, fields = meta["step"], meta["prompt_ids"], meta["prompts"], meta["fields"]
+        slots = meta["group_index"]
+        group_size = self.cfg.rollout.group_size
+        self.status.update(phase="generating", step=step)
+        prompts = [self._tokenize(t) for t in texts]
+        flat_prompts, seeds, prompt_ids, group_index, sample_index = [], [], [], [], []
+        for pid, slot, tokens in zip(ids, slots, prompts):
+            for k in range(group_size):
+                flat_prompts.append(tokens)
+                seeds.append(sample_seed(self.cfg.run.seed, step, pid, k))
+                prompt_ids.append(pid)
+                group_index.append(slot)
+                sample_index.append(k)
+        started = time.monotonic()
+        completions = self.engine.generate(flat_prompts, seeds)
+        generate_s = time.monotonic() - started
+        prompt_tokens, prompt_offsets = ragged(flat_prompts, np.int32)
+        response_tokens, response_offsets = ragged([c.tokens for c in completions], np.int32)
+        behaviour, _ = ragged([c.logprobs for c in completions], np.float32)
+        batch = SampleBatch(
+            step=step, prompt_ids=np.asarray(prompt_ids, np.int64), group_index=np.asarray(group_index, np.int32),
+            sample_index=np.asarray(sample_index, np.int32),
+            policy_version=np.full(len(completions), self.version, np.int32), prompt_tokens=prompt_tokens,
+            prompt_offsets=prompt_offsets, response_tokens=response_tokens, response_offsets=response_offsets,
+            behaviour_logprobs=behaviour, finished=np.asarray([c.finished for c in completions], bool),
+            prompts=[t for t in texts for _ in range(group_size)], responses=[c.text for c in completions],
+            fields_=[f for f in fields for _ in range(group_size)],
+            timings={"generate_s": generate_s, "generator": self.worker.id})
+        self.worker.outbox.send(*batch.to_message(), timeout_s=self.cfg.transport.step_timeout_s)
+        log.info("step %d: %d samples, %d tokens in %.2f s", step, len(batch), len(response_tokens), generate_s)
+        self.status["phase"] = "idle"
+
+    def on_command(self, msg) -> None:
+        if msg.kind != "sync":
+            return super().on_command(msg)
+        self.status["phase"] = "syncing"
+        started = time.monotonic()
+        version = self.engine.receive_weights()
+        if version != msg.meta["version"]:
+            raise RuntimeError(f"received weights of policy_version {version}, expected {msg.meta['version']}")
+        self.version = version
+        self.status.update(phase="idle", policy_version=version)
+        self.worker.control.send("synced", version=version, sync_s=time.monotonic() - started)
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self.cfg.data.chat_template:
+            tokens = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                        add_generation_prompt=True)
+            if isinstance(tokens, dict):  # transformers 5 may return a BatchEncoding
+                tokens = tokens["input_ids"]
+        else:
+            tokens = self.tokenizer(text)["input_ids"]
+        limit = self.cfg.rollout.max_prompt_tokens
+        if len(tokens) > limit:
+            self.truncated += 1
+            log.warning("prompt of %d tokens cut to its last %d (%d cut so far)", len(tokens), limit, self.truncated)
+            tokens = tokens[-limit:]
+        return list(tokens)
+
+    def close(self) -> None:
+        self.engine.close()

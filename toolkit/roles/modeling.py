@@ -1,0 +1,114 @@
+"""Model helpers shared by scorer and trainer: padding ragged samples, token log-probs, the critic.
+
+Layout: each sample is `prompt + response`, right-padded to [B, T]. Per-token quantities (log-probs,
+values, advantages) live on [B, T-1]: position t scores token t+1, so response token j of a sample with
+P prompt tokens sits at position P-1+j, and `action_mask` marks exactly those positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@dataclass
+class Padded:
+    input_ids: torch.Tensor        # long [B, T]
+    attention_mask: torch.Tensor   # long [B, T]
+    action_mask: torch.Tensor      # float [B, T-1]: 1 on positions that score response tokens
+    prompt_lens: torch.Tensor      # long [B]
+    response_lens: torch.Tensor    # long [B]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, index) -> "Padded":
+        """The samples at `index`, trimmed to their longest sequence."""
+        width = int(self.attention_mask[index].sum(1).max())
+        return Padded(self.input_ids[index, :width], self.attention_mask[index, :width],
+                      self.action_mask[index, : width - 1], self.prompt_lens[index], self.response_lens[index])
+
+
+def pad_samples(batch, pad_id: int) -> Padded:
+    """Right-pad `prompt + response` of every sample of a SampleBatch."""
+    n = len(batch)
+    p_lens = np.diff(batch.prompt_offsets)
+    r_lens = np.diff(batch.response_offsets)
+    width = int((p_lens + r_lens).max()) if n else 1
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    action = torch.zeros((n, max(width - 1, 1)), dtype=torch.float32)
+    for i in range(n):
+        p, r = int(p_lens[i]), int(r_lens[i])
+        ids[i, :p] = torch.from_numpy(batch.prompt(i).astype(np.int64))
+        ids[i, p: p + r] = torch.from_numpy(batch.response(i).astype(np.int64))
+        attention[i, : p + r] = 1
+        action[i, p - 1: p - 1 + r] = 1
+    return Padded(ids, attention, action, torch.from_numpy(p_lens), torch.from_numpy(r_lens))
+
+
+def scatter_responses(flat: np.ndarray, offsets: np.ndarray, padded: Padded) -> torch.Tensor:
+    """Per-response-token values (flat, ragged) placed on the [B, T-1] action positions."""
+    out = torch.zeros_like(padded.action_mask)
+    for i in range(len(padded)):
+        p, r = int(padded.prompt_lens[i]), int(padded.response_lens[i])
+        out[i, p - 1: p - 1 + r] = torch.from_numpy(np.asarray(flat[offsets[i]: offsets[i + 1]], dtype=np.float32))
+    return out
+
+
+def gather_responses(values: torch.Tensor, padded: Padded) -> list[np.ndarray]:
+    """The inverse of `scatter_responses`: each sample's response positions of a [B, T-1] tensor."""
+    out = []
+    for i in range(len(padded)):
+        p, r = int(padded.prompt_lens[i]), int(padded.response_lens[i])
+        out.append(values[i, p - 1: p - 1 + r].float().cpu().numpy())
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(token_{t+1} | tokens_<=t) at `temperature`, [B, T-1], without materialising a log-softmax."""
+    logits = logits[:, :-1].float() / temperature
+    targets = input_ids[:, 1:]
+    return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+
+
+def sequence_logprobs(model: nn.Module, padded: Padded, temperature: float, batch_size: int) -> torch.Tensor:
+    """`token_logprobs` of `model` for every sample, forward passes of `batch_size`, no gradients."""
+    out = torch.zeros_like(padded.action_mask)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for start in range(0, len(padded), batch_size):
+            index = torch.arange(start, min(start + batch_size, len(padded)))
+            part = padded.rows(index)
+            logits = model(input_ids=part.input_ids.to(device), attention_mask=part.attention_mask.to(device)).logits
+            lp = token_logprobs(logits, part.input_ids.to(device), temperature).cpu()
+            out[index, : lp.shape[1]] = lp
+    return out * padded.action_mask
+
+
+class CriticModel(nn.Module):
+    """A transformer backbone (from a causal-LM or base-model directory) with a scalar value head.
+
+    forward returns values [B, T]: the value of the state after each token.
+    """
+
+    def __init__(self, path: str, dtype: torch.dtype):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.backbone = AutoModel.from_pretrained(path, dtype=dtype)
+        hidden = self.backbone.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1, dtype=dtype)
+        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1) ** 0.5)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()

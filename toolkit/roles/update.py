@@ -1,0 +1,124 @@
+"""One policy update from one experience batch: old log-probs, values, advantages, then PPO-style epochs.
+
+Runs on every trainer rank over its shard of the batch. GRPO advantages need whole groups, so they are
+computed from the full batch's rewards (every rank has them) and then sharded; PPO whitening uses
+statistics summed across ranks (`all_reduce`).
+
+The loss departs from the textbook in the usual ways: token-mean over all response tokens of a
+micro-batch; GRPO puts its KL term (k3 estimator) in the loss, PPO puts a k1 penalty in the reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from toolkit.algorithms.advantages import gae, grpo_advantages, kl_penalized_rewards, masked_whiten
+from toolkit.algorithms.losses import kl_estimate, masked_mean, policy_loss, value_loss
+from toolkit.roles.modeling import Padded, pad_samples, scatter_responses, sequence_logprobs, token_logprobs
+
+
+@dataclass
+class Experience:
+    """The per-token tensors ([B, T-1]) one rank trains on."""
+
+    padded: Padded
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.padded.action_mask
+
+
+def make_experience(batch, shard_index: np.ndarray, actor, critic, cfg, kl_coef: float, pad_id: int,
+                    all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Experience:
+    """Experience for the samples `shard_index` of `batch` (a SampleBatch with rewards)."""
+    shard = batch.select(shard_index)
+    padded = pad_samples(shard, pad_id)
+    mask = padded.action_mask
+    temperature = cfg.rollout.temperature
+    old = sequence_logprobs(actor, padded, temperature, cfg.model.forward_batch_size)
+    ref = scatter_responses(shard.ref_logprobs, shard.response_offsets, padded)
+    behaviour = scatter_responses(shard.behaviour_logprobs, shard.response_offsets, padded)
+    algo = cfg.algorithm
+    total = torch.from_numpy(batch.total_reward.astype(np.float32))
+    if cfg.run.algorithm == "grpo":
+        groups = torch.from_numpy(batch.group_index.astype(np.int64))
+        per_sample = grpo_advantages(total, groups, algo.normalize_advantages)[torch.from_numpy(shard_index)]
+        return Experience(padded, old, ref, behaviour, per_sample[:, None] * mask)
+    values = critic_values(critic, padded, cfg.model.forward_batch_size)
+    rewards = kl_penalized_rewards(total[torch.from_numpy(shard_index)], old, ref, mask, kl_coef)
+    advantages, returns = gae(rewards, values, mask, algo.gamma, algo.lam)
+    if algo.normalize_advantages:
+        advantages = masked_whiten(advantages, mask, all_reduce)
+    return Experience(padded, old, ref, behaviour, advantages, values, returns)
+
+
+def critic_values(critic, padded: Padded, batch_size: int) -> torch.Tensor:
+    """V(state after token t) on the [B, T-1] action positions, no gradients."""
+    out = torch.zeros_like(padded.action_mask)
+    device = next(critic.parameters()).device
+    with torch.no_grad():
+        for start in range(0, len(padded), batch_size):
+            index = torch.arange(start, min(start + batch_size, len(padded)))
+            part = padded.rows(index)
+            v = critic(part.input_ids.to(device), part.attention_mask.to(device))[:, :-1].cpu()
+            out[index, : v.shape[1]] = v
+    return out * padded.action_mask
+
+
+def train_on(exp: Experience, actor, critic, cfg, generator: torch.Generator) -> dict[str, float]:
+    """`algorithm.epochs` passes over the experience in micro-batches; DeepSpeed steps the optimizer
+    every `gradient_accumulation_steps` micro-batches. Returns means of the loss statistics."""
+    algo, trainer = cfg.algorithm, cfg.trainer
+    grpo = cfg.run.algorithm == "grpo"
+    n = len(exp.padded)
+    sums: dict[str, float] = {}
+    count = 0
+
+    def add(name: str, value) -> None:
+        sums[name] = sums.get(name, 0.0) + float(value)
+
+    for _ in range(algo.epochs):
+        order = torch.randperm(n, generator=generator) if trainer.updates_per_step > 1 or algo.epochs > 1 \
+            else torch.arange(n)
+        for start in range(0, n, trainer.micro_batch_size):
+            index = order[start: start + trainer.micro_batch_size]
+            part = exp.padded.rows(index)
+            width = part.action_mask.shape[1]
+            device = next(actor.parameters()).device
+            ids, attention, mask = (t.to(device) for t in (part.input_ids, part.attention_mask, part.action_mask))
+
+            def rows(t: torch.Tensor) -> torch.Tensor:
+                return t[index, :width].to(device)
+
+            logits = actor(input_ids=ids, attention_mask=attention).logits
+            logprobs = token_logprobs(logits, ids, cfg.rollout.temperature)
+            loss, stats = policy_loss(logprobs, rows(exp.old_logprobs), rows(exp.advantages), mask, algo.clip_eps)
+            add("pg_loss", loss.item())
+            if grpo and algo.kl.coef > 0:
+                kl_term = masked_mean(kl_estimate(logprobs, rows(exp.ref_logprobs), "k3"), mask)
+                loss = loss + algo.kl.coef * kl_term
+                add("kl_loss", kl_term.item())
+            actor.backward(loss)
+            actor.step()
+            add("loss", loss.item())
+            add("clip_frac", stats["clip_frac"])
+            add("approx_kl", stats["approx_kl"])
+            if critic is not None:
+                values = critic(ids, attention)[:, :-1]
+                v_loss, v_stats = value_loss(values, rows(exp.values), rows(exp.returns), mask, algo.value_clip_eps)
+                critic.backward(v_loss)
+                critic.step()
+                add("value_loss", v_loss.item())
+                add("value_clip_frac", v_stats["value_clip_frac"])
+            count += 1
+    return {k: v / max(count, 1) for k, v in sums.items()}
