@@ -1,0 +1,1 @@
+"""Launching a run: the driver and coordinator, the worker entry point, and launchers (local, Slurm)."""

@@ -1,0 +1,60 @@
+"""Coordinator: the driver's ZeroMQ ROUTER socket for control (registration, heartbeats, events, commands).
+
+Every worker connects twice: `<worker>` for commands and events, `<worker>/hb` for heartbeats (answered
+with `pong`). The coordinator remembers when each worker was last heard from and the status its last
+heartbeat carried; `recv` hands the driver every message except heartbeats.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import zmq
+
+from toolkit.transport.sockets import decode_or_count
+from toolkit.transport.wire import Codec, Message
+
+
+class Coordinator:
+    def __init__(self, ctx: zmq.Context, secret: bytes, host: str):
+        self.codec = Codec(secret, "coordinator")
+        self.socket = ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        port = self.socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.last_seen: dict[str, float] = {}
+        self.status: dict[str, dict] = {}
+        self.rejected: collections.Counter = collections.Counter()
+
+    def recv(self, timeout_s: float) -> tuple[str, Message] | None:
+        """The next non-heartbeat message as (worker_id, message), or None after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.socket.poll(left_ms):
+                return None
+            identity, *frames = self.socket.recv_multipart()
+            msg = decode_or_count(self.codec, frames, self.rejected)
+            if msg is None:
+                continue
+            name = identity.decode(errors="replace")
+            worker_id = name.removesuffix("/hb")
+            self.last_seen[worker_id] = time.monotonic()
+            if msg.kind == "heartbeat":
+                self.status[worker_id] = msg.meta.get("status", {})
+                self.socket.send_multipart([identity, *self.codec.encode("pong")])
+                continue
+            return worker_id, msg
+
+    def send(self, worker_id: str, kind: str, **meta) -> None:
+        self.socket.send_multipart([worker_id.encode(), *self.codec.encode(kind, meta)])
+
+    def silent(self, worker_ids, timeout_s: float) -> list[tuple[str, float]]:
+        """Workers among `worker_ids` (that have registered) not heard from for more than `timeout_s`."""
+        now = time.monotonic()
+        return [(w, now - self.last_seen[w]) for w in worker_ids
+                if w in self.last_seen and now - self.last_seen[w] > timeout_s]
+
+    def close(self) -> None:
+        self.socket.close(linger=0)

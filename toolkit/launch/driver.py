@@ -1,0 +1,231 @@
+"""Driver: runs one RL run. Starts the workers, hands out addresses, clocks the steps, watches health.
+
+A step, in the synchronous (on-policy) mode:
+  1. the prompt feeder's next prompts go to the generators, split evenly, one message per worker;
+  2. samples flow generators -> scorers -> trainer rank 0 over ZeroMQ (the driver is not in that path);
+  3. the trainer trains and says `weights_ready`; the driver tells every generator to `sync`;
+  4. the trainer broadcasts the weights; generators report `synced`, the trainer reports `trained`;
+  5. the driver writes the step's metrics and starts the next step.
+Between events the driver checks that every worker process lives and heart-beats; any failure stops the
+run with an error naming the worker (role and rank), its node and pid, and its log file, and every
+worker is stopped. The launcher decides only how workers are spawned (local processes or Slurm steps).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from toolkit.data.prompts import PromptFeeder, read_prompts
+from toolkit.errors import Interrupted, RunError
+from toolkit.launch import env as E
+from toolkit.launch.rundir import RunDir
+from toolkit.placement.plan import group_of, plan
+
+log = logging.getLogger("toolkit.driver")
+
+
+class Driver:
+    def __init__(self, cfg, run_dir: RunDir, launcher, bind_host: str = "127.0.0.1", echo: Callable = print):
+        self.cfg, self.run_dir, self.launcher, self.bind_host, self.echo = cfg, run_dir, launcher, bind_host, echo
+        self.groups = plan(cfg)
+        self.worker_ids = [w for g in self.groups for w in g.worker_ids()]
+        self.generator_ids = group_of(self.groups, "generator").worker_ids()
+        self.trainer_id = group_of(self.groups, "trainer").worker_ids()[0]
+        self.feeder = PromptFeeder(read_prompts(cfg.data.prompts, cfg.data.prompt_key), cfg.data.shuffle, cfg.run.seed)
+        self.book: dict[str, dict] = {}
+        self.ready: set[str] = set()
+        self.synced: dict[str, int] = {}
+        self.trained: dict[int, dict] = {}
+        self.stopping = False
+        self.state = "starting"
+        self.step = -1
+
+    # ----- the run --------------------------------------------------------------------------------
+
+    def run(self) -> list[dict]:
+        import zmq
+
+        from toolkit.launch.coordinator import Coordinator
+        from toolkit.transport.sockets import Outbox
+        from toolkit.transport.wire import Codec, read_secret
+
+        cfg, t = self.cfg, self.cfg.transport
+        secret = read_secret(self.run_dir.secret)
+        ctx = zmq.Context()
+        self.coordinator = Coordinator(ctx, secret, self.bind_host)
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        records: list[dict] = []
+        outbox = None
+        try:
+            self.launcher.start(self.groups, {E.RUN_DIR: str(self.run_dir.path), E.CONTROL: self.coordinator.address,
+                                              E.SECRET_FILE: str(self.run_dir.secret), E.BIND_HOST: self.bind_host})
+            self.echo(f"started {len(self.worker_ids)} workers ({', '.join(f'{g.name} x{g.workers}' for g in self.groups)})"
+                      f"; logs in {self.run_dir.logs}")
+            started = time.monotonic()
+            self._pump(lambda: len(self.book) == len(self.worker_ids), t.startup_timeout_s, "every worker to register")
+            for worker_id in self.worker_ids:
+                self.coordinator.send(worker_id, "start", book=self.book)
+            self._pump(lambda: len(self.ready) == len(self.worker_ids), t.startup_timeout_s,
+                       "every worker to load its models")
+            self.echo(f"all workers ready in {time.monotonic() - started:.1f} s")
+            self.state = "running"
+            inboxes = [self.book[w]["inbox"] for w in self.generator_ids]
+            outbox = Outbox(ctx, Codec(secret, "driver"), inboxes, t.max_inflight_messages)
+            for step in range(cfg.run.steps):
+                records.append(self._step(step, outbox))
+            self._shutdown()
+            self.state = "finished"
+            return records
+        except KeyboardInterrupt:
+            self.state = "interrupted"
+            raise Interrupted("interrupted: every worker was stopped") from None
+        except RunError as e:
+            self.state, self.error = "failed", str(e)
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.stopping = True
+            self.launcher.stop(grace_s=5.0)
+            self._write_status()
+            if outbox is not None:
+                outbox.close()
+            self.coordinator.close()
+            ctx.term()
+
+    def _step(self, step: int, outbox) -> dict:
+        cfg = self.cfg
+        self.step = step
+        started = time.monotonic()
+        prompts = self.feeder.next(cfg.rollout.prompts_per_step)
+        for slots in np.array_split(np.arange(len(prompts)), len(self.generator_ids)):
+            if len(slots) == 0:
+                continue
+            chosen = [prompts[i] for i in slots]
+            outbox.send("prompts", {"step": step, "prompt_ids": [p.id for p in chosen],
+                                    "group_index": [int(i) for i in slots], "prompts": [p.text for p in chosen],
+                                    "fields": [p.fields for p in chosen]}, timeout_s=cfg.transport.step_timeout_s)
+        version = step + 1
+        self._pump(lambda: step in self.trained and all(self.synced.get(g) == version for g in self.generator_ids),
+                   cfg.transport.step_timeout_s, f"step {step} to finish")
+        record = {"step": step, "policy_version": version, **self.trained.pop(step),
+                  "step_s": time.monotonic() - started, "time": time.time()}
+        self.run_dir.append_metrics(record)
+        self.echo(progress_line(record, cfg.run.steps))
+        self._write_status(last=record)
+        return record
+
+    def _shutdown(self) -> None:
+        self.stopping = True
+        for worker_id in self.worker_ids:
+            self.coordinator.send(worker_id, "shutdown")
+        if not self.launcher.wait(timeout_s=60):
+            log.warning("some workers did not exit within 60 s of shutdown; stopping them")
+
+    # ----- events and health ----------------------------------------------------------------------
+
+    def _pump(self, done: Callable[[], bool], timeout_s: float, waiting_for: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise RunError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}\n{self._who_is_where()}")
+            item = self.coordinator.recv(0.2)
+            if item is not None:
+                self._handle(*item)
+            self._check_health()
+
+    def _handle(self, worker_id: str, msg) -> None:
+        m = msg.meta
+        if worker_id not in self.worker_ids:
+            log.warning("message %r from unknown worker %r ignored", msg.kind, worker_id)
+        elif msg.kind == "register":
+            self.book[worker_id] = {k: m.get(k) for k in ("group", "rank", "pid", "node", "inbox", "store")}
+            log.info("registered %s (pid %s on %s)", worker_id, m.get("pid"), m.get("node"))
+        elif msg.kind == "ready":
+            self.ready.add(worker_id)
+            log.info("%s ready", worker_id)
+        elif msg.kind == "failed":
+            raise RunError(f"{self._describe(worker_id)} failed: {m.get('error')}\n"
+                           f"{m.get('traceback', '').rstrip()}\n{self._log_hint(worker_id)}")
+        elif msg.kind == "weights_ready":
+            for g in self.generator_ids:
+                self.coordinator.send(g, "sync", version=m["version"])
+        elif msg.kind == "synced":
+            self.synced[worker_id] = m["version"]
+        elif msg.kind == "trained":
+            self.trained[m["step"]] = m["metrics"]
+        elif msg.kind != "bye":
+            log.warning("unexpected %r from %s", msg.kind, worker_id)
+
+    def _check_health(self) -> None:
+        for worker_id, code in self.launcher.poll().items():
+            if self.stopping and code == 0:
+                continue
+            raise RunError(f"{self._describe(worker_id)} exited with {_exit_text(code)}\n{self._log_hint(worker_id)}")
+        limit = self.cfg.transport.heartbeat_timeout_s
+        for worker_id, silent_s in self.coordinator.silent(self.worker_ids, limit):
+            raise RunError(f"{self._describe(worker_id)} sent no heartbeat for {silent_s:.0f} s "
+                           f"(limit transport.heartbeat_timeout_s = {limit:g}); it is hung or its node is lost\n"
+                           f"{self._log_hint(worker_id)}")
+
+    def _describe(self, worker_id: str) -> str:
+        group, rank = worker_id.split(":")
+        entry = self.book.get(worker_id)
+        where = f"pid {entry['pid']} on node {entry['node']}" if entry else self.launcher.describe(worker_id)
+        return f"{group} worker rank {rank} ({worker_id}, {where})"
+
+    def _log_hint(self, worker_id: str, lines: int = 8) -> str:
+        path = self.run_dir.log_file(worker_id)
+        try:
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            tail = []
+        shown = "".join(f"\n    | {line}" for line in tail)
+        return f"log: {path}" + (f" (last lines:){shown}" if tail else "")
+
+    def _who_is_where(self) -> str:
+        rows = []
+        for worker_id in self.worker_ids:
+            status = self.coordinator.status.get(worker_id, {})
+            rows.append(f"  {worker_id}: {status.get('phase', 'not registered')}"
+                        + (f" step {status['step']}" if "step" in status else ""))
+        return "worker states:\n" + "\n".join(rows)
+
+    def _write_status(self, last: dict | None = None) -> None:
+        status = {"state": self.state, "step": self.step, "steps": self.cfg.run.steps,
+                  "launcher": self.launcher.name, "error": getattr(self, "error", None),
+                  "workers": {w: {**self.book.get(w, {}), **self.coordinator.status.get(w, {})}
+                              for w in self.worker_ids}}
+        if last is not None:
+            status["last_metrics"] = last
+        self.run_dir.write_status(status)
+
+
+def progress_line(r: dict, steps: int) -> str:
+    return (f"step {r['step'] + 1:>3}/{steps}  v{r['policy_version']}  reward {r['reward_mean']:.3f}  "
+            f"kl {r['kl']:+.4f}  loss {r['loss']:+.4f}  gen {r['generate_s']:.2f}s  score {r['score_s']:.2f}s  "
+            f"train {r['train_s']:.2f}s  sync {r['sync_s']:.2f}s  {r['tokens_per_s']:.0f} tok/s")
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def read_metrics(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,120 @@
+"""Local launcher: every worker is a process on this machine, in a session of its own.
+
+The embedded default: a laptop or CI runs a whole RL job with no Slurm. Workers get the same
+environment contract as under Slurm. Each worker leads its own process group, so stopping a worker
+also stops whatever it started (vLLM engine processes, compile workers); workers also receive SIGTERM
+if the driver dies (PR_SET_PDEATHSIG), so none outlives its run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from toolkit.launch import env as E
+from toolkit.launch.rundir import RunDir
+from toolkit.placement.plan import WorkerGroup
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class LocalLauncher:
+    name = "local"
+
+    def __init__(self, run_dir: RunDir):
+        self.run_dir = run_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._reported: set[str] = set()
+
+    def start(self, groups: list[WorkerGroup], env: dict[str, str]) -> None:
+        next_gpu = 0
+        for group in groups:
+            for rank, worker_id in enumerate(group.worker_ids()):
+                child_env = {**os.environ, **env, **group.env, E.GROUP: group.name, E.RANK: str(rank)}
+                if group.cpus_per_worker:
+                    child_env.setdefault("OMP_NUM_THREADS", str(group.cpus_per_worker))
+                if group.gpus_per_worker:  # each worker sees only its own GPUs, as under Slurm
+                    gpus = range(next_gpu, next_gpu + group.gpus_per_worker)
+                    child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+                    next_gpu += group.gpus_per_worker
+                with open(self.run_dir.log_file(worker_id), "ab") as log:
+                    self.procs[worker_id] = subprocess.Popen(
+                        [sys.executable, "-m", "toolkit.worker"], env=child_env, stdin=subprocess.DEVNULL,
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def describe(self, worker_id: str) -> str:
+        proc = self.procs.get(worker_id)
+        return f"pid {proc.pid} on this machine" if proc else "not started"
+
+    def poll(self) -> dict[str, int]:
+        """Workers that exited since the last call: {worker_id: exit code (negative: killed by signal)}."""
+        exited = {}
+        for worker_id, proc in self.procs.items():
+            if worker_id not in self._reported and proc.poll() is not None:
+                self._reported.add(worker_id)
+                exited[worker_id] = proc.returncode
+        return exited
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until every worker exited by itself; True if they all did in time."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(p.poll() is not None for p in self.procs.values()):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every worker's process group, SIGKILL what is left after `grace_s`, and reap."""
+        groups = [p.pid for p in self.procs.values()]
+        for pgid in groups:
+            _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _members(groups):
+            for p in self.procs.values():
+                p.poll()
+            time.sleep(0.1)
+        for pgid in groups:
+            _signal_group(pgid, signal.SIGKILL)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.monotonic() + 10
+        while _members(groups) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _members(pgids: list[int]) -> list[int]:
+    """Live (non-zombie) processes in any of the process groups `pgids`."""
+    wanted, found = set(pgids), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp in wanted and state != "Z":
+            found.append(int(entry))
+    return found

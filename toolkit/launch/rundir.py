@@ -1,0 +1,62 @@
+"""The run directory: resolved config, secret, logs, metrics, status; readable by its owner only.
+
+    RUN_DIR/config.yaml     the resolved config (absolute paths, defaults filled in)
+    RUN_DIR/secret          the per-run secret that authenticates every ZeroMQ frame (mode 600)
+    RUN_DIR/logs/           driver.log and one log per worker (<group>-<rank>.log)
+    RUN_DIR/metrics.jsonl   one JSON object per step
+    RUN_DIR/status.json     state of the run and of every worker (rewritten atomically)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from toolkit.config import RunConfig, dump_config
+from toolkit.errors import ConfigError
+from toolkit.transport.wire import new_secret
+
+
+class RunDir:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path).resolve()
+
+    config = property(lambda self: self.path / "config.yaml")
+    secret = property(lambda self: self.path / "secret")
+    logs = property(lambda self: self.path / "logs")
+    metrics = property(lambda self: self.path / "metrics.jsonl")
+    status = property(lambda self: self.path / "status.json")
+
+    def create(self, cfg: RunConfig) -> "RunDir":
+        """Make a new run directory for `cfg`; an existing run is never overwritten."""
+        if self.config.exists():
+            raise ConfigError(f"{self.path} already holds a run (config.yaml); choose another --run-dir "
+                              "or remove that directory")
+        os.umask(0o077)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.path.chmod(0o700)
+        self.write_atomic(self.config, dump_config(cfg))
+        fd = os.open(self.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(new_secret())
+        return self
+
+    def log_file(self, worker_id: str) -> Path:
+        return self.logs / f"{worker_id.replace(':', '-')}.log"
+
+    def append_metrics(self, record: dict) -> None:
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def write_status(self, status: dict) -> None:
+        self.write_atomic(self.status, json.dumps(status, indent=1))
+
+    @staticmethod
+    def write_atomic(path: Path, text: str) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The demo: install what is missing, build the tiny model set offline, run tiny GRPO into RUN_DIR.
+#   bash tools/demo.sh [RUN_DIR]      (default runs/demo)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN_DIR=${1:-runs/demo}
+bash tools/setup.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+.venv/bin/slurm-rlhf tiny models/tiny
+# A previous demo run in the same directory is replaced; any other run there is left alone.
+if [ -f "$RUN_DIR/config.yaml" ] && grep -q '^  name: tiny-grpo$' "$RUN_DIR/config.yaml"; then
+    echo "demo: replacing the previous demo run in $RUN_DIR"
+    rm -rf -- "$RUN_DIR"
+fi
+exec .venv/bin/slurm-rlhf run templates/examples/tiny-grpo.yaml --run-dir "$RUN_DIR"
