@@ -11,6 +11,8 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+# DeepSpeed's compiled ops: the cache tools/setup.sh fills (workers use it too).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 EXAMPLES = REPO / "templates" / "examples"
 
 

@@ -140,6 +140,9 @@ def main() -> None:
     from toolkit.log import setup_logging
 
     os.umask(0o077)
+    # DeepSpeed's compiled ops live with the installation (tools/setup.sh builds them there), so two
+    # environments never overwrite each other's builds.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     wenv = WorkerEnv.from_environ()
     setup_logging(wenv.worker_id)
     signal.signal(signal.SIGTERM, _on_sigterm)

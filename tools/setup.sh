@@ -32,12 +32,21 @@ if ! "$PY" -c 'import sys; assert sys.version_info >= (3, 10)' 2>/dev/null; then
     echo "setup: need Python >= 3.10 as '$PY' (set PYTHON=/path/to/python3)" >&2
     exit 1
 fi
-if ! "$PY" -m venv --help >/dev/null 2>&1 || ! "$PY" -c 'import ensurepip' 2>/dev/null; then
+# Debian packages: venv for the environment; a C++ compiler and Python headers because DeepSpeed
+# compiles a small op on first use (its shared-memory collectives on CPU).
+need=()
+probe=$(mktemp -d)
+[ -d "$VENV" ] || "$PY" -m venv "$probe/v" >/dev/null 2>&1 || need+=("python3-venv")
+rm -rf "$probe"
+command -v g++ >/dev/null || need+=("g++")
+"$PY" -c 'import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' \
+    2>/dev/null || need+=("python3-dev")
+if [ ${#need[@]} -gt 0 ]; then
     if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-        echo "setup: installing python3-venv with apt-get"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+        echo "setup: installing ${need[*]} with apt-get"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
     else
-        echo "setup: '$PY -m venv' does not work; install your distribution's python3-venv package" >&2
+        echo "setup: missing ${need[*]}; install them with your package manager (as root: apt-get install ${need[*]})" >&2
         exit 1
     fi
 fi
@@ -79,4 +88,12 @@ import torch, vllm, deepspeed
 print(f"setup: ok (torch {torch.__version__}, vllm {vllm.__version__}, deepspeed {deepspeed.__version__})")
 EOF
 grep "^setup: ok" "$LOG" || { tail -n 40 "$LOG" >&2; echo "setup: the installed packages do not import (log: $LOG)" >&2; exit 1; }
+# Build DeepSpeed's CPU op now (about 40 s once) rather than inside the first run. Workers use the same
+# cache folder (TORCH_EXTENSIONS_DIR defaults to .venv/torch_extensions), so two checkouts never
+# overwrite each other's builds.
+if [ "$FLAVOUR" = cpu ]; then
+    echo "setup: building DeepSpeed's CPU communication op"
+    TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" pip_logged "$VENV/bin/python" -c \
+        "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
+fi
 echo "$STAMP" > "$MARK"

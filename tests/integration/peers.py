@@ -1,7 +1,8 @@
 """Peer processes for the weight-sync tests: `python -m tests.integration.peers KIND ARGS...`.
 
-generator CONFIG BACKEND HOST PORT OUT SEQS    join the sync group as rank 1, record log-probs of SEQS
-                                               before and after receiving one version of the weights
+generator CONFIG BACKEND HOST PORT OUT SEQS    join the sync group as rank 1, record the log-probs of the
+                                               whole vocabulary at every position of SEQS, before and
+                                               after receiving one version of the weights
 zero3 RANK CONFIG DIR                          a ZeRO-3 trainer rank (of 2): one training step, then sync
 receiver CONFIG DIR                            an HF engine that receives the ZeRO-3 trainer's weights
 """
@@ -31,9 +32,9 @@ def generator(config, backend, host, port, out, seqs) -> None:
     engine = _engine(config, backend)
     engine.join_weight_sync(host, int(port), 1, 2, BUCKET_BYTES, 120)
     sequences = json.loads(Path(seqs).read_text())
-    before = [engine.prompt_logprobs(s, top=20) for s in sequences]
+    before = [engine.prompt_logprobs(s, top=-1) for s in sequences]
     version = engine.receive_weights()
-    after = [engine.prompt_logprobs(s, top=20) for s in sequences]
+    after = [engine.prompt_logprobs(s, top=-1) for s in sequences]
     as_json = lambda runs: [[{str(k): v for k, v in pos.items()} for pos in run] for run in runs]  # noqa: E731
     Path(out).write_text(json.dumps({"version": version, "before": as_json(before), "after": as_json(after)}))
 
@@ -54,6 +55,7 @@ def zero3(rank, config, directory) -> None:
     from transformers import AutoModelForCausalLM
 
     from toolkit.config import load_config
+    from toolkit.transport.rendezvous import connect_store, serve_store
     from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, manifest_of, plan_buckets
 
     rank, directory = int(rank), Path(directory)
@@ -61,11 +63,11 @@ def zero3(rank, config, directory) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0")
     timeout = datetime.timedelta(seconds=120)
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        store = serve_store("127.0.0.1", 120)
         (directory / "port.tmp").write_text(str(store.port))
         os.replace(directory / "port.tmp", directory / "port")
     else:
-        store = dist.TCPStore("127.0.0.1", _wait_port(directory), is_master=False, timeout=timeout)
+        store = connect_store("127.0.0.1", _wait_port(directory), 120)
     dist.init_process_group("gloo", store=dist.PrefixStore("trainer", store), rank=rank, world_size=2, timeout=timeout)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.actor, dtype=torch.float32)
     ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 4,

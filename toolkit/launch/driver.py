@@ -110,7 +110,8 @@ class Driver:
             chosen = [prompts[i] for i in slots]
             outbox.send("prompts", {"step": step, "prompt_ids": [p.id for p in chosen],
                                     "group_index": [int(i) for i in slots], "prompts": [p.text for p in chosen],
-                                    "fields": [p.fields for p in chosen]}, timeout_s=cfg.transport.step_timeout_s)
+                                    "fields": [p.fields for p in chosen]}, timeout_s=cfg.transport.step_timeout_s,
+                        while_blocked=self._pump_once)
         version = step + 1
         self._pump(lambda: step in self.trained and all(self.synced.get(g) == version for g in self.generator_ids),
                    cfg.transport.step_timeout_s, f"step {step} to finish")
@@ -135,10 +136,15 @@ class Driver:
         while not done():
             if time.monotonic() > deadline:
                 raise RunError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}\n{self._who_is_where()}")
-            item = self.coordinator.recv(0.2)
-            if item is not None:
-                self._handle(*item)
-            self._check_health()
+            self._pump_once(0.2)
+
+    def _pump_once(self, wait_s: float = 0.0) -> None:
+        """Handle the control messages that arrived (waiting up to `wait_s` for one), then check health."""
+        item = self.coordinator.recv(wait_s)
+        while item is not None:
+            self._handle(*item)
+            item = self.coordinator.recv(0)
+        self._check_health()
 
     def _handle(self, worker_id: str, msg) -> None:
         m = msg.meta

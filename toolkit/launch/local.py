@@ -41,6 +41,7 @@ class LocalLauncher:
         for group in groups:
             for rank, worker_id in enumerate(group.worker_ids()):
                 child_env = {**os.environ, **env, **group.env, E.GROUP: group.name, E.RANK: str(rank)}
+                child_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo listens on loopback only
                 if group.cpus_per_worker:
                     child_env.setdefault("OMP_NUM_THREADS", str(group.cpus_per_worker))
                 if group.gpus_per_worker:  # each worker sees only its own GPUs, as under Slurm

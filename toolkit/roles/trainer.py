@@ -27,7 +27,8 @@ from toolkit.placement.plan import group_of
 from toolkit.roles.base import Role
 from toolkit.roles.samples import SampleBatch
 from toolkit.roles.update import make_experience, train_on
-from toolkit.weights.sync import WeightSender, connect_store, form_group, gathered_buckets, manifest_of, plan_buckets
+from toolkit.transport.rendezvous import connect_store, serve_store
+from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, manifest_of, plan_buckets
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,7 @@ class TrainerRole(Role):
         self.rank, self.world = self.worker.rank, self.worker.group.workers
         if self.rank != 0:
             return {}
-        self.store = dist.TCPStore(self.worker.wenv.bind_host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=self.cfg.transport.startup_timeout_s))
+        self.store = serve_store(self.worker.wenv.bind_host, self.cfg.transport.startup_timeout_s)
         return {"store": f"{self.worker.wenv.bind_host}:{self.store.port}"}
 
     def setup(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from typing import Callable
 
 import zmq
 
@@ -78,8 +79,13 @@ class Outbox:
             self.socket.disable_monitor()
             monitor.close(linger=0)
 
-    def send(self, kind: str, meta: dict | None = None, arrays: dict | None = None, timeout_s: float = 60.0) -> None:
-        """Send one message; raise TimeoutError if no consumer took it within `timeout_s`."""
+    def send(self, kind: str, meta: dict | None = None, arrays: dict | None = None, timeout_s: float = 60.0,
+             while_blocked: Callable[[], None] | None = None) -> None:
+        """Send one message; raise TimeoutError if no consumer took it within `timeout_s`.
+
+        `while_blocked` is called between tries (every 0.2 s) while consumers are full; it may raise
+        to give up early (the driver checks its workers' health there).
+        """
         frames = self.codec.encode(kind, meta, arrays)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -87,6 +93,8 @@ class Outbox:
                 self.socket.send_multipart(frames, copy=False)
                 return
             except zmq.Again:
+                if while_blocked is not None:
+                    while_blocked()
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"no consumer at {', '.join(self.addresses)} accepted a {kind!r} message in {timeout_s:.0f} s"

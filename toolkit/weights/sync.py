@@ -36,11 +36,6 @@ def form_group(store: dist.Store, rank: int, world_size: int, timeout_s: float, 
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
 
-def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A client of the TCPStore hosted by trainer rank 0."""
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-
-
 def plan_buckets(manifest: list, bucket_bytes: int) -> list[list[int]]:
     """Consecutive manifest entries of one dtype, each bucket about `bucket_bytes` (at least one entry)."""
     buckets, current, size, dtype = [], [], 0, None

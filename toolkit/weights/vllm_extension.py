@@ -7,7 +7,8 @@ process on CPU, in each tensor-parallel worker process on GPU).
 
 from __future__ import annotations
 
-from toolkit.weights.sync import WeightReceiver, connect_store, form_group
+from toolkit.transport.rendezvous import connect_store
+from toolkit.weights.sync import WeightReceiver, form_group
 
 
 class WeightSyncExtension:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from toolkit.roles.engines import Completion
-from toolkit.weights.sync import WeightReceiver, connect_store, form_group
+from toolkit.transport.rendezvous import connect_store
+from toolkit.weights.sync import WeightReceiver, form_group
 
 
 class HFEngine:
@@ -52,12 +53,14 @@ class HFEngine:
 
     @torch.no_grad()
     def prompt_logprobs(self, tokens: list[int], top: int = 0) -> list[dict[int, float]]:
-        """For each token after the first: {token id: log-prob} of that token and the `top` likeliest ones."""
+        """For each token after the first: {token id: log-prob} of that token and the `top` likeliest ones
+        (`top=-1`: every token of the vocabulary)."""
         logits = self.model(torch.tensor([tokens], device=self.device)).logits[0, :-1].float()
         logprobs = logits.log_softmax(-1).cpu()
+        k = logprobs.shape[-1] if top == -1 else top
         out = []
         for position, token in enumerate(tokens[1:]):
-            ids = [token, *logprobs[position].topk(top).indices.tolist()] if top else [token]
+            ids = [token, *logprobs[position].topk(k).indices.tolist()]
             out.append({i: float(logprobs[position, i]) for i in ids})
         return out
 

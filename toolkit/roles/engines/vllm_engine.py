@@ -31,6 +31,7 @@ class VllmEngine:
             # Log-probs of the distribution actually sampled from (after temperature/top-p).
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
+            max_logprobs=-1,  # prompt_logprobs(top=-1) may ask for the whole vocabulary (checks)
             worker_extension_cls=EXTENSION,
         )
 
@@ -51,7 +52,8 @@ class VllmEngine:
         return completions
 
     def prompt_logprobs(self, tokens: list[int], top: int = 0) -> list[dict[int, float]]:
-        """For each token after the first: {token id: log-prob} of that token and the `top` likeliest ones."""
+        """For each token after the first: {token id: log-prob} of that token and the `top` likeliest ones
+        (`top=-1`: every token of the vocabulary)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
