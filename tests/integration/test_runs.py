@@ -221,3 +221,21 @@ def test_failing_reward_function_is_named(tiny, tmp_path):
     assert "reward function 'picky' (myrewards:picky) failed on prompt id" in result.stderr
     assert "ValueError: no stars here" in result.stderr
     assert_no_workers_left(tmp_path / "run")
+
+
+def test_killed_driver_leaves_no_workers(tiny, tmp_path):
+    """If the driver dies without cleaning up (SIGKILL, the OOM killer), its workers end themselves."""
+    run_dir = tmp_path / "run"
+    proc = start(long_run(tiny, tmp_path), run_dir)
+    try:
+        wait_for_step(proc, run_dir)
+        pids = worker_pids(run_dir)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while alive(pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(pids.values()), f"workers outlived the driver: {pids}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -37,10 +37,14 @@ class Role:
             source, msg = event
             if source == "command":
                 if msg.kind == "shutdown":
+                    self.on_shutdown()
                     return
                 self.on_command(msg)
             else:
                 self.on_data(msg)
+
+    def on_shutdown(self) -> None:
+        """Called when the coordinator says `shutdown`, before `serve` returns."""
 
     def on_command(self, msg) -> None:
         log.warning("ignored command %r", msg.kind)

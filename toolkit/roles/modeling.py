@@ -79,18 +79,29 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
 
 
-def sequence_logprobs(model: nn.Module, padded: Padded, temperature: float, batch_size: int) -> torch.Tensor:
-    """`token_logprobs` of `model` for every sample, forward passes of `batch_size`, no gradients."""
+def per_position(model: nn.Module, padded: Padded, batch_size: int, fn) -> torch.Tensor:
+    """[B, T-1] of `fn(model, input_ids, attention_mask)` over forward passes of `batch_size` samples (no
+    gradients), zero outside the action positions."""
     out = torch.zeros_like(padded.action_mask)
     device = next(model.parameters()).device
     with torch.no_grad():
         for start in range(0, len(padded), batch_size):
             index = torch.arange(start, min(start + batch_size, len(padded)))
             part = padded.rows(index)
-            logits = model(input_ids=part.input_ids.to(device), attention_mask=part.attention_mask.to(device)).logits
-            lp = token_logprobs(logits, part.input_ids.to(device), temperature).cpu()
-            out[index, : lp.shape[1]] = lp
+            values = fn(model, part.input_ids.to(device), part.attention_mask.to(device)).float().cpu()
+            out[index, : values.shape[1]] = values
     return out * padded.action_mask
+
+
+def sequence_logprobs(model: nn.Module, padded: Padded, temperature: float, batch_size: int) -> torch.Tensor:
+    """`token_logprobs` of a causal LM for every sample."""
+    return per_position(model, padded, batch_size, lambda m, ids, attention: token_logprobs(
+        m(input_ids=ids, attention_mask=attention).logits, ids, temperature))
+
+
+def critic_values(critic: nn.Module, padded: Padded, batch_size: int) -> torch.Tensor:
+    """V(state after token t) of a CriticModel on the action positions."""
+    return per_position(critic, padded, batch_size, lambda m, ids, attention: m(ids, attention)[:, :-1])
 
 
 class CriticModel(nn.Module):

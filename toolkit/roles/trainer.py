@@ -77,7 +77,7 @@ class TrainerRole(Role):
         self.kl = make_kl_controller(k.coef, k.adaptive, k.target, k.horizon)
         self.version = 0
         self.status["policy_version"] = 0
-        self.generator = torch.Generator().manual_seed(cfg.run.seed)
+        self.shuffle_rng = torch.Generator().manual_seed(cfg.run.seed)
         self.params = list(self.actor.module.named_parameters())
         self.manifest = manifest_of(self.params)
         bucket_bytes = int(cfg.trainer.weight_sync_bucket_mb * 2**20)
@@ -117,31 +117,27 @@ class TrainerRole(Role):
     def serve(self) -> None:
         if self.rank != 0:
             return self._follow()
-        pending: list[SampleBatch] = []
-        expected_step = 0
-        while True:
-            event = self.worker.next_event(1.0)
-            if event is None:
-                continue
-            source, msg = event
-            if source == "command":
-                if msg.kind == "shutdown":
-                    self._command(STOP, -1)
-                    return
-                self.on_command(msg)
-                continue
-            if msg.kind != "samples":
-                log.warning("ignored data message %r", msg.kind)
-                continue
-            part = SampleBatch.from_message(msg)
-            if part.step != expected_step:
-                raise RuntimeError(f"got samples of step {part.step} while collecting step {expected_step}")
-            pending.append(part)
-            self.status.update(phase="collecting", step=expected_step,
-                               samples=sum(len(p) for p in pending))
-            if sum(len(p) for p in pending) >= self.cfg.samples_per_step:
-                self._step(pending)
-                pending, expected_step = [], expected_step + 1
+        self.pending: list[SampleBatch] = []
+        self.expected_step = 0
+        super().serve()
+
+    def on_data(self, msg) -> None:
+        """Rank 0: collect samples until the step's experience batch is complete, then train on it."""
+        if msg.kind != "samples":
+            return super().on_data(msg)
+        part = SampleBatch.from_message(msg)
+        if part.step != self.expected_step:
+            raise RuntimeError(f"got samples of step {part.step} while collecting step {self.expected_step}")
+        self.pending.append(part)
+        collected = sum(len(p) for p in self.pending)
+        self.status.update(phase="collecting", step=self.expected_step, samples=collected)
+        if collected >= self.cfg.samples_per_step:
+            self._step(self.pending)
+            self.pending, self.expected_step = [], self.expected_step + 1
+
+    def on_shutdown(self) -> None:
+        if self.rank == 0:
+            self._command(STOP, -1)
 
     def _step(self, parts: list[SampleBatch]) -> None:
         batch = SampleBatch.concat(parts)
@@ -178,7 +174,7 @@ class TrainerRole(Role):
         started = time.monotonic()
         shard = np.array_split(np.arange(len(batch)), self.world)[self.rank]
         exp = make_experience(batch, shard, self.actor, self.critic, cfg, self.kl.coef, self.pad_id, self._sum)
-        stats = train_on(exp, self.actor, self.critic, cfg, self.generator)
+        stats = train_on(exp, self.actor, self.critic, cfg, self.shuffle_rng)
         mask = exp.mask
         k1 = (exp.old_logprobs - exp.ref_logprobs) * mask
         totals = self._sum(torch.tensor([

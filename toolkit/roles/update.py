@@ -18,7 +18,8 @@ import torch
 
 from toolkit.algorithms.advantages import gae, grpo_advantages, kl_penalized_rewards, masked_whiten
 from toolkit.algorithms.losses import kl_estimate, masked_mean, policy_loss, value_loss
-from toolkit.roles.modeling import Padded, pad_samples, scatter_responses, sequence_logprobs, token_logprobs
+from toolkit.roles.modeling import (Padded, critic_values, pad_samples, scatter_responses, sequence_logprobs,
+                                    token_logprobs)
 
 
 @dataclass
@@ -62,20 +63,7 @@ def make_experience(batch, shard_index: np.ndarray, actor, critic, cfg, kl_coef:
     return Experience(padded, old, ref, behaviour, advantages, values, returns)
 
 
-def critic_values(critic, padded: Padded, batch_size: int) -> torch.Tensor:
-    """V(state after token t) on the [B, T-1] action positions, no gradients."""
-    out = torch.zeros_like(padded.action_mask)
-    device = next(critic.parameters()).device
-    with torch.no_grad():
-        for start in range(0, len(padded), batch_size):
-            index = torch.arange(start, min(start + batch_size, len(padded)))
-            part = padded.rows(index)
-            v = critic(part.input_ids.to(device), part.attention_mask.to(device))[:, :-1].cpu()
-            out[index, : v.shape[1]] = v
-    return out * padded.action_mask
-
-
-def train_on(exp: Experience, actor, critic, cfg, generator: torch.Generator) -> dict[str, float]:
+def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator) -> dict[str, float]:
     """`algorithm.epochs` passes over the experience in micro-batches; DeepSpeed steps the optimizer
     every `gradient_accumulation_steps` micro-batches. Returns means of the loss statistics."""
     algo, trainer = cfg.algorithm, cfg.trainer
@@ -88,7 +76,7 @@ def train_on(exp: Experience, actor, critic, cfg, generator: torch.Generator) ->
         sums[name] = sums.get(name, 0.0) + float(value)
 
     for _ in range(algo.epochs):
-        order = torch.randperm(n, generator=generator) if trainer.updates_per_step > 1 or algo.epochs > 1 \
+        order = torch.randperm(n, generator=shuffle_rng) if trainer.updates_per_step > 1 or algo.epochs > 1 \
             else torch.arange(n)
         for start in range(0, n, trainer.micro_batch_size):
             index = order[start: start + trainer.micro_batch_size]

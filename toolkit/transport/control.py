@@ -16,7 +16,7 @@ from typing import Callable
 
 import zmq
 
-from toolkit.transport.sockets import decode_or_count
+from toolkit.transport.sockets import decode_or_count, recv_valid
 from toolkit.transport.wire import Codec, Message
 
 log = logging.getLogger(__name__)
@@ -38,14 +38,7 @@ class ControlClient:
 
     def recv(self, timeout_s: float) -> Message | None:
         """The next valid command, or None after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not self.socket.poll(left_ms):
-                return None
-            msg = decode_or_count(self.codec, self.socket.recv_multipart(), self.rejected)
-            if msg is not None:
-                return msg
+        return recv_valid(self.socket, self.codec, self.rejected, timeout_s)
 
     def close(self) -> None:
         self.socket.close()

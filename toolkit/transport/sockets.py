@@ -33,14 +33,7 @@ class Inbox:
 
     def recv(self, timeout_s: float) -> Message | None:
         """The next valid message, or None when nothing valid came within `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not self.socket.poll(left_ms):
-                return None
-            msg = decode_or_count(self.codec, self.socket.recv_multipart(copy=False), self.rejected)
-            if msg is not None:
-                return msg
+        return recv_valid(self.socket, self.codec, self.rejected, timeout_s, copy=False)
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -102,6 +95,19 @@ class Outbox:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+
+
+def recv_valid(socket: zmq.Socket, codec: Codec, rejected: collections.Counter, timeout_s: float,
+               copy: bool = True) -> Message | None:
+    """The next message on `socket` that decodes, or None after `timeout_s`; bad frames are counted."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        if not socket.poll(left_ms):
+            return None
+        msg = decode_or_count(codec, socket.recv_multipart(copy=copy), rejected)
+        if msg is not None:
+            return msg
 
 
 def decode_or_count(codec: Codec, frames: list, rejected: collections.Counter) -> Message | None:
