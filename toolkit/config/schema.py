@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -223,13 +224,28 @@ class TrainerSection(Section):
 
 class GroupSection(Section):
     workers: PositiveInt = 1
-    """Worker processes of this role."""
+    """Worker processes of this role (Slurm tasks of its job step)."""
+    nodes: PositiveInt = 1
+    """Slurm: nodes of this role's node group; `workers` are spread evenly over them."""
     cpus_per_worker: PositiveInt | None = None
-    """CPU threads of each worker (default: all cores of the machine)."""
+    """CPU threads of each worker (Slurm: --cpus-per-task; default: Slurm's, or all cores locally)."""
     gpus_per_worker: int = Field(default=0, ge=0)
-    """GPUs of each worker."""
+    """GPUs of each worker (Slurm: --gpus-per-task)."""
+    mem_gb: float | None = Field(default=None, gt=0)
+    """Slurm: memory per node of this group, in GB (default: the partition's)."""
+    partition: str | None = None
+    """Slurm: partition of this group (default: `slurm.partition`)."""
+    constraint: str | None = None
+    """Slurm: node features this group needs (--constraint), e.g. `a100`."""
     env: dict[str, str] = {}
     """Extra environment variables for these workers."""
+
+    @model_validator(mode="after")
+    def _spread(self) -> "GroupSection":
+        if self.workers % self.nodes:
+            raise ValueError(f"workers ({self.workers}) must be a multiple of nodes ({self.nodes}): "
+                             "each node of a group runs the same number of workers")
+        return self
 
 
 class PlacementSection(Section):
@@ -241,6 +257,44 @@ class PlacementSection(Section):
     """Scorer workers (reference model and rewards)."""
     trainer: GroupSection = GroupSection()
     """Trainer workers: the data-parallel ranks of the DeepSpeed actor (and critic)."""
+
+
+# sbatch options slurm-rlhf sets from the placement or needs for itself.
+RESERVED_SBATCH = {"nodes", "ntasks", "ntasks-per-node", "cpus-per-task", "gpus", "gpus-per-task", "gpus-per-node",
+                   "mem", "partition", "constraint", "account", "qos", "time", "job-name", "output", "error",
+                   "open-mode", "hetjob", "signal", "array", "nodelist"}
+
+
+class SlurmSection(Section):
+    partition: str | None = None
+    """Partition of every node group that names none."""
+    account: str | None = None
+    """Account to charge (--account)."""
+    qos: str | None = None
+    """Quality of service (--qos)."""
+    time_min: PositiveInt = 60
+    """Time limit of the allocation, in minutes."""
+    job_name: str | None = None
+    """Name of the Slurm job (default: `run.name`)."""
+    heterogeneous: Literal["auto", "always", "never"] = "auto"
+    """`auto`: a heterogeneous job when node groups need different partitions, node features or GPU
+    counts, one allocation otherwise; `always`: one job component per node group; `never`: one."""
+    setup: list[str] = []
+    """Shell lines the batch script runs before the driver (e.g. `module load cuda`)."""
+    sbatch: dict[str, str | int | float | bool] = {}
+    """More sbatch options, e.g. `{mail-type: END, exclusive: true}` -> `#SBATCH --mail-type=END`."""
+    python: str | None = None
+    """Python on the compute nodes (default: the interpreter running `slurm-rlhf submit`)."""
+
+    @model_validator(mode="after")
+    def _options(self) -> "SlurmSection":
+        for key in self.sbatch:
+            if not re.fullmatch(r"[a-z][a-z0-9-]*", key):
+                raise ValueError(f"slurm.sbatch: {key!r} is not an sbatch option name (write e.g. mail-type)")
+            if key in RESERVED_SBATCH:
+                raise ValueError(f"slurm.sbatch: --{key} is set by slurm-rlhf; use the placement or slurm "
+                                 "settings instead (placement.<role>.nodes/partition/..., slurm.time_min, ...)")
+        return self
 
 
 class TransportSection(Section):
@@ -286,6 +340,8 @@ class RunConfig(Section):
     """Which workers run which roles."""
     transport: TransportSection = TransportSection()
     """ZeroMQ, heartbeats and timeouts."""
+    slurm: SlurmSection = SlurmSection()
+    """How `slurm-rlhf submit` and `render` ask Slurm for the allocation."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":

@@ -13,12 +13,22 @@ PIPELINE = ("generator", "scorer", "trainer")
 
 @dataclass(frozen=True)
 class WorkerGroup:
+    """One kind of worker on its own node group (under Slurm: one job step on its own nodes)."""
+
     name: str
     roles: tuple[str, ...]
     workers: int
     cpus_per_worker: int | None = None
     gpus_per_worker: int = 0
     env: dict = field(default_factory=dict)
+    nodes: int = 1
+    mem_gb: float | None = None
+    partition: str | None = None
+    constraint: str | None = None
+
+    @property
+    def tasks_per_node(self) -> int:
+        return self.workers // self.nodes
 
     def worker_ids(self) -> list[str]:
         return [f"{self.name}:{rank}" for rank in range(self.workers)]
@@ -33,9 +43,9 @@ def plan(cfg) -> list[WorkerGroup]:
     """Worker groups for the config's placement (separation: one group per role)."""
     groups = []
     for role in PIPELINE:
-        section = getattr(cfg.placement, role)
-        groups.append(WorkerGroup(role, (role,), section.workers, section.cpus_per_worker,
-                                  section.gpus_per_worker, dict(section.env)))
+        s = getattr(cfg.placement, role)
+        groups.append(WorkerGroup(role, (role,), s.workers, s.cpus_per_worker, s.gpus_per_worker, dict(s.env),
+                                  s.nodes, s.mem_gb, s.partition or cfg.slurm.partition, s.constraint))
     return groups
 
 

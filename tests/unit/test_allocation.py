@@ -1,0 +1,81 @@
+"""Slurm allocation planning and srun commands (pure: no Slurm needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import example, write_config
+from toolkit.config import load_config
+from toolkit.errors import ConfigError
+from toolkit.launch.allocation import assign_nodes, plan_allocation
+from toolkit.launch.slurm import STEP_ID, TASK_FAILED, srun_command
+from toolkit.placement.plan import plan
+
+
+def groups_for(tiny, tmp_path, **placement):
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, placement=placement,
+                                                     trainer={"micro_batch_size": 8})))
+    return cfg, plan(cfg)
+
+
+def test_one_job_when_groups_fit_together(tiny, tmp_path):
+    _, groups = groups_for(tiny, tmp_path, trainer={"workers": 4, "nodes": 2, "cpus_per_worker": 2})
+    a = plan_allocation(groups)
+    assert not a.heterogeneous and a.nodes == 4
+    (c,) = a.components
+    assert (c.tasks_per_node, c.cpus_per_task, c.gpus_per_task) == (2, 2, 0)  # the most any group needs per node
+    nodes = assign_nodes(a, [["n1", "n2", "n3", "n4"]])
+    assert nodes == {"generator": ["n1"], "scorer": ["n2"], "trainer": ["n3", "n4"]}
+
+
+def test_heterogeneous_when_partitions_or_gpus_differ(tiny, tmp_path):
+    _, groups = groups_for(tiny, tmp_path, generator={"partition": "front"}, trainer={"partition": "back"})
+    a = plan_allocation(groups)
+    assert a.heterogeneous and [c.partition for c in a.components] == ["front", None, "back"]
+    assert assign_nodes(a, [["n1"], ["n2"], ["n4"]]) == {"generator": ["n1"], "scorer": ["n2"], "trainer": ["n4"]}
+    _, groups = groups_for(tiny, tmp_path / "g", trainer={"gpus_per_worker": 1})
+    assert plan_allocation(groups).heterogeneous
+    assert len(plan_allocation(groups, "always").components) == 3
+    with pytest.raises(ConfigError, match="different partitions"):
+        plan_allocation(groups_for(tiny, tmp_path / "n", trainer={"partition": "back"})[1], "never")
+
+
+def test_too_few_nodes_is_reported(tiny, tmp_path):
+    _, groups = groups_for(tiny, tmp_path, trainer={"workers": 2, "nodes": 2})
+    with pytest.raises(RuntimeError, match="has 3 nodes"):
+        assign_nodes(plan_allocation(groups), [["n1", "n2", "n3"]])
+
+
+def test_placement_and_sbatch_errors(tiny, tmp_path):
+    data = example("tiny-grpo.yaml", tiny, placement={"trainer": {"workers": 3, "nodes": 2}})
+    with pytest.raises(ConfigError, match=r"workers \(3\) must be a multiple of nodes \(2\)"):
+        load_config(write_config(tmp_path, data))
+    data = example("tiny-grpo.yaml", tiny, slurm={"sbatch": {"nodes": 9}})
+    with pytest.raises(ConfigError, match="--nodes is set by slurm-rlhf"):
+        load_config(write_config(tmp_path, data))
+    data = example("tiny-grpo.yaml", tiny, slurm={"sbatch": {"Mail Type": "END"}})
+    with pytest.raises(ConfigError, match="not an sbatch option name"):
+        load_config(write_config(tmp_path, data))
+
+
+def test_srun_command(tiny, tmp_path):
+    _, groups = groups_for(tiny, tmp_path, trainer={"workers": 4, "nodes": 2, "cpus_per_worker": 3,
+                                                    "gpus_per_worker": 1})
+    trainer = groups[2]
+    cmd = srun_command(trainer, ["n3", "n4"], 2, "/venv/bin/python", "/runs/x/logs")
+    assert cmd[:2] == ["srun", "--het-group=2"]
+    for flag in ("--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--nodelist=n3,n4", "--cpus-per-task=3",
+                 "--gpus-per-task=1", "--kill-on-bad-exit=1", "--output=/runs/x/logs/trainer-%t.log"):
+        assert flag in cmd
+    assert cmd[-3:] == ["/venv/bin/python", "-m", "toolkit.worker"]
+    assert not any(a.startswith("--het-group") for a in srun_command(groups[0], ["n1"], None, "py", "/l"))
+
+
+def test_srun_reports_are_parsed():
+    # lines as srun 22.05 writes them (seen on the local cluster)
+    text = ("srun: launching StepId=45314686.1 on host n2, 1 tasks: 0\n"
+            "srun: error: n3: task 1: Killed\n"
+            "srun: error: n2: task 0: Terminated\n")
+    assert STEP_ID.search(text)["step"] == "45314686.1"
+    first = TASK_FAILED.search(text)
+    assert (first["node"], first["tasks"], first["what"]) == ("n3", "1", "Killed")

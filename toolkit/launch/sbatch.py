@@ -1,0 +1,56 @@
+"""The batch script of a run: `#SBATCH` lines from the allocation plan, in the thin templates/sbatch.sh.tmpl.
+
+One pure function serves `render` (a script you submit by hand), `submit` (the same script carrying
+Submitit's command) and `submit --dry-run`; golden tests compare its output with checked-in files.
+"""
+
+from __future__ import annotations
+
+import shlex
+import string
+from pathlib import Path
+
+from toolkit.launch.allocation import Allocation, Component
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "templates" / "sbatch.sh.tmpl"
+
+
+def job_log(run_dir: str, suffix: str = "out") -> str:
+    """The batch script's own output file (%j: the job id), in Submitit's naming."""
+    return f"{run_dir}/slurm/%j_0_log.{suffix}"
+
+
+def sbatch_script(cfg, allocation: Allocation, run_dir: str, command: list[str] | str, how: str) -> str:
+    """The batch script; `command` is an argv list (quoted here) or a ready shell line."""
+    s = cfg.slurm
+    common = {"time": s.time_min, "account": s.account, "qos": s.qos}
+    head = {"job-name": s.job_name or cfg.run.name, "output": job_log(run_dir), "error": job_log(run_dir, "err"),
+            "open-mode": "append", **s.sbatch}
+    blocks = []
+    for i, component in enumerate(allocation.components):
+        options = {**(head if i == 0 else {}), **_resources(component), **common}
+        lines = [f"# component {i}: {', '.join(g.name for g in component.groups)}"] if allocation.heterogeneous else []
+        lines += [_flag(k, v) for k, v in options.items() if v is not None and v is not False]
+        blocks.append("\n".join(lines))
+    groups = [g for c in allocation.components for g in c.groups]
+    description = f"{cfg.run.algorithm}, {cfg.run.steps} steps; " + ", ".join(
+        f"{g.name}: {g.workers} worker{'s' if g.workers > 1 else ''} on {g.nodes} node{'s' if g.nodes > 1 else ''}"
+        for g in groups)
+    if isinstance(command, list):
+        command = "exec " + " ".join(shlex.quote(str(a)) for a in command)
+    return string.Template(TEMPLATE.read_text()).substitute(
+        name=cfg.run.name, description=description, how=how, run_dir=run_dir,
+        sbatch="\n#SBATCH hetjob\n".join(blocks),
+        setup="\n".join(["set -euo pipefail", *s.setup]), command=command)
+
+
+def _resources(c: Component) -> dict:
+    return {"nodes": c.nodes, "ntasks-per-node": c.tasks_per_node, "cpus-per-task": c.cpus_per_task,
+            "gpus-per-task": c.gpus_per_task or None, "mem": f"{c.mem_gb:g}G" if c.mem_gb else None,
+            "partition": c.partition, "constraint": c.constraint}
+
+
+def _flag(key: str, value) -> str:
+    if value is True:
+        return f"#SBATCH --{key}"
+    return f"#SBATCH --{key}={shlex.quote(str(value))}"
