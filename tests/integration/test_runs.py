@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -150,17 +151,24 @@ def long_run(tiny, tmp_path, **sections):
     return write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 500, "name": "long"}, **sections))
 
 
-def test_killed_generator_stops_the_run_with_a_named_error(tiny, tmp_path):
+@contextlib.contextmanager
+def running(tiny, tmp_path, **sections):
+    """A long local run, past its first step; its whole process group is killed on the way out."""
     run_dir = tmp_path / "run"
-    proc = start(long_run(tiny, tmp_path), run_dir)
+    proc = start(long_run(tiny, tmp_path, **sections), run_dir)
     try:
         wait_for_step(proc, run_dir)
-        pids = worker_pids(run_dir)
-        os.kill(pids["generator:0"], signal.SIGKILL)
-        code, out, err, took = finish(proc, timeout=60)
+        yield proc, run_dir
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_killed_generator_stops_the_run_with_a_named_error(tiny, tmp_path):
+    with running(tiny, tmp_path) as (proc, run_dir):
+        pids = worker_pids(run_dir)
+        os.kill(pids["generator:0"], signal.SIGKILL)
+        code, out, err, took = finish(proc, timeout=60)
     assert code == 1, err
     assert f"generator worker rank 0 (generator:0, pid {pids['generator:0']} on node" in err
     assert "exited with signal SIGKILL" in err
@@ -172,17 +180,10 @@ def test_killed_generator_stops_the_run_with_a_named_error(tiny, tmp_path):
 
 
 def test_hung_worker_is_detected_by_heartbeat(tiny, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = start(long_run(tiny, tmp_path, transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4}),
-                 run_dir)
-    try:
-        wait_for_step(proc, run_dir)
+    with running(tiny, tmp_path, transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4}) as (proc, run_dir):
         pids = worker_pids(run_dir)
         os.kill(pids["scorer:0"], signal.SIGSTOP)  # alive but silent
         code, out, err, took = finish(proc, timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert code == 1, err
     assert "scorer worker rank 0 (scorer:0" in err and "sent no heartbeat for" in err
     assert "transport.heartbeat_timeout_s = 4" in err and "scorer-0.log" in err
@@ -191,15 +192,9 @@ def test_hung_worker_is_detected_by_heartbeat(tiny, tmp_path):
 
 
 def test_ctrl_c_stops_everything(tiny, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = start(long_run(tiny, tmp_path), run_dir)
-    try:
-        wait_for_step(proc, run_dir)
+    with running(tiny, tmp_path) as (proc, run_dir):
         os.kill(proc.pid, signal.SIGINT)
         code, out, err, took = finish(proc, timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert code == 130 and "interrupted" in err, err
     assert took < 20
     assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
@@ -225,10 +220,7 @@ def test_failing_reward_function_is_named(tiny, tmp_path):
 
 def test_killed_driver_leaves_no_workers(tiny, tmp_path):
     """If the driver dies without cleaning up (SIGKILL, the OOM killer), its workers end themselves."""
-    run_dir = tmp_path / "run"
-    proc = start(long_run(tiny, tmp_path), run_dir)
-    try:
-        wait_for_step(proc, run_dir)
+    with running(tiny, tmp_path) as (proc, run_dir):
         pids = worker_pids(run_dir)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
@@ -236,6 +228,14 @@ def test_killed_driver_leaves_no_workers(tiny, tmp_path):
         while alive(pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not alive(pids.values()), f"workers outlived the driver: {pids}"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_cancel_stops_a_local_run(tiny, tmp_path):
+    """`slurm-rlhf cancel RUN_DIR` also stops a local run, through its driver."""
+    with running(tiny, tmp_path) as (proc, run_dir):
+        pids = worker_pids(run_dir)
+        result = cli("cancel", run_dir, timeout=120)
+        assert result.returncode == 0 and "stopped the local driver" in result.stdout, result.stderr
+        assert proc.wait(timeout=30) == 130
+        assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
+        assert not alive(pids.values())

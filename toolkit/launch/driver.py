@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -25,14 +26,16 @@ import numpy as np
 from toolkit.data.prompts import PromptFeeder, read_prompts
 from toolkit.errors import Interrupted, RunError
 from toolkit.launch import env as E
+from toolkit.launch.env import node_name
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import group_of, plan
 
 log = logging.getLogger("toolkit.driver")
+STATUS_EVERY_S = 2.0  # status.json is rewritten this often while the run waits on its workers
 
 
 class Driver:
-    def __init__(self, cfg, run_dir: RunDir, launcher, bind_host: str = "127.0.0.1", echo: Callable = print):
+    def __init__(self, cfg, run_dir: RunDir, launcher, bind_host: str, echo: Callable = print):
         self.cfg, self.run_dir, self.launcher, self.bind_host, self.echo = cfg, run_dir, launcher, bind_host, echo
         self.groups = plan(cfg)
         self.worker_ids = [w for g in self.groups for w in g.worker_ids()]
@@ -46,6 +49,9 @@ class Driver:
         self.stopping = False
         self.state = "starting"
         self.step = -1
+        self.error: str | None = None
+        self.last_metrics: dict | None = None
+        self._status_written = 0.0
 
     # ----- the run --------------------------------------------------------------------------------
 
@@ -65,7 +71,7 @@ class Driver:
         outbox = None
         try:
             self.launcher.start(self.groups, {E.RUN_DIR: str(self.run_dir.path), E.CONTROL: self.coordinator.address,
-                                              E.SECRET_FILE: str(self.run_dir.secret), E.BIND_HOST: self.bind_host})
+                                              E.SECRET_FILE: str(self.run_dir.secret)})
             self.echo(f"started {len(self.worker_ids)} workers ({', '.join(f'{g.name} x{g.workers}' for g in self.groups)})"
                       f"; logs in {self.run_dir.logs}")
             started = time.monotonic()
@@ -145,6 +151,8 @@ class Driver:
             self._handle(*item)
             item = self.coordinator.recv(0)
         self._check_health()
+        if time.monotonic() - self._status_written > STATUS_EVERY_S:
+            self._write_status()
 
     def _handle(self, worker_id: str, msg) -> None:
         m = msg.meta
@@ -152,6 +160,8 @@ class Driver:
             log.warning("message %r from unknown worker %r ignored", msg.kind, worker_id)
         elif msg.kind == "register":
             self.book[worker_id] = {k: m.get(k) for k in ("group", "rank", "pid", "node", "inbox", "store")}
+            # The launcher knows the step's real id (in a heterogeneous job, the component's job id).
+            self.book[worker_id]["slurm_step"] = self.launcher.step_id(m.get("group", "")) or m.get("slurm_step")
             log.info("registered %s (pid %s on %s)", worker_id, m.get("pid"), m.get("node"))
         elif msg.kind == "ready":
             self.ready.add(worker_id)
@@ -170,10 +180,11 @@ class Driver:
             log.warning("unexpected %r from %s", msg.kind, worker_id)
 
     def _check_health(self) -> None:
-        for worker_id, code in self.launcher.poll().items():
-            if self.stopping and code == 0:
+        for ended in self.launcher.poll():
+            if self.stopping and ended.code == 0:
                 continue
-            raise RunError(f"{self._describe(worker_id)} exited with {_exit_text(code)}\n{self._log_hint(worker_id)}")
+            raise RunError(f"{self._describe(ended.worker_id)} exited with {ended.describe()}\n"
+                           f"{self._log_hint(ended.worker_id)}")
         limit = self.cfg.transport.heartbeat_timeout_s
         for worker_id, silent_s in self.coordinator.silent(self.worker_ids, limit):
             raise RunError(f"{self._describe(worker_id)} sent no heartbeat for {silent_s:.0f} s "
@@ -183,7 +194,12 @@ class Driver:
     def _describe(self, worker_id: str) -> str:
         group, rank = worker_id.split(":")
         entry = self.book.get(worker_id)
-        where = f"pid {entry['pid']} on node {entry['node']}" if entry else self.launcher.describe(worker_id)
+        if entry:
+            where = f"pid {entry['pid']} on node {entry['node']}"
+            if entry.get("slurm_step"):
+                where += f", Slurm step {entry['slurm_step']}"
+        else:
+            where = self.launcher.describe(worker_id)
         return f"{group} worker rank {rank} ({worker_id}, {where})"
 
     def _log_hint(self, worker_id: str, lines: int = 8) -> str:
@@ -204,28 +220,30 @@ class Driver:
         return "worker states:\n" + "\n".join(rows)
 
     def _write_status(self, last: dict | None = None) -> None:
-        status = {"state": self.state, "step": self.step, "steps": self.cfg.run.steps,
-                  "launcher": self.launcher.name, "error": getattr(self, "error", None),
-                  "workers": {w: {**self.book.get(w, {}), **self.coordinator.status.get(w, {})}
-                              for w in self.worker_ids}}
         if last is not None:
-            status["last_metrics"] = last
+            self.last_metrics = last
+        workers = {w: {**self.book.get(w, {}), **self.coordinator.status.get(w, {})} for w in self.worker_ids}
+        # What the driver knows for sure beats the last heartbeat: synced and trained versions, and the end.
+        for w, version in self.synced.items():
+            workers[w]["policy_version"] = version
+        if self.last_metrics:  # trainer ranks update in lockstep
+            for w in group_of(self.groups, "trainer").worker_ids():
+                workers[w]["policy_version"] = self.last_metrics["policy_version"]
+        if self.state not in ("starting", "running"):
+            for w in workers.values():
+                w["phase"], w["step"] = "ended", self.step
+        status = {"state": self.state, "step": self.step, "steps": self.cfg.run.steps,
+                  "launcher": self.launcher.name, "error": self.error,
+                  "driver": {"pid": os.getpid(), "node": node_name()}, "workers": workers,
+                  "last_metrics": self.last_metrics}
         self.run_dir.write_status(status)
+        self._status_written = time.monotonic()
 
 
 def progress_line(r: dict, steps: int) -> str:
     return (f"step {r['step'] + 1:>3}/{steps}  v{r['policy_version']}  reward {r['reward_mean']:.3f}  "
             f"kl {r['kl']:+.4f}  loss {r['loss']:+.4f}  gen {r['generate_s']:.2f}s  score {r['score_s']:.2f}s  "
             f"train {r['train_s']:.2f}s  sync {r['sync_s']:.2f}s  {r['tokens_per_s']:.0f} tok/s")
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
 
 
 def _raise_interrupt(signum, frame):

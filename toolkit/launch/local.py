@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from toolkit.launch import env as E
+from toolkit.launch.exits import Exit, wait_all
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import WorkerGroup
 
@@ -31,8 +32,8 @@ def _die_with_parent() -> None:
 class LocalLauncher:
     name = "local"
 
-    def __init__(self, run_dir: RunDir):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: RunDir, bind_host: str = "127.0.0.1"):
+        self.run_dir, self.bind_host = run_dir, bind_host
         self.procs: dict[str, subprocess.Popen] = {}
         self._reported: set[str] = set()
 
@@ -41,6 +42,7 @@ class LocalLauncher:
         for group in groups:
             for rank, worker_id in enumerate(group.worker_ids()):
                 child_env = {**os.environ, **env, **group.env, E.GROUP: group.name, E.RANK: str(rank)}
+                child_env.setdefault(E.BIND_HOST, self.bind_host)
                 child_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo listens on loopback only
                 if group.cpus_per_worker:
                     child_env.setdefault("OMP_NUM_THREADS", str(group.cpus_per_worker))
@@ -53,27 +55,25 @@ class LocalLauncher:
                         [sys.executable, "-m", "toolkit.worker"], env=child_env, stdin=subprocess.DEVNULL,
                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
 
+    def step_id(self, group: str) -> None:
+        return None  # no Slurm steps here
+
     def describe(self, worker_id: str) -> str:
         proc = self.procs.get(worker_id)
         return f"pid {proc.pid} on this machine" if proc else "not started"
 
-    def poll(self) -> dict[str, int]:
-        """Workers that exited since the last call: {worker_id: exit code (negative: killed by signal)}."""
-        exited = {}
+    def poll(self) -> list[Exit]:
+        """Workers that exited since the last call (exit code negative: killed by that signal)."""
+        exited = []
         for worker_id, proc in self.procs.items():
             if worker_id not in self._reported and proc.poll() is not None:
                 self._reported.add(worker_id)
-                exited[worker_id] = proc.returncode
+                exited.append(Exit(worker_id, proc.returncode))
         return exited
 
     def wait(self, timeout_s: float) -> bool:
         """Wait until every worker exited by itself; True if they all did in time."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if all(p.poll() is not None for p in self.procs.values()):
-                return True
-            time.sleep(0.1)
-        return False
+        return wait_all(self.procs.values(), timeout_s)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM every worker's process group, SIGKILL what is left after `grace_s`, and reap."""

@@ -5,6 +5,8 @@
     RUN_DIR/logs/           driver.log and one log per worker (<group>-<rank>.log)
     RUN_DIR/metrics.jsonl   one JSON object per step
     RUN_DIR/status.json     state of the run and of every worker (rewritten atomically)
+    RUN_DIR/job.json        the Slurm job (id, batch node, driver pid), for `status` and `cancel`
+    RUN_DIR/slurm/          the batch script, Submitit's files and the job's own output
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class RunDir:
     logs = property(lambda self: self.path / "logs")
     metrics = property(lambda self: self.path / "metrics.jsonl")
     status = property(lambda self: self.path / "status.json")
+    job = property(lambda self: self.path / "job.json")
 
     def create(self, cfg: RunConfig) -> "RunDir":
         """Make a new run directory for `cfg`; an existing run is never overwritten."""
@@ -51,6 +54,16 @@ class RunDir:
 
     def write_status(self, status: dict) -> None:
         self.write_atomic(self.status, json.dumps(status, indent=1))
+
+    def read_json(self, path: Path) -> dict:
+        """A JSON file of the run directory ({} if it does not exist yet)."""
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+
+    def update_job(self, **fields) -> None:
+        self.write_atomic(self.job, json.dumps({**self.read_json(self.job), **fields}, indent=1))
 
     @staticmethod
     def write_atomic(path: Path, text: str) -> None:

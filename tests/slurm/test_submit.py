@@ -1,0 +1,234 @@
+"""`submit`, `status`, `cancel` on the real local Slurm cluster (bash slurm/up.sh 4; tools/test.sh does it).
+
+What ran where is read from Slurm itself (squeue's view of each job step while the run is going, the
+SLURMD_NODENAME each worker recorded) and compared with the plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli, example, write_config
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    try:
+        out = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%D %t"], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.fail("Slurm is not installed; bring the local cluster up: bash slurm/up.sh 4")
+    nodes = sum(int(line.split()[0]) for line in out.stdout.splitlines() if line.split()[1] in ("idle", "mix"))
+    if out.returncode != 0 or nodes < 4:
+        pytest.fail(f"the local Slurm cluster is not up with 4 free nodes ({out.stdout or out.stderr!r}); "
+                    "run: bash slurm/up.sh 4")
+
+
+def run_config(tiny, tmp_path, steps=3, **sections) -> Path:
+    sections.setdefault("trainer", {})
+    sections["trainer"] = {"micro_batch_size": 8, **sections["trainer"]}
+    return write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": steps, "name": "slurm-test"},
+                                          **sections))
+
+
+class StepWatcher(threading.Thread):
+    """Records every job step Slurm reports for a job while it runs: {step name: (step id, node list)}."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(daemon=True)
+        self.run_dir, self.steps, self.done = run_dir, {}, threading.Event()
+
+    def run(self):
+        while not self.done.is_set():
+            job = self.job_id()
+            if job:
+                # steps of a heterogeneous job's component k are listed under job id <job> + k
+                ids = {str(int(job) + k) for k in range(3)}
+                out = subprocess.run(["squeue", "-h", "-s", "-o", "%i|%j|%N"], capture_output=True, text=True,
+                                     timeout=30)
+                for line in out.stdout.splitlines():
+                    step, name, nodes = line.split("|")
+                    if step.split(".")[0] in ids and name in ("generator", "scorer", "trainer"):
+                        self.steps[name] = (step, nodes)
+            time.sleep(0.5)
+
+    def job_id(self):
+        try:
+            return str(json.loads((self.run_dir / "job.json").read_text())["job_id"])
+        except (OSError, KeyError, ValueError):
+            return None
+
+
+def expand(nodelist: str) -> list[str]:
+    return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
+def submit_and_wait(config: Path, run_dir: Path, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    watcher = StepWatcher(run_dir)
+    watcher.start()
+    try:
+        result = cli("submit", config, "--run-dir", run_dir, "--wait", env=env, timeout=600)
+    finally:
+        watcher.done.set()
+        watcher.join()
+    return result, watcher.steps
+
+
+def run_processes(run_dir: Path) -> list[int]:
+    """Processes of this run still alive on this machine (every virtual node is this machine)."""
+    found, needle = [], f"SLURM_RLHF_RUN_DIR={run_dir}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        with open(f"/proc/{entry}/stat") as s:
+                            if s.read().rsplit(")", 1)[1].split()[0] != "Z":
+                                found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def assert_nothing_left(run_dir: Path, job_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while (run_processes(run_dir) or squeue(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not run_processes(run_dir), f"processes of the run still alive: {run_processes(run_dir)}"
+    assert not squeue(job_id), f"job {job_id} still queued: {squeue(job_id)}"
+
+
+def squeue(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30).stdout.strip()
+
+
+def test_submit_runs_each_role_on_its_own_nodes(tiny, tmp_path):
+    config = run_config(tiny, tmp_path, placement={"trainer": {"workers": 2, "nodes": 2}})
+    run_dir = tmp_path / "runs" / "it's a run"
+    result, steps = submit_and_wait(config, run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "submitted slurm job" in result.stdout and "step   3/3" in result.stdout
+    job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished" and status["launcher"] == "slurm"
+    planned = {"generator": 1, "scorer": 1, "trainer": 2}
+    seen_by_slurm = {}
+    for role, count in planned.items():
+        step, nodelist = steps[role]  # Slurm's own record of the role's job step
+        nodes = expand(nodelist)
+        assert len(nodes) == count, (role, nodes)
+        seen_by_slurm[role] = set(nodes)
+        # every worker of the role ran inside that step, on one of its nodes (SLURMD_NODENAME)
+        workers = {w: e for w, e in status["workers"].items() if w.startswith(role + ":")}
+        assert len(workers) == count
+        assert {e["slurm_step"] for e in workers.values()} == {step}
+        assert {e["node"] for e in workers.values()} == set(nodes)
+    all_nodes = [n for nodes in seen_by_slurm.values() for n in nodes]
+    assert len(all_nodes) == len(set(all_nodes)) == 4  # disjoint node sets covering the allocation
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in records] == [1, 2, 3]
+    assert all(r["behaviour_logprob_diff"] < 1e-4 for r in records)
+    text = cli("status", run_dir, timeout=60).stdout
+    assert f"slurm job {job_id}: COMPLETED" in text and "run state: finished, steps done: 3/3" in text
+    assert_nothing_left(run_dir, str(job_id))
+
+
+def test_heterogeneous_job(tiny, tmp_path):
+    config = run_config(tiny, tmp_path, placement={"generator": {"partition": "front"},
+                                                   "trainer": {"partition": "back"}})
+    dry = cli("submit", config, "--dry-run", "--run-dir", tmp_path / "dry", timeout=60)
+    assert "a heterogeneous job of 3 components" in dry.stdout and dry.stdout.count("#SBATCH hetjob") == 2
+    run_dir = tmp_path / "het"
+    result, steps = submit_and_wait(config, run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+    job = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    assert f"HetJobId={job_id}" in job and "HetJobOffset=2" in job
+    partition_nodes = {p: set(expand(subprocess.run(["sinfo", "-h", "-p", p, "-o", "%N"], capture_output=True,
+                                                    text=True).stdout.strip())) for p in ("front", "back")}
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["workers"]["generator:0"]["node"] in partition_nodes["front"]
+    assert status["workers"]["trainer:0"]["node"] in partition_nodes["back"]
+    assert set(expand(steps["generator"][1])) <= partition_nodes["front"]
+    assert set(expand(steps["trainer"][1])) <= partition_nodes["back"]
+    nodes = [status["workers"][w]["node"] for w in ("generator:0", "scorer:0", "trainer:0")]
+    assert len(set(nodes)) == 3
+    assert_nothing_left(run_dir, job_id)
+
+
+def test_failing_role_ends_the_job_with_a_named_error(tiny, tmp_path):
+    (tmp_path / "failing_reward.py").write_text(
+        "def explode(prompt, response, **kw):\n    raise RuntimeError('this reward always fails')\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    config = run_config(tiny, tmp_path, reward={"functions": [{"function": "failing_reward:explode"}]})
+    run_dir = tmp_path / "fail"
+    result, _ = submit_and_wait(config, run_dir, env=env)
+    assert result.returncode == 1
+    status = json.loads((run_dir / "status.json").read_text())
+    error = status["error"]
+    scorer = status["workers"]["scorer:0"]
+    assert f"scorer worker rank 0 (scorer:0, pid {scorer['pid']} on node {scorer['node']}, Slurm step " \
+           f"{scorer['slurm_step']}) failed" in error
+    assert "reward function 'explode' (failing_reward:explode) failed" in error
+    assert f"log: {run_dir / 'logs' / 'scorer-0.log'}" in error
+    assert "this reward always fails" in result.stderr  # `submit --wait` shows the error too
+    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+    assert "FAILED" in cli("status", run_dir, timeout=60).stdout
+    assert_nothing_left(run_dir, job_id)
+
+
+def submit_long_run(tiny, tmp_path, name: str) -> tuple[Path, str]:
+    """A long run submitted (without waiting) and past its first step: (run dir, job id)."""
+    run_dir = tmp_path / name
+    result = cli("submit", run_config(tiny, tmp_path, steps=500), "--run-dir", run_dir, timeout=120)
+    assert result.returncode == 0, result.stderr
+    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+    wait_for_step(run_dir)
+    return run_dir, job_id
+
+
+def test_killed_worker_names_its_step_and_node(tiny, tmp_path):
+    run_dir, job_id = submit_long_run(tiny, tmp_path, "kill")
+    trainer = json.loads((run_dir / "status.json").read_text())["workers"]["trainer:0"]
+    os.kill(trainer["pid"], 9)
+    deadline = time.monotonic() + 60
+    while squeue(job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed"
+    assert (f"trainer worker rank 0 (trainer:0, pid {trainer['pid']} on node {trainer['node']}, Slurm step "
+            f"{trainer['slurm_step']}) exited with") in status["error"]
+    assert f"srun: step {trainer['slurm_step']}, node {trainer['node']}: Killed" in status["error"]
+    assert_nothing_left(run_dir, job_id)
+
+
+def wait_for_step(run_dir: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if json.loads((run_dir / "status.json").read_text()).get("step", -1) >= 0:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"no step finished within {timeout} s")
+
+
+def test_cancel_leaves_nothing_behind(tiny, tmp_path):
+    run_dir, job_id = submit_long_run(tiny, tmp_path, "cancel")
+    assert run_processes(run_dir), "no process of the run was found while it ran"
+    started = time.monotonic()
+    result = cli("cancel", run_dir, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"cancelled slurm job {job_id}" in result.stdout and time.monotonic() - started < 60
+    assert_nothing_left(run_dir, job_id)
+    assert "CANCELLED" in cli("status", run_dir, timeout=60).stdout

@@ -1,0 +1,112 @@
+"""`slurm-rlhf status RUN_DIR` and `slurm-rlhf cancel RUN_DIR`, for Slurm jobs and local runs alike.
+
+Both read the run directory: job.json (the Slurm job id, or the local driver's pid) and status.json
+(the driver's view: state, step, and every worker's node, step id, phase and policy_version).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+from toolkit.errors import ConfigError, RunError
+from toolkit.launch.rundir import RunDir
+
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE"}
+
+
+def open_run(path: str) -> RunDir:
+    rd = RunDir(path)
+    if not rd.config.exists():
+        raise ConfigError(f"{rd.path} is not a run directory (no config.yaml)")
+    return rd
+
+
+def slurm_job(job_id: str) -> dict:
+    """{state, nodes, elapsed, reason} of a Slurm job, from squeue while queued or running, else scontrol."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%N|%M|%r"], capture_output=True, text=True,
+                         timeout=30)
+    rows = [r.split("|") for r in out.stdout.splitlines() if r.strip()]
+    if rows:
+        state, nodes, elapsed, reason = rows[0]
+        if len(rows) > 1:  # a heterogeneous job has one row per component
+            nodes = ",".join(r[1] for r in rows)
+        return {"state": state, "nodes": nodes, "elapsed": elapsed, "reason": reason}
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    fields = dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
+    if not fields:
+        return {"state": "UNKNOWN (no longer known to slurmctld)", "nodes": "", "elapsed": "", "reason": ""}
+    return {"state": fields.get("JobState", "?"), "nodes": fields.get("NodeList", ""),
+            "elapsed": fields.get("RunTime", ""), "reason": fields.get("Reason", "")}
+
+
+def status_text(rd: RunDir) -> str:
+    job = rd.read_json(rd.job)
+    status = rd.read_json(rd.status)
+    lines = [f"run directory: {rd.path}"]
+    if job.get("job_id"):
+        s = slurm_job(str(job["job_id"]))
+        lines.append(f"slurm job {job['job_id']}: {s['state']}" + (f" on {s['nodes']}" if s["nodes"] else "")
+                     + (f", elapsed {s['elapsed']}" if s["elapsed"] else "")
+                     + (f" ({s['reason']})" if s["reason"] and s["reason"] != "None" else ""))
+        lines.append(f"job output: {rd.path / 'slurm' / (str(job['job_id']) + '_0_log.out')}")
+    if not status:
+        lines.append("driver: not started yet")
+        return "\n".join(lines)
+    step = status.get("step", -1)
+    lines.append(f"run state: {status['state']}, steps done: {max(step + 1, 0)}/{status['steps']}")
+    if status.get("error"):
+        lines.append("error: " + status["error"])
+    last = status.get("last_metrics")
+    if last:
+        lines.append("last step: " + "  ".join(f"{k} {last[k]:.4g}" for k in
+                                                ("reward_mean", "kl", "loss", "generate_s", "train_s", "sync_s")
+                                                if isinstance(last.get(k), (int, float))))
+    rows = [("worker", "node", "pid", "slurm step", "phase", "step", "policy_version")]
+    for worker_id, w in status.get("workers", {}).items():
+        rows.append((worker_id, str(w.get("node", "-")), str(w.get("pid", "-")), str(w.get("slurm_step") or "-"),
+                     str(w.get("phase", "-")), str(w.get("step", "-")), str(w.get("policy_version", "-"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def cancel(rd: RunDir, timeout_s: float = 60) -> str:
+    """Cancel the run's Slurm job (or stop its local driver) and wait until it has ended."""
+    job = rd.read_json(rd.job)
+    if job.get("job_id"):
+        job_id = str(job["job_id"])
+        if shutil.which("scancel") is None:
+            raise RunError("scancel not found: run `cancel` where Slurm's commands are installed")
+        subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=30, check=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            state = slurm_job(job_id)["state"]
+            if state.split()[0] in ENDED or state.startswith("UNKNOWN"):
+                return f"cancelled slurm job {job_id} ({state})"
+            time.sleep(0.5)
+        raise RunError(f"slurm job {job_id} still not ended {timeout_s:.0f} s after scancel")
+    pid = rd.read_json(rd.status).get("driver", {}).get("pid")
+    if not pid:
+        raise RunError(f"{rd.path}: neither a Slurm job nor a running local driver is recorded")
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return f"the local driver (pid {pid}) had already ended"
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    else:
+        raise RunError(f"the local driver (pid {pid}) did not stop within {timeout_s:.0f} s")
+    return f"stopped the local driver (pid {pid}) and its workers"

@@ -1,0 +1,139 @@
+"""Slurm launcher: inside an allocation, one `srun` job step per node group, each on its own nodes.
+
+The workers are the same `python -m toolkit.worker` as locally, with the same environment contract;
+their rank is the task's SLURM_PROCID and they bind to their node's address. A group's step runs on
+its disjoint slice of the allocation's nodes (`--nodelist`), or in its own component of a heterogeneous
+job (`--het-group`). srun's own report (which task failed, on which node, the step id) is kept in
+RUN_DIR/logs/srun-<group>.log and named in errors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from toolkit.launch import env as E
+from toolkit.launch.allocation import Allocation, assign_nodes
+from toolkit.launch.exits import Exit, wait_all
+from toolkit.launch.rundir import RunDir
+from toolkit.placement.plan import WorkerGroup
+
+TASK_FAILED = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,-]+): (?P<what>.+)")
+STEP_ID = re.compile(r"StepId=(?P<step>\d+\.\d+)")
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """A Slurm node list (`n[1-3],x`) expanded by scontrol."""
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30,
+                         check=True)
+    return out.stdout.split()
+
+
+def component_nodes(allocation: Allocation, environ=os.environ) -> list[list[str]]:
+    """The nodes of each job component, from the variables Slurm sets in the batch script."""
+    if allocation.heterogeneous:
+        return [hostnames(environ[f"SLURM_JOB_NODELIST_HET_GROUP_{i}"]) for i in range(len(allocation.components))]
+    return [hostnames(environ["SLURM_JOB_NODELIST"])]
+
+
+def srun_command(group: WorkerGroup, nodes: list[str], het_group: int | None, python: str, log_dir: str) -> list[str]:
+    cmd = ["srun", "--verbose", f"--job-name={group.name}", f"--nodes={group.nodes}", f"--ntasks={group.workers}",
+           f"--ntasks-per-node={group.tasks_per_node}", f"--nodelist={','.join(nodes)}",
+           "--kill-on-bad-exit=1", "--unbuffered", f"--output={log_dir}/{group.name}-%t.log"]
+    if het_group is not None:
+        cmd.insert(1, f"--het-group={het_group}")
+    if group.cpus_per_worker:
+        cmd.append(f"--cpus-per-task={group.cpus_per_worker}")
+    if group.gpus_per_worker:
+        cmd.append(f"--gpus-per-task={group.gpus_per_worker}")
+    return [*cmd, python, "-m", "toolkit.worker"]
+
+
+class SlurmLauncher:
+    name = "slurm"
+
+    def __init__(self, run_dir: RunDir, allocation: Allocation, python: str = sys.executable):
+        self.run_dir, self.allocation, self.python = run_dir, allocation, python
+        self.job_id = os.environ["SLURM_JOB_ID"]
+        self.nodes = assign_nodes(allocation, component_nodes(allocation))
+        self.steps: dict[str, subprocess.Popen] = {}
+        self.groups: dict[str, WorkerGroup] = {}
+        self._reported: set[str] = set()
+
+    def srun_log(self, group: str):
+        return self.run_dir.logs / f"srun-{group}.log"
+
+    def start(self, groups: list[WorkerGroup], env: dict[str, str]) -> None:
+        for group in groups:
+            het = self.allocation.component_of(group) if self.allocation.heterogeneous else None
+            cmd = srun_command(group, self.nodes[group.name], het, self.python, str(self.run_dir.logs))
+            child_env = {**os.environ, **env, **group.env, E.GROUP: group.name}
+            child_env.pop(E.RANK, None)  # each task's rank is its SLURM_PROCID
+            with open(self.srun_log(group.name), "ab") as log:
+                log.write(f"$ {' '.join(cmd)}\n".encode())
+                log.flush()
+                self.steps[group.name] = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=log,
+                                                          stderr=subprocess.STDOUT, start_new_session=True)
+            self.groups[group.name] = group
+
+    def step_id(self, group: str) -> str | None:
+        """`<job>.<step>` of a group's step, as srun reported it."""
+        match = STEP_ID.search(self._srun_text(group))
+        return match["step"] if match else None
+
+    def describe(self, worker_id: str) -> str:
+        group = worker_id.split(":")[0]
+        step = self.step_id(group)
+        return f"Slurm step {step or '(not started)'} on nodes {','.join(self.nodes.get(group, []))}"
+
+    def poll(self) -> list[Exit]:
+        """Steps that ended since the last call, each blamed on the task srun reports first."""
+        exited = []
+        for name, proc in self.steps.items():
+            if name in self._reported or proc.poll() is None:
+                continue
+            self._reported.add(name)
+            rank, detail = 0, f"srun step {self.step_id(name) or '?'} ended"
+            failure = TASK_FAILED.search(self._srun_text(name))
+            if failure:
+                rank = int(re.split(r"[,-]", failure["tasks"])[0])
+                detail = f"srun: step {self.step_id(name) or '?'}, node {failure['node']}: {failure['what'].strip()}"
+            code = proc.returncode
+            exited.append(Exit(f"{name}:{rank}", code if code or not failure else 1, detail))
+        return exited
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until every step has ended; True if they all did in time."""
+        return wait_all(self.steps.values(), timeout_s)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """End every step: SIGTERM through srun (it signals the tasks), then scancel -s KILL what is left."""
+        running = {n: p for n, p in self.steps.items() if p.poll() is None}
+        for proc in running.values():
+            _signal(proc, signal.SIGTERM)
+        if self.wait(grace_s):
+            return
+        for name, proc in running.items():
+            step = self.step_id(name)
+            if proc.poll() is None and step:
+                subprocess.run(["scancel", "--signal=KILL", step], capture_output=True, timeout=30)
+        if not self.wait(30):
+            for proc in self.steps.values():
+                _signal(proc, signal.SIGKILL)
+            self.wait(10)
+
+    def _srun_text(self, group: str) -> str:
+        try:
+            return self.srun_log(group).read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass

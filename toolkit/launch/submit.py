@@ -1,0 +1,57 @@
+"""`slurm-rlhf submit`: one Slurm allocation, sized from the placement, submitted through Submitit.
+
+Submitit pickles the call `run_in_allocation(RUN_DIR)` into RUN_DIR/slurm (our own file on our own
+file system, never sent over a network), submits, and tracks the job. The batch script is ours
+(`sbatch_script`), so it is the same text `render` writes and `--dry-run` prints, and it can describe
+a heterogeneous job, which Submitit's own script cannot.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from toolkit.errors import RunError, ToolkitError
+from toolkit.launch.allocation import Allocation
+from toolkit.launch.sbatch import sbatch_script
+
+
+def submitit_command(python: str, folder: str) -> str:
+    return ("export SUBMITIT_EXECUTOR=slurm\n"
+            f"exec {shlex.quote(python)} -u -m submitit.core._submit {shlex.quote(folder)}")
+
+
+def submit_script(cfg, allocation: Allocation, run_dir: str) -> str:
+    """The script `submit` hands to sbatch for a run directory (printed by --dry-run)."""
+    python = cfg.slurm.python or sys.executable
+    return sbatch_script(cfg, allocation, run_dir, submitit_command(python, f"{run_dir}/slurm"), how="submit")
+
+
+def submit(cfg, allocation: Allocation, run_dir) -> str:
+    """Submit the run in `run_dir` (already created); return the Slurm job id."""
+    import submitit
+
+    script = submit_script(cfg, allocation, str(run_dir.path))
+
+    class Executor(submitit.SlurmExecutor):
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            return script
+
+    executor = Executor(folder=run_dir.path / "slurm", python=shlex.quote(cfg.slurm.python or sys.executable))
+    executor.update_parameters(time=cfg.slurm.time_min)
+    try:
+        job = executor.submit(in_allocation, str(run_dir.path))
+    except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError) as e:
+        raise RunError(f"sbatch refused the job:\n{str(e).strip()}") from None
+    return str(job.job_id)
+
+
+def in_allocation(run_dir: str) -> None:
+    """What the job runs (through Submitit): the driver, with errors printed to the job's output."""
+    from toolkit.launch.batch import run_in_allocation
+
+    try:
+        run_in_allocation(run_dir)
+    except ToolkitError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise
