@@ -109,18 +109,10 @@ def _prepare(args):
     return cfg, groups, plan_allocation(groups, cfg.slurm.heterogeneous)
 
 
-def placement_table(groups, allocation) -> str:
-    rows = [("role", "node group", "nodes", "tasks", "CPUs/task", "GPUs/task", "mem/node", "partition", "component")]
-    for g in groups:
-        rows.append((",".join(g.roles), g.name, str(g.nodes), str(g.workers), str(g.cpus_per_worker or "-"),
-                     str(g.gpus_per_worker), f"{g.mem_gb:g}G" if g.mem_gb else "-", g.partition or "(default)",
-                     str(allocation.component_of(g)) if allocation.heterogeneous else "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
 def cmd_submit(args) -> int:
     from toolkit.errors import RunError
+    from toolkit.launch.allocation import placement_table
+    from toolkit.launch.jobs import follow
     from toolkit.launch.rundir import RunDir
     from toolkit.launch.submit import submit, submit_script
 
@@ -142,30 +134,7 @@ def cmd_submit(args) -> int:
     if not args.wait:
         print(f"follow it with: slurm-rlhf status {run_dir.path}")
         return 0
-    return _follow(run_dir, job_id)
-
-
-def _follow(run_dir, job_id: str) -> int:
-    """Print the job's output as it grows until the job ends; 0 if the run finished."""
-    from toolkit.launch.jobs import ENDED, slurm_job
-
-    out = run_dir.path / "slurm" / f"{job_id}_0_log.out"
-    shown = 0
-    while True:
-        state = slurm_job(job_id)["state"].split()[0]
-        if out.exists():
-            text = out.read_text(errors="replace")
-            print(text[shown:], end="", flush=True)
-            shown = len(text)
-        if state in ENDED or state == "UNKNOWN":
-            break
-        time.sleep(1)
-    status = run_dir.read_json(run_dir.status)
-    if status.get("state") == "finished" and state == "COMPLETED":
-        return 0
-    print(f"error: slurm job {job_id} ended {state}; run state {status.get('state', 'unknown')}"
-          + (f": {status['error']}" if status.get("error") else f" (job output: {out})"), file=sys.stderr)
-    return 1
+    return follow(run_dir, job_id)
 
 
 def cmd_render(args) -> int:

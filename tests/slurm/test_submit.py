@@ -225,6 +225,9 @@ def wait_for_step(run_dir: Path, timeout: float = 240) -> None:
 
 def test_cancel_leaves_nothing_behind(tiny, tmp_path):
     run_dir, job_id = submit_long_run(tiny, tmp_path, "cancel")
+    live = cli("status", run_dir, timeout=60).stdout
+    assert f"slurm job {job_id}: RUNNING" in live and "run state: running" in live
+    assert live.count("(running)") == 3, live  # each role's srun step, as Slurm lists it
     assert run_processes(run_dir), "no process of the run was found while it ran"
     started = time.monotonic()
     result = cli("cancel", run_dir, timeout=120)

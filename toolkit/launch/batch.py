@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from toolkit.errors import ToolkitError
+from toolkit.errors import RunError, ToolkitError
 
 
 def run_in_allocation(run_dir: str) -> None:
@@ -25,6 +25,9 @@ def run_in_allocation(run_dir: str) -> None:
     from toolkit.placement.plan import plan
 
     os.umask(0o077)
+    if "SLURM_JOB_ID" not in os.environ:
+        raise RunError("not inside a Slurm allocation (SLURM_JOB_ID is unset): submit the script that "
+                       "`slurm-rlhf render` wrote with sbatch, or use `slurm-rlhf submit`")
     rd = RunDir(run_dir)
     setup_logging("driver", level=logging.WARNING, stream=sys.stdout, file=str(rd.logs / "driver.log"))
     cfg = load_config(rd.config)

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 from toolkit.errors import ConfigError, RunError
@@ -44,12 +45,22 @@ def slurm_job(job_id: str) -> dict:
             "elapsed": fields.get("RunTime", ""), "reason": fields.get("Reason", "")}
 
 
+def running_steps(job_id: str, components: int = 8) -> set[str]:
+    """Ids of the job's steps Slurm lists as running (a heterogeneous job's component k is <job>+k)."""
+    out = subprocess.run(["squeue", "-h", "-s", "-o", "%i"], capture_output=True, text=True, timeout=30)
+    ids = {str(int(job_id) + k) for k in range(components)}
+    return {step for step in out.stdout.split() if step.split(".")[0] in ids}
+
+
 def status_text(rd: RunDir) -> str:
     job = rd.read_json(rd.job)
     status = rd.read_json(rd.status)
     lines = [f"run directory: {rd.path}"]
+    steps: set[str] = set()
     if job.get("job_id"):
         s = slurm_job(str(job["job_id"]))
+        if s["state"] == "RUNNING":
+            steps = running_steps(str(job["job_id"]), len(status.get("workers", {})) or 8)
         lines.append(f"slurm job {job['job_id']}: {s['state']}" + (f" on {s['nodes']}" if s["nodes"] else "")
                      + (f", elapsed {s['elapsed']}" if s["elapsed"] else "")
                      + (f" ({s['reason']})" if s["reason"] and s["reason"] != "None" else ""))
@@ -68,11 +79,35 @@ def status_text(rd: RunDir) -> str:
                                                 if isinstance(last.get(k), (int, float))))
     rows = [("worker", "node", "pid", "slurm step", "phase", "step", "policy_version")]
     for worker_id, w in status.get("workers", {}).items():
-        rows.append((worker_id, str(w.get("node", "-")), str(w.get("pid", "-")), str(w.get("slurm_step") or "-"),
+        step = w.get("slurm_step") or "-"
+        if steps and step != "-":
+            step += " (running)" if step in steps else " (ended)"
+        rows.append((worker_id, str(w.get("node", "-")), str(w.get("pid", "-")), step,
                      str(w.get("phase", "-")), str(w.get("step", "-")), str(w.get("policy_version", "-"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+def follow(rd: RunDir, job_id: str) -> int:
+    """Print the job's output as it grows until the job ends; 0 if the run finished."""
+    out = rd.path / "slurm" / f"{job_id}_0_log.out"
+    shown = 0
+    while True:
+        state = slurm_job(job_id)["state"].split()[0]
+        if out.exists():
+            text = out.read_text(errors="replace")
+            print(text[shown:], end="", flush=True)
+            shown = len(text)
+        if state in ENDED or state == "UNKNOWN":
+            break
+        time.sleep(1)
+    status = rd.read_json(rd.status)
+    if status.get("state") == "finished" and state == "COMPLETED":
+        return 0
+    print(f"error: slurm job {job_id} ended {state}; run state {status.get('state', 'unknown')}"
+          + (f": {status['error']}" if status.get("error") else f" (job output: {out})"), file=sys.stderr)
+    return 1
 
 
 def cancel(rd: RunDir, timeout_s: float = 60) -> str:
