@@ -71,6 +71,9 @@ class RunSection(Section):
     """Number of steps (experience batches, each followed by one policy update and weight sync)."""
     seed: int = 0
     """Seed for prompt order, sampling and model initialisation."""
+    deterministic: bool = False
+    """Bitwise-repeatable runs: deterministic torch algorithms, fixed thread counts (cpus_per_worker, else
+    1), no vLLM prefix cache. A resumed run then ends with the same weights as an uninterrupted one."""
 
 
 class DataSection(Section):
@@ -222,6 +225,14 @@ class TrainerSection(Section):
     """Weights are broadcast to generators in buckets of about this size."""
 
 
+class CheckpointSection(Section):
+    every_steps: PositiveInt = 10
+    """Save a model checkpoint after every this many steps (and after the last step). Experience batches
+    are committed every step regardless, so a resume never regenerates what was committed."""
+    keep: PositiveInt = 2
+    """Model checkpoints kept (the newest); experience files are all kept."""
+
+
 class GroupSection(Section):
     workers: PositiveInt = 1
     """Worker processes of this role (Slurm tasks of its job step)."""
@@ -262,7 +273,7 @@ class PlacementSection(Section):
 # sbatch options slurm-rlhf sets from the placement or needs for itself.
 RESERVED_SBATCH = {"nodes", "ntasks", "ntasks-per-node", "cpus-per-task", "gpus", "gpus-per-task", "gpus-per-node",
                    "mem", "partition", "constraint", "account", "qos", "time", "job-name", "output", "error",
-                   "open-mode", "hetjob", "signal", "array", "nodelist"}
+                   "open-mode", "hetjob", "signal", "array", "nodelist", "requeue"}
 
 
 class SlurmSection(Section):
@@ -285,6 +296,10 @@ class SlurmSection(Section):
     """More sbatch options, e.g. `{mail-type: END, exclusive: true}` -> `#SBATCH --mail-type=END`."""
     python: str | None = None
     """Python on the compute nodes (default: the interpreter running `slurm-rlhf submit`)."""
+    signal_lead_s: PositiveInt = 120
+    """Seconds before the time limit at which the job is told (SIGUSR1) to checkpoint and requeue itself."""
+    max_requeues: int = Field(default=5, ge=0)
+    """How many times a job may requeue itself on reaching its time limit (0: never)."""
 
     @model_validator(mode="after")
     def _options(self) -> "SlurmSection":
@@ -340,6 +355,8 @@ class RunConfig(Section):
     """Which workers run which roles."""
     transport: TransportSection = TransportSection()
     """ZeroMQ, heartbeats and timeouts."""
+    checkpoint: CheckpointSection = CheckpointSection()
+    """Model checkpoints (experience is committed every step)."""
     slurm: SlurmSection = SlurmSection()
     """How `slurm-rlhf submit` and `render` ask Slurm for the allocation."""
 

@@ -1,0 +1,111 @@
+"""The experience store and the manifest: atomic commits, checksums, resume plans (no processes)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.unit.test_samples_and_modeling import batch as make_batch
+from toolkit.store import experience
+from toolkit.store.manifest import Manifest, plan_resume, verify
+
+
+def scored_batch(step=0):
+    b = make_batch(step=step)
+    b.ref_logprobs = np.array([-1, -2, -3, -4, -5], np.float32)
+    b.rewards = np.array([[1.0, 0.5], [0.0, 2.0]], np.float32)
+    b.reward_names, b.reward_weights = ["rule", "rm"], [1.0, 0.5]
+    b.responses = ["a\0b", "c"]  # a NUL, as untrained models write
+    return b
+
+
+def record(step=0):
+    per_token = {"old_logprobs": np.arange(5, dtype=np.float32), "advantages": np.ones(5, np.float32)}
+    return experience.record_of(scored_batch(step), per_token, step, "grpo", step, 0.01, 16 * (step + 1))
+
+
+def commit(run_dir, step):
+    path, digest, size = experience.commit(run_dir / "experience", step, record(step))
+    Manifest(run_dir).append({"kind": "experience", "step": step, "file": str(path.relative_to(run_dir)),
+                              "sha256": digest, "bytes": size})
+    return path
+
+
+def test_commit_and_read_back(tmp_path):
+    path = commit(tmp_path, 3)
+    assert path.name == "step-000003.h5" and not list(path.parent.glob(".*tmp"))
+    rec = experience.read(path)
+    assert rec["attrs"]["step"] == 3 and rec["attrs"]["reward_names"] == ["rule", "rm"]
+    assert rec["samples"]["reward_total"].tolist() == [1.25, 1.0]
+    assert rec["response"]["old_logprobs"].tolist() == [0, 1, 2, 3, 4]
+    assert rec["text"]["response"] == ["a\\x00b", "c"]  # NUL escaped; the token ids are exact
+    back = experience.batch_of(rec)
+    assert back.response(1).tolist() == [7, 8, 9] and back.total_reward.tolist() == [1.25, 1.0]
+    assert "samples 2 (2 prompts x 1)" in experience.summary(path)
+
+
+def test_failed_commit_leaves_nothing(tmp_path):
+    bad = record(0)
+    bad["samples"]["prompt_id"] = np.array([object()], dtype=object)  # h5py cannot store this
+    with pytest.raises(TypeError):
+        experience.commit(tmp_path, 0, bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_manifest_ignores_a_torn_last_line(tmp_path):
+    m = Manifest(tmp_path)
+    m.append({"kind": "experience", "step": 0})
+    with open(m.path, "a") as f:
+        f.write('{"kind": "experience", "st')  # a crash in the middle of a write
+    assert [r["step"] for r in m.records()] == [0]
+
+
+def test_verify(tmp_path):
+    path = commit(tmp_path, 0)
+    rec = Manifest(tmp_path).records()[0]
+    assert verify(path, rec["sha256"], rec["bytes"]) is None
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    assert verify(path, rec["sha256"], rec["bytes"]) == "checksum mismatch (corrupted)"
+    path.write_bytes(bytes(data[:10]))
+    assert "truncated" in verify(path, rec["sha256"], rec["bytes"])
+    path.unlink()
+    assert verify(path, rec["sha256"], rec["bytes"]) == "missing"
+
+
+def test_resume_plan(tmp_path):
+    for step in range(5):
+        commit(tmp_path, step)
+    ckpt = tmp_path / "checkpoints" / "step-000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "w.pt").write_bytes(b"weights")
+    from toolkit.store.manifest import checkpoint_files
+
+    Manifest(tmp_path).append({"kind": "checkpoint", "step": 2, "dir": "checkpoints/step-000002",
+                               "files": checkpoint_files(ckpt)})
+    plan = plan_resume(tmp_path)
+    assert plan.start_version == 2 and [p.name for p in plan.replay] == ["step-000002.h5", "step-000003.h5",
+                                                                          "step-000004.h5"]
+    assert plan.next_step == 5 and not plan.problems and not plan.set_aside
+    # a damaged experience file stops the replay there; it and what follows are generated again
+    (tmp_path / "experience" / "step-000003.h5").write_bytes(b"junk")
+    plan = plan_resume(tmp_path)
+    assert plan.next_step == 3 and [p.name for p in plan.set_aside] == ["step-000003.h5", "step-000004.h5"]
+    assert plan.problems == ["experience/step-000003.h5: 4 bytes, the manifest says "
+                             f"{json.loads(Manifest(tmp_path).path.read_text().splitlines()[3])['bytes']} bytes "
+                             "(truncated or overwritten); steps from 3 on are generated again"]
+    # a damaged checkpoint falls back to an older one (here: the initial weights)
+    (ckpt / "w.pt").write_bytes(b"other!!")
+    plan = plan_resume(tmp_path)
+    assert plan.checkpoint is None and plan.next_step == 3 and "checkpoint checkpoints/step-000002" in plan.problems[0]
+    # a removed checkpoint is not a problem
+    Manifest(tmp_path).append({"kind": "removed", "dir": "checkpoints/step-000002"})
+    assert all("checkpoints/" not in p for p in plan_resume(tmp_path).problems)
+
+
+def test_a_new_run_resumes_from_nothing(tmp_path):
+    plan = plan_resume(tmp_path)
+    assert plan.checkpoint is None and plan.replay == [] and plan.next_step == 0 and plan.problems == []

@@ -1,0 +1,132 @@
+"""The run manifest (RUN_DIR/manifest.jsonl) and the resume plan drawn from it.
+
+The manifest is append-only JSON Lines; each line is written and fsynced on its own, and a line cut
+short by a crash is ignored when read. Records:
+
+    {"kind": "experience", "step": s, "file": "experience/step-NNNNNN.h5", "sha256": ..., "bytes": ...}
+    {"kind": "checkpoint", "step": v, "dir": "checkpoints/step-NNNNNN", "files": {relpath: [sha256, bytes]}}
+    {"kind": "removed", "dir": ...}          an old checkpoint deleted to keep only the newest ones
+    {"kind": "resume", ...}                  what a resume used, replayed and set aside
+
+A checkpoint at step v holds the weights after v updates (policy_version v): the experience of steps
+0..v-1 is in it. Resuming loads the newest checkpoint whose files all match their checksums, trains on
+the committed experience of steps v, v+1, ... (in order, each verified, never regenerated) and generates
+from the first step that has no good experience. Damaged files are named and set aside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolkit.store.experience import file_name, sha256_of
+
+
+class Manifest:
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "manifest.jsonl"
+
+    def append(self, record: dict) -> None:
+        line = json.dumps({**record, "time": time.time()}) + "\n"
+        with open(self.path, "a") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def records(self) -> list[dict]:
+        try:
+            lines = self.path.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut short by a crash
+        return out
+
+
+def verify(path: Path, sha256: str, size: int) -> str | None:
+    """None if the file is whole, else what is wrong with it."""
+    try:
+        actual = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    if actual != size:
+        return f"{actual} bytes, the manifest says {size} bytes (truncated or overwritten)"
+    if sha256_of(path) != sha256:
+        return "checksum mismatch (corrupted)"
+    return None
+
+
+def checkpoint_files(directory: Path) -> dict[str, list]:
+    """{relative path: [sha256, bytes]} of every file under a checkpoint directory."""
+    return {str(p.relative_to(directory)): [sha256_of(p), p.stat().st_size]
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@dataclass
+class ResumePlan:
+    checkpoint: dict | None = None          # manifest record of the checkpoint to load (None: initial weights)
+    replay: list[Path] = field(default_factory=list)   # experience to train on after it, in step order
+    next_step: int = 0                      # first step to generate
+    problems: list[str] = field(default_factory=list)  # damaged files found, and what was done instead
+    set_aside: list[Path] = field(default_factory=list)  # experience of steps >= next_step (generated again)
+
+    @property
+    def start_version(self) -> int:
+        return self.checkpoint["step"] if self.checkpoint else 0
+
+
+def plan_resume(run_dir: Path) -> ResumePlan:
+    run_dir = Path(run_dir)
+    records = Manifest(run_dir).records()
+    plan = ResumePlan()
+    removed = {r["dir"] for r in records if r["kind"] == "removed"}
+    for ckpt in sorted((r for r in records if r["kind"] == "checkpoint" and r["dir"] not in removed),
+                       key=lambda r: r["step"], reverse=True):
+        bad = [f"{rel}: {why}" for rel, (digest, size) in ckpt["files"].items()
+               if (why := verify(run_dir / ckpt["dir"] / rel, digest, size))]
+        if not bad:
+            plan.checkpoint = ckpt
+            break
+        plan.problems.append(f"checkpoint {ckpt['dir']} is damaged ({'; '.join(bad[:3])}); using an older state")
+    experience = {r["step"]: r for r in records if r["kind"] == "experience"}  # the last commit of a step wins
+    step = plan.start_version
+    while step in experience:
+        rec = experience[step]
+        why = verify(run_dir / rec["file"], rec["sha256"], rec["bytes"])
+        if why:
+            plan.problems.append(f"{rec['file']}: {why}; steps from {step} on are generated again")
+            break
+        plan.replay.append(run_dir / rec["file"])
+        step += 1
+    plan.next_step = step
+    directory = run_dir / "experience"
+    if directory.is_dir():
+        plan.set_aside = sorted(p for p in directory.glob("step-*.h5")
+                                if int(p.stem.split("-")[1]) >= plan.next_step)
+    return plan
+
+
+def set_aside(run_dir: Path, plan: ResumePlan) -> list[Path]:
+    """Move experience that will be generated again to experience/set-aside/<time>/ (kept for the record)."""
+    if not plan.set_aside:
+        return []
+    target = Path(run_dir) / "experience" / "set-aside" / time.strftime("%Y%m%d-%H%M%S")
+    target.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for path in plan.set_aside:
+        dest = target / path.name
+        os.replace(path, dest)
+        moved.append(dest)
+    return moved
+
+
+def experience_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "experience" / file_name(step)
