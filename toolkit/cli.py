@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from toolkit.errors import ToolkitError
+from toolkit.errors import ConfigError, ToolkitError
 
 EXAMPLES = """examples:
   slurm-rlhf run templates/examples/tiny-grpo.yaml --run-dir runs/demo
@@ -19,6 +19,8 @@ EXAMPLES = """examples:
   slurm-rlhf submit run.yaml --run-dir runs/r1  # one Slurm allocation, one srun step per node group
   slurm-rlhf status runs/r1
   slurm-rlhf cancel runs/r1
+  slurm-rlhf resume runs/r1                     # continue from the last checkpoint and committed experience
+  slurm-rlhf inspect runs/r1/experience/step-000003.h5
   slurm-rlhf render run.yaml --run-dir runs/r2  # a batch script to submit by hand
   slurm-rlhf validate run.yaml
   slurm-rlhf tiny models/tiny
@@ -41,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
     p.add_argument("--verbose", "-v", action="store_true", help="show worker registration and debug records")
+
+    p = sub.add_parser("resume", help="continue a run from its last checkpoint and committed experience")
+    p.add_argument("run_dir")
+    p.add_argument("--submit", action="store_true", help="resume as a new Slurm job instead of on this machine")
+    p.add_argument("--wait", action="store_true", help="with --submit: follow the job until it ends")
+    p.add_argument("--verbose", "-v", action="store_true", help="show worker registration and debug records")
+
+    p = sub.add_parser("inspect", help="summarise an experience file (or every one of a run directory)")
+    p.add_argument("path", help="experience/step-NNNNNN.h5, or a run directory")
 
     p = sub.add_parser("submit", help="submit the run to Slurm: one allocation, one srun step per node group")
     _add_config_args(p)
@@ -69,30 +80,77 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(args) -> int:
-    import logging
-
     from toolkit.config import load_config
     from toolkit.data.prompts import read_prompts
-    from toolkit.launch.driver import Driver
-    from toolkit.launch.local import LocalLauncher
     from toolkit.launch.rundir import RunDir
-    from toolkit.log import setup_logging
 
     cfg = load_config(args.config, args.overrides)
     read_prompts(cfg.data.prompts, cfg.data.prompt_key)  # bad data is a config error, found before any process
     run_dir = RunDir(args.run_dir or Path("runs") / cfg.run.name).create(cfg)
-    setup_logging("driver", level=logging.DEBUG if args.verbose else logging.WARNING,
-                  file=str(run_dir.logs / "driver.log"))
+    return _run_here(cfg, run_dir, args.verbose)
+
+
+def _run_here(cfg, run_dir, verbose: bool) -> int:
+    """Run (or resume) `run_dir` with local worker processes."""
+    import logging
+
+    from toolkit.launch.driver import Driver
+    from toolkit.launch.local import LocalLauncher
+    from toolkit.log import setup_logging
+
+    setup_logging("driver", level=logging.DEBUG if verbose else logging.WARNING, file=str(run_dir.logs / "driver.log"))
     print(f"run {cfg.run.name!r} ({cfg.run.algorithm}, {cfg.run.steps} steps) in {run_dir.path}", flush=True)
     started = time.monotonic()
     bind_host = cfg.transport.bind_host or "127.0.0.1"
     driver = Driver(cfg, run_dir, LocalLauncher(run_dir, bind_host), bind_host, echo=lambda line: print(line, flush=True))
     records = driver.run()
-    first, last = records[: min(5, len(records))], records[-min(5, len(records)):]
-    mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)  # noqa: E731
-    print(f"done in {time.monotonic() - started:.1f} s: {len(records)} steps, mean reward of the first "
-          f"{len(first)} steps {mean(first):.3f}, of the last {len(last)} steps {mean(last):.3f}; "
-          f"metrics in {run_dir.metrics}", flush=True)
+    if driver.state == "preempted":
+        print(f"stopped at step {driver.step + 1}/{cfg.run.steps}; continue with: slurm-rlhf resume "
+              f"{shlex.quote(str(run_dir.path))}", flush=True)
+        return 0
+    line = f"done in {time.monotonic() - started:.1f} s: {cfg.run.steps} steps"
+    if records:
+        first, last = records[: min(5, len(records))], records[-min(5, len(records)):]
+        mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)  # noqa: E731
+        line += (f", mean reward of the first {len(first)} steps run now {mean(first):.3f}, of the last "
+                 f"{len(last)} {mean(last):.3f}")
+    print(f"{line}; metrics in {run_dir.metrics}", flush=True)
+    return 0
+
+
+def cmd_resume(args) -> int:
+    from toolkit.config import load_config
+    from toolkit.launch.jobs import follow, open_run
+
+    run_dir = open_run(args.run_dir)
+    cfg = load_config(run_dir.config)
+    if not args.submit:
+        return _run_here(cfg, run_dir, args.verbose)
+    from toolkit.launch.allocation import plan_allocation
+    from toolkit.launch.submit import submit
+    from toolkit.placement.plan import plan
+
+    job_id = submit(cfg, plan_allocation(plan(cfg), cfg.slurm.heterogeneous), run_dir)
+    run_dir.update_job(job_id=job_id, submitted=time.time(), requeues=0)
+    print(f"submitted slurm job {job_id} to resume {run_dir.path}", flush=True)
+    return follow(run_dir, job_id) if args.wait else 0
+
+
+def cmd_inspect(args) -> int:
+    from toolkit.store.experience import summary
+    from toolkit.store.manifest import Manifest
+
+    path = Path(args.path)
+    if path.is_dir():
+        records = [r for r in Manifest(path).records() if r["kind"] in ("experience", "checkpoint")]
+        if not records:
+            raise ConfigError(f"{path}: no experience or checkpoint in its manifest")
+        for r in records:
+            print(f"{r['kind']:<10} step {r['step']:>6}  {r.get('file') or r.get('dir')}")
+        return 0
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
+    print(summary(path))
     return 0
 
 
@@ -185,8 +243,9 @@ def cmd_tiny(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"run": cmd_run, "submit": cmd_submit, "render": cmd_render, "status": cmd_status, "cancel": cmd_cancel,
-               "validate": cmd_validate, "tiny": cmd_tiny}[args.command]
+    handler = {"run": cmd_run, "resume": cmd_resume, "inspect": cmd_inspect, "submit": cmd_submit,
+               "render": cmd_render, "status": cmd_status, "cancel": cmd_cancel, "validate": cmd_validate,
+               "tiny": cmd_tiny}[args.command]
     try:
         return handler(args)
     except ToolkitError as e:

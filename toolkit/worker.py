@@ -44,6 +44,7 @@ class Worker:
         self.inbox = Inbox(self.ctx, self.codec, wenv.bind_host, t.max_inflight_messages) if has_inbox else None
         self.outbox = None
         self.book: dict = {}
+        self.resume: dict | None = None
 
     def run(self) -> None:
         from toolkit.launch.env import node_name
@@ -61,6 +62,7 @@ class Worker:
                           slurm_step=f"{os.environ.get('SLURM_JOB_ID')}.{step}" if step else None, **extra)
         start = self.wait_command("start", self.cfg.transport.startup_timeout_s)
         self.book = start.meta["book"]
+        self.resume = start.meta.get("resume")
         target = next_group(self.groups, self.group)
         if target is not None:
             addresses = [self.book[w]["inbox"] for w in target.worker_ids() if self.book[w]["inbox"]]
@@ -68,7 +70,7 @@ class Worker:
         self.status["phase"] = "setup"
         role.setup()
         self.status["phase"] = "ready"
-        self.control.send("ready")
+        self.control.send("ready", **role.ready_info())
         role.serve()
         role.close()
         self.control.send("bye")
@@ -156,10 +158,15 @@ def main() -> None:
         cfg = load_config(os.path.join(wenv.run_dir, "config.yaml"))
         log.info("worker %s starting (pid %d)", wenv.worker_id, os.getpid())
         worker = Worker(wenv, cfg)
-        if worker.group.cpus_per_worker:
+        if worker.group.cpus_per_worker or cfg.run.deterministic:
             import torch
 
-            torch.set_num_threads(worker.group.cpus_per_worker)
+            torch.set_num_threads(worker.group.cpus_per_worker or 1)
+            if cfg.run.deterministic:
+                torch.use_deterministic_algorithms(True, warn_only=True)
+                # ... without filling every torch.empty with NaN: DeepSpeed allocates 500M-element
+                # gradient buckets each micro-step (2 GB written per step, 40x slower training).
+                torch.utils.deterministic.fill_uninitialized_memory = False
         worker.run()
         log.info("worker %s done", wenv.worker_id)
     except SystemExit as e:

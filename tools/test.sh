@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 if [ "$(id -u)" = 0 ]; then
+    # h5dump, to check that experience files read with standard HDF5 tools
+    command -v h5dump >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq --no-install-recommends hdf5-tools >/dev/null; }
     if [ ! -f /run/slurm-rlhf/nodes ]; then
         trap 'bash slurm/down.sh >/dev/null' EXIT  # stop the cluster afterwards only if this script started it
     fi

@@ -67,6 +67,11 @@ class PromptFeeder:
             self.position += 1
         return out
 
+    def skip(self, draws: int) -> None:
+        """Go to the cursor after `draws` prompts from the start (every epoch is one pass over the file)."""
+        self.epoch, self.position = divmod(draws, len(self.prompts))
+        self._order = self._permutation(self.epoch)
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from toolkit.errors import RunError, ToolkitError
@@ -25,6 +26,9 @@ def run_in_allocation(run_dir: str) -> None:
     from toolkit.placement.plan import plan
 
     os.umask(0o077)
+    # SIGUSR1 (the time limit is near) would end the process before the driver is listening for it.
+    early_usr1 = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: early_usr1.append(signum))
     if "SLURM_JOB_ID" not in os.environ:
         raise RunError("not inside a Slurm allocation (SLURM_JOB_ID is unset): submit the script that "
                        "`slurm-rlhf render` wrote with sbatch, or use `slurm-rlhf submit`")
@@ -35,8 +39,32 @@ def run_in_allocation(run_dir: str) -> None:
     launcher = SlurmLauncher(rd, plan_allocation(plan(cfg), cfg.slurm.heterogeneous), cfg.slurm.python or sys.executable)
     print(f"job {launcher.job_id}: run {cfg.run.name!r} in {rd.path}; node groups: "
           + ", ".join(f"{g} on {','.join(n)}" for g, n in launcher.nodes.items()), flush=True)
-    records = Driver(cfg, rd, launcher, node_address(), echo=lambda line: print(line, flush=True)).run()
-    print(f"done: {len(records)} steps; metrics in {rd.metrics}", flush=True)
+    driver = Driver(cfg, rd, launcher, node_address(), echo=lambda line: print(line, flush=True))
+    driver.preempt = bool(early_usr1)
+    driver.run()
+    if driver.state == "preempted":
+        try:
+            requeue(rd, cfg.slurm.max_requeues)
+        except RunError as e:
+            rd.write_status({**rd.read_json(rd.status), "state": "failed", "error": str(e)})
+            raise
+    else:
+        print(f"done: {cfg.run.steps} steps; metrics in {rd.metrics}", flush=True)
+
+
+def requeue(rd, max_requeues: int) -> None:
+    """Put this job back in the queue; the requeued job resumes the run by itself."""
+    import subprocess
+
+    job = rd.read_json(rd.job)
+    count = job.get("requeues", 0)
+    if count >= max_requeues:
+        raise RunError(f"the job's time is up and it was already requeued {count} times (slurm.max_requeues); "
+                       f"continue with: slurm-rlhf resume {rd.path} --submit")
+    rd.update_job(requeues=count + 1)
+    print(f"requeueing job {job['job_id']} ({count + 1} of at most {max_requeues}); it will resume by itself",
+          flush=True)
+    subprocess.run(["scontrol", "requeue", str(job["job_id"])], check=True, capture_output=True, timeout=60)
 
 
 def main(argv: list[str] | None = None) -> int:

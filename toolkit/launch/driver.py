@@ -1,5 +1,11 @@
 """Driver: runs one RL run. Starts the workers, hands out addresses, clocks the steps, watches health.
 
+Before the workers start, the driver plans a resume from the run manifest (a new run resumes from
+nothing): the trainer gets the checkpoint to load and the committed experience to train on again, and
+the prompt feeder skips what those steps drew. On SIGUSR1 (Slurm sends it before the time limit, and
+sometimes a minute early) the driver keeps stepping while another step, a checkpoint and the stop still
+fit before the job's end time, then asks the trainer for a checkpoint and stops: state `preempted`.
+
 A step, in the synchronous (on-policy) mode:
   1. the prompt feeder's next prompts go to the generators, split evenly, one message per worker;
   2. samples flow generators -> scorers -> trainer rank 0 over ZeroMQ (the driver is not in that path);
@@ -29,9 +35,11 @@ from toolkit.launch import env as E
 from toolkit.launch.env import node_name
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import group_of, plan
+from toolkit.store.manifest import Manifest, plan_resume, set_aside
 
 log = logging.getLogger("toolkit.driver")
 STATUS_EVERY_S = 2.0  # status.json is rewritten this often while the run waits on its workers
+STOP_MARGIN_S = 15.0  # kept free before the job's end for stopping the workers and requeueing
 
 
 class Driver:
@@ -52,6 +60,11 @@ class Driver:
         self.error: str | None = None
         self.last_metrics: dict | None = None
         self._status_written = 0.0
+        self.preempt = False
+        self.history: list[dict] = []  # metrics of steps run before this attempt (a resume)
+        self.end_time: float | None = None  # when the job will be killed (unix time), once known
+        self.trainer_ready: dict = {}
+        self.checkpointed: dict | None = None
 
     # ----- the run --------------------------------------------------------------------------------
 
@@ -67,27 +80,24 @@ class Driver:
         ctx = zmq.Context()
         self.coordinator = Coordinator(ctx, secret, self.bind_host)
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        previous_usr1 = signal.signal(signal.SIGUSR1, self._on_usr1)
         records: list[dict] = []
         outbox = None
         try:
-            self.launcher.start(self.groups, {E.RUN_DIR: str(self.run_dir.path), E.CONTROL: self.coordinator.address,
-                                              E.SECRET_FILE: str(self.run_dir.secret)})
-            self.echo(f"started {len(self.worker_ids)} workers ({', '.join(f'{g.name} x{g.workers}' for g in self.groups)})"
-                      f"; logs in {self.run_dir.logs}")
-            started = time.monotonic()
-            self._pump(lambda: len(self.book) == len(self.worker_ids), t.startup_timeout_s, "every worker to register")
-            for worker_id in self.worker_ids:
-                self.coordinator.send(worker_id, "start", book=self.book)
-            self._pump(lambda: len(self.ready) == len(self.worker_ids), t.startup_timeout_s,
-                       "every worker to load its models")
-            self.echo(f"all workers ready in {time.monotonic() - started:.1f} s")
+            resume = self._plan_resume()
+            self._start_workers(resume)
             self.state = "running"
             inboxes = [self.book[w]["inbox"] for w in self.generator_ids]
             outbox = Outbox(ctx, Codec(secret, "driver"), inboxes, t.max_inflight_messages)
-            for step in range(cfg.run.steps):
+            for step in range(resume["next_step"], cfg.run.steps):
+                if self.preempt and not self._time_for_a_step(records):
+                    break
                 records.append(self._step(step, outbox))
+            stopped_early = self.step + 1 < cfg.run.steps
+            if stopped_early:
+                self._checkpoint_before_stopping()
             self._shutdown()
-            self.state = "finished"
+            self.state = "preempted" if stopped_early else "finished"
             return records
         except KeyboardInterrupt:
             self.state = "interrupted"
@@ -97,6 +107,7 @@ class Driver:
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGUSR1, previous_usr1)
             self.stopping = True
             self.launcher.stop(grace_s=5.0)
             self._write_status()
@@ -104,6 +115,27 @@ class Driver:
                 outbox.close()
             self.coordinator.close()
             ctx.term()
+
+    def _start_workers(self, resume: dict) -> None:
+        """Launch every worker, hand out the address book and the resume plan, and wait until all are ready
+        (after a resume: until the generators hold the trainer's weights)."""
+        t = self.cfg.transport
+        self.launcher.start(self.groups, {E.RUN_DIR: str(self.run_dir.path), E.CONTROL: self.coordinator.address,
+                                          E.SECRET_FILE: str(self.run_dir.secret)})
+        self.echo(f"started {len(self.worker_ids)} workers ({', '.join(f'{g.name} x{g.workers}' for g in self.groups)})"
+                  f"; logs in {self.run_dir.logs}")
+        started = time.monotonic()
+        self._pump(lambda: len(self.book) == len(self.worker_ids), t.startup_timeout_s, "every worker to register")
+        for worker_id in self.worker_ids:
+            self.coordinator.send(worker_id, "start", book=self.book, resume=resume)
+        self._pump(lambda: len(self.ready) == len(self.worker_ids), t.startup_timeout_s,
+                   "every worker to load its models")
+        self.echo(f"all workers ready in {time.monotonic() - started:.1f} s")
+        self._record_replayed()
+        version = self.trainer_ready.get("version", 0)
+        if version:
+            self._pump(lambda: all(self.synced.get(g) == version for g in self.generator_ids),
+                       t.step_timeout_s, "the resumed weights to reach the generators")
 
     def _step(self, step: int, outbox) -> dict:
         cfg = self.cfg
@@ -127,6 +159,75 @@ class Driver:
         self.echo(progress_line(record, cfg.run.steps))
         self._write_status(last=record)
         return record
+
+    def _plan_resume(self) -> dict:
+        """Resume from what the run directory holds (nothing, for a new run); the trainer's part of it."""
+        plan = plan_resume(self.run_dir.path)
+        for problem in plan.problems:
+            self.echo(f"resume: {problem}")
+        moved = set_aside(self.run_dir.path, plan)
+        if plan.checkpoint or plan.replay or moved:
+            where = f"checkpoint {plan.checkpoint['dir']}" if plan.checkpoint else "the initial weights"
+            self.echo(f"resuming at step {plan.next_step}: {where} (policy_version {plan.start_version}), then "
+                      f"training again on {len(plan.replay)} committed experience batch(es)"
+                      + (f"; {len(moved)} later one(s) set aside in {moved[0].parent}" if moved else ""))
+            Manifest(self.run_dir.path).append({
+                "kind": "resume", "checkpoint": plan.checkpoint["dir"] if plan.checkpoint else None,
+                "replay": [str(p.relative_to(self.run_dir.path)) for p in plan.replay], "next_step": plan.next_step,
+                "set_aside": [str(p.relative_to(self.run_dir.path)) for p in moved], "problems": plan.problems})
+        self._keep_metrics_before(plan.next_step)
+        self.feeder.skip(plan.next_step * self.cfg.rollout.prompts_per_step)
+        self.step = plan.next_step - 1
+        return {"checkpoint": plan.checkpoint["dir"] if plan.checkpoint else None,
+                "replay": [str(p) for p in plan.replay], "next_step": plan.next_step}
+
+    def _keep_metrics_before(self, step: int) -> None:
+        """Drop metrics of steps that will run again (and a line cut short by a crash)."""
+        path = self.run_dir.metrics
+        if not path.exists():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+                if record["step"] < step:
+                    kept.append(line + "\n")
+                    self.history.append(record)
+            except (json.JSONDecodeError, KeyError):
+                pass
+        self.run_dir.write_atomic(path, "".join(kept))
+
+    def _record_replayed(self) -> None:
+        """Metrics of steps trained again on a resume, for steps whose metrics were never written."""
+        done = {r["step"] for r in read_metrics(self.run_dir.metrics)} if self.run_dir.metrics.exists() else set()
+        for record in self.trainer_ready.get("replayed", []):
+            if record["step"] not in done:
+                self.run_dir.append_metrics({**record, "time": time.time()})
+            self.last_metrics = record
+            self.echo(f"replayed {progress_line(record, self.cfg.run.steps)}")
+
+    def _checkpoint_before_stopping(self) -> None:
+        self.echo(f"stopping after step {self.step + 1} (SIGUSR1): saving a checkpoint")
+        self.coordinator.send(self.trainer_id, "checkpoint")
+        self._pump(lambda: self.checkpointed is not None, self.cfg.transport.step_timeout_s, "the trainer's checkpoint")
+        self.echo(f"checkpoint of policy_version {self.checkpointed['version']} saved in "
+                  f"{self.checkpointed['checkpoint_s']:.1f} s")
+
+    def _on_usr1(self, signum, frame) -> None:
+        self.preempt = True
+        if self.end_time is None:
+            self.end_time = self.launcher.end_time() or time.time()
+        log.warning("SIGUSR1: stopping while %.0f s are left before the job ends", self.end_time - time.time())
+
+    def _time_for_a_step(self, records: list[dict]) -> bool:
+        """Another step, a checkpoint and the stop fit before the end (estimated from the last steps run,
+        also by earlier attempts of the run)."""
+        if self.end_time is None:
+            self.end_time = self.launcher.end_time() or time.time()
+        ran = [r for r in [*self.history, *records] if "step_s" in r]
+        step_s = max((r["step_s"] for r in ran[-3:]), default=30.0)
+        checkpoint_s = max((r.get("checkpoint_s") or 0.0 for r in ran), default=0.0) + 5.0
+        return time.time() + step_s + checkpoint_s + STOP_MARGIN_S < self.end_time
 
     def _shutdown(self) -> None:
         self.stopping = True
@@ -165,6 +266,8 @@ class Driver:
             log.info("registered %s (pid %s on %s)", worker_id, m.get("pid"), m.get("node"))
         elif msg.kind == "ready":
             self.ready.add(worker_id)
+            if worker_id == self.trainer_id:
+                self.trainer_ready = m
             log.info("%s ready", worker_id)
         elif msg.kind == "failed":
             raise RunError(f"{self._describe(worker_id)} failed: {m.get('error')}\n"
@@ -176,6 +279,8 @@ class Driver:
             self.synced[worker_id] = m["version"]
         elif msg.kind == "trained":
             self.trained[m["step"]] = m["metrics"]
+        elif msg.kind == "checkpointed":
+            self.checkpointed = m
         elif msg.kind != "bye":
             log.warning("unexpected %r from %s", msg.kind, worker_id)
 
@@ -241,9 +346,14 @@ class Driver:
 
 
 def progress_line(r: dict, steps: int) -> str:
-    return (f"step {r['step'] + 1:>3}/{steps}  v{r['policy_version']}  reward {r['reward_mean']:.3f}  "
-            f"kl {r['kl']:+.4f}  loss {r['loss']:+.4f}  gen {r['generate_s']:.2f}s  score {r['score_s']:.2f}s  "
-            f"train {r['train_s']:.2f}s  sync {r['sync_s']:.2f}s  {r['tokens_per_s']:.0f} tok/s")
+    line = (f"step {r['step'] + 1:>3}/{steps}  v{r['policy_version']}  reward {r['reward_mean']:.3f}  "
+            f"kl {r['kl']:+.4f}  loss {r['loss']:+.4f}")
+    if "generate_s" in r:  # (a step trained again on a resume generated nothing)
+        line += (f"  gen {r['generate_s']:.2f}s  score {r['score_s']:.2f}s  train {r['train_s']:.2f}s  "
+                 f"sync {r['sync_s']:.2f}s  {r['tokens_per_s']:.0f} tok/s")
+    if r.get("checkpoint_s"):
+        line += f"  ckpt {r['checkpoint_s']:.2f}s"
+    return line
 
 
 def _raise_interrupt(signum, frame):

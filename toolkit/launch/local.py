@@ -58,6 +58,9 @@ class LocalLauncher:
     def step_id(self, group: str) -> None:
         return None  # no Slurm steps here
 
+    def end_time(self) -> None:
+        return None  # a local run has no time limit: SIGUSR1 stops it after the current step
+
     def describe(self, worker_id: str) -> str:
         proc = self.procs.get(worker_id)
         return f"pid {proc.pid} on this machine" if proc else "not started"

@@ -24,8 +24,9 @@ def sbatch_script(cfg, allocation: Allocation, run_dir: str, command: list[str] 
     """The batch script; `command` is an argv list (quoted here) or a ready shell line."""
     s = cfg.slurm
     common = {"time": s.time_min, "account": s.account, "qos": s.qos}
+    # USR1 to the batch shell (the driver) before the time limit: checkpoint, then requeue and resume.
     head = {"job-name": s.job_name or cfg.run.name, "output": job_log(run_dir), "error": job_log(run_dir, "err"),
-            "open-mode": "append", **s.sbatch}
+            "open-mode": "append", "signal": f"B:USR1@{s.signal_lead_s}", "requeue": True, **s.sbatch}
     blocks = []
     for i, component in enumerate(allocation.components):
         options = {**(head if i == 0 else {}), **_resources(component), **common}

@@ -9,6 +9,7 @@ RUN_DIR/logs/srun-<group>.log and named in errors.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import signal
@@ -83,6 +84,15 @@ class SlurmLauncher:
         """`<job>.<step>` of a group's step, as srun reported it."""
         match = STEP_ID.search(self._srun_text(group))
         return match["step"] if match else None
+
+    def end_time(self) -> float | None:
+        """When Slurm will end the job (unix time), or None if it has no limit or cannot say."""
+        out = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", "%e"], capture_output=True, text=True,
+                             timeout=30)
+        try:
+            return datetime.datetime.strptime(out.stdout.split()[0], "%Y-%m-%dT%H:%M:%S").timestamp()
+        except (IndexError, ValueError):
+            return None
 
     def describe(self, worker_id: str) -> str:
         group = worker_id.split(":")[0]

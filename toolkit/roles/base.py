@@ -28,6 +28,10 @@ class Role:
     def setup(self) -> None:
         """Load models, join groups; the address book is `self.worker.book`."""
 
+    def ready_info(self) -> dict:
+        """Extra fields of the `ready` event (the trainer reports its policy_version after a resume)."""
+        return {}
+
     def serve(self) -> None:
         """Handle commands and data until `shutdown`."""
         while True:

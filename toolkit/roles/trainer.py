@@ -1,12 +1,17 @@
-"""Trainer role: DeepSpeed actor (and critic for PPO) on data-parallel ranks; trains, then syncs weights.
+"""Trainer role: DeepSpeed actor (and critic for PPO) on data-parallel ranks.
 
-Rank 0 receives scored samples until a step's experience batch is complete, sorts it (by prompt slot and
-sample index, so arrival order never matters), broadcasts it to the other ranks over the trainer's
-process group, and every rank trains on its shard. After the update the policy_version grows by one
-and the full actor weights go to the generators: under ZeRO-3 all ranks gather each bucket
-(GatheredParameters) and rank 0 broadcasts it over the weight-sync group.
+A step on rank 0: collect the step's scored samples, sort them (by prompt slot and sample index, so
+arrival order never matters) and share them with the other ranks; every rank computes the experience
+of its shard (old log-probs, values, advantages); rank 0 gathers it and commits the experience batch
+to HDF5 (durable before anyone trains on it); every rank trains; the policy_version grows by one; the
+full actor weights go to the generators (gathered bucket by bucket under ZeRO-3); every
+`checkpoint.every_steps` a model checkpoint is saved.
 
-Rank 0 hosts the run's TCPStore: the trainer group and the weight-sync group rendezvous on it.
+On a resume (`start` carries the plan) the trainer loads the checkpoint and trains again on the
+committed experience after it, from the stored tensors, before the first new step.
+
+Rank 0 hosts the run's TCPStore: the trainer group and the weight-sync group rendezvous on it, and it
+tells the other ranks what to do next with a broadcast command (train, checkpoint, sync, stop).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,14 +31,17 @@ import torch.distributed as dist
 from toolkit.algorithms.kl_controller import make_kl_controller
 from toolkit.placement.plan import group_of
 from toolkit.roles.base import Role
+from toolkit.roles.modeling import gather_responses
 from toolkit.roles.samples import SampleBatch
-from toolkit.roles.update import make_experience, train_on
+from toolkit.roles.update import experience_from_record, make_experience, train_on
+from toolkit.store import checkpoint, experience
+from toolkit.store.manifest import Manifest
 from toolkit.transport.rendezvous import connect_store, serve_store
 from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, manifest_of, plan_buckets
 
 log = logging.getLogger(__name__)
 
-TRAIN, STOP = 1, 0
+STOP, TRAIN, CHECKPOINT, SYNC = 0, 1, 2, 3
 # Arrays every trainer rank needs (the text stays on rank 0).
 SHARED_ARRAYS = ("prompt_ids", "group_index", "sample_index", "policy_version", "prompt_tokens", "prompt_offsets",
                  "response_tokens", "response_offsets", "behaviour_logprobs", "finished", "ref_logprobs", "rewards")
@@ -53,6 +62,7 @@ class TrainerRole(Role):
         from toolkit.roles.modeling import CriticModel, torch_dtype
 
         cfg = self.cfg
+        self.run_dir = Path(self.worker.wenv.run_dir)
         timeout_s = cfg.transport.step_timeout_s
         if self.rank != 0:
             host, port = self.worker.book[self.worker.group.worker_ids()[0]]["store"].rsplit(":", 1)
@@ -69,27 +79,30 @@ class TrainerRole(Role):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         dtype = torch_dtype(cfg.model.dtype)
         actor = AutoModelForCausalLM.from_pretrained(cfg.model.actor, dtype=dtype)
-        self.actor = self._engine(deepspeed, actor, cfg.trainer.lr)
-        self.critic = None
+        self.engines = {"actor": self._engine(deepspeed, actor, cfg.trainer.lr)}
         if cfg.run.algorithm == "ppo":
-            self.critic = self._engine(deepspeed, CriticModel(str(cfg.critic_path), dtype), cfg.trainer.critic_lr)
+            critic = CriticModel(str(cfg.critic_path), dtype)
+            self.engines["critic"] = self._engine(deepspeed, critic, cfg.trainer.critic_lr)
+        self.actor, self.critic = self.engines["actor"], self.engines.get("critic")
         k = cfg.algorithm.kl
         self.kl = make_kl_controller(k.coef, k.adaptive, k.target, k.horizon)
         self.version = 0
-        self.status["policy_version"] = 0
+        self.checkpointed = -1
         self.shuffle_rng = torch.Generator().manual_seed(cfg.run.seed)
         self.params = list(self.actor.module.named_parameters())
         self.manifest = manifest_of(self.params)
         bucket_bytes = int(cfg.trainer.weight_sync_bucket_mb * 2**20)
         self.buckets = plan_buckets(self.manifest, bucket_bytes)
+        self.replayed = self._resume(self.worker.resume or {})
+        self.status["policy_version"] = self.version
         if self.rank == 0:
             generators = group_of(self.worker.groups, "generator")
             ranks_each = cfg.rollout.vllm.tensor_parallel_size if cfg.generation_backend == "vllm" else 1
             log.info("forming the weight-sync group with %d generator rank(s)", generators.workers * ranks_each)
             group = form_group(self.store, 0, 1 + generators.workers * ranks_each, timeout_s, self.device)
             self.sender = WeightSender(group, self.manifest, bucket_bytes, self.device)
-        log.info("trainer rank %d/%d ready (ZeRO-%d, %d actor weights)", self.rank, self.world,
-                 cfg.trainer.zero_stage, len(self.params))
+        log.info("trainer rank %d/%d ready (ZeRO-%d, %d actor weights, policy_version %d)", self.rank, self.world,
+                 cfg.trainer.zero_stage, len(self.params), self.version)
 
     def _engine(self, deepspeed, model, lr: float):
         t = self.cfg.trainer
@@ -112,13 +125,46 @@ class TrainerRole(Role):
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         return engine
 
+    def ready_info(self) -> dict:
+        return {"version": self.version, "replayed": self.replayed}
+
+    # ----- resume -------------------------------------------------------------------------------
+
+    def _resume(self, plan: dict) -> list[dict]:
+        """Load the plan's checkpoint, then train again on the committed experience after it (every rank)."""
+        if plan.get("checkpoint"):
+            directory = self.run_dir / plan["checkpoint"]
+            state = checkpoint.load(directory, self.engines)
+            self.version = self.checkpointed = state["policy_version"]
+            self.kl.load_state_dict(state["kl"])
+            checkpoint.set_rng_state(state["shuffle_rng"], self.shuffle_rng)
+            checkpoint.set_rng_state(state["torch_rng"])
+            log.info("loaded %s (policy_version %d)", directory, self.version)
+        replayed = []
+        for path in plan.get("replay", []):
+            record = experience.read(Path(path))
+            batch = experience.batch_of(record)
+            if abs(record["attrs"]["kl_coef"] - self.kl.coef) > 1e-12 or record["attrs"]["policy_version"] != self.version:
+                log.warning("%s was trained from policy_version %s with kl_coef %s; replaying it at %s with %s",
+                            path, record["attrs"]["policy_version"], record["attrs"]["kl_coef"], self.version,
+                            self.kl.coef)
+            metrics = self._learn(batch, record=record)
+            metrics.update(_batch_metrics(batch), step=batch.step, policy_version=self.version, replayed=True)
+            replayed.append(metrics)
+            log.info("trained again on %s (policy_version now %d)", path, self.version)
+        return replayed
+
     # ----- the loop -----------------------------------------------------------------------------
 
     def serve(self) -> None:
         if self.rank != 0:
             return self._follow()
+        if self.version > 0:  # resumed: the generators still hold the initial weights
+            self._command(SYNC)
+            self.worker.control.send("weights_ready", step=-1, version=self.version)
+            self._sync()
         self.pending: list[SampleBatch] = []
-        self.expected_step = 0
+        self.expected_step = (self.worker.resume or {}).get("next_step", 0)
         super().serve()
 
     def on_data(self, msg) -> None:
@@ -135,9 +181,15 @@ class TrainerRole(Role):
             self._step(self.pending)
             self.pending, self.expected_step = [], self.expected_step + 1
 
+    def on_command(self, msg) -> None:
+        if msg.kind != "checkpoint":  # the driver asks before stopping (e.g. the job's time is nearly up)
+            return super().on_command(msg)
+        self._command(CHECKPOINT)
+        seconds, size_mb = self._checkpoint()
+        self.worker.control.send("checkpointed", version=self.version, checkpoint_s=seconds, checkpoint_mb=size_mb)
+
     def on_shutdown(self) -> None:
-        if self.rank == 0:
-            self._command(STOP, -1)
+        self._command(STOP)
 
     def _step(self, parts: list[SampleBatch]) -> None:
         batch = SampleBatch.concat(parts)
@@ -146,34 +198,47 @@ class TrainerRole(Role):
         batch = batch.select(np.lexsort((batch.sample_index, batch.group_index)))
         self._command(TRAIN, batch.step)
         self._share(batch)
-        metrics = self._train(batch)
+        metrics = self._learn(batch, commit=True)
         metrics.update(_stage_seconds(parts, "generate_s", "generator"))
         metrics.update(_stage_seconds(parts, "score_s", "scorer"))
         metrics.update(_batch_metrics(batch))
         metrics["tokens_per_s"] = metrics["response_tokens"] / max(metrics["generate_s"], 1e-9)
         self.worker.control.send("weights_ready", step=batch.step, version=self.version)
         metrics["sync_s"], metrics["sync_mb"] = self._sync()
+        if (batch.step + 1) % self.cfg.checkpoint.every_steps == 0 or batch.step + 1 == self.cfg.run.steps:
+            self._command(CHECKPOINT)
+            metrics["checkpoint_s"], metrics["checkpoint_mb"] = self._checkpoint()
         metrics["rejected_frames"] = self.worker.rejected_frames()
         self.worker.control.send("trained", step=batch.step, version=self.version, metrics=metrics)
         self.status.update(phase="idle", policy_version=self.version)
 
     def _follow(self) -> None:
-        """Ranks > 0: train on what rank 0 broadcasts until it says stop."""
+        """Ranks > 0: do what rank 0 broadcasts until it says stop."""
         while True:
             command, step = self._command()
             if command == STOP:
                 return
-            batch = self._share(None, step)
-            self._train(batch)
-            self._sync()
+            if command == TRAIN:
+                self._learn(self._share(None, step), commit=True)
+                self._sync()
+            elif command == CHECKPOINT:
+                self._checkpoint()
+            elif command == SYNC:
+                self._sync()
             self.status.update(phase="idle", policy_version=self.version, step=step)
 
-    def _train(self, batch: SampleBatch) -> dict:
+    def _learn(self, batch: SampleBatch, commit: bool = False, record: dict | None = None) -> dict:
+        """One update from `batch`: its experience is computed (or taken from a committed `record`),
+        committed first if asked, then trained on. Every rank calls this with the same batch."""
         cfg = self.cfg
         self.status.update(phase="training", step=batch.step)
         started = time.monotonic()
         shard = np.array_split(np.arange(len(batch)), self.world)[self.rank]
-        exp = make_experience(batch, shard, self.actor, self.critic, cfg, self.kl.coef, self.pad_id, self._sum)
+        if record is None:
+            exp = make_experience(batch, shard, self.actor, self.critic, cfg, self.kl.coef, self.pad_id, self._sum)
+        else:
+            exp = experience_from_record(record, shard, self.pad_id)
+        commit_s = self._commit(batch, exp) if commit else 0.0
         stats = train_on(exp, self.actor, self.critic, cfg, self.shuffle_rng)
         mask = exp.mask
         k1 = (exp.old_logprobs - exp.ref_logprobs) * mask
@@ -184,11 +249,44 @@ class TrainerRole(Role):
         kl_sum, tokens, samples, diff_sum = totals[:4].tolist()
         metrics = {k: v / self.world for k, v in zip(sorted(stats), totals[4:].tolist())}
         metrics.update(kl=kl_sum / tokens, kl_seq=kl_sum / samples, behaviour_logprob_diff=diff_sum / tokens,
-                       kl_coef=self.kl.coef, grad_norm=_float(self.actor.get_global_grad_norm()))
+                       kl_coef=self.kl.coef, grad_norm=_float(self.actor.get_global_grad_norm()), commit_s=commit_s)
         self.kl.update(kl_sum / samples, len(batch))
         self.version += 1
-        metrics["train_s"] = time.monotonic() - started
+        metrics["train_s"] = time.monotonic() - started - commit_s
         return metrics
+
+    def _commit(self, batch: SampleBatch, exp) -> float:
+        """Commit the step's experience batch to HDF5 (rank 0 writes; all ranks wait for it); seconds taken."""
+        started = time.monotonic()
+        per_token = {"old_logprobs": exp.old_logprobs, "advantages": exp.advantages}
+        if exp.values is not None:
+            per_token.update(values=exp.values, returns=exp.returns)
+        flat = {name: np.concatenate(gather_responses(t, exp.padded) or [np.zeros(0, np.float32)])
+                for name, t in per_token.items()}
+        full = self._gather_flat(flat)
+        if self.rank == 0:
+            record = experience.record_of(batch, full, batch.step, self.cfg.run.algorithm, self.version, self.kl.coef,
+                                          (batch.step + 1) * self.cfg.rollout.prompts_per_step)
+            path, digest, size = experience.commit(self.run_dir / "experience", batch.step, record)
+            Manifest(self.run_dir).append({"kind": "experience", "step": batch.step,
+                                           "file": str(path.relative_to(self.run_dir)), "sha256": digest,
+                                           "bytes": size})
+        self._barrier()  # nobody trains on a batch before it is durable
+        return time.monotonic() - started
+
+    def _checkpoint(self) -> tuple[float, float]:
+        """Save a model checkpoint of the current policy_version (every rank); (seconds, MB)."""
+        if self.version == self.checkpointed:
+            return 0.0, 0.0
+        self.status["phase"] = "checkpointing"
+        started = time.monotonic()
+        state = {"policy_version": self.version, "kl": self.kl.state_dict(),
+                 "shuffle_rng": checkpoint.rng_state(self.shuffle_rng), "torch_rng": checkpoint.rng_state(),
+                 "prompts_drawn": self.version * self.cfg.rollout.prompts_per_step}
+        size_mb = checkpoint.save(self.run_dir, self.version, self.engines, state, str(self.cfg.tokenizer_path),
+                                  self.rank, self.cfg.trainer.zero_stage == 3, self._barrier, self.cfg.checkpoint.keep)
+        self.checkpointed = self.version
+        return time.monotonic() - started, size_mb
 
     def _sync(self) -> tuple[float, float]:
         """Send the actor's full weights to the generators (rank 0); every rank gathers under ZeRO-3."""
@@ -212,11 +310,33 @@ class TrainerRole(Role):
             dist.all_reduce(t)
         return t
 
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
     def _command(self, command: int = STOP, step: int = -1) -> tuple[int, int]:
         t = torch.tensor([command, step], dtype=torch.int64)
         if self.world > 1:
             dist.broadcast(t, 0)
         return int(t[0]), int(t[1])
+
+    def _gather_flat(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """Rank 0 gets each array concatenated over ranks in rank order (others get None)."""
+        if self.world == 1:
+            return arrays
+        out = {}
+        for name, array in arrays.items():
+            local = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+            dist.all_gather(sizes, torch.tensor([local.numel()]))
+            width = int(max(sizes))
+            padded = torch.zeros(width, dtype=torch.float32)
+            padded[: local.numel()] = local
+            gathered = [torch.zeros(width, dtype=torch.float32) for _ in range(self.world)] if self.rank == 0 else None
+            dist.gather(padded, gathered, dst=0)
+            if self.rank == 0:
+                out[name] = np.concatenate([g[: int(n)].numpy() for g, n in zip(gathered, sizes)])
+        return out if self.rank == 0 else None
 
     def _share(self, batch: SampleBatch | None, step: int = 0) -> SampleBatch:
         """Rank 0's batch on every rank (arrays only; text stays on rank 0)."""

@@ -63,6 +63,26 @@ def make_experience(batch, shard_index: np.ndarray, actor, critic, cfg, kl_coef:
     return Experience(padded, old, ref, behaviour, advantages, values, returns)
 
 
+def experience_from_record(record: dict, shard_index: np.ndarray, pad_id: int) -> Experience:
+    """The Experience a rank trained on, rebuilt from a committed HDF5 record (`store.experience.read`):
+    the same tensors, so training on it again gives the same update without generating anything."""
+    from toolkit.store.experience import batch_of
+
+    batch = batch_of(record)
+    shard = batch.select(shard_index)  # shards are contiguous ranges of the batch
+    padded = pad_samples(shard, pad_id)
+    offsets = batch.response_offsets
+    lo, hi = offsets[shard_index[0]], offsets[shard_index[-1] + 1]
+    local = offsets[shard_index[0]: shard_index[-1] + 2] - lo
+    stored = record["response"]
+
+    def place(name: str) -> torch.Tensor | None:
+        return scatter_responses(stored[name][lo:hi], local, padded) if name in stored else None
+
+    return Experience(padded, place("old_logprobs"), place("ref_logprobs"), place("behaviour_logprobs"),
+                      place("advantages"), place("values"), place("returns"))
+
+
 def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator) -> dict[str, float]:
     """`algorithm.epochs` passes over the experience in micro-batches; DeepSpeed steps the optimizer
     every `gradient_accumulation_steps` micro-batches. Returns means of the loss statistics."""

@@ -30,7 +30,8 @@ class VllmEngine:
             kv_cache_memory_bytes=int(vcfg.kv_cache_gb * 2**30),
             # Log-probs of the distribution actually sampled from (after temperature/top-p).
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
+            # The prefix cache makes results depend on what ran before; deterministic runs go without it.
+            enable_prefix_caching=not cfg.run.deterministic,
             max_logprobs=-1,  # prompt_logprobs(top=-1) may ask for the whole vocabulary (checks)
             worker_extension_cls=EXTENSION,
         )

@@ -1,0 +1,177 @@
+"""Experience checkpoints and exact resume, with real processes.
+
+A deterministic run of 2N = 6 steps (checkpoint every 2) is the baseline. The same run is killed with
+SIGKILL (its whole process group and every worker's) once N + 1 = 4 experience batches are committed;
+copies of that killed run are then resumed as they are, with a corrupted last experience file, and with a
+damaged checkpoint. Each must end with the baseline's weights and per-step rewards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, cli, example, write_config
+from toolkit.store import experience
+
+pytestmark = pytest.mark.integration
+STEPS, KILL_AFTER = 6, 4
+
+
+def config(tiny, tmp_path: Path) -> Path:
+    return write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": STEPS, "name": "exact", "seed": 5,
+                                                                      "deterministic": True},
+                                          checkpoint={"every_steps": 2}))
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("baseline")
+    result = cli("run", config(tiny, tmp), "--run-dir", tmp / "run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def killed(tiny, tmp_path_factory) -> Path:
+    """A run killed with SIGKILL right after its KILL_AFTER-th experience commit (never resumed)."""
+    tmp = tmp_path_factory.mktemp("killed")
+    run_dir = tmp / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config(tiny, tmp)), "--run-dir", str(run_dir)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while commits(run_dir) < KILL_AFTER:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the kill"
+            time.sleep(0.05)
+        workers = [w["pid"] for w in json.loads((run_dir / "status.json").read_text())["workers"].values()]
+        for pgid in [proc.pid, *workers]:  # every worker leads its own process group
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert KILL_AFTER <= commits(run_dir) < STEPS
+    return run_dir
+
+
+def commits(run_dir: Path) -> int:
+    path = run_dir / "manifest.jsonl"
+    if not path.exists():
+        return 0
+    return sum('"kind": "experience"' in line for line in path.read_text().splitlines())
+
+
+def resumed_copy(killed: Path, tmp_path: Path, damage=None) -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed, run_dir)
+    if damage:
+        damage(run_dir)
+    result = cli("resume", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return run_dir, result
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step-{STEPS:06d}" / "hf" / "model.safetensors")
+
+
+def assert_same_as_baseline(run_dir: Path, baseline: Path) -> float:
+    a, b = final_weights(baseline), final_weights(run_dir)
+    assert set(a) == set(b)
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff <= 1e-6, f"max abs difference of the actor weights {diff:.3g}"
+    rewards = [[r["reward_mean"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+               for d in (baseline, run_dir)]
+    assert len(rewards[0]) == STEPS and rewards[0] == rewards[1]
+    for step in range(STEPS):  # the committed batches themselves hold the same samples and rewards
+        x, y = (experience.read(d / "experience" / experience.file_name(step)) for d in (baseline, run_dir))
+        assert np.array_equal(x["tokens"]["response"], y["tokens"]["response"])
+        assert np.array_equal(x["samples"]["reward_total"], y["samples"]["reward_total"])
+    return diff
+
+
+def test_resume_after_sigkill_ends_with_the_same_weights(baseline, killed, tmp_path):
+    run_dir, result = resumed_copy(killed, tmp_path)
+    n = commits(killed)
+    assert (f"resuming at step {n}: checkpoint checkpoints/step-000002 (policy_version 2), then training again "
+            f"on {n - 2} committed experience batch(es)") in result.stdout
+    diff = assert_same_as_baseline(run_dir, baseline)
+    print(f"max abs weight difference after resume: {diff:.3g}")
+    # (b) from the HDF5 records: every step committed exactly once, no sample twice, none lost
+    records = [r for r in map(json.loads, (run_dir / "manifest.jsonl").read_text().splitlines())]
+    assert sorted(r["step"] for r in records if r["kind"] == "experience") == list(range(STEPS))
+    resume = [r for r in records if r["kind"] == "resume"]
+    assert len(resume) == 1 and resume[0]["replay"] == [f"experience/{experience.file_name(s)}" for s in range(2, n)]
+    for step in range(STEPS):
+        rec = experience.read(run_dir / "experience" / experience.file_name(step))
+        s = rec["samples"]
+        pairs = set(zip(s["group_index"].tolist(), s["sample_index"].tolist()))
+        assert len(pairs) == len(s["prompt_id"]) == 64
+        assert set(s["policy_version"].tolist()) == {step}  # generated by the weights of that step
+        base = experience.read(baseline / "experience" / experience.file_name(step))["samples"]
+        assert np.array_equal(s["prompt_id"], base["prompt_id"])
+    state = json.loads((run_dir / "checkpoints" / f"step-{STEPS:06d}" / "trainer_state.json").read_text())
+    assert state["policy_version"] == STEPS  # one update per committed batch: none trained twice
+
+
+def flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_last_experience_is_generated_again(baseline, killed, tmp_path):
+    last = commits(killed) - 1
+    name = experience.file_name(last)
+    run_dir, result = resumed_copy(killed, tmp_path, damage=lambda d: flip_bytes(d / "experience" / name))
+    assert f"resume: experience/{name}: checksum mismatch (corrupted); steps from {last} on are generated again" \
+        in result.stdout
+    assert f"training again on {last - 2} committed experience batch(es); 1 later one(s) set aside" in result.stdout
+    assert list((run_dir / "experience" / "set-aside").glob(f"*/{name}"))  # kept for the record, not used
+    assert_same_as_baseline(run_dir, baseline)
+
+
+def test_damaged_checkpoint_falls_back_to_an_older_state(baseline, killed, tmp_path):
+    def truncate(run_dir: Path) -> None:
+        shard = next((run_dir / "checkpoints" / "step-000002" / "actor").rglob("*optim_states.pt"))
+        shard.write_bytes(shard.read_bytes()[:100])
+
+    run_dir, result = resumed_copy(killed, tmp_path, damage=truncate)
+    assert "resume: checkpoint checkpoints/step-000002 is damaged" in result.stdout
+    assert "truncated or overwritten" in result.stdout
+    n = commits(killed)
+    assert f"resuming at step {n}: the initial weights (policy_version 0), then training again on {n}" in result.stdout
+    assert_same_as_baseline(run_dir, baseline)
+
+
+def test_experience_files_read_with_plain_tools(baseline):
+    path = baseline / "experience" / experience.file_name(1)
+    with h5py.File(path, "r") as f:  # plain h5py, no project code
+        assert f.attrs["schema_version"] == 1 and f.attrs["step"] == 1
+        n = len(f["samples/prompt_id"])
+        offsets = f["tokens/response_offsets"][()]
+        assert len(offsets) == n + 1 and offsets[-1] == len(f["tokens/response"]) == len(f["response/advantages"])
+        assert f["samples/rewards"].shape == (n, 1) and len(f["text/response"]) == n
+    dump = subprocess.run(["h5dump", "-H", str(path)], capture_output=True, text=True)
+    assert dump.returncode == 0 and 'GROUP "samples"' in dump.stdout and 'DATASET "old_logprobs"' in dump.stdout
+    out = cli("inspect", path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "samples 64 (16 prompts x 4)" in out.stdout and "reward (total): mean" in out.stdout
+    assert "kl per token (old - ref)" in out.stdout
