@@ -4,11 +4,13 @@ checkpoints and requeues itself on SIGUSR1, and every requeued job resumes by it
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 
 import pytest
 
 from tests.conftest import cli, example, write_config
-from tests.slurm.test_submit import assert_nothing_left
+from tests.slurm.test_submit import assert_nothing_left, squeue, wait_for_step
 from toolkit.store import experience
 
 pytestmark = pytest.mark.slurm
@@ -36,3 +38,29 @@ def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
     last = experience.read(run_dir / "experience" / experience.file_name(STEPS - 1))
     assert last["attrs"]["policy_version"] == STEPS - 1
     assert_nothing_left(run_dir, str(job["job_id"]))
+
+
+def test_a_job_requeued_by_slurm_resumes_by_itself(tiny, tmp_path):
+    """Preemption with requeue, as Slurm does it: the running job is stopped (SIGTERM) and queued again;
+    the new start resumes from the committed experience and finishes the run."""
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 60, "name": "preempted"},
+                                            checkpoint={"every_steps": 20}))
+    run_dir = tmp_path / "run"
+    result = cli("submit", config, "--run-dir", run_dir, timeout=120)
+    assert result.returncode == 0, result.stderr
+    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+    wait_for_step(run_dir)
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+    deadline = time.monotonic() + 600
+    while squeue(job_id) and time.monotonic() < deadline:
+        time.sleep(1)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished", status.get("error")
+    output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
+    assert output.count("resuming at step") == 1
+    steps = sorted(json.loads(line)["step"] for line in (run_dir / "manifest.jsonl").read_text().splitlines()
+                   if '"kind": "experience"' in line)
+    assert steps == list(range(60))
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(60))
+    assert_nothing_left(run_dir, job_id)

@@ -56,7 +56,8 @@ class Driver:
         self.trained: dict[int, dict] = {}
         self.stopping = False
         self.state = "starting"
-        self.step = -1
+        self.step = -1  # the last step completed
+        self.running_step: int | None = None
         self.error: str | None = None
         self.last_metrics: dict | None = None
         self._status_written = 0.0
@@ -139,7 +140,7 @@ class Driver:
 
     def _step(self, step: int, outbox) -> dict:
         cfg = self.cfg
-        self.step = step
+        self.running_step = step
         started = time.monotonic()
         prompts = self.feeder.next(cfg.rollout.prompts_per_step)
         for slots in np.array_split(np.arange(len(prompts)), len(self.generator_ids)):
@@ -156,6 +157,7 @@ class Driver:
         record = {"step": step, "policy_version": version, **self.trained.pop(step),
                   "step_s": time.monotonic() - started, "time": time.time()}
         self.run_dir.append_metrics(record)
+        self.step, self.running_step = step, None
         self.echo(progress_line(record, cfg.run.steps))
         self._write_status(last=record)
         return record
@@ -337,7 +339,8 @@ class Driver:
         if self.state not in ("starting", "running"):
             for w in workers.values():
                 w["phase"], w["step"] = "ended", self.step
-        status = {"state": self.state, "step": self.step, "steps": self.cfg.run.steps,
+        status = {"state": self.state, "step": self.step, "running_step": self.running_step,
+                  "steps": self.cfg.run.steps,
                   "launcher": self.launcher.name, "error": self.error,
                   "driver": {"pid": os.getpid(), "node": node_name()}, "workers": workers,
                   "last_metrics": self.last_metrics}
