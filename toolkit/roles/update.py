@@ -104,16 +104,14 @@ def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator) 
             width = part.action_mask.shape[1]
             device = next(actor.parameters()).device
             ids, attention, mask = (t.to(device) for t in (part.input_ids, part.attention_mask, part.action_mask))
-
-            def rows(t: torch.Tensor) -> torch.Tensor:
-                return t[index, :width].to(device)
-
+            old, advantages, ref = (t[index, :width].to(device) for t in (exp.old_logprobs, exp.advantages,
+                                                                          exp.ref_logprobs))
             logits = actor(input_ids=ids, attention_mask=attention).logits
             logprobs = token_logprobs(logits, ids, cfg.rollout.temperature)
-            loss, stats = policy_loss(logprobs, rows(exp.old_logprobs), rows(exp.advantages), mask, algo.clip_eps)
+            loss, stats = policy_loss(logprobs, old, advantages, mask, algo.clip_eps)
             add("pg_loss", loss.item())
             if grpo and algo.kl.coef > 0:
-                kl_term = masked_mean(kl_estimate(logprobs, rows(exp.ref_logprobs), "k3"), mask)
+                kl_term = masked_mean(kl_estimate(logprobs, ref, "k3"), mask)
                 loss = loss + algo.kl.coef * kl_term
                 add("kl_loss", kl_term.item())
             actor.backward(loss)
@@ -122,8 +120,9 @@ def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator) 
             add("clip_frac", stats["clip_frac"])
             add("approx_kl", stats["approx_kl"])
             if critic is not None:
+                old_values, returns = (t[index, :width].to(device) for t in (exp.values, exp.returns))
                 values = critic(ids, attention)[:, :-1]
-                v_loss, v_stats = value_loss(values, rows(exp.values), rows(exp.returns), mask, algo.value_clip_eps)
+                v_loss, v_stats = value_loss(values, old_values, returns, mask, algo.value_clip_eps)
                 critic.backward(v_loss)
                 critic.step()
                 add("value_loss", v_loss.item())
