@@ -40,21 +40,24 @@ class Worker:
         self.heartbeat = Heartbeat(self.ctx, secret, wenv.control, self.id, t.heartbeat_interval_s,
                                    t.heartbeat_timeout_s, self._coordinator_lost)
         self.status = self.heartbeat.status
-        has_inbox = self.group.receives_on_every_rank or self.rank == 0
+        has_inbox = self.rank == 0 or any(self.group.receives(r) for r in self.group.roles)
         self.inbox = Inbox(self.ctx, self.codec, wenv.bind_host, t.max_inflight_messages) if has_inbox else None
-        self.outbox = None
+        self.outboxes: dict = {}
         self.book: dict = {}
         self.resume: dict | None = None
+        self.roles: dict = {}
 
     def run(self) -> None:
         from toolkit.launch.env import node_name
-        from toolkit.placement.plan import next_group
         from toolkit.roles import make_role
-        from toolkit.transport.sockets import Outbox
 
         self.heartbeat.start()
-        role = make_role(self)
-        extra = role.prepare()
+        # The trainer first: a generator in the same worker generates with the trainer's actor.
+        order = sorted(self.group.roles, key=lambda r: r != "trainer")
+        self.roles = {role: make_role(self, role) for role in order}
+        extra = {}
+        for role in self.roles.values():
+            extra.update(role.prepare())
         self.status["phase"] = "registering"
         step = os.environ.get("SLURM_STEP_ID")
         self.control.send("register", group=self.group.name, rank=self.rank, pid=os.getpid(), node=node_name(),
@@ -63,17 +66,81 @@ class Worker:
         start = self.wait_command("start", self.cfg.transport.startup_timeout_s)
         self.book = start.meta["book"]
         self.resume = start.meta.get("resume")
-        target = next_group(self.groups, self.group)
-        if target is not None:
-            addresses = [self.book[w]["inbox"] for w in target.worker_ids() if self.book[w]["inbox"]]
-            self.outbox = Outbox(self.ctx, self.codec, addresses, self.cfg.transport.max_inflight_messages)
         self.status["phase"] = "setup"
-        role.setup()
+        for role in self.roles.values():
+            role.setup()
+        info = {}
+        for role in self.roles.values():
+            info.update(role.ready_info())
         self.status["phase"] = "ready"
-        self.control.send("ready", **role.ready_info())
-        role.serve()
-        role.close()
+        self.control.send("ready", **info)
+        self.serve()
+        for role in self.roles.values():
+            role.close()
+        for outbox in self.outboxes.values():
+            outbox.close()
         self.control.send("bye")
+
+    def serve(self) -> None:
+        """Handle commands and samples until `shutdown`. Trainer ranks above 0 follow trainer rank 0; in a
+        worker that also generates, they do so once their share of the step has left."""
+        from toolkit.roles.samples import SampleBatch
+
+        trainer = self.roles.get("trainer")
+        follower = trainer is not None and self.rank > 0
+        if follower and "generator" not in self.roles:
+            return trainer.follow()
+        if trainer is not None:
+            trainer.begin()
+        while True:
+            event = self.next_event(1.0)
+            if event is None:
+                continue
+            source, msg = event
+            if source == "command":
+                if msg.kind == "shutdown":
+                    for role in self.roles.values():
+                        role.on_shutdown()
+                    return
+                target = {"sync": "generator", "checkpoint": "trainer"}.get(msg.kind)
+                if target in self.roles:
+                    self.roles[target].on_command(msg)
+                else:
+                    log.warning("ignored command %r", msg.kind)
+            elif msg.kind == "prompts":
+                self.run_stages("generator", msg.meta)
+                if follower:
+                    trainer.follow(once=True)
+            else:
+                self.run_stages(msg.meta["stage"], SampleBatch.from_message(msg))
+
+    def run_stages(self, stage: str, payload) -> None:
+        """Run `stage` and the stages after it that this worker hosts; send the result on to the next host."""
+        from toolkit.placement.plan import next_stage
+
+        if stage not in self.roles:
+            raise RuntimeError(f"got samples for {stage!r}, which worker {self.id} does not host")
+        while True:
+            payload = self.roles[stage].handle(payload)
+            stage = next_stage(self.groups, stage)
+            if payload is None or stage is None:
+                return
+            if stage not in self.roles or (stage == "trainer" and self.rank > 0):
+                break
+        self.outbox_for(stage).send(*payload.to_message(stage), timeout_s=self.cfg.transport.step_timeout_s)
+
+    def outbox_for(self, stage: str):
+        """The PUSH socket to the workers that take samples for `stage` (every rank, or rank 0 only)."""
+        from toolkit.placement.plan import group_of
+        from toolkit.transport.sockets import Outbox
+
+        target = group_of(self.groups, stage)
+        ids = target.worker_ids() if target.receives(stage) else target.worker_ids()[:1]
+        key = tuple(ids)
+        if key not in self.outboxes:
+            self.outboxes[key] = Outbox(self.ctx, self.codec, [self.book[w]["inbox"] for w in ids],
+                                        self.cfg.transport.max_inflight_messages)
+        return self.outboxes[key]
 
     def wait_command(self, kind: str, timeout_s: float):
         """Block until the coordinator sends `kind` (a `shutdown` instead ends the worker)."""

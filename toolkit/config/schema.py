@@ -233,11 +233,31 @@ class CheckpointSection(Section):
     """Model checkpoints kept (the newest); experience files are all kept."""
 
 
+MODELS = ("generation", "reference", "reward", "actor", "critic")
+"""The models a placement puts somewhere: the generation engine, the reference model, the rewards
+(functions and reward models), the actor and the critic (PPO)."""
+
+# Node groups of each preset placement (the order is the order of the node groups in the allocation).
+PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "separation": {"generator": ("generation",), "scorer": ("reference", "reward"), "trainer": ("actor", "critic")},
+    "flattening": {"all": MODELS},
+    "interleaving": {"trainer": ("actor", "critic", "generation"), "scorer": ("reference", "reward")},
+    "colocate_actor_ref": {"generator": ("generation",), "reward": ("reward",),
+                           "trainer": ("actor", "critic", "reference")},
+    "colocate_critic_reward": {"generator": ("generation",), "reference": ("reference",),
+                               "trainer": ("actor", "critic", "reward")},
+    "colocate_all_models": {"generator": ("generation",), "trainer": ("actor", "critic", "reference", "reward")},
+}
+
+
 class GroupSection(Section):
+    models: list[Literal[MODELS]] | None = None
+    """Strategy `custom` only: the models this node group hosts (generation, reference, reward, actor,
+    critic); every model in exactly one group. The presets set this themselves."""
     workers: PositiveInt = 1
-    """Worker processes of this role (Slurm tasks of its job step)."""
+    """Worker processes of this node group (Slurm tasks of its job step)."""
     nodes: PositiveInt = 1
-    """Slurm: nodes of this role's node group; `workers` are spread evenly over them."""
+    """Slurm: nodes of this node group; `workers` are spread evenly over them."""
     cpus_per_worker: PositiveInt | None = None
     """CPU threads of each worker (Slurm: --cpus-per-task; default: Slurm's, or all cores locally)."""
     gpus_per_worker: int = Field(default=0, ge=0)
@@ -260,14 +280,68 @@ class GroupSection(Section):
 
 
 class PlacementSection(Section):
-    strategy: Literal["separation"] = "separation"
-    """Where roles run: `separation` gives generator, scorer and trainer each their own workers."""
-    generator: GroupSection = GroupSection()
-    """Generator workers (vLLM engines)."""
-    scorer: GroupSection = GroupSection()
-    """Scorer workers (reference model and rewards)."""
-    trainer: GroupSection = GroupSection()
-    """Trainer workers: the data-parallel ranks of the DeepSpeed actor (and critic)."""
+    """Which node group hosts which model. Resources of each node group go under its name, e.g.
+    `placement: {strategy: interleaving, trainer: {workers: 2}}`."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, GroupSection] = Field(init=False)
+
+    strategy: Literal["separation", "flattening", "interleaving", "colocate_actor_ref", "colocate_critic_reward",
+                      "colocate_all_models", "custom"] = "separation"
+    """`separation`: generator (generation), scorer (reference, reward) and trainer (actor, critic) node
+    groups. `flattening`: one group `all` hosting every model; each worker runs the phases in turn.
+    `interleaving`: trainer (actor, critic, generation) and scorer (reference, reward). OpenRLHF's
+    switches: `colocate_actor_ref` (generator | reward | trainer with the reference),
+    `colocate_critic_reward` (generator | reference | trainer with the rewards), `colocate_all_models`
+    (generator | trainer with every scoring model). `custom`: the groups you list, each with `models`."""
+    offload: bool = False
+    """GPU only: in a group hosting several models, move the models of other phases to host memory
+    while a phase runs (scorer models during generation and training)."""
+
+    @model_validator(mode="after")
+    def _groups(self) -> "PlacementSection":
+        groups = self.__pydantic_extra__
+        if self.strategy == "custom":
+            if not groups:
+                raise ValueError("strategy custom needs node groups: placement.<name>: {models: [...], workers: ...}")
+            where: dict[str, list[str]] = {}
+            for name, g in groups.items():
+                if not g.models:
+                    raise ValueError(f"{name}.models: list the models of this group (any of "
+                                     f"{', '.join(MODELS)})")
+                for m in g.models:
+                    where.setdefault(m, []).append(name)
+            twice = {m: sorted(set(names)) for m, names in where.items() if len(names) > 1}
+            if twice:
+                raise ValueError("node groups overlap: " + "; ".join(f"{m} is in {', '.join(n)}" for m, n in twice.items())
+                                 + "; put every model in exactly one group")
+            missing = [m for m in MODELS if m not in where]
+            if missing:
+                raise ValueError(f"no node group hosts {', '.join(missing)}; add it to a group's models")
+            if where["actor"] != where["critic"]:
+                raise ValueError(f"actor (in {where['actor'][0]}) and critic (in {where['critic'][0]}) must share a "
+                                 "group: the trainer trains both")
+            return self
+        preset = PRESETS[self.strategy]
+        for name, g in groups.items():
+            if name not in preset:
+                raise ValueError(f"unknown node group {name!r}: strategy {self.strategy} has node groups "
+                                 f"{', '.join(preset)}; name one of them (or use strategy custom)")
+            if g.models is not None:
+                raise ValueError(f"{name}.models is only for strategy custom ({self.strategy} places "
+                                 f"{', '.join(preset[name])} in {name})")
+        return self
+
+    def layout(self) -> list[tuple[str, tuple[str, ...], GroupSection]]:
+        """(name, models, resources) of every node group, in allocation order."""
+        groups = self.__pydantic_extra__
+        if self.strategy == "custom":
+            return [(name, tuple(g.models), g) for name, g in groups.items()]
+        return [(name, models, groups.get(name) or GroupSection()) for name, models in PRESETS[self.strategy].items()]
+
+    def group_with(self, model: str) -> GroupSection:
+        """Resources of the node group hosting `model`."""
+        return next(g for _, models, g in self.layout() if model in models)
 
 
 # sbatch options slurm-rlhf sets from the placement or needs for itself.
@@ -283,6 +357,9 @@ class SlurmSection(Section):
     """Account to charge (--account)."""
     qos: str | None = None
     """Quality of service (--qos)."""
+    nodes: PositiveInt | None = None
+    """Nodes you may use at most (e.g. your share of the cluster, or an allocation you already hold);
+    a placement whose node groups need more is refused before anything is submitted."""
     time_min: PositiveInt = 60
     """Time limit of the allocation, in minutes."""
     job_name: str | None = None
@@ -308,7 +385,7 @@ class SlurmSection(Section):
                 raise ValueError(f"slurm.sbatch: {key!r} is not an sbatch option name (write e.g. mail-type)")
             if key in RESERVED_SBATCH:
                 raise ValueError(f"slurm.sbatch: --{key} is set by slurm-rlhf; use the placement or slurm "
-                                 "settings instead (placement.<role>.nodes/partition/..., slurm.time_min, ...)")
+                                 "settings instead (placement.<group>.nodes/partition/..., slurm.time_min, ...)")
         return self
 
 
@@ -367,14 +444,32 @@ class RunConfig(Section):
                 f"rollout.group_size is {self.rollout.group_size}; GRPO needs >= 2 samples per prompt "
                 "to compare them (or set run.algorithm: ppo)"
             )
-        per_update = self.trainer.micro_batch_size * self.placement.trainer.workers * self.trainer.updates_per_step
+        trainers = self.placement.group_with("actor").workers
+        per_update = self.trainer.micro_batch_size * trainers * self.trainer.updates_per_step
         if self.samples_per_step % per_update:
             raise ValueError(
                 f"a step has {self.samples_per_step} samples (rollout.prompts_per_step {self.rollout.prompts_per_step}"
                 f" x rollout.group_size {self.rollout.group_size}), not divisible by trainer.micro_batch_size "
-                f"{self.trainer.micro_batch_size} x placement.trainer.workers {self.placement.trainer.workers} x "
+                f"{self.trainer.micro_batch_size} x trainer workers {trainers} x "
                 f"trainer.updates_per_step {self.trainer.updates_per_step} = {per_update}; change one of them"
             )
+        layout = self.placement.layout()
+        generators = self.placement.group_with("generation")
+        if self.rollout.prompts_per_step < generators.workers:
+            raise ValueError(f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) is less than the generator "
+                             f"workers ({generators.workers}); every generator needs a prompt each step")
+        tp = self.rollout.vllm.tensor_parallel_size
+        if generators.gpus_per_worker and generators.gpus_per_worker % tp:
+            raise ValueError(f"rollout.vllm.tensor_parallel_size ({tp}) does not divide the GPUs of each generator "
+                             f"worker ({generators.gpus_per_worker}); make the GPUs a multiple of it")
+        need = sum(g.nodes for _, _, g in layout)
+        if self.slurm.nodes is not None and need > self.slurm.nodes:
+            raise ValueError(f"the node groups need {need} nodes (" + ", ".join(f"{name} {g.nodes}" for name, _, g in layout)
+                             + f") but slurm.nodes allows {self.slurm.nodes}; use fewer nodes per group")
+        if self.rollout.backend == "vllm" and "actor" in next(m for _, m, _ in layout if "generation" in m):
+            raise ValueError(f"rollout.backend is 'vllm', but placement.strategy {self.placement.strategy} puts generation "
+                             "in the trainer's workers, which generate with the trainer's own actor (transformers); "
+                             "use backend auto or hf, or a placement that gives generation its own node group")
         if self.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.backend is 'vllm' but vLLM is not installed; install it or use backend: hf")
         return self
@@ -404,4 +499,5 @@ class RunConfig(Section):
         """`rollout.backend` with `auto` resolved: vllm when it is installed, else hf."""
         if self.rollout.backend != "auto":
             return self.rollout.backend
-        return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+        colocated = "actor" in next(m for _, m, _ in self.placement.layout() if "generation" in m)
+        return "vllm" if importlib.util.find_spec("vllm") is not None and not colocated else "hf"

@@ -85,10 +85,10 @@ def assign_nodes(allocation: Allocation, component_nodes: list[list[str]]) -> di
 
 
 def placement_table(groups: list[WorkerGroup], allocation: Allocation) -> str:
-    """The plan as a table: role, node group, nodes, tasks, CPUs, GPUs, memory, partition, job component."""
-    rows = [("role", "node group", "nodes", "tasks", "CPUs/task", "GPUs/task", "mem/node", "partition", "component")]
+    """The plan as a table: node group, models, nodes, tasks, CPUs, GPUs, memory, partition, job component."""
+    rows = [("node group", "models", "nodes", "tasks", "CPUs/task", "GPUs/task", "mem/node", "partition", "component")]
     for g in groups:
-        rows.append((",".join(g.roles), g.name, str(g.nodes), str(g.workers), str(g.cpus_per_worker or "-"),
+        rows.append((g.name, ",".join(g.models), str(g.nodes), str(g.workers), str(g.cpus_per_worker or "-"),
                      str(g.gpus_per_worker), f"{g.mem_gb:g}G" if g.mem_gb else "-", g.partition or "(default)",
                      str(allocation.component_of(g)) if allocation.heterogeneous else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

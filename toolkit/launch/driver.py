@@ -34,7 +34,7 @@ from toolkit.errors import Interrupted, RunError
 from toolkit.launch import env as E
 from toolkit.launch.env import node_name
 from toolkit.launch.rundir import RunDir
-from toolkit.placement.plan import group_of, plan
+from toolkit.placement.plan import colocated, group_of, plan
 from toolkit.store.manifest import Manifest, plan_resume, set_aside
 
 log = logging.getLogger("toolkit.driver")
@@ -48,7 +48,11 @@ class Driver:
         self.groups = plan(cfg)
         self.worker_ids = [w for g in self.groups for w in g.worker_ids()]
         self.generator_ids = group_of(self.groups, "generator").worker_ids()
-        self.trainer_id = group_of(self.groups, "trainer").worker_ids()[0]
+        self.trainer_ids = group_of(self.groups, "trainer").worker_ids()
+        self.trainer_id = self.trainer_ids[0]
+        # Generators with workers of their own get weights by broadcast when told to `sync`; a generator
+        # in a trainer's worker gets them in memory and reports `synced` by itself.
+        self.sync_ids = [] if colocated(self.groups, "generator", "trainer") else self.generator_ids
         self.feeder = PromptFeeder(read_prompts(cfg.data.prompts, cfg.data.prompt_key), cfg.data.shuffle, cfg.run.seed)
         self.book: dict[str, dict] = {}
         self.ready: set[str] = set()
@@ -210,7 +214,8 @@ class Driver:
 
     def _checkpoint_before_stopping(self) -> None:
         self.echo(f"stopping after step {self.step + 1} (SIGUSR1): saving a checkpoint")
-        self.coordinator.send(self.trainer_id, "checkpoint")
+        for worker_id in self.trainer_ids:  # ranks above 0 that also generate join rank 0's checkpoint
+            self.coordinator.send(worker_id, "checkpoint")
         self._pump(lambda: self.checkpointed is not None, self.cfg.transport.step_timeout_s, "the trainer's checkpoint")
         self.echo(f"checkpoint of policy_version {self.checkpointed['version']} saved in "
                   f"{self.checkpointed['checkpoint_s']:.1f} s")
@@ -275,7 +280,7 @@ class Driver:
             raise RunError(f"{self._describe(worker_id)} failed: {m.get('error')}\n"
                            f"{m.get('traceback', '').rstrip()}\n{self._log_hint(worker_id)}")
         elif msg.kind == "weights_ready":
-            for g in self.generator_ids:
+            for g in self.sync_ids:
                 self.coordinator.send(g, "sync", version=m["version"])
         elif msg.kind == "synced":
             self.synced[worker_id] = m["version"]
@@ -334,7 +339,7 @@ class Driver:
         for w, version in self.synced.items():
             workers[w]["policy_version"] = version
         if self.last_metrics:  # trainer ranks update in lockstep
-            for w in group_of(self.groups, "trainer").worker_ids():
+            for w in self.trainer_ids:
                 workers[w]["policy_version"] = self.last_metrics["policy_version"]
         if self.state not in ("starting", "running"):
             for w in workers.values():

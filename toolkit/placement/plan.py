@@ -1,14 +1,20 @@
 """The placement plan: worker groups (one per node group), each hosting one or more roles.
 
-Data flows through the roles in PIPELINE order. A worker sends its output to the group that hosts the
-role after its own last role; roles inside one worker would hand data over in memory.
+Models map to roles: generation -> generator, reference -> reference, reward -> reward (every reward
+function and reward model), actor and critic -> trainer. A step's samples pass the roles in `stages`
+order: the generator first, the trainer last, the scoring roles in between, ordered so that samples
+change worker as seldom as possible (a role hosted with the generator runs right after it, on the
+same worker, in memory). Roles of one worker hand samples over in memory; otherwise a worker sends them
+to the group that hosts the next stage.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PIPELINE = ("generator", "scorer", "trainer")
+ROLE_OF = {"generation": "generator", "reference": "reference", "reward": "reward", "actor": "trainer",
+           "critic": "trainer"}
+SCORING = ("reference", "reward")
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,7 @@ class WorkerGroup:
     mem_gb: float | None = None
     partition: str | None = None
     constraint: str | None = None
+    models: tuple[str, ...] = ()
 
     @property
     def tasks_per_node(self) -> int:
@@ -33,19 +40,21 @@ class WorkerGroup:
     def worker_ids(self) -> list[str]:
         return [f"{self.name}:{rank}" for rank in range(self.workers)]
 
-    @property
-    def receives_on_every_rank(self) -> bool:
-        """Generators and scorers share incoming work across ranks; a trainer receives on rank 0 only."""
-        return PIPELINE.index(self.roles[0]) < PIPELINE.index("trainer")
+    def receives(self, role: str) -> bool:
+        """Whether samples for `role` arriving from another group go to every rank (else to rank 0).
+        Trainer ranks above 0 spend the step in the trainer's collectives, so a group hosting the
+        trainer takes samples on rank 0 only; prompts reach every generator."""
+        return role == "generator" or "trainer" not in self.roles
 
 
 def plan(cfg) -> list[WorkerGroup]:
-    """Worker groups for the config's placement (separation: one group per role)."""
+    """Worker groups of the config's placement, in allocation order."""
     groups = []
-    for role in PIPELINE:
-        s = getattr(cfg.placement, role)
-        groups.append(WorkerGroup(role, (role,), s.workers, s.cpus_per_worker, s.gpus_per_worker, dict(s.env),
-                                  s.nodes, s.mem_gb, s.partition or cfg.slurm.partition, s.constraint))
+    for name, models, s in cfg.placement.layout():
+        models = tuple(m for m in models if m != "critic" or cfg.run.algorithm == "ppo")  # GRPO has no critic
+        roles = tuple(dict.fromkeys(ROLE_OF[m] for m in models))
+        groups.append(WorkerGroup(name, roles, s.workers, s.cpus_per_worker, s.gpus_per_worker, dict(s.env),
+                                  s.nodes, s.mem_gb, s.partition or cfg.slurm.partition, s.constraint, tuple(models)))
     return groups
 
 
@@ -53,9 +62,27 @@ def group_of(groups: list[WorkerGroup], role: str) -> WorkerGroup:
     return next(g for g in groups if role in g.roles)
 
 
-def next_group(groups: list[WorkerGroup], group: WorkerGroup) -> WorkerGroup | None:
-    """The group that receives this group's output (None for the last stage)."""
-    last = max(PIPELINE.index(r) for r in group.roles)
-    if last + 1 == len(PIPELINE):
-        return None
-    return group_of(groups, PIPELINE[last + 1])
+def stages(groups: list[WorkerGroup]) -> tuple[str, ...]:
+    """The order in which samples pass the roles (see the module docstring)."""
+    order = ["generator"]
+    left = list(SCORING)
+    here = group_of(groups, "generator")
+    trainer = group_of(groups, "trainer")
+    while left:
+        role = next((r for r in left if group_of(groups, r) == here), None)
+        if role is None:  # move on: first to groups without the trainer, the trainer's group last
+            role = next((r for r in left if group_of(groups, r) != trainer), left[0])
+            here = group_of(groups, role)
+        order.append(role)
+        left.remove(role)
+    return (*order, "trainer")
+
+
+def next_stage(groups: list[WorkerGroup], role: str) -> str | None:
+    order = stages(groups)
+    i = order.index(role)
+    return order[i + 1] if i + 1 < len(order) else None
+
+
+def colocated(groups: list[WorkerGroup], a: str, b: str) -> bool:
+    return group_of(groups, a) == group_of(groups, b)

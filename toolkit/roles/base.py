@@ -1,4 +1,4 @@
-"""Role: the part of the RL loop a worker hosts, driven by data messages and coordinator commands."""
+"""Role: the part of the RL loop a worker hosts, fed samples by its worker and told commands."""
 
 from __future__ import annotations
 
@@ -32,29 +32,16 @@ class Role:
         """Extra fields of the `ready` event (the trainer reports its policy_version after a resume)."""
         return {}
 
-    def serve(self) -> None:
-        """Handle commands and data until `shutdown`."""
-        while True:
-            event = self.worker.next_event(1.0)
-            if event is None:
-                continue
-            source, msg = event
-            if source == "command":
-                if msg.kind == "shutdown":
-                    self.on_shutdown()
-                    return
-                self.on_command(msg)
-            else:
-                self.on_data(msg)
-
-    def on_shutdown(self) -> None:
-        """Called when the coordinator says `shutdown`, before `serve` returns."""
+    def handle(self, payload):
+        """Do this role's part for one message (prompts for the generator, a SampleBatch for the others);
+        return the samples for the next stage, or None when nothing goes on."""
+        raise NotImplementedError
 
     def on_command(self, msg) -> None:
         log.warning("ignored command %r", msg.kind)
 
-    def on_data(self, msg) -> None:
-        log.warning("ignored data message %r", msg.kind)
+    def on_shutdown(self) -> None:
+        """Called when the coordinator says `shutdown`, before the worker stops."""
 
     def close(self) -> None:
         pass

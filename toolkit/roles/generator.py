@@ -33,6 +33,18 @@ class GeneratorRole(Role):
 
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        self.truncated = 0
+        trainer = self.worker.roles.get("trainer")
+        if trainer is not None:
+            # Hosted with the trainer: generate with the trainer's own actor (its tensors, no copy),
+            # or under ZeRO-3 with a full copy the trainer refreshes after each update.
+            from toolkit.roles.engines.hf_engine import HFEngine
+
+            self.engine = HFEngine(cfg, self.device, model=trainer.generation_model())
+            self.version = trainer.version
+            trainer.generator = self
+            log.info("generating with the trainer's actor in this worker (policy_version %d)", self.version)
+            return
         backend = cfg.generation_backend
         log.info("starting the %s engine for %s", backend, cfg.model.actor)
         started = time.monotonic()
@@ -40,7 +52,6 @@ class GeneratorRole(Role):
         log.info("engine ready in %.1f s", time.monotonic() - started)
         self.version = 0
         self.status["policy_version"] = 0
-        self.truncated = 0
         # Join the weight-sync group hosted by trainer rank 0: ranks 1.. are generator engine ranks.
         host, port = self.worker.book[group_of(self.worker.groups, "trainer").worker_ids()[0]]["store"].rsplit(":", 1)
         n_workers = self.worker.group.workers
@@ -50,10 +61,13 @@ class GeneratorRole(Role):
                                                  cfg.transport.step_timeout_s)
         log.info("joined the weight-sync group as rank %d (%d weights)", first_rank, n_weights)
 
-    def on_data(self, msg) -> None:
-        if msg.kind != "prompts":
-            return super().on_data(msg)
-        meta = msg.meta
+    def holds(self, version: int, sync_s: float = 0.0) -> None:
+        """Now generating with `version` of the weights: tell the driver."""
+        self.version = version
+        self.status.update(phase="idle", policy_version=version)
+        self.worker.control.send("synced", version=version, sync_s=sync_s)
+
+    def handle(self, meta: dict) -> SampleBatch:
         step, ids, texts, fields = meta["step"], meta["prompt_ids"], meta["prompts"], meta["fields"]
         slots = meta["group_index"]
         group_size = self.cfg.rollout.group_size
@@ -82,9 +96,9 @@ class GeneratorRole(Role):
             prompts=[t for t in texts for _ in range(group_size)], responses=[c.text for c in completions],
             fields_=[f for f in fields for _ in range(group_size)],
             timings={"generate_s": generate_s, "generator": self.worker.id})
-        self.worker.outbox.send(*batch.to_message(), timeout_s=self.cfg.transport.step_timeout_s)
         log.info("step %d: %d samples, %d tokens in %.2f s", step, len(batch), len(response_tokens), generate_s)
         self.status["phase"] = "idle"
+        return batch
 
     def on_command(self, msg) -> None:
         if msg.kind != "sync":
@@ -94,9 +108,7 @@ class GeneratorRole(Role):
         version = self.engine.receive_weights()
         if version != msg.meta["version"]:
             raise RuntimeError(f"received weights of policy_version {version}, expected {msg.meta['version']}")
-        self.version = version
-        self.status.update(phase="idle", policy_version=version)
-        self.worker.control.send("synced", version=version, sync_s=time.monotonic() - started)
+        self.holds(version, time.monotonic() - started)
 
     def _tokenize(self, text: str) -> list[int]:
         if self.cfg.data.chat_template:

@@ -68,9 +68,10 @@ class SampleBatch:
     def prompt(self, i: int) -> np.ndarray:
         return self.prompt_tokens[self.prompt_offsets[i]: self.prompt_offsets[i + 1]]
 
-    def to_message(self) -> tuple[str, dict, dict]:
-        """(kind, meta, arrays) for `Outbox.send`."""
-        meta = {"step": self.step, "prompts": self.prompts, "responses": self.responses, "fields": self.fields_,
+    def to_message(self, stage: str = "trainer") -> tuple[str, dict, dict]:
+        """(kind, meta, arrays) for `Outbox.send`; `stage` is the role that takes the samples next."""
+        meta = {"stage": stage, "step": self.step, "prompts": self.prompts, "responses": self.responses,
+                "fields": self.fields_,
                 "reward_names": self.reward_names, "reward_weights": self.reward_weights, "timings": self.timings}
         arrays = {f.name: getattr(self, f.name) for f in fields(self)
                   if f.name not in meta and f.name != "fields_" and getattr(self, f.name) is not None}

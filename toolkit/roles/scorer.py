@@ -1,4 +1,4 @@
-"""Scorer role: adds reference log-probs and rewards to samples, then passes them to the trainer.
+"""Scoring roles: the reference role adds reference log-probs, the reward role adds rewards.
 
 Rewards are components, each weighted: rule-based functions named by import path (called per sample
 with the prompt, the response and the prompt's other data fields) and Hugging Face
@@ -27,20 +27,72 @@ class RewardFunctionError(RuntimeError):
     pass
 
 
-class ScorerRole(Role):
+class _Scoring(Role):
+    """What both scoring roles share: the tokenizer's pad id, and offloading between uses."""
+
+    @property
+    def offload(self) -> bool:
+        return self.cfg.placement.offload and self.device.type == "cuda" and len(self.worker.group.roles) > 1
+
+    def _load(self, load):
+        """`load(device)` -> model, kept in host memory between uses when the placement offloads."""
+        return load(torch.device("cpu") if self.offload else self.device)
+
+    def _models(self) -> list:
+        return []
+
+    def handle(self, batch: SampleBatch) -> SampleBatch:
+        self.status.update(phase="scoring", step=batch.step)
+        started = time.monotonic()
+        if self.offload:
+            for model in self._models():
+                model.to(self.device)
+        self.score(batch)
+        if self.offload:
+            for model in self._models():
+                model.to("cpu")
+            torch.cuda.empty_cache()
+        batch.timings["score_s"] = batch.timings.get("score_s", 0.0) + time.monotonic() - started
+        batch.timings.setdefault("scorer", self.worker.id)
+        self.status["phase"] = "idle"
+        return batch
+
+
+class ReferenceRole(_Scoring):
+    """Adds the reference model's log-probs of every response token."""
+
     def setup(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cfg = self.cfg
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.reference = self._load(lambda device: AutoModelForCausalLM.from_pretrained(
+            cfg.reference_path, dtype=torch_dtype(cfg.model.dtype)).to(device).eval())
+
+    def _models(self) -> list:
+        return [self.reference]
+
+    def score(self, batch: SampleBatch) -> None:
+        padded = pad_samples(batch, self.pad_id)
+        ref = sequence_logprobs(self.reference, padded, self.cfg.rollout.temperature, self.cfg.model.forward_batch_size)
+        batch.ref_logprobs = np.concatenate(gather_responses(ref, padded) or [np.zeros(0)]).astype(np.float32)
+
+
+class RewardRole(_Scoring):
+    """Adds every reward component: rule-based functions and reward models."""
+
+    def setup(self) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         cfg = self.cfg
         dtype = torch_dtype(cfg.model.dtype)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.reference = AutoModelForCausalLM.from_pretrained(cfg.reference_path, dtype=dtype).to(self.device).eval()
         self.functions = [(f.name, load_function(f.function), f.args, f.function) for f in cfg.reward.functions]
         self.reward_models = []
         for rm in cfg.reward.models:
             rm_tokenizer = AutoTokenizer.from_pretrained(rm.path)
-            model = AutoModelForSequenceClassification.from_pretrained(rm.path, dtype=dtype).to(self.device).eval()
+            model = self._load(lambda device: AutoModelForSequenceClassification.from_pretrained(
+                rm.path, dtype=dtype).to(device).eval())
             if model.config.num_labels != 1:
                 raise ValueError(f"reward model {rm.path} has {model.config.num_labels} labels; a reward model needs 1")
             if model.config.pad_token_id is None:
@@ -49,22 +101,14 @@ class ScorerRole(Role):
         self.names = [f.name for f in cfg.reward.functions] + [m.name for m in cfg.reward.models]
         self.weights = [f.weight for f in cfg.reward.functions] + [m.weight for m in cfg.reward.models]
 
-    def on_data(self, msg) -> None:
-        if msg.kind != "samples":
-            return super().on_data(msg)
-        batch = SampleBatch.from_message(msg)
-        self.status.update(phase="scoring", step=batch.step)
-        started = time.monotonic()
-        padded = pad_samples(batch, self.pad_id)
-        ref = sequence_logprobs(self.reference, padded, self.cfg.rollout.temperature, self.cfg.model.forward_batch_size)
-        batch.ref_logprobs = np.concatenate(gather_responses(ref, padded) or [np.zeros(0)]).astype(np.float32)
+    def _models(self) -> list:
+        return [m for _, m, _ in self.reward_models]
+
+    def score(self, batch: SampleBatch) -> None:
         columns = [self._call_function(f, batch) for f in self.functions]
         columns += [self._score_model(m, tok, batch) for _, m, tok in self.reward_models]
         batch.rewards = np.stack(columns, axis=1).astype(np.float32)
         batch.reward_names, batch.reward_weights = self.names, self.weights
-        batch.timings.update(score_s=time.monotonic() - started, scorer=self.worker.id)
-        self.worker.outbox.send(*batch.to_message(), timeout_s=self.cfg.transport.step_timeout_s)
-        self.status["phase"] = "idle"
 
     @staticmethod
     def _call_function(function, batch: SampleBatch) -> np.ndarray:

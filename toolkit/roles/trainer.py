@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.algorithms.kl_controller import make_kl_controller
-from toolkit.placement.plan import group_of
+from toolkit.placement.plan import colocated, group_of
 from toolkit.roles.base import Role
 from toolkit.roles.modeling import gather_responses
 from toolkit.roles.samples import SampleBatch
@@ -95,7 +95,9 @@ class TrainerRole(Role):
         self.buckets = plan_buckets(self.manifest, bucket_bytes)
         self.replayed = self._resume(self.worker.resume or {})
         self.status["policy_version"] = self.version
-        if self.rank == 0:
+        self.generator = None  # the generator role, when this worker hosts one (it sets itself here)
+        self.sender = None
+        if self.rank == 0 and not colocated(self.worker.groups, "generator", "trainer"):
             generators = group_of(self.worker.groups, "generator")
             ranks_each = cfg.rollout.vllm.tensor_parallel_size if cfg.generation_backend == "vllm" else 1
             log.info("forming the weight-sync group with %d generator rank(s)", generators.workers * ranks_each)
@@ -103,6 +105,10 @@ class TrainerRole(Role):
             self.sender = WeightSender(group, self.manifest, bucket_bytes, self.device)
         log.info("trainer rank %d/%d ready (ZeRO-%d, %d actor weights, policy_version %d)", self.rank, self.world,
                  cfg.trainer.zero_stage, len(self.params), self.version)
+
+    def generation_model(self):
+        """The module a generator in this worker generates with: the actor's own, unless ZeRO-3 splits it."""
+        return None if self.cfg.trainer.zero_stage == 3 else self.actor.module
 
     def _engine(self, deepspeed, model, lr: float):
         t = self.cfg.trainer
@@ -156,22 +162,21 @@ class TrainerRole(Role):
 
     # ----- the loop -----------------------------------------------------------------------------
 
-    def serve(self) -> None:
-        if self.rank != 0:
-            return self._follow()
-        if self.version > 0:  # resumed: the generators still hold the initial weights
+    def begin(self) -> None:
+        """Before the first step (rank 0, and ranks above 0 that also generate): make the generators hold
+        the trainer's weights (after a resume they still hold the initial ones)."""
+        if self.generator is not None:
+            self._load_local()
+            self.generator.holds(self.version)
+        elif self.rank == 0 and self.version > 0:
             self._command(SYNC)
             self.worker.control.send("weights_ready", step=-1, version=self.version)
             self._sync()
         self.pending: list[SampleBatch] = []
         self.expected_step = (self.worker.resume or {}).get("next_step", 0)
-        super().serve()
 
-    def on_data(self, msg) -> None:
+    def handle(self, part: SampleBatch) -> None:
         """Rank 0: collect samples until the step's experience batch is complete, then train on it."""
-        if msg.kind != "samples":
-            return super().on_data(msg)
-        part = SampleBatch.from_message(msg)
         if part.step != self.expected_step:
             raise RuntimeError(f"got samples of step {part.step} while collecting step {self.expected_step}")
         self.pending.append(part)
@@ -184,12 +189,17 @@ class TrainerRole(Role):
     def on_command(self, msg) -> None:
         if msg.kind != "checkpoint":  # the driver asks before stopping (e.g. the job's time is nearly up)
             return super().on_command(msg)
+        if self.rank > 0:  # a rank that also generates: rank 0 is about to broadcast CHECKPOINT
+            return self.follow(once=True)
         self._command(CHECKPOINT)
         seconds, size_mb = self._checkpoint()
         self.worker.control.send("checkpointed", version=self.version, checkpoint_s=seconds, checkpoint_mb=size_mb)
 
     def on_shutdown(self) -> None:
-        self._command(STOP)
+        if self.rank == 0:
+            self._command(STOP)
+        else:
+            self.follow(once=True)
 
     def _step(self, parts: list[SampleBatch]) -> None:
         batch = SampleBatch.concat(parts)
@@ -198,34 +208,38 @@ class TrainerRole(Role):
         batch = batch.select(np.lexsort((batch.sample_index, batch.group_index)))
         self._command(TRAIN, batch.step)
         self._share(batch)
-        metrics = self._learn(batch, commit=True)
+        metrics = self._train_step(batch)
         metrics.update(_stage_seconds(parts, "generate_s", "generator"))
         metrics.update(_stage_seconds(parts, "score_s", "scorer"))
         metrics.update(_batch_metrics(batch))
         metrics["tokens_per_s"] = metrics["response_tokens"] / max(metrics["generate_s"], 1e-9)
-        self.worker.control.send("weights_ready", step=batch.step, version=self.version)
-        metrics["sync_s"], metrics["sync_mb"] = self._sync()
-        if (batch.step + 1) % self.cfg.checkpoint.every_steps == 0 or batch.step + 1 == self.cfg.run.steps:
-            self._command(CHECKPOINT)
-            metrics["checkpoint_s"], metrics["checkpoint_mb"] = self._checkpoint()
         metrics["rejected_frames"] = self.worker.rejected_frames()
         self.worker.control.send("trained", step=batch.step, version=self.version, metrics=metrics)
         self.status.update(phase="idle", policy_version=self.version)
 
-    def _follow(self) -> None:
-        """Ranks > 0: do what rank 0 broadcasts until it says stop."""
+    def _train_step(self, batch: SampleBatch) -> dict:
+        """Every rank: commit and train, send the weights on, and save a checkpoint when one is due."""
+        metrics = self._learn(batch, commit=True)
+        if self.rank == 0 and self.sender is not None:
+            self.worker.control.send("weights_ready", step=batch.step, version=self.version)
+        metrics["sync_s"], metrics["sync_mb"] = self._sync()
+        if (batch.step + 1) % self.cfg.checkpoint.every_steps == 0 or batch.step + 1 == self.cfg.run.steps:
+            metrics["checkpoint_s"], metrics["checkpoint_mb"] = self._checkpoint()
+        return metrics
+
+    def follow(self, once: bool = False) -> None:
+        """Ranks above 0: do what rank 0 broadcasts until it says stop (or one command when `once`)."""
         while True:
             command, step = self._command()
-            if command == STOP:
-                return
             if command == TRAIN:
-                self._learn(self._share(None, step), commit=True)
-                self._sync()
+                self._train_step(self._share(None, step))
             elif command == CHECKPOINT:
                 self._checkpoint()
             elif command == SYNC:
                 self._sync()
             self.status.update(phase="idle", policy_version=self.version, step=step)
+            if once or command == STOP:
+                return
 
     def _learn(self, batch: SampleBatch, commit: bool = False, record: dict | None = None) -> dict:
         """One update from `batch`: its experience is computed (or taken from a committed `record`),
@@ -289,18 +303,32 @@ class TrainerRole(Role):
         return time.monotonic() - started, size_mb
 
     def _sync(self) -> tuple[float, float]:
-        """Send the actor's full weights to the generators (rank 0); every rank gathers under ZeRO-3."""
+        """Bring the generators the new weights: rank 0 broadcasts them to generators of their own, a
+        generator in this worker takes them in memory. Every rank gathers under ZeRO-3. (seconds, MB sent)"""
         self.status["phase"] = "syncing"
         started = time.monotonic()
+        if self.generator is not None:
+            self._load_local()
+            self.generator.holds(self.version, time.monotonic() - started)
+            return time.monotonic() - started, 0.0
         zero3 = self.cfg.trainer.zero_stage == 3
         buckets = gathered_buckets([p for _, p in self.params], self.buckets, zero3)
         sent = 0
-        if self.rank == 0:
+        if self.sender is not None:
             sent = self.sender.send(self.version, buckets)
         elif zero3:
             for _ in buckets:
                 pass
         return time.monotonic() - started, sent / 2**20
+
+    def _load_local(self) -> None:
+        """Under ZeRO-3, copy the gathered weights into this worker's generator (otherwise it generates
+        with the actor's own tensors and nothing moves)."""
+        if self.cfg.trainer.zero_stage != 3:
+            return
+        names = [name for name, _ in self.params]
+        for index, tensors in zip(self.buckets, gathered_buckets([p for _, p in self.params], self.buckets, True)):
+            self.generator.engine.load_weights((names[i], t) for i, t in zip(index, tensors))
 
     # ----- data-parallel communication -----------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""transformers `generate` engine: the fallback on machines without vLLM."""
+"""transformers `generate` engine: the fallback on machines without vLLM, and the engine of a generator
+that shares its worker with the trainer (it then generates with the trainer's actor module itself)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from toolkit.weights.sync import WeightReceiver, form_group
 class HFEngine:
     ranks = 1
 
-    def __init__(self, cfg, device):
+    def __init__(self, cfg, device, model=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.cfg, self.device = cfg, device
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.actor, dtype=getattr(torch, cfg.model.dtype))
-        self.model.to(device).eval()
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(cfg.model.actor, dtype=getattr(torch, cfg.model.dtype))
+            model.to(device).eval()
+        self.model = model
         r = cfg.rollout
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = self.tokenizer.eos_token_id
@@ -30,7 +33,18 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
-        torch.manual_seed(seeds[0])  # one seed per call: reproducible for the same batch of prompts
+        # One seed per call: reproducible for the same batch of prompts. The global RNG is put back
+        # afterwards, so a trainer in the same process draws the same numbers as in its own process.
+        rng, training = torch.get_rng_state(), self.model.training
+        torch.manual_seed(seeds[0])
+        self.model.eval()
+        try:
+            return self._generate(prompts)
+        finally:
+            torch.set_rng_state(rng)
+            self.model.train(training)
+
+    def _generate(self, prompts: list[list[int]]) -> list[Completion]:
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros_like(ids)
@@ -71,13 +85,17 @@ class HFEngine:
         self._receiver = WeightReceiver(group, bucket_bytes, self.device)
         return len(self._receiver.manifest)
 
-    @torch.no_grad()
     def receive_weights(self) -> int:
         version, tensors = self._receiver.receive()
-        params = dict(self.model.named_parameters())
-        for name, tensor in tensors:
-            params[name].data.copy_(tensor)
+        self.load_weights(tensors)
         return version
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors) -> None:
+        """Copy (name, tensor) pairs into the model's parameters."""
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            params[name].data.copy_(tensor)
 
     def close(self) -> None:
         self.model = None

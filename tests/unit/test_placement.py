@@ -1,0 +1,93 @@
+"""Placement strategies: which group hosts which role, the order samples pass the roles, and config errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import example, write_config
+from toolkit.config import load_config
+from toolkit.errors import ConfigError
+from toolkit.placement.plan import group_of, plan, stages
+
+
+def cfg_of(tiny, tmp_path, algorithm="ppo", **placement):
+    name = "tiny-ppo.yaml" if algorithm == "ppo" else "tiny-grpo.yaml"
+    return load_config(write_config(tmp_path, example(name, tiny, placement=placement)))
+
+
+@pytest.mark.parametrize("strategy, groups, order", [
+    ("separation", {"generator": ("generator",), "scorer": ("reference", "reward"), "trainer": ("trainer",)},
+     ("generator", "reference", "reward", "trainer")),
+    ("flattening", {"all": ("generator", "reference", "reward", "trainer")},
+     ("generator", "reference", "reward", "trainer")),
+    ("interleaving", {"trainer": ("trainer", "generator"), "scorer": ("reference", "reward")},
+     ("generator", "reference", "reward", "trainer")),
+    # The reference sits with the trainer: the reward (elsewhere) runs first, the reference on trainer rank 0.
+    ("colocate_actor_ref", {"generator": ("generator",), "reward": ("reward",), "trainer": ("trainer", "reference")},
+     ("generator", "reward", "reference", "trainer")),
+    ("colocate_critic_reward", {"generator": ("generator",), "reference": ("reference",),
+                                "trainer": ("trainer", "reward")},
+     ("generator", "reference", "reward", "trainer")),
+    ("colocate_all_models", {"generator": ("generator",), "trainer": ("trainer", "reference", "reward")},
+     ("generator", "reference", "reward", "trainer")),
+])
+def test_presets(strategy, groups, order, tiny, tmp_path):
+    planned = plan(cfg_of(tiny, tmp_path, strategy=strategy))
+    assert {g.name: g.roles for g in planned} == groups
+    assert stages(planned) == order
+
+
+def test_custom_layout_and_receivers(tiny, tmp_path):
+    """A scoring role hosted with the generator runs right after it, before one in another group."""
+    planned = plan(cfg_of(tiny, tmp_path, strategy="custom",
+                          gen={"models": ["generation", "reward"], "workers": 2},
+                          train={"models": ["actor", "critic", "reference"], "workers": 2}))
+    assert stages(planned) == ("generator", "reward", "reference", "trainer")
+    gen, train = group_of(planned, "generator"), group_of(planned, "trainer")
+    assert gen.receives("generator") and gen.receives("reward")      # prompts and samples reach every rank
+    assert not train.receives("reference") and not train.receives("trainer")  # rank 0 only
+
+
+def test_grpo_places_no_critic(tiny, tmp_path):
+    planned = plan(cfg_of(tiny, tmp_path, algorithm="grpo", strategy="interleaving"))
+    assert group_of(planned, "trainer").models == ("actor", "generation")
+
+
+def error_of(tiny, tmp_path, data) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path, data))
+    assert info.value.exit_code == 2
+    return str(info.value)
+
+
+@pytest.mark.parametrize("placement, message", [
+    ({"strategy": "interleaving", "generator": {"workers": 2}},
+     "unknown node group 'generator': strategy interleaving has node groups trainer, scorer"),
+    ({"strategy": "custom", "a": {"models": ["generation", "actor", "critic"]},
+      "b": {"models": ["reference", "reward", "actor"]}}, "node groups overlap: actor is in a, b"),
+    ({"strategy": "custom", "a": {"models": ["generation", "actor", "critic"]}, "b": {"models": ["reward"]}},
+     "no node group hosts reference"),
+    ({"strategy": "custom", "a": {"models": ["generation", "actor", "reference", "reward"]},
+      "b": {"models": ["critic"]}}, "actor (in a) and critic (in b) must share a group"),
+    ({"strategy": "flattening", "all": {"models": ["actor"]}}, "all.models is only for strategy custom"),
+    ({"strategy": "custom", "a": {"models": ["generation", "actor", "critic", "reference", "rewards"]}},
+     "placement.a.models.4: got 'rewards': input should be 'generation', 'reference', 'reward', 'actor' or 'critic'"),
+    ({"strategy": "custom"}, "strategy custom needs node groups"),
+])
+def test_impossible_placements(placement, message, tiny, tmp_path):
+    assert message in error_of(tiny, tmp_path, example("tiny-ppo.yaml", tiny, placement=placement))
+
+
+def test_placement_against_resources(tiny, tmp_path):
+    data = example("tiny-grpo.yaml", tiny, placement={"trainer": {"workers": 2, "nodes": 2}}, slurm={"nodes": 3},
+                   trainer={"micro_batch_size": 8})
+    assert "the node groups need 4 nodes (generator 1, scorer 1, trainer 2) but slurm.nodes allows 3" in \
+        error_of(tiny, tmp_path, data)
+    data = example("tiny-grpo.yaml", tiny, placement={"generator": {"gpus_per_worker": 3}},
+                   rollout={"vllm": {"tensor_parallel_size": 2}})
+    assert "rollout.vllm.tensor_parallel_size (2) does not divide the GPUs of each generator worker (3)" in \
+        error_of(tiny, tmp_path, data)
+    data = example("tiny-grpo.yaml", tiny, placement={"strategy": "flattening"}, rollout={"backend": "vllm"})
+    assert "puts generation in the trainer's workers" in error_of(tiny, tmp_path, data)
+    data = example("tiny-grpo.yaml", tiny, placement={"generator": {"workers": 32}})
+    assert "prompts_per_step (16) is less than the generator workers (32)" in error_of(tiny, tmp_path, data)
