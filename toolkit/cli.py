@@ -23,6 +23,7 @@ EXAMPLES = """examples:
   slurm-rlhf inspect runs/r1/experience/step-000003.h5
   slurm-rlhf render run.yaml --run-dir runs/r2  # a batch script to submit by hand
   slurm-rlhf validate run.yaml
+  slurm-rlhf plan run.yaml --cluster templates/clusters/2x8-h100.yaml --write planned.yaml
   slurm-rlhf tiny models/tiny
 """
 
@@ -72,6 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check a config and print it resolved (paths, defaults)")
     _add_config_args(p)
+
+    p = sub.add_parser("plan", help="rank placements and parallel settings for a cluster by estimated step time")
+    _add_config_args(p)
+    p.add_argument("--cluster", required=True, help="cluster file (see templates/clusters/)")
+    p.add_argument("--strategy", action="append", default=None, help="only this strategy (repeatable)")
+    p.add_argument("--top", type=int, default=10, help="plans shown (default 10)")
+    p.add_argument("--params", action="append", default=[], metavar="MODEL=COUNT",
+                   help="a model by its parameter count instead of its config.json, e.g. actor=7e9 "
+                        "(actor, reference, critic, reward)")
+    p.add_argument("--prompt-tokens", type=float, help="mean prompt tokens (default: measured on the data file)")
+    p.add_argument("--response-tokens", type=float, help="mean response tokens (default: rollout.max_new_tokens)")
+    p.add_argument("--write", type=Path, metavar="OUT.yaml", help="write the run config with the best plan")
 
     p = sub.add_parser("tiny", help="build a tiny Llama, tokenizer, reward model and prompts offline")
     p.add_argument("out_dir", help="directory to write (model/, reward_model/, prompts.jsonl)")
@@ -233,6 +246,37 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from toolkit.config import load_config
+    from toolkit.placement.cluster import load_cluster
+    from toolkit.placement.planner import STRATEGIES, candidates, rank, report, workload_of, write_config
+
+    cfg = load_config(args.config, args.overrides)
+    cluster = load_cluster(args.cluster)
+    params = {}
+    for item in args.params:
+        name, _, count = item.partition("=")
+        try:
+            params[name] = float(count)
+        except ValueError:
+            raise ConfigError(f"--params {item!r}: expected MODEL=COUNT, e.g. actor=7e9") from None
+        if name not in ("actor", "reference", "critic", "reward"):
+            raise ConfigError(f"--params {item!r}: MODEL is one of actor, reference, critic, reward")
+    for strategy in args.strategy or []:
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"--strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
+    w = workload_of(cfg, args.prompt_tokens, args.response_tokens, params)
+    found = candidates(cluster, w, cfg.trainer, tuple(args.strategy or STRATEGIES))
+    print(report(cluster, w, found, args.top))
+    fit, _ = rank(found)
+    if not fit:
+        return 1
+    if args.write:
+        write_config(cfg, fit[0].setting, args.write)
+        print(f"wrote the best plan into {args.write}")
+    return 0
+
+
 def cmd_tiny(args) -> int:
     from toolkit.tiny import build_tiny
 
@@ -245,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"run": cmd_run, "resume": cmd_resume, "inspect": cmd_inspect, "submit": cmd_submit,
                "render": cmd_render, "status": cmd_status, "cancel": cmd_cancel, "validate": cmd_validate,
-               "tiny": cmd_tiny}[args.command]
+               "plan": cmd_plan, "tiny": cmd_tiny}[args.command]
     try:
         return handler(args)
     except ToolkitError as e:

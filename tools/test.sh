@@ -9,8 +9,11 @@ if [ "$(id -u)" = 0 ]; then
     # h5dump, to check that experience files read with standard HDF5 tools
     command -v h5dump >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
         apt-get install -y -qq --no-install-recommends hdf5-tools >/dev/null; }
-    if [ ! -f /run/slurm-rlhf/nodes ]; then
-        trap 'bash slurm/down.sh >/dev/null' EXIT  # stop the cluster afterwards only if this script started it
+    # Stop the cluster afterwards only if this script starts it (files of a cluster that died with its
+    # machine do not count: its slurmctld must be alive).
+    pidfile=/run/slurm-rlhf/slurmctld.pid
+    if ! { [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; }; then
+        trap 'bash slurm/down.sh >/dev/null' EXIT
     fi
     bash slurm/up.sh 4
 else

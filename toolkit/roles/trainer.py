@@ -79,10 +79,10 @@ class TrainerRole(Role):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         dtype = torch_dtype(cfg.model.dtype)
         actor = AutoModelForCausalLM.from_pretrained(cfg.model.actor, dtype=dtype)
-        self.engines = {"actor": self._engine(deepspeed, actor, cfg.trainer.lr)}
+        self.engines = {"actor": deepspeed_engine(deepspeed, actor, cfg.trainer.lr, cfg, self.world)}
         if cfg.run.algorithm == "ppo":
             critic = CriticModel(str(cfg.critic_path), dtype)
-            self.engines["critic"] = self._engine(deepspeed, critic, cfg.trainer.critic_lr)
+            self.engines["critic"] = deepspeed_engine(deepspeed, critic, cfg.trainer.critic_lr, cfg, self.world)
         self.actor, self.critic = self.engines["actor"], self.engines.get("critic")
         k = cfg.algorithm.kl
         self.kl = make_kl_controller(k.coef, k.adaptive, k.target, k.horizon)
@@ -109,27 +109,6 @@ class TrainerRole(Role):
     def generation_model(self):
         """The module a generator in this worker generates with: the actor's own, unless ZeRO-3 splits it."""
         return None if self.cfg.trainer.zero_stage == 3 else self.actor.module
-
-    def _engine(self, deepspeed, model, lr: float):
-        t = self.cfg.trainer
-        per_rank = self.cfg.samples_per_step // self.world
-        accumulation = per_rank // (t.micro_batch_size * t.updates_per_step)
-        config = {
-            "train_micro_batch_size_per_gpu": t.micro_batch_size,
-            "gradient_accumulation_steps": accumulation,
-            "train_batch_size": t.micro_batch_size * accumulation * self.world,
-            "gradient_clipping": t.grad_clip,
-            "zero_optimization": {"stage": t.zero_stage},
-            # A torch optimizer: no C++ op to build, works on every accelerator.
-            "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": self.cfg.model.dtype == "bfloat16"},
-            "fp16": {"enabled": self.cfg.model.dtype == "float16"},
-            "steps_per_print": 2**31 - 1,
-            "wall_clock_breakdown": False,
-        }
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=t.weight_decay)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        return engine
 
     def ready_info(self) -> dict:
         return {"version": self.version, "replayed": self.replayed}
@@ -395,6 +374,29 @@ class TrainerRole(Role):
                            reward_names=[f.name for f in cfg.functions] + [m.name for m in cfg.models],
                            reward_weights=[f.weight for f in cfg.functions] + [m.weight for m in cfg.models],
                            **received)
+
+
+def deepspeed_engine(deepspeed, model, lr: float, cfg, world: int):
+    """A DeepSpeed engine for `model` on one of `world` data-parallel ranks, from the run config."""
+    t = cfg.trainer
+    per_rank = cfg.samples_per_step // world
+    accumulation = per_rank // (t.micro_batch_size * t.updates_per_step)
+    config = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": t.micro_batch_size * accumulation * world,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        # A torch optimizer: no C++ op to build, works on every accelerator.
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "fp16": {"enabled": cfg.model.dtype == "float16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=t.weight_decay)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
 
 
 def _stage_seconds(parts: list[SampleBatch], key: str, who: str) -> dict:

@@ -1,0 +1,96 @@
+"""A cluster as the planner sees it: nodes, devices, their rates, and fixed per-call costs.
+
+A device is a GPU, or, on a node without GPUs, the whole node (all its cores). Rates are what a program
+reaches, not datasheet peaks: `tools/calibrate.py` measures them on the machine it runs on and writes a
+cluster file; the GPU files in templates/clusters/ start from datasheet figures times typical
+efficiencies (a guess until calibrated on such a node).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from toolkit.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Device(_Section):
+    memory_gb: float = Field(gt=0)
+    """Memory of one device (GPU memory, or the node's memory when it has no GPU)."""
+    flops: float = Field(gt=0)
+    """Dense matmul FLOP/s reached in the model dtype."""
+    memory_bandwidth: float = Field(gt=0)
+    """Bytes/s reached reading memory (decode and optimizer steps are bound by it)."""
+
+
+class Links(_Section):
+    intra_node: float = Field(gt=0)
+    """Bytes/s between two devices of a node (NVLink; on CPU: between processes, through memory)."""
+    inter_node: float = Field(gt=0)
+    """Bytes/s between nodes (InfiniBand, Ethernet)."""
+    latency_s: float = Field(default=1e-4, ge=0)
+    """Seconds per collective or message on top of bytes / bandwidth."""
+
+
+class Overheads(_Section):
+    """Seconds a call costs besides its FLOPs and bytes (Python, kernel launches, sampling)."""
+
+    decode_step_vllm: float = Field(ge=0)
+    """One vLLM decode step of a batch."""
+    decode_step_hf: float = Field(ge=0)
+    """One transformers `generate` decode step of a batch."""
+    decode_per_sequence_vllm: float = Field(default=0.0, ge=0)
+    """Added per sequence of the batch and vLLM decode step (sampling, bookkeeping)."""
+    decode_per_sequence_hf: float = Field(default=0.0, ge=0)
+    """Added per sequence of the batch and transformers decode step."""
+    forward_call: float = Field(ge=0)
+    """One no-gradient forward of a batch (reference, old log-probs, values)."""
+    train_micro_batch: float = Field(ge=0)
+    """One DeepSpeed forward + backward of a micro-batch."""
+    optimizer_step: float = Field(ge=0)
+    """One optimizer step (besides reading the states)."""
+    message: float = Field(ge=0)
+    """One ZeroMQ message between workers (encode, HMAC, decode)."""
+    step: float = Field(ge=0)
+    """The driver's own work per step (prompts, metrics, HDF5 commit)."""
+
+
+class Cluster(_Section):
+    name: str
+    """What this file describes."""
+    nodes: int = Field(ge=1)
+    gpus_per_node: int = Field(default=0, ge=0)
+    """0: CPU nodes; a node is then one device."""
+    shared: bool = False
+    """True when every node group runs on the same machine(s) (the local launcher): groups take turns on
+    the devices instead of owning nodes of their own."""
+    device: Device
+    links: Links
+    overheads: Overheads
+    measured: str | None = None
+    """Where the figures come from (calibration date and command), for the record."""
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.gpus_per_node or 1
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the cluster file ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    try:
+        return Cluster.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"{path}: invalid cluster file: {problems}") from None
+

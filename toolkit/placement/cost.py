@@ -1,0 +1,264 @@
+"""The planner's model of one synchronous step: memory per device and seconds per phase.
+
+Pure arithmetic on shapes, counts and the cluster's rates; every term is one line below, so a case can
+be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
+  trainer model   weights P*b / (W if ZeRO-3), gradients P*b / (W if ZeRO>=2),
+                  Adam states P*(8 + 4 if b<4 for fp32 master weights) / (W if ZeRO>=1),
+                  activations mb*L*layers*hidden*17*b, logits mb*L*vocab*4*3
+  vLLM generator  P*b/TP + KV cache for its samples (b_w * L * kv_bytes_per_token / TP)
+  generation in a trainer's worker  KV cache + the scores generate() keeps (b_w * Lr * vocab * 4)
+  scorer model    P*b + forward logits fbs*L*vocab*4*2
+Time (seconds per step, phases one after the other):
+  generate  2*P*b_w*Lp/(TP*F) + Lr * (max(2*P*b_w/(TP*F), (P*b/TP + KV)/B) + c_decode + c_seq*b_w)
+  score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker)
+  train     old log-probs (and values): 2*P*n*L/F + calls * c_forward;
+            forward+backward 6*P*n*L*epochs/F + micro-batches * c_micro;
+            optimizer updates * (c_opt + state bytes / B); ZeRO traffic over the group's link
+  sync      broadcast P*b over the link + reload P*b/B (a generator in the trainer's worker: nothing,
+            or the ZeRO-3 gather and a copy)
+  transport one message per generator worker per hop between groups
+Where this is a guess: activations (no recomputation, no flash-attention savings), TP communication in
+vLLM (ignored), overlap of communication with compute (none assumed), response length (assumed to be
+`max_new_tokens` unless given).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: float
+    layers: int
+    hidden: int
+    vocab: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, path: str | Path) -> "ModelShape":
+        """From a Hugging Face `config.json` (or its directory); parameters counted for a Llama-like model."""
+        path = Path(path)
+        c = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+        heads = c.get("num_attention_heads", 1)
+        kv_heads = c.get("num_key_value_heads", heads)
+        head_dim = c.get("head_dim") or h // heads
+        ffn = c.get("intermediate_size", 4 * h)
+        attention = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
+        per_layer = attention + 3 * h * ffn + 2 * h
+        embeddings = vocab * h * (1 if c.get("tie_word_embeddings") else 2)
+        return cls(float(layers * per_layer + embeddings + h), layers, h, vocab, kv_heads, head_dim)
+
+    @classmethod
+    def from_params(cls, params: float, vocab: int = 32000) -> "ModelShape":
+        """A guess of the shape of a Llama-like model of `params` parameters."""
+        layers = 16 if params < 1.5e9 else 32 if params < 1.5e10 else 48 if params < 4e10 else 80
+        hidden = int(math.sqrt(max(params - 2 * vocab * 1024, params / 2) / (12 * layers)) // 128 * 128) or 128
+        return cls(float(params), layers, hidden, vocab, max(hidden // 128 // 4, 1), 128)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    actor: ModelShape
+    reference: ModelShape
+    critic: ModelShape | None          # PPO only
+    reward_models: tuple[ModelShape, ...]
+    samples: int                       # per step
+    prompts: int                       # per step (each generator worker needs one)
+    prompt_tokens: float               # mean per sample
+    response_tokens: float             # mean per sample
+    dtype_bytes: int = 4
+    forward_batch_size: int = 16
+    updates_per_step: int = 1
+    epochs: int = 1
+
+    @property
+    def tokens(self) -> float:
+        return self.prompt_tokens + self.response_tokens
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One candidate: where each model runs and how it is parallelised."""
+
+    strategy: str
+    groups: tuple                      # ((name, models, nodes, workers, gpus_per_worker), ...)
+    zero_stage: int
+    micro_batch: int
+    tensor_parallel: int = 1
+    generation_engine: str = "vllm"    # of a generator with workers of its own
+
+    def group(self, model: str) -> tuple:
+        return next(g for g in self.groups if model in g[1])
+
+    def workers(self, model: str) -> int:
+        return self.group(model)[3]
+
+    def together(self, a: str, b: str) -> bool:
+        return self.group(a) == self.group(b)
+
+
+@dataclass
+class Estimate:
+    memory: dict[str, float] = field(default_factory=dict)    # bytes per device, per group
+    phases: dict[str, float] = field(default_factory=dict)    # seconds per step
+    short: list[str] = field(default_factory=list)            # why it does not fit
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def fits(self) -> bool:
+        return not self.short
+
+
+def trainer_memory(m: ModelShape, w: Workload, world: int, zero: int, micro_batch: int) -> float:
+    b = w.dtype_bytes
+    weights = m.params * b / (world if zero == 3 else 1)
+    grads = m.params * b / (world if zero >= 2 else 1)
+    adam = m.params * (8 + (4 if b < 4 else 0)) / (world if zero >= 1 else 1)
+    activations = micro_batch * w.tokens * m.layers * m.hidden * 17 * b
+    logits = micro_batch * w.tokens * m.vocab * 4 * 3
+    return weights + grads + adam + activations + logits
+
+
+def forward_memory(m: ModelShape, w: Workload) -> float:
+    return m.params * w.dtype_bytes + w.forward_batch_size * w.tokens * m.vocab * 4 * 2
+
+
+def generation_memory(w: Workload, per_worker: int, tp: int, own_weights: bool) -> float:
+    kv = per_worker * w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes) / tp
+    if own_weights:  # vLLM (or transformers) with a copy of the weights of its own
+        return w.actor.params * w.dtype_bytes / tp + kv
+    return kv + per_worker * w.response_tokens * w.actor.vocab * 4  # generate() keeps every step's scores
+
+
+def estimate(s: Setting, w: Workload, cluster) -> Estimate:
+    """Memory per device of each group, and seconds of each phase of one step, for setting `s`."""
+    e = Estimate()
+    dev, links, o = cluster.device, cluster.links, cluster.overheads
+    b = w.dtype_bytes
+    ppo = w.critic is not None
+
+    # Memory per device, group by group (a group's models share its devices).
+    for name, models, nodes, workers, gpus in s.groups:
+        need = 0.0
+        if "actor" in models:
+            need += trainer_memory(w.actor, w, workers, s.zero_stage, s.micro_batch)
+            if ppo:
+                need += trainer_memory(w.critic, w, workers, s.zero_stage, s.micro_batch)
+        if "generation" in models:
+            own = "actor" not in models or s.zero_stage == 3
+            need += generation_memory(w, math.ceil(w.samples / workers), s.tensor_parallel if own else 1, own)
+        if "reference" in models:
+            need += forward_memory(w.reference, w)
+        if "reward" in models:
+            need += sum(forward_memory(m, w) for m in w.reward_models)
+        e.memory[name] = need
+    usable = dev.memory_gb * GB
+    if cluster.shared:  # every group on the same machine: their memory adds up
+        total = sum(e.memory.values())
+        if total > usable * cluster.nodes:
+            e.short.append(f"all groups need {total / GB:.1f} GB on a machine of {dev.memory_gb:g} GB "
+                           f"({(total - usable) / GB:.1f} GB short)")
+    else:
+        for name, models, *_ in s.groups:
+            if e.memory[name] > usable:
+                e.short.append(f"{name} ({', '.join(models)}) needs {e.memory[name] / GB:.1f} GB per device, has "
+                               f"{dev.memory_gb:g} GB ({(e.memory[name] - usable) / GB:.1f} GB short)")
+
+    def share(workers: int) -> float:
+        """The fraction of a device one worker of a phase gets (on a shared machine, workers split it)."""
+        return 1.0 / workers if cluster.shared else 1.0
+
+    def link(nodes: int) -> float:
+        return links.intra_node if nodes == 1 or cluster.shared else links.inter_node
+
+    # Generation.
+    g_name, _, g_nodes, g_workers, _ = s.group("generation")
+    own_engine = not s.together("generation", "actor")
+    tp = s.tensor_parallel if own_engine else 1
+    per = math.ceil(w.samples / g_workers)
+    f, bw = dev.flops * share(g_workers), dev.memory_bandwidth * share(g_workers)
+    P = w.actor.params
+    kv = per * (w.prompt_tokens + w.response_tokens / 2) * w.actor.kv_bytes_per_token(b)
+    decode_step = max(2 * P * per / (tp * f), (P * b + kv) / (tp * bw))
+    if own_engine and s.generation_engine == "vllm":
+        c_decode, c_sequence = o.decode_step_vllm, o.decode_per_sequence_vllm
+    else:
+        c_decode, c_sequence = o.decode_step_hf, o.decode_per_sequence_hf
+    e.phases["generate"] = (2 * P * per * w.prompt_tokens / (tp * f)
+                            + w.response_tokens * (decode_step + c_decode + c_sequence * per))
+
+    # Scoring: each scoring model on the workers that run it (see placement.plan.stages).
+    def forward_s(m: ModelShape, n: int, workers: int) -> float:
+        calls = math.ceil(n / w.forward_batch_size)
+        return 2 * m.params * n * w.tokens / (dev.flops * share(workers)) + calls * o.forward_call
+
+    score = 0.0
+    for model, shapes in (("reference", [w.reference]), ("reward", list(w.reward_models))):
+        if s.together(model, "generation"):
+            n, workers = per, g_workers                    # right after generation, on each worker
+        elif s.together(model, "actor"):
+            n, workers = w.samples, 1                      # on trainer rank 0
+        else:
+            workers = s.workers(model)
+            n = math.ceil(g_workers / workers) * per       # messages shared round-robin
+        score += sum(forward_s(m, n, workers) for m in shapes)
+    e.phases["score"] = score
+
+    # Training.
+    t_name, _, t_nodes, t_workers, _ = s.group("actor")
+    n = w.samples / t_workers
+    f = dev.flops * share(t_workers)
+    bw = dev.memory_bandwidth * share(t_workers)
+    trained = [w.actor] + ([w.critic] if ppo else [])
+    updates = w.updates_per_step * w.epochs
+    micro_batches = math.ceil(n / s.micro_batch) * w.epochs
+    train = sum(forward_s(m, math.ceil(n), t_workers) for m in trained)
+    for m in trained:
+        train += 6 * m.params * n * w.tokens * w.epochs / f + micro_batches * o.train_micro_batch
+        state = trainer_memory(m, w, t_workers, s.zero_stage, 0)
+        train += updates * (o.optimizer_step + state / bw)
+        if t_workers > 1:
+            ring = (t_workers - 1) / t_workers
+            volume = 2 * m.params * b * ring * updates
+            if s.zero_stage == 3:
+                volume += 2 * m.params * b * ring * micro_batches
+            train += volume / link(t_nodes) + links.latency_s * micro_batches
+    e.phases["train"] = train
+
+    # Weight sync.
+    gather = P * b * (t_workers - 1) / t_workers / link(t_nodes) if s.zero_stage == 3 and t_workers > 1 else 0.0
+    if not own_engine:
+        e.phases["sync"] = gather + (P * b / bw if s.zero_stage == 3 else 0.0)
+    else:
+        e.phases["sync"] = gather + P * b / link(max(g_nodes, 2)) + links.latency_s + P * b / dev.memory_bandwidth
+
+    # Transport: one message per generator worker over each hop between groups, and the driver's work.
+    hops = _hops(s)
+    sample_bytes = w.samples * w.tokens * 12
+    e.phases["transport"] = hops * (g_workers * o.message + sample_bytes / links.intra_node) + o.step
+    return e
+
+
+def _hops(s: Setting) -> int:
+    """Times the step's samples change group between generation and the trainer (placement.plan.stages)."""
+    from toolkit.placement.plan import ROLE_OF, WorkerGroup, stages
+
+    groups = [WorkerGroup(name, tuple(dict.fromkeys(ROLE_OF[m] for m in models)), workers)
+              for name, models, _, workers, _ in s.groups]
+    hosts = [next(g.name for g in groups if role in g.roles) for role in stages(groups)]
+    return sum(a != b for a, b in zip(hosts, hosts[1:]))
