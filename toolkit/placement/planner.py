@@ -62,7 +62,8 @@ def candidates(cluster, w: Workload, trainer_cfg, strategies=STRATEGIES) -> list
     per_node = cluster.devices_per_node
     tps = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node and cluster.gpus_per_node % t == 0] or [1]
     for strategy in strategies:
-        layout = list(PRESETS[strategy].items())
+        layout = [(name, tuple(m for m in models if m != "critic" or w.critic is not None))  # GRPO: no critic
+                  for name, models in PRESETS[strategy].items()]
         if cluster.shared:
             splits = [(1,) * len(layout)]
         else:
