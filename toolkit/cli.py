@@ -266,9 +266,8 @@ def cmd_plan(args) -> int:
         if strategy not in STRATEGIES:
             raise ConfigError(f"--strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
     w = workload_of(cfg, args.prompt_tokens, args.response_tokens, params)
-    found = candidates(cluster, w, cfg.trainer, tuple(args.strategy or STRATEGIES))
-    print(report(cluster, w, found, args.top))
-    fit, _ = rank(found)
+    fit, rejected = rank(candidates(cluster, w, cfg.trainer, tuple(args.strategy or STRATEGIES)))
+    print(report(cluster, w, fit, rejected, args.top))
     if not fit:
         return 1
     if args.write:

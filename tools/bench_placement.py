@@ -36,6 +36,7 @@ def main() -> int:
     from toolkit.placement.cluster import load_cluster
     from toolkit.placement.cost import estimate
     from toolkit.placement.planner import setting_of, workload_of
+    from toolkit.table import text_table
 
     cluster = load_cluster(args.cluster)
     rows = [("strategy", "engine", "predicted s", "measured s", "error", *(f"{p} pred/meas" for p, _ in PHASES))]
@@ -65,10 +66,9 @@ def main() -> int:
             rows.append((strategy, cfg.generation_backend, f"{e.step_s:.3f}", f"{measured:.3f}", f"{error:+.0%}",
                          *phases))
             print(f"{strategy}: done", file=sys.stderr)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"cluster file: {args.cluster} ({cluster.measured})")
     print(f"workload: {args.config}, {args.steps} steps, median of steps 3..{args.steps}")
-    print("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows))
+    print(text_table(rows))
     print(f"largest error: {worst:.0%}")
     return 0
 

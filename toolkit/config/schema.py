@@ -343,6 +343,10 @@ class PlacementSection(Section):
         """Resources of the node group hosting `model`."""
         return next(g for _, models, g in self.layout() if model in models)
 
+    def generation_with_actor(self) -> bool:
+        """Whether generation shares the actor's workers (it then generates with the actor itself)."""
+        return any("generation" in models and "actor" in models for _, models, _ in self.layout())
+
 
 # sbatch options slurm-rlhf sets from the placement or needs for itself.
 RESERVED_SBATCH = {"nodes", "ntasks", "ntasks-per-node", "cpus-per-task", "gpus", "gpus-per-task", "gpus-per-node",
@@ -466,7 +470,7 @@ class RunConfig(Section):
         if self.slurm.nodes is not None and need > self.slurm.nodes:
             raise ValueError(f"the node groups need {need} nodes (" + ", ".join(f"{name} {g.nodes}" for name, _, g in layout)
                              + f") but slurm.nodes allows {self.slurm.nodes}; use fewer nodes per group")
-        if self.rollout.backend == "vllm" and "actor" in next(m for _, m, _ in layout if "generation" in m):
+        if self.rollout.backend == "vllm" and self.placement.generation_with_actor():
             raise ValueError(f"rollout.backend is 'vllm', but placement.strategy {self.placement.strategy} puts generation "
                              "in the trainer's workers, which generate with the trainer's own actor (transformers); "
                              "use backend auto or hf, or a placement that gives generation its own node group")
@@ -499,5 +503,6 @@ class RunConfig(Section):
         """`rollout.backend` with `auto` resolved: vllm when it is installed, else hf."""
         if self.rollout.backend != "auto":
             return self.rollout.backend
-        colocated = "actor" in next(m for _, m, _ in self.placement.layout() if "generation" in m)
-        return "vllm" if importlib.util.find_spec("vllm") is not None and not colocated else "hf"
+        if self.placement.generation_with_actor():
+            return "hf"
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"

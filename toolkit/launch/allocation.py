@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from toolkit.errors import ConfigError
 from toolkit.placement.plan import WorkerGroup
+from toolkit.table import text_table
 
 
 @dataclass(frozen=True)
@@ -91,5 +92,4 @@ def placement_table(groups: list[WorkerGroup], allocation: Allocation) -> str:
         rows.append((g.name, ",".join(g.models), str(g.nodes), str(g.workers), str(g.cpus_per_worker or "-"),
                      str(g.gpus_per_worker), f"{g.mem_gb:g}G" if g.mem_gb else "-", g.partition or "(default)",
                      str(allocation.component_of(g)) if allocation.heterogeneous else "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return text_table(rows)

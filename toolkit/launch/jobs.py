@@ -15,6 +15,7 @@ import time
 
 from toolkit.errors import ConfigError, RunError
 from toolkit.launch.rundir import RunDir
+from toolkit.table import text_table
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE"}
@@ -84,8 +85,7 @@ def status_text(rd: RunDir) -> str:
             step += " (running)" if step in steps else " (ended)"
         rows.append((worker_id, str(w.get("node", "-")), str(w.get("pid", "-")), step,
                      str(w.get("phase", "-")), str(w.get("step", "-")), str(w.get("policy_version", "-"))))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append(text_table(rows))
     return "\n".join(lines)
 
 

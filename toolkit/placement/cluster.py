@@ -9,6 +9,7 @@ efficiencies (a guess until calibrated on such a node).
 from __future__ import annotations
 
 from pathlib import Path
+
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 

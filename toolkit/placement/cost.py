@@ -153,7 +153,7 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
     ppo = w.critic is not None
 
     # Memory per device, group by group (a group's models share its devices).
-    for name, models, nodes, workers, gpus in s.groups:
+    for name, models, _, workers, _ in s.groups:
         need = 0.0
         if "actor" in models:
             need += trainer_memory(w.actor, w, workers, s.zero_stage, s.micro_batch)
@@ -187,7 +187,7 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
         return links.intra_node if nodes == 1 or cluster.shared else links.inter_node
 
     # Generation.
-    g_name, _, g_nodes, g_workers, _ = s.group("generation")
+    _, _, g_nodes, g_workers, _ = s.group("generation")
     own_engine = not s.together("generation", "actor")
     tp = s.tensor_parallel if own_engine else 1
     per = math.ceil(w.samples / g_workers)
@@ -220,7 +220,7 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
     e.phases["score"] = score
 
     # Training.
-    t_name, _, t_nodes, t_workers, _ = s.group("actor")
+    _, _, t_nodes, t_workers, _ = s.group("actor")
     n = w.samples / t_workers
     f = dev.flops * share(t_workers)
     bw = dev.memory_bandwidth * share(t_workers)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from toolkit.config.schema import PRESETS
 from toolkit.placement.cost import DTYPE_BYTES, GB, Estimate, ModelShape, Setting, Workload, estimate
+from toolkit.table import text_table
 
 STRATEGIES = tuple(PRESETS)
 
@@ -113,8 +114,8 @@ def describe_groups(s: Setting) -> str:
                       for name, models, nodes, workers, _ in s.groups)
 
 
-def report(cluster, w: Workload, found: list[Candidate], top: int = 10) -> str:
-    fit, rejected = rank(found)
+def report(cluster, w: Workload, fit: list[Candidate], rejected: list[Candidate], top: int = 10) -> str:
+    """The ranked table of `fit` (fastest first) and why the closest of `rejected` do not fit."""
     lines = [f"cluster: {cluster.name} ({cluster.nodes} node(s), "
              + (f"{cluster.gpus_per_node} GPU(s) of {cluster.device.memory_gb:g} GB each" if cluster.gpus_per_node
                 else f"CPU, {cluster.device.memory_gb:g} GB") + ")",
@@ -129,7 +130,7 @@ def report(cluster, w: Workload, found: list[Candidate], top: int = 10) -> str:
                          str(s.micro_batch), f"{e.step_s:.3f}", *(f"{e.phases[k]:.3f}" for k in
                                                                    ("generate", "score", "train", "sync", "transport")),
                          f"{max(e.memory.values()) / GB:.2f}"))
-        lines.append(_table(rows))
+        lines.append(text_table(rows))
         lines.append(f"{len(fit)} plan(s) fit; {len(fit) - min(top, len(fit))} more not shown")
     else:
         lines.append("no placement fits this cluster.")
@@ -141,16 +142,11 @@ def report(cluster, w: Workload, found: list[Candidate], top: int = 10) -> str:
                           key=lambda c: max(c.estimate.memory.values()))
             lines.append(f"  {strategy} ({describe_groups(closest.setting)}, ZeRO-{closest.setting.zero_stage}, "
                          f"mb {closest.setting.micro_batch}): {'; '.join(closest.estimate.short)}")
-    missing = [s for s in STRATEGIES if s not in {c.setting.strategy for c in found}]
+    missing = [s for s in STRATEGIES if s not in {c.setting.strategy for c in [*fit, *rejected]}]
     if missing and not cluster.shared:
         lines.append(f"not possible on {cluster.nodes} node(s) (a node group owns whole nodes): " + ", ".join(
             f"{s} ({len(PRESETS[s])} groups)" for s in missing))
     return "\n".join(lines)
-
-
-def _table(rows: list[tuple]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def as_config(cfg, s: Setting) -> dict:

@@ -28,7 +28,7 @@ class RewardFunctionError(RuntimeError):
 
 
 class _Scoring(Role):
-    """What both scoring roles share: the tokenizer's pad id, and offloading between uses."""
+    """What both scoring roles share: timing, status, and offloading their models between uses."""
 
     @property
     def offload(self) -> bool:
