@@ -40,6 +40,7 @@ from toolkit.store.manifest import Manifest, plan_resume, set_aside
 log = logging.getLogger("toolkit.driver")
 STATUS_EVERY_S = 2.0  # status.json is rewritten this often while the run waits on its workers
 STOP_MARGIN_S = 15.0  # kept free before the job's end for stopping the workers and requeueing
+REPORT_GRACE_S = 2.0  # after a worker exits non-zero, how long its last control messages may take to arrive
 
 
 class Driver:
@@ -291,10 +292,20 @@ class Driver:
         elif msg.kind != "bye":
             log.warning("unexpected %r from %s", msg.kind, worker_id)
 
+    def _drain_reports(self, wait_s: float) -> None:
+        """Handle control messages still on their way (a dead worker's last words), for up to `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            item = self.coordinator.recv(left)
+            if item is None:
+                return
+            self._handle(*item)
+
     def _check_health(self) -> None:
         for ended in self.launcher.poll():
             if self.stopping and ended.code == 0:
                 continue
+            self._drain_reports(REPORT_GRACE_S)  # a worker's own `failed` report says more than its exit code
             raise RunError(f"{self._describe(ended.worker_id)} exited with {ended.describe()}\n"
                            f"{self._log_hint(ended.worker_id)}")
         limit = self.cfg.transport.heartbeat_timeout_s
