@@ -64,3 +64,37 @@ def alive(pids) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def experience_commits(run_dir: Path) -> int:
+    """Experience batches the run's manifest lists as committed."""
+    path = run_dir / "manifest.jsonl"
+    if not path.exists():
+        return 0
+    return sum('"kind": "experience"' in line for line in path.read_text().splitlines())
+
+
+def run_and_kill(config: Path, run_dir: Path, after_commits: int, timeout_s: float = 300) -> None:
+    """Start `slurm-rlhf run CONFIG` and SIGKILL it (its process group and every worker's) right after its
+    `after_commits`-th experience commit, as a crash would."""
+    import json
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while experience_commits(run_dir) < after_commits:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the kill"
+            time.sleep(0.05)
+        workers = [w["pid"] for w in json.loads((run_dir / "status.json").read_text())["workers"].values()]
+        for pgid in [proc.pid, *workers]:  # every worker leads its own process group
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

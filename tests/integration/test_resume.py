@@ -9,12 +9,8 @@ damaged checkpoint. Each must end with the baseline's weights and per-step rewar
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import h5py
@@ -23,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, cli, example, write_config
+from tests.conftest import cli, example, run_and_kill, write_config
+from tests.conftest import experience_commits as commits
 from toolkit.store import experience
 
 pytestmark = pytest.mark.integration
@@ -49,32 +46,9 @@ def killed(tiny, tmp_path_factory) -> Path:
     """A run killed with SIGKILL right after its KILL_AFTER-th experience commit (never resumed)."""
     tmp = tmp_path_factory.mktemp("killed")
     run_dir = tmp / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config(tiny, tmp)), "--run-dir", str(run_dir)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while commits(run_dir) < KILL_AFTER:
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the kill"
-            time.sleep(0.05)
-        workers = [w["pid"] for w in json.loads((run_dir / "status.json").read_text())["workers"].values()]
-        for pgid in [proc.pid, *workers]:  # every worker leads its own process group
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    run_and_kill(config(tiny, tmp), run_dir, KILL_AFTER)
     assert KILL_AFTER <= commits(run_dir) < STEPS
     return run_dir
-
-
-def commits(run_dir: Path) -> int:
-    path = run_dir / "manifest.jsonl"
-    if not path.exists():
-        return 0
-    return sum('"kind": "experience"' in line for line in path.read_text().splitlines())
 
 
 def resumed_copy(killed: Path, tmp_path: Path, damage=None) -> tuple[Path, subprocess.CompletedProcess]:

@@ -9,7 +9,7 @@ import torch
 
 from toolkit.algorithms.advantages import gae, grpo_advantages, kl_penalized_rewards, last_token_index, masked_whiten
 from toolkit.algorithms.kl_controller import AdaptiveKLController, FixedKLController
-from toolkit.algorithms.losses import kl_estimate, masked_mean, policy_loss, value_loss
+from toolkit.algorithms.losses import behaviour_weights, kl_estimate, masked_mean, policy_loss, value_loss
 
 T = torch.tensor
 
@@ -84,6 +84,22 @@ def test_policy_loss_by_hand():
     assert close(loss, 1.15) and close(stats["clip_frac"], 0.5)
     # approx_kl = mean of 0.5 * log_ratio^2
     assert close(stats["approx_kl"], 0.25 * (math.log(1.5) ** 2 + math.log(0.5) ** 2))
+
+
+def test_policy_loss_with_behaviour_weights_by_hand():
+    # Same tokens as above, A = +1, weighted [2, 0.5]: -(2 * 1.2 + 0.5 * 0.5) / 2 = -1.325
+    lp = T([[math.log(1.5), math.log(0.5), 50.0]])
+    loss, _ = policy_loss(lp, T([[0.0, 0.0, 0.0]]), T([[1.0, 1.0, 1.0]]), T([[1.0, 1.0, 0.0]]), 0.2,
+                          weights=T([[2.0, 0.5, 7.0]]))
+    assert close(loss, -1.325)
+
+
+def test_behaviour_weights_are_truncated_ratios():
+    # old - behaviour = [log 1.5, log 0.25, 5, -100] -> exp = [1.5, 0.25, 148.4, ~0], capped at 2
+    old = T([[math.log(1.5), math.log(0.25), 5.0, -100.0]])
+    weights = behaviour_weights(old, T([[0.0, 0.0, 0.0, 0.0]]), cap=2.0)
+    assert close(weights, [[1.5, 0.25, 2.0, 0.0]])
+    assert not weights.requires_grad
 
 
 def test_policy_loss_gradient_is_zero_when_clipped():

@@ -91,3 +91,21 @@ def test_placement_against_resources(tiny, tmp_path):
     assert "puts generation in the trainer's workers" in error_of(tiny, tmp_path, data)
     data = example("tiny-grpo.yaml", tiny, placement={"generator": {"workers": 32}})
     assert "prompts_per_step (16) is less than the generator workers (32)" in error_of(tiny, tmp_path, data)
+
+
+def test_asynchronous_mode_needs_generators_of_their_own(tiny, tmp_path):
+    for strategy in ("flattening", "interleaving"):
+        data = example("tiny-grpo.yaml", tiny, placement={"strategy": strategy}, rollout={"max_policy_lag": 1})
+        assert f"rollout.max_policy_lag is 1 (asynchronous mode), but placement.strategy {strategy} puts generation " \
+               "in the trainer's workers" in error_of(tiny, tmp_path, data)
+    data = example("tiny-grpo.yaml", tiny, placement={"generator": {"workers": 2}},
+                   rollout={"max_policy_lag": 3}, transport={"max_inflight_messages": 8})
+    assert "transport.max_inflight_messages (8) is less than the messages of the steps in flight with " \
+           "rollout.max_policy_lag 3 and 2 generator worker(s): (lag + 2) x workers = 10" in \
+        error_of(tiny, tmp_path, data)
+    data = example("tiny-grpo.yaml", tiny, rollout={"max_policy_lag": -1})
+    assert "rollout.max_policy_lag" in error_of(tiny, tmp_path, data)
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, placement={"strategy": "colocate_all_models"},
+                                                     rollout={"max_policy_lag": 2})))
+    assert cfg.behaviour_correction  # auto: on when asynchronous
+    assert not load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny))).behaviour_correction

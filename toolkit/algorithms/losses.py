@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -14,8 +16,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                clip_eps: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate: mean over tokens of -min(ratio * A, clip(ratio, 1 +- eps) * A).
+                clip_eps: float, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate: mean over tokens of -w * min(ratio * A, clip(ratio, 1 +- eps) * A), with
+    ratio = exp(logprob - old_logprob) and w the per-token `weights` (1 when None).
 
     Stats: `clip_frac` (share of tokens where the clipped term was taken) and `approx_kl`
     (0.5 * (logprob - old_logprob)^2, between the policy and the one that made the data).
@@ -24,11 +27,22 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    loss = masked_mean(-torch.minimum(unclipped, clipped), mask)
+    surrogate = torch.minimum(unclipped, clipped)
+    if weights is not None:
+        surrogate = weights * surrogate
+    loss = masked_mean(-surrogate, mask)
     with torch.no_grad():
         stats = {"clip_frac": masked_mean((clipped < unclipped).to(logprobs.dtype), mask),
                  "approx_kl": masked_mean(0.5 * log_ratio**2, mask)}
     return loss, stats
+
+
+def behaviour_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-token importance weights min(exp(old - behaviour), cap): how much likelier the policy at the
+    update (`old`) makes a token than the policy that sampled it (truncated importance sampling, so a
+    token the sampler found unlikely cannot dominate the loss). No gradient flows through them."""
+    with torch.no_grad():
+        return torch.exp(torch.clamp(old_logprobs - behaviour_logprobs, max=math.log(cap)))
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

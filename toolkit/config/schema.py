@@ -129,6 +129,14 @@ class RolloutSection(Section):
     """`vllm`, `hf` (transformers `generate`, the fallback without vLLM), or `auto` (vllm if installed)."""
     vllm: VllmSection = VllmSection()
     """Settings of the vLLM engine."""
+    max_policy_lag: Annotated[int, Field(ge=0)] = 0
+    """0: synchronous, on-policy (a step generates with the weights of the step before). N > 0: asynchronous;
+    generation of the next N steps overlaps training, so a sample may come from weights up to N updates
+    older than the ones it is trained at (needs generators on workers of their own)."""
+    stale: Literal["wait", "drop"] = "wait"
+    """Asynchronous mode: `wait` sends a step's prompts only when the generators hold weights within
+    max_policy_lag of it; `drop` sends them one step earlier (the generators never wait for weights), drops
+    the groups that turn out older than max_policy_lag and generates them again with newer weights."""
 
 
 class RewardFunction(Section):
@@ -204,6 +212,12 @@ class AlgorithmSection(Section):
     """GRPO: divide by the group's standard deviation. PPO: whiten advantages over the batch."""
     kl: KLSection = KLSection()
     """KL to the reference model: a per-token reward penalty (PPO) or a loss term (GRPO, k3 estimator)."""
+    behaviour_correction: Literal["auto", "on", "off"] = "auto"
+    """Weight each token's policy loss by min(exp(old - behaviour log-prob), behaviour_weight_cap): the
+    importance ratio between the policy at the update and the one that generated the sample (truncated).
+    `auto`: on in asynchronous mode (rollout.max_policy_lag > 0), off otherwise."""
+    behaviour_weight_cap: float = Field(default=2.0, gt=0)
+    """Largest importance weight of the behaviour correction (truncated importance sampling)."""
 
 
 class TrainerSection(Section):
@@ -474,6 +488,17 @@ class RunConfig(Section):
             raise ValueError(f"rollout.backend is 'vllm', but placement.strategy {self.placement.strategy} puts generation "
                              "in the trainer's workers, which generate with the trainer's own actor (transformers); "
                              "use backend auto or hf, or a placement that gives generation its own node group")
+        lag = self.rollout.max_policy_lag
+        if lag and self.placement.generation_with_actor():
+            raise ValueError(f"rollout.max_policy_lag is {lag} (asynchronous mode), but placement.strategy "
+                             f"{self.placement.strategy} puts generation in the trainer's workers, which cannot "
+                             "generate while they train; use separation (or another placement that gives "
+                             "generation its own node group), or max_policy_lag 0")
+        ahead = (lag + 2) * generators.workers
+        if lag and self.transport.max_inflight_messages < ahead:
+            raise ValueError(f"transport.max_inflight_messages ({self.transport.max_inflight_messages}) is less than "
+                             f"the messages of the steps in flight with rollout.max_policy_lag {lag} and "
+                             f"{generators.workers} generator worker(s): (lag + 2) x workers = {ahead}; raise it")
         if self.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.backend is 'vllm' but vLLM is not installed; install it or use backend: hf")
         return self
@@ -482,6 +507,12 @@ class RunConfig(Section):
     def samples_per_step(self) -> int:
         """Samples in one experience batch: `prompts_per_step * group_size`."""
         return self.rollout.prompts_per_step * self.rollout.group_size
+
+    @property
+    def behaviour_correction(self) -> bool:
+        """Whether the policy loss is weighted by the (truncated) behaviour importance ratio."""
+        setting = self.algorithm.behaviour_correction
+        return self.rollout.max_policy_lag > 0 if setting == "auto" else setting == "on"
 
     @property
     def tokenizer_path(self) -> Path:

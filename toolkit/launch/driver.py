@@ -12,6 +12,9 @@ A step, in the synchronous (on-policy) mode:
   3. the trainer trains and says `weights_ready`; the driver tells every generator to `sync`;
   4. the trainer broadcasts the weights; generators report `synced`, the trainer reports `trained`;
   5. the driver writes the step's metrics and starts the next step.
+In asynchronous mode (`rollout.max_policy_lag` N > 0) the prompts of steps up to N ahead are already
+out while a step trains, so generation overlaps training; the trainer drops samples older than N
+(`stale: drop`) and the driver sends their prompts again.
 Between events the driver checks that every worker process lives and heart-beats; any failure stops the
 run with an error naming the worker (role and rank), its node and pid, and its log file, and every
 worker is stopped. The launcher decides only how workers are spawned (local processes or Slurm steps).
@@ -71,6 +74,12 @@ class Driver:
         self.end_time: float | None = None  # when the job will be killed (unix time), once known
         self.trainer_ready: dict = {}
         self.checkpointed: dict | None = None
+        self.outbox = None  # the PUSH socket to the generators' inboxes, once they are known
+        self.next_dispatch = 0  # the next step whose prompts go out
+        self.in_flight: dict[int, list] = {}  # prompts of the steps sent and not yet trained
+        self.regenerate: list[tuple[int, list[int]]] = []  # (step, prompt slots) the trainer dropped
+        self.sending = False
+        self.last_done: float | None = None  # when the last step finished (this attempt)
 
     # ----- the run --------------------------------------------------------------------------------
 
@@ -94,11 +103,12 @@ class Driver:
             self._start_workers(resume)
             self.state = "running"
             inboxes = [self.book[w]["inbox"] for w in self.generator_ids]
-            outbox = Outbox(ctx, Codec(secret, "driver"), inboxes, t.max_inflight_messages)
+            outbox = self.outbox = Outbox(ctx, Codec(secret, "driver"), inboxes, t.max_inflight_messages)
+            self.next_dispatch = resume["next_step"]
             for step in range(resume["next_step"], cfg.run.steps):
                 if self.preempt and not self._time_for_a_step(records):
                     break
-                records.append(self._step(step, outbox))
+                records.append(self._step(step))
             stopped_early = self.step + 1 < cfg.run.steps
             if stopped_early:
                 self._checkpoint_before_stopping()
@@ -143,29 +153,59 @@ class Driver:
             self._pump(lambda: all(self.synced.get(g) == version for g in self.generator_ids),
                        t.step_timeout_s, "the resumed weights to reach the generators")
 
-    def _step(self, step: int, outbox) -> dict:
+    def _step(self, step: int) -> dict:
+        """Send the prompts of every step that may start now (only `step` when synchronous), then wait
+        until `step` is trained and its weights reached the generators."""
         cfg = self.cfg
         self.running_step = step
-        started = time.monotonic()
-        prompts = self.feeder.next(cfg.rollout.prompts_per_step)
-        for slots in np.array_split(np.arange(len(prompts)), len(self.generator_ids)):
-            if len(slots) == 0:
-                continue
-            chosen = [prompts[i] for i in slots]
-            outbox.send("prompts", {"step": step, "prompt_ids": [p.id for p in chosen],
-                                    "group_index": [int(i) for i in slots], "prompts": [p.text for p in chosen],
-                                    "fields": [p.fields for p in chosen]}, timeout_s=cfg.transport.step_timeout_s,
-                        while_blocked=self._pump_once)
+        started = self.last_done or time.monotonic()  # (steps overlap when async: time from the last one)
+        lag = cfg.rollout.max_policy_lag
+        # Step s trains at policy_version s. Its prompts may go out once the generators hold weights
+        # within `lag` of that (they sync in order and never fall behind a finished step); in `drop`
+        # mode one step earlier: samples that turn out too old are dropped and generated again.
+        horizon = step + lag + (1 if lag and cfg.rollout.stale == "drop" else 0)
+        while self.next_dispatch <= min(horizon, cfg.run.steps - 1):
+            s = self.next_dispatch
+            if cfg.rollout.stale == "wait":
+                self._pump(lambda: all(self.synced.get(g, 0) >= s - lag for g in self.generator_ids),
+                           cfg.transport.step_timeout_s, f"the generators to hold weights for step {s}")
+            self.in_flight[s] = self.feeder.next(cfg.rollout.prompts_per_step)
+            self._send_prompts(s, list(range(len(self.in_flight[s]))))
+            self.next_dispatch += 1
         version = step + 1
         self._pump(lambda: step in self.trained and all(self.synced.get(g) == version for g in self.generator_ids),
                    cfg.transport.step_timeout_s, f"step {step} to finish")
+        self.in_flight.pop(step, None)
+        self.last_done = time.monotonic()
         record = {"step": step, "policy_version": version, **self.trained.pop(step),
-                  "step_s": time.monotonic() - started, "time": time.time()}
+                  "step_s": self.last_done - started, "time": time.time()}
         self.run_dir.append_metrics(record)
         self.step, self.running_step = step, None
         self.echo(progress_line(record, cfg.run.steps))
         self._write_status(last=record)
         return record
+
+    def _send_prompts(self, step: int, slots: list[int]) -> None:
+        """The prompts at positions `slots` of `step`, split evenly over the generators (one message each)."""
+        prompts = self.in_flight[step]
+        self.sending = True  # (no regeneration goes out from the health checks while the socket is full)
+        try:
+            for part in np.array_split(np.asarray(slots, dtype=np.int64), len(self.generator_ids)):
+                if len(part) == 0:
+                    continue
+                chosen = [prompts[i] for i in part]
+                self.outbox.send("prompts", {"step": step, "prompt_ids": [p.id for p in chosen],
+                                             "group_index": [int(i) for i in part],
+                                             "prompts": [p.text for p in chosen], "fields": [p.fields for p in chosen]},
+                                 timeout_s=self.cfg.transport.step_timeout_s, while_blocked=self._pump_once)
+        finally:
+            self.sending = False
+
+    def _send_regenerations(self) -> None:
+        """Send again the prompts whose samples the trainer dropped as too old (asynchronous `drop` mode)."""
+        while self.regenerate and self.outbox is not None and not self.sending:
+            step, slots = self.regenerate.pop(0)
+            self._send_prompts(step, slots)
 
     def _plan_resume(self) -> dict:
         """Resume from what the run directory holds (nothing, for a new run); the trainer's part of it."""
@@ -220,6 +260,11 @@ class Driver:
         self._pump(lambda: self.checkpointed is not None, self.cfg.transport.step_timeout_s, "the trainer's checkpoint")
         self.echo(f"checkpoint of policy_version {self.checkpointed['version']} saved in "
                   f"{self.checkpointed['checkpoint_s']:.1f} s")
+        for step in sorted(self.trained):  # asynchronous: steps whose samples were in before the stop
+            record = {"step": step, "policy_version": step + 1, **self.trained.pop(step), "time": time.time()}
+            self.run_dir.append_metrics(record)
+            self.step = step
+            self.echo(progress_line(record, self.cfg.run.steps))
 
     def _on_usr1(self, signum, frame) -> None:
         self.preempt = True
@@ -259,6 +304,7 @@ class Driver:
         while item is not None:
             self._handle(*item)
             item = self.coordinator.recv(0)
+        self._send_regenerations()
         self._check_health()
         if time.monotonic() - self._status_written > STATUS_EVERY_S:
             self._write_status()
@@ -287,6 +333,8 @@ class Driver:
             self.synced[worker_id] = m["version"]
         elif msg.kind == "trained":
             self.trained[m["step"]] = m["metrics"]
+        elif msg.kind == "regenerate":
+            self.regenerate.append((m["step"], m["group_index"]))
         elif msg.kind == "checkpointed":
             self.checkpointed = m
         elif msg.kind != "bye":
@@ -370,6 +418,10 @@ def progress_line(r: dict, steps: int) -> str:
     if "generate_s" in r:  # (a step trained again on a resume generated nothing)
         line += (f"  gen {r['generate_s']:.2f}s  score {r['score_s']:.2f}s  train {r['train_s']:.2f}s  "
                  f"sync {r['sync_s']:.2f}s  {r['tokens_per_s']:.0f} tok/s")
+    if r.get("policy_lag_max"):  # asynchronous mode: how old the weights that generated the batch were
+        line += f"  lag {r['policy_lag_mean']:.1f}/{r['policy_lag_max']}"
+    if r.get("dropped_samples"):
+        line += f"  dropped {r['dropped_samples']}"
     if r.get("checkpoint_s"):
         line += f"  ckpt {r['checkpoint_s']:.2f}s"
     return line

@@ -5,7 +5,10 @@ computed from the full batch's rewards (every rank has them) and then sharded; P
 statistics summed across ranks (`all_reduce`).
 
 The loss departs from the textbook in the usual ways: token-mean over all response tokens of a
-micro-batch; GRPO puts its KL term (k3 estimator) in the loss, PPO puts a k1 penalty in the reward.
+micro-batch; GRPO puts its KL term (k3 estimator) in the loss, PPO puts a k1 penalty in the reward. In
+asynchronous mode the samples come from older weights than the update's: the ratio stays against the
+policy at the update (`old`, the proximal policy) and each token is weighted by the truncated importance
+ratio of that policy to the one that sampled it (`behaviour_weights`; decoupled PPO).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 
 from toolkit.algorithms.advantages import gae, grpo_advantages, kl_penalized_rewards, masked_whiten
-from toolkit.algorithms.losses import kl_estimate, masked_mean, policy_loss, value_loss
+from toolkit.algorithms.losses import behaviour_weights, kl_estimate, masked_mean, policy_loss, value_loss
 from toolkit.roles.modeling import (Padded, critic_values, pad_samples, scatter_responses, sequence_logprobs,
                                     token_logprobs)
 
@@ -106,9 +109,16 @@ def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator) 
             ids, attention, mask = (t.to(device) for t in (part.input_ids, part.attention_mask, part.action_mask))
             old, advantages, ref = (t[index, :width].to(device) for t in (exp.old_logprobs, exp.advantages,
                                                                           exp.ref_logprobs))
+            weights = None
+            if cfg.behaviour_correction:
+                behaviour = exp.behaviour_logprobs[index, :width].to(device)
+                weights = behaviour_weights(old, behaviour, algo.behaviour_weight_cap)
+                add("behaviour_weight", masked_mean(weights, mask).item())
+                add("behaviour_weight_capped", masked_mean((weights >= algo.behaviour_weight_cap * (1 - 1e-6))
+                                                           .to(weights.dtype), mask).item())
             logits = actor(input_ids=ids, attention_mask=attention).logits
             logprobs = token_logprobs(logits, ids, cfg.rollout.temperature)
-            loss, stats = policy_loss(logprobs, old, advantages, mask, algo.clip_eps)
+            loss, stats = policy_loss(logprobs, old, advantages, mask, algo.clip_eps, weights)
             add("pg_loss", loss.item())
             if grpo and algo.kl.coef > 0:
                 kl_term = masked_mean(kl_estimate(logprobs, ref, "k3"), mask)
