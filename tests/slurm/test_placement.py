@@ -1,5 +1,5 @@
-"""Flattening and interleaving through `submit` on the real local cluster: each node group is one job step
-on its own nodes, and both compute what they compute locally (same rewards and losses)."""
+"""The three strategies through `submit` on the real local cluster: each node group is one job step on its
+own nodes, and all three compute the same thing (same rewards and losses)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def nodes_of(workers: dict, group: str) -> set[str]:
     return {e["node"] for w, e in workers.items() if w.startswith(group + ":")}
 
 
-def test_flattening_and_interleaving_on_slurm(tiny, tmp_path):
+def test_three_strategies_on_slurm(tiny, tmp_path):
     flat_workers, flat = submitted(tiny, tmp_path, "flattening", {"all": {"workers": 2, "nodes": 2}})
     assert sorted(flat_workers) == ["all:0", "all:1"] and len(nodes_of(flat_workers, "all")) == 2
     inter_workers, inter = submitted(tiny, tmp_path, "interleaving",
@@ -43,7 +43,12 @@ def test_flattening_and_interleaving_on_slurm(tiny, tmp_path):
     assert len(trainer) == 2 and len(scorer) == 1 and not trainer & scorer  # disjoint node groups
     steps = {e["slurm_step"] for w, e in inter_workers.items()}
     assert len(steps) == 2  # one job step per node group
-    # Both give two generating ranks of 8 prompts each: the same samples, the same updates.
-    for a, b in zip(flat, inter, strict=True):
-        for key in ("reward_mean", "loss", "kl"):
-            assert abs(a[key] - b[key]) <= 1e-6, (a["step"], key, a[key], b[key])
+    sep_workers, sep = submitted(tiny, tmp_path, "separation", {"generator": {"workers": 2, "nodes": 1},
+                                                                 "trainer": {"workers": 2, "nodes": 2}})
+    groups = [nodes_of(sep_workers, g) for g in ("generator", "scorer", "trainer")]
+    assert [len(g) for g in groups] == [1, 1, 2] and len(set.union(*groups)) == 4  # disjoint node groups
+    # All give two generating ranks of 8 prompts each and two trainer ranks: the same samples and updates.
+    for other in (inter, sep):
+        for a, b in zip(flat, other, strict=True):
+            for key in ("reward_mean", "loss", "kl"):
+                assert abs(a[key] - b[key]) <= 1e-6, (a["step"], key, a[key], b[key])
