@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli, example, write_config
+from tests.conftest import cli, example, experience_commits, run_and_kill, write_config
 
 pytestmark = pytest.mark.integration
 TOLERANCE = 1e-6  # observed: bitwise equal
@@ -66,3 +66,29 @@ def test_ppo_zero3_two_ranks_colocated_and_apart(tiny, tmp_path):
                       placement={"strategy": "colocate_actor_ref", "generator": {"workers": 2},
                                  "trainer": {"workers": 2}}, **common)
     assert_same(apart, with_ref, "colocate_actor_ref")
+
+
+def test_interleaving_resumes_exactly_after_sigkill(tiny, tmp_path):
+    """A colocated placement (generation in the trainer's worker, weights never broadcast) killed after
+    4 of 6 commits and resumed ends with the uninterrupted run's weights and rewards."""
+    from safetensors.torch import load_file
+
+    def config(name: str) -> Path:
+        data = example("tiny-grpo.yaml", tiny, placement={"strategy": "interleaving"}, checkpoint={"every_steps": 2},
+                       run={"steps": 6, "seed": 5, "deterministic": True, "name": name})
+        data["rollout"]["backend"] = "hf"
+        return write_config(tmp_path / f"{name}-config", data)
+
+    whole = tmp_path / "whole"
+    result = cli("run", config("whole"), "--run-dir", whole)
+    assert result.returncode == 0, result.stdout + result.stderr
+    killed = tmp_path / "killed"
+    run_and_kill(config("killed"), killed, after_commits=4)
+    assert 4 <= experience_commits(killed) < 6
+    result = cli("resume", killed)
+    assert result.returncode == 0, result.stdout + result.stderr
+    a, b = (load_file(d / "checkpoints" / "step-000006" / "hf" / "model.safetensors") for d in (whole, killed))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    rewards = [[json.loads(line)["reward_mean"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+               for d in (whole, killed)]
+    assert len(rewards[0]) == 6 and rewards[0] == rewards[1]
