@@ -77,9 +77,15 @@ class Worker:
         self.serve()
         for role in self.roles.values():
             role.close()
+        self.control.send("bye")
+
+    def close_sockets(self) -> None:
+        """Close every socket of the main thread; the control socket lingers up to 2 s to send its last event."""
         for outbox in self.outboxes.values():
             outbox.close()
-        self.control.send("bye")
+        if self.inbox is not None:
+            self.inbox.close()
+        self.control.close()
 
     def serve(self) -> None:
         """Handle commands and samples until `shutdown`. Trainer ranks above 0 follow trainer rank 0; in a
@@ -185,6 +191,17 @@ class Worker:
         os._exit(3)
 
 
+def _flush(ctx, timeout_s: float) -> None:
+    """Let ZeroMQ send what is still queued (a last `failed` event) before the process ends: os._exit
+    skips the context's own shutdown, which is where queued messages get out. Bounded: a socket that
+    never closes cannot hold the exit."""
+    import threading
+
+    done = threading.Thread(target=ctx.term, name="zmq-flush", daemon=True)
+    done.start()
+    done.join(timeout_s)
+
+
 def _end_children() -> None:
     """Kill every process this worker started (vLLM engine or compile workers), depth first."""
     try:
@@ -250,7 +267,8 @@ def main() -> None:
     finally:
         if worker is not None:
             worker.heartbeat.stop()
-            worker.control.close()  # lingers up to 2 s so the last event gets out
+            worker.close_sockets()
+            _flush(worker.ctx, timeout_s=3.0)
         sys.stdout.flush()
         sys.stderr.flush()
         _end_children()

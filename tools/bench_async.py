@@ -4,10 +4,10 @@
 
 Each mode is a real `slurm-rlhf run` (local launcher) of templates/examples/tiny-grpo.yaml with the
 same seed: max_policy_lag 0 (synchronous), then asynchronous modes. The step time is the median
-`step_s` after the first two steps (start-up); `speed-up` is the synchronous median over the mode's.
+`step_s` after the first two steps (start-up); `speed-up` is the first row's median over the mode's.
 Rewards show whether learning kept up: mean reward of the first and of the last 5 steps. Each worker
 gets `--cpus-per-worker` threads (on a 2-core machine, two busy workers with 2 threads each fight for
-the cores and overlap buys nothing).
+the cores and overlap buys nothing); one synchronous row keeps the default threads, for comparison.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-MODES = (("sync", 0, "wait"), ("async lag 1, wait", 1, "wait"), ("async lag 2, wait", 2, "wait"),
-         ("async lag 1, drop", 1, "drop"))
+# (name, max_policy_lag, stale, threads per worker: None = --cpus-per-worker, 0 = the default)
+MODES = (("sync", 0, "wait", None), ("sync, default threads", 0, "wait", 0), ("async lag 1, wait", 1, "wait", None),
+         ("async lag 2, wait", 2, "wait", None), ("async lag 1, drop", 1, "drop", None))
 
 
 def main() -> int:
@@ -39,11 +40,12 @@ def main() -> int:
     rows = [("mode", "step s (median)", "speed-up", "run s", "lag mean", "dropped", "reward first 5", "last 5")]
     base = None
     with tempfile.TemporaryDirectory() as tmp:
-        for name, lag, stale in MODES:
+        for name, lag, stale, threads in MODES:
+            threads = args.cpus_per_worker if threads is None else threads
             sets = [f"run.steps={args.steps}", f"rollout.max_policy_lag={lag}", f"rollout.stale={stale}",
                     "checkpoint.every_steps=1000",
-                    *(f"placement.{g}.cpus_per_worker={args.cpus_per_worker}" for g in ("generator", "scorer", "trainer"))]
-            run_dir = Path(tmp) / f"lag{lag}-{stale}"
+                    *(f"placement.{g}.cpus_per_worker={threads}" for g in ("generator", "scorer", "trainer") if threads)]
+            run_dir = Path(tmp) / f"lag{lag}-{stale}-{threads}"
             cmd = [sys.executable, "-m", "toolkit", "run", args.config, "--run-dir", str(run_dir)]
             for s in sets:
                 cmd += ["--set", s]
