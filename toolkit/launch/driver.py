@@ -97,13 +97,12 @@ class Driver:
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         previous_usr1 = signal.signal(signal.SIGUSR1, self._on_usr1)
         records: list[dict] = []
-        outbox = None
         try:
             resume = self._plan_resume()
             self._start_workers(resume)
             self.state = "running"
             inboxes = [self.book[w]["inbox"] for w in self.generator_ids]
-            outbox = self.outbox = Outbox(ctx, Codec(secret, "driver"), inboxes, t.max_inflight_messages)
+            self.outbox = Outbox(ctx, Codec(secret, "driver"), inboxes, t.max_inflight_messages)
             self.next_dispatch = resume["next_step"]
             for step in range(resume["next_step"], cfg.run.steps):
                 if self.preempt and not self._time_for_a_step(records):
@@ -127,8 +126,8 @@ class Driver:
             self.stopping = True
             self.launcher.stop(grace_s=5.0)
             self._write_status()
-            if outbox is not None:
-                outbox.close()
+            if self.outbox is not None:
+                self.outbox.close()
             self.coordinator.close()
             ctx.term()
 
@@ -177,11 +176,15 @@ class Driver:
                    cfg.transport.step_timeout_s, f"step {step} to finish")
         self.in_flight.pop(step, None)
         self.last_done = time.monotonic()
-        record = {"step": step, "policy_version": version, **self.trained.pop(step),
-                  "step_s": self.last_done - started, "time": time.time()}
+        self.running_step = None
+        return self._record(step, step_s=self.last_done - started)
+
+    def _record(self, step: int, **extra) -> dict:
+        """Write the metrics of trained `step` (what the trainer reported, plus `extra`) and show them."""
+        record = {"step": step, "policy_version": step + 1, **self.trained.pop(step), **extra, "time": time.time()}
         self.run_dir.append_metrics(record)
-        self.step, self.running_step = step, None
-        self.echo(progress_line(record, cfg.run.steps))
+        self.step = step
+        self.echo(progress_line(record, self.cfg.run.steps))
         self._write_status(last=record)
         return record
 
@@ -261,10 +264,7 @@ class Driver:
         self.echo(f"checkpoint of policy_version {self.checkpointed['version']} saved in "
                   f"{self.checkpointed['checkpoint_s']:.1f} s")
         for step in sorted(self.trained):  # asynchronous: steps whose samples were in before the stop
-            record = {"step": step, "policy_version": step + 1, **self.trained.pop(step), "time": time.time()}
-            self.run_dir.append_metrics(record)
-            self.step = step
-            self.echo(progress_line(record, self.cfg.run.steps))
+            self._record(step)
 
     def _on_usr1(self, signum, frame) -> None:
         self.preempt = True
