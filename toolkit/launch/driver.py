@@ -43,7 +43,7 @@ from toolkit.store.manifest import Manifest, plan_resume, set_aside
 log = logging.getLogger("toolkit.driver")
 STATUS_EVERY_S = 2.0  # status.json is rewritten this often while the run waits on its workers
 STOP_MARGIN_S = 15.0  # kept free before the job's end for stopping the workers and requeueing
-REPORT_GRACE_S = 2.0  # after a worker exits non-zero, how long its last control messages may take to arrive
+REPORT_GRACE_S = 2.0  # on a failure, how long to look for its cause: a worker's last report, a peer's death
 
 
 class Driver:
@@ -324,8 +324,10 @@ class Driver:
                 self.trainer_ready = m
             log.info("%s ready", worker_id)
         elif msg.kind == "failed":
-            raise RunError(f"{self._describe(worker_id)} failed: {m.get('error')}\n"
-                           f"{m.get('traceback', '').rstrip()}\n{self._log_hint(worker_id)}")
+            dead = self._dead_peer(worker_id, REPORT_GRACE_S)
+            if dead is not None:  # its peers fail in their collectives: the dead worker is the cause
+                raise RunError(f"{self._exited(dead)}\n(then {self._describe(worker_id)} failed: {m.get('error')})")
+            raise RunError(self._failed(worker_id, m))
         elif msg.kind == "weights_ready":
             for g in self.sync_ids:
                 self.coordinator.send(g, "sync", version=m["version"])
@@ -340,22 +342,50 @@ class Driver:
         elif msg.kind != "bye":
             log.warning("unexpected %r from %s", msg.kind, worker_id)
 
-    def _drain_reports(self, wait_s: float) -> None:
-        """Handle control messages still on their way (a dead worker's last words), for up to `wait_s`."""
+    def _dead_peer(self, worker_id: str, wait_s: float):
+        """A worker other than `worker_id` that died without a word (killed, out of memory, crashed: any exit
+        but 0, and 1, which is a worker that raised and reports for itself), looked for during `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for ended in self.launcher.poll():
+                if ended.worker_id != worker_id and ended.code not in (0, 1):
+                    return ended
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+
+    def _last_report(self, worker_id: str, wait_s: float) -> dict | None:
+        """The `failed` report of `worker_id`, which has just exited, if it sent one (a worker flushes its
+        last event before it exits, so it is here or on its way). Other workers' reports meanwhile are
+        left out: they follow from this exit. Other messages are handled."""
         deadline = time.monotonic() + wait_s
         while (left := deadline - time.monotonic()) > 0:
             item = self.coordinator.recv(left)
             if item is None:
-                return
-            self._handle(*item)
+                return None
+            sender, msg = item
+            if msg.kind == "failed":
+                if sender == worker_id:
+                    return msg.meta
+            else:
+                self._handle(sender, msg)
+        return None
+
+    def _failed(self, worker_id: str, report: dict) -> str:
+        return (f"{self._describe(worker_id)} failed: {report.get('error')}\n"
+                f"{report.get('traceback', '').rstrip()}\n{self._log_hint(worker_id)}")
+
+    def _exited(self, ended) -> str:
+        return f"{self._describe(ended.worker_id)} exited with {ended.describe()}\n{self._log_hint(ended.worker_id)}"
 
     def _check_health(self) -> None:
         for ended in self.launcher.poll():
             if self.stopping and ended.code == 0:
                 continue
-            self._drain_reports(REPORT_GRACE_S)  # a worker's own `failed` report says more than its exit code
-            raise RunError(f"{self._describe(ended.worker_id)} exited with {ended.describe()}\n"
-                           f"{self._log_hint(ended.worker_id)}")
+            report = self._last_report(ended.worker_id, REPORT_GRACE_S)  # says more than an exit code
+            if report is not None:
+                raise RunError(self._failed(ended.worker_id, report))
+            raise RunError(self._exited(ended))
         limit = self.cfg.transport.heartbeat_timeout_s
         for worker_id, silent_s in self.coordinator.silent(self.worker_ids, limit):
             raise RunError(f"{self._describe(worker_id)} sent no heartbeat for {silent_s:.0f} s "
