@@ -56,6 +56,52 @@ def build_tokenizer(out: Path, seed: int = 0, vocab_size: int = 512):
     return fast
 
 
+# Tiny random instances of the architecture families users bring, each with head size 64 (vLLM's CPU
+# attention rejects 16) and 2 layers: {family: (config class, its arguments)}. `-tied` shares the input
+# and output embeddings (as GPT-2, OPT, Gemma and the small Qwen2.5 / Llama-3.2 models do).
+_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+              max_position_embeddings=512)
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(_SHAPE, num_key_value_heads=1, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(_SHAPE, num_key_value_heads=1, sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(_SHAPE, num_key_value_heads=1, tie_word_embeddings=False)),
+    "qwen2-tied": ("Qwen2Config", dict(_SHAPE, num_key_value_heads=1, tie_word_embeddings=True)),
+    "qwen3-tied": ("Qwen3Config", dict(_SHAPE, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True)),
+    "gemma-tied": ("GemmaConfig", dict(_SHAPE, num_key_value_heads=1, head_dim=64)),
+    "gpt2-tied": ("GPT2Config", dict(n_embd=128, n_layer=2, n_head=2, n_positions=512)),
+    "opt-tied": ("OPTConfig", dict(hidden_size=128, ffn_dim=256, num_hidden_layers=2, num_attention_heads=2,
+                                   max_position_embeddings=512, word_embed_proj_dim=128)),
+    "gpt-neox": ("GPTNeoXConfig", dict(_SHAPE, rotary_pct=0.25)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(_SHAPE, num_key_value_heads=1, moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2)),
+}
+
+
+def build_family(out_dir: str | Path, family: str, seed: int = 0) -> Path:
+    """A tiny random causal LM of `family` (see FAMILIES) with the tiny tokenizer, in `out_dir`."""
+    out = Path(out_dir)
+    stamp = out / "BUILT"
+    if stamp.exists() and stamp.read_text() == f"{LAYOUT_VERSION} {family} {seed}":
+        return out
+    import torch
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, seed)
+    class_name, args = FAMILIES[family]
+    cfg = getattr(transformers, class_name)(**args)
+    cfg.save_pretrained(out)
+    # AutoTokenizer picks the family's tokenizer class from config.json, which may add tokens of its own
+    # (Qwen2's adds <|endoftext|>): the vocabulary is what it loads.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    cfg.update(dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    stamp.write_text(f"{LAYOUT_VERSION} {family} {seed}")
+    return out
+
+
 def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the tiny model set into `out_dir` (skipped when already built with this seed)."""
     out = Path(out_dir)

@@ -1,8 +1,9 @@
 """Peer processes for the weight-sync tests: `python -m tests.integration.peers KIND ARGS...`.
 
-generator CONFIG BACKEND HOST PORT OUT SEQS    join the sync group as rank 1, record the log-probs of the
+generator CONFIG BACKEND HOST PORT OUT SEQS [REFRESH]
+                                               join the sync group as rank 1, record the log-probs of the
                                                whole vocabulary at every position of SEQS, before and
-                                               after receiving one version of the weights
+                                               after receiving one version of the weights, and the sync check
 zero3 RANK CONFIG DIR                          a ZeRO-3 trainer rank (of 2): one training step, then sync
 receiver CONFIG DIR                            an HF engine that receives the ZeRO-3 trainer's weights
 """
@@ -28,15 +29,28 @@ def _engine(config: str, backend: str):
     return make_engine(backend, load_config(config), torch.device("cpu"))
 
 
-def generator(config, backend, host, port, out, seqs) -> None:
+def generator(config, backend, host, port, out, seqs, refresh="refresh") -> None:
+    """`refresh` other than "refresh": vLLM's reload without the extension's repair of derived weights
+    (a fault put in on purpose, to show that the sync check finds it)."""
+    from toolkit.weights import probe
+
+    if refresh != "refresh":
+        import toolkit.weights.vllm_extension as extension
+
+        extension._refresh_derived = lambda model: None
     engine = _engine(config, backend)
-    engine.join_weight_sync(host, int(port), 1, 2, BUCKET_BYTES, 120)
+    joined = engine.join_weight_sync(host, int(port), 1, 2, 120)
     sequences = json.loads(Path(seqs).read_text())
     before = [engine.prompt_logprobs(s, top=-1) for s in sequences]
-    version = engine.receive_weights()
+    version, expected = engine.receive_weights()
     after = [engine.prompt_logprobs(s, top=-1) for s in sequences]
+    try:
+        check = probe.check(expected, probe.engine_logprobs(engine, joined["probe"]), 1e-3, version, "the peer")
+    except probe.WeightSyncError as e:
+        check = str(e)
     as_json = lambda runs: [[{str(k): v for k, v in pos.items()} for pos in run] for run in runs]  # noqa: E731
-    Path(out).write_text(json.dumps({"version": version, "before": as_json(before), "after": as_json(after)}))
+    Path(out).write_text(json.dumps({"version": version, "before": as_json(before), "after": as_json(after),
+                                     "weights": joined["weights"], "check": check}))
 
 
 def _wait_port(directory: Path) -> int:
@@ -56,7 +70,8 @@ def zero3(rank, config, directory) -> None:
 
     from toolkit.config import load_config
     from toolkit.transport.rendezvous import connect_store, serve_store
-    from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, manifest_of, plan_buckets
+    from toolkit.weights.probe import model_logprobs, probe_tokens
+    from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, plan_layout
 
     rank, directory = int(rank), Path(directory)
     cfg = load_config(config)
@@ -81,14 +96,13 @@ def zero3(rank, config, directory) -> None:
     engine.step()
     params = list(engine.module.named_parameters())
     partitioned = all(p.ds_tensor.numel() < p.ds_numel for _, p in params if p.ds_numel > 1000)
-    manifest = manifest_of(params)
-    buckets = plan_buckets(manifest, BUCKET_BYTES)
+    layout = plan_layout(params, BUCKET_BYTES, probe_tokens(500, 0))
+    expected = model_logprobs(engine.module, layout.probe)  # (a forward pass: every ZeRO-3 rank takes part)
     if rank == 0:
-        sender = WeightSender(form_group(store, 0, 2, 120, torch.device("cpu")), manifest, BUCKET_BYTES,
-                              torch.device("cpu"))
-        sender.send(1, gathered_buckets([p for _, p in params], buckets, zero3=True))
+        sender = WeightSender(form_group(store, 0, 2, 120, torch.device("cpu")), layout, torch.device("cpu"))
+        sender.send(1, expected, gathered_buckets([p for _, p in params], layout.sources, zero3=True))
     else:
-        for _ in gathered_buckets([p for _, p in params], buckets, zero3=True):
+        for _ in gathered_buckets([p for _, p in params], layout.sources, zero3=True):
             pass
     with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
         if rank == 0:
@@ -102,8 +116,11 @@ def receiver(config, directory) -> None:
 
     directory = Path(directory)
     engine = _engine(config, "hf")
-    engine.join_weight_sync("127.0.0.1", _wait_port(directory), 1, 2, BUCKET_BYTES, 120)
-    version = engine.receive_weights()
+    joined = engine.join_weight_sync("127.0.0.1", _wait_port(directory), 1, 2, 120)
+    version, expected = engine.receive_weights()
+    from toolkit.weights import probe
+
+    probe.check(expected, probe.engine_logprobs(engine, joined["probe"]), 1e-5, version, "the receiver")
     torch.save({"version": version, "weights": {n: p.data.clone() for n, p in engine.model.named_parameters()}},
                directory / "received.pt")
 

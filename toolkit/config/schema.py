@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
+from toolkit.config.model_files import vllm_cpu_problem
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
@@ -60,6 +62,7 @@ def load_function(import_path: str):
 ModelDir = Annotated[str, AfterValidator(_model_dir)]
 ExistingFile = Annotated[str, AfterValidator(_existing_file)]
 PositiveInt = Annotated[int, Field(ge=1)]
+SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 
 
 class RunSection(Section):
@@ -133,6 +136,12 @@ class RolloutSection(Section):
     """0: synchronous, on-policy (a step generates with the weights of the step before). N > 0: asynchronous;
     generation of the next N steps overlaps training, so a sample may come from weights up to N updates
     older than the ones it is trained at (needs generators on workers of their own)."""
+    sync_check: bool = True
+    """After every weight sync, each generator scores a probe sequence and compares its log-probs with the
+    trainer's; a difference above `sync_check_tolerance` fails the run (a weight that did not arrive)."""
+    sync_check_tolerance: float | None = Field(default=None, gt=0)
+    """Largest mean |log-prob difference| the sync check accepts (default: 1e-3 in float32, 5e-2 in
+    bfloat16 and float16, where vLLM's and transformers' kernels round differently)."""
     stale: Literal["wait", "drop"] = "wait"
     """Asynchronous mode: `wait` sends a step's prompts only when the generators hold weights within
     max_policy_lag of it; `drop` sends them one step earlier (the generators never wait for weights), drops
@@ -501,7 +510,17 @@ class RunConfig(Section):
                              f"{generators.workers} generator worker(s): (lag + 2) x workers = {ahead}; raise it")
         if self.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.backend is 'vllm' but vLLM is not installed; install it or use backend: hf")
+        if self.generation_backend == "vllm" and not generators.gpus_per_worker:
+            problem = vllm_cpu_problem(self.model.actor)
+            if problem:
+                raise ValueError(f"model.actor: {problem}; use rollout.backend: hf, or give the generator node group "
+                                 "GPUs (placement.<group>.gpus_per_worker)")
         return self
+
+    @property
+    def sync_check_tolerance(self) -> float:
+        """`rollout.sync_check_tolerance`, or the default for `model.dtype` (`SYNC_CHECK_TOLERANCE`)."""
+        return self.rollout.sync_check_tolerance or SYNC_CHECK_TOLERANCE[self.model.dtype]
 
     @property
     def samples_per_step(self) -> int:

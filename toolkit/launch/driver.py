@@ -61,6 +61,7 @@ class Driver:
         self.book: dict[str, dict] = {}
         self.ready: set[str] = set()
         self.synced: dict[str, int] = {}
+        self.sync_checks: dict[int, float] = {}  # policy_version -> largest probe difference after its sync
         self.trained: dict[int, dict] = {}
         self.stopping = False
         self.state = "starting"
@@ -182,6 +183,8 @@ class Driver:
     def _record(self, step: int, **extra) -> dict:
         """Write the metrics of trained `step` (what the trainer reported, plus `extra`) and show them."""
         record = {"step": step, "policy_version": step + 1, **self.trained.pop(step), **extra, "time": time.time()}
+        if step + 1 in self.sync_checks:
+            record["sync_check_diff"] = self.sync_checks.pop(step + 1)
         self.run_dir.append_metrics(record)
         self.step = step
         self.echo(progress_line(record, self.cfg.run.steps))
@@ -333,6 +336,8 @@ class Driver:
                 self.coordinator.send(g, "sync", version=m["version"])
         elif msg.kind == "synced":
             self.synced[worker_id] = m["version"]
+            if m.get("check_diff") is not None:  # the worst generator's probe difference after this sync
+                self.sync_checks[m["version"]] = max(self.sync_checks.get(m["version"], 0.0), m["check_diff"])
         elif msg.kind == "trained":
             self.trained[m["step"]] = m["metrics"]
         elif msg.kind == "regenerate":

@@ -16,6 +16,7 @@ import numpy as np
 from toolkit.placement.plan import group_of
 from toolkit.roles.base import Role
 from toolkit.roles.samples import SampleBatch, ragged
+from toolkit.weights import probe
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +57,16 @@ class GeneratorRole(Role):
         host, port = self.worker.book[group_of(self.worker.groups, "trainer").worker_ids()[0]]["store"].rsplit(":", 1)
         n_workers = self.worker.group.workers
         first_rank = 1 + self.worker.rank * self.engine.ranks
-        n_weights = self.engine.join_weight_sync(host, int(port), first_rank, 1 + n_workers * self.engine.ranks,
-                                                 int(cfg.trainer.weight_sync_bucket_mb * 2**20),
-                                                 cfg.transport.step_timeout_s)
-        log.info("joined the weight-sync group as rank %d (%d weights)", first_rank, n_weights)
+        joined = self.engine.join_weight_sync(host, int(port), first_rank, 1 + n_workers * self.engine.ranks,
+                                              cfg.transport.step_timeout_s)
+        self.probe = joined["probe"]
+        log.info("joined the weight-sync group as rank %d (%d weights)", first_rank, joined["weights"])
 
-    def holds(self, version: int, sync_s: float = 0.0) -> None:
-        """Now generating with `version` of the weights: tell the driver."""
+    def holds(self, version: int, sync_s: float = 0.0, check_diff: float | None = None) -> None:
+        """Now generating with `version` of the weights: tell the driver (and how well the sync checked)."""
         self.version = version
         self.status.update(phase="idle", policy_version=version)
-        self.worker.control.send("synced", version=version, sync_s=sync_s)
+        self.worker.control.send("synced", version=version, sync_s=sync_s, check_diff=check_diff)
 
     def handle(self, meta: dict) -> SampleBatch:
         step, ids, texts, fields = meta["step"], meta["prompt_ids"], meta["prompts"], meta["fields"]
@@ -105,10 +106,20 @@ class GeneratorRole(Role):
             return super().on_command(msg)
         self.status["phase"] = "syncing"
         started = time.monotonic()
-        version = self.engine.receive_weights()
+        version, expected = self.engine.receive_weights()
         if version != msg.meta["version"]:
             raise RuntimeError(f"received weights of policy_version {version}, expected {msg.meta['version']}")
-        self.holds(version, time.monotonic() - started)
+        sync_s = time.monotonic() - started
+        self.holds(version, sync_s, self._check_sync(version, expected))
+
+    def _check_sync(self, version: int, expected) -> float | None:
+        """Mean |log-prob difference| to the trainer on the probe sequence (raises above the tolerance)."""
+        r = self.cfg.rollout
+        if not r.sync_check:
+            return None
+        actual = probe.engine_logprobs(self.engine, self.probe)
+        return probe.check(expected, actual, self.cfg.sync_check_tolerance, version,
+                           f"generator worker {self.worker.id} ({self.cfg.generation_backend})")
 
     def _tokenize(self, text: str) -> list[int]:
         if self.cfg.data.chat_template:

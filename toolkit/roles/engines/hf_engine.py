@@ -78,17 +78,18 @@ class HFEngine:
             out.append({i: float(logprobs[position, i]) for i in ids})
         return out
 
-    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, bucket_bytes: int,
-                         timeout_s: float) -> int:
+    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float) -> dict:
+        """Join the trainer's weight-sync group; {weights, probe}."""
         store = connect_store(host, port, timeout_s)
         group = form_group(store, first_rank, world_size, timeout_s, self.device)
-        self._receiver = WeightReceiver(group, bucket_bytes, self.device)
-        return len(self._receiver.manifest)
+        self._receiver = WeightReceiver(group, self.device)
+        return {"weights": self._receiver.weights, "probe": self._receiver.probe}
 
-    def receive_weights(self) -> int:
-        version, tensors = self._receiver.receive()
+    def receive_weights(self) -> tuple[int, torch.Tensor]:
+        """Load the next version of the weights; (that version, the trainer's probe log-probs)."""
+        version, expected, tensors = self._receiver.receive()
         self.load_weights(tensors)
-        return version
+        return version, expected
 
     @torch.no_grad()
     def load_weights(self, named_tensors) -> None:

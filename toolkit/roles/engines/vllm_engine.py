@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from toolkit.roles.engines import Completion
 
 EXTENSION = "toolkit.weights.vllm_extension.WeightSyncExtension"
@@ -62,16 +64,16 @@ class VllmEngine:
                                 SamplingParams(max_tokens=1, prompt_logprobs=top), use_tqdm=False)[0]
         return [{t: lp.logprob for t, lp in step.items()} for step in out.prompt_logprobs[1:]]
 
-    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, bucket_bytes: int,
-                         timeout_s: float) -> int:
-        return self.llm.collective_rpc("join_weight_sync",
-                                       args=(host, port, first_rank, world_size, bucket_bytes, timeout_s))[0]
+    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float) -> dict:
+        """Join the trainer's weight-sync group (every vLLM worker of this engine); {weights, probe}."""
+        return self.llm.collective_rpc("join_weight_sync", args=(host, port, first_rank, world_size, timeout_s))[0]
 
-    def receive_weights(self) -> int:
-        version = self.llm.collective_rpc("receive_weights")[0]
+    def receive_weights(self) -> tuple[int, torch.Tensor]:
+        """Load the next version of the weights; (that version, the trainer's probe log-probs)."""
+        version, expected = self.llm.collective_rpc("receive_weights")[0]
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
-        return version
+        return version, torch.tensor(expected, dtype=torch.float32)
 
     def close(self) -> None:
         self.llm = None

@@ -1,0 +1,39 @@
+"""Whole runs on tiny random models of the architecture families users bring, tied and untied, dense and
+mixture-of-experts: after every weight sync vLLM samples with exactly the trainer's weights.
+
+`behaviour_logprob_diff` (generator vs trainer log-probs of every sampled token) and `sync_check_diff`
+(the probe check after each sync) stay below 1e-4 at every step. Before the repair in
+`toolkit/weights/vllm_extension.py`, the tied families drifted to 0.05-0.1 within 6 steps at this
+learning rate and the mixture of experts was wrong from the first sync.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import REPO, cli, example, write_config
+from toolkit.tiny import build_family
+
+pytestmark = pytest.mark.integration
+FAMILIES = ["mistral", "qwen2", "qwen2-tied", "qwen3-tied", "gemma-tied", "gpt2-tied", "opt-tied", "gpt-neox",
+            "qwen2-moe"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weight_sync_exact_for_every_family(family, tiny, tmp_path):
+    model_dir = build_family(REPO / "models" / f"tiny-{family}", family)
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": family, "seed": 1},
+                                            model={"actor": str(model_dir)},
+                                            rollout={"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 16}))
+    result = cli("run", config, "--run-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert r["behaviour_logprob_diff"] <= 1e-4, (family, r["step"], r["behaviour_logprob_diff"])
+        assert r["sync_check_diff"] <= 1e-4, (family, r["step"], r["sync_check_diff"])
+    assert records[-1]["kl_loss"] > 1e-4  # the policy moved away from the reference (lr 1e-3): a stale copy would show
+    log = (tmp_path / "run" / "logs" / "generator-0.log").read_text()
+    assert "not loaded" not in log  # every weight reached vLLM

@@ -1,0 +1,78 @@
+"""What weight sync sends: buckets in the generator's (checkpoint) layout, the probe, the head-size check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import REPO, example, write_config
+from tests.unit.test_config import error_of
+from toolkit.config.model_files import VLLM_CPU_HEAD_SIZES, head_dim, vllm_cpu_problem
+from toolkit.roles.modeling import without_dropout
+from toolkit.tiny import build_family
+from toolkit.weights import probe
+from toolkit.weights.hf_format import checkpoint_converter
+from toolkit.weights.sync import plan_layout
+
+
+def test_mixture_of_experts_travels_in_the_checkpoint_layout():
+    """transformers fuses each layer's experts in memory; vLLM loads one matrix per expert."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_family(REPO / "models" / "tiny-qwen2-moe", "qwen2-moe"))
+    params = list(model.named_parameters())
+    fused = [name for name, p in params if p.dim() == 3]
+    assert fused, "transformers no longer fuses the experts: this test should change"
+    layout = plan_layout(params, 64 * 1024, probe.probe_tokens(512, 0), checkpoint_converter(model))
+    wire = [name for bucket in layout.wire for name, _, _ in bucket]
+    assert not any(name in wire for name in fused)
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in wire
+    assert sum(len(s) for s in layout.sources) == len(params)
+    # The same bytes: converting splits tensors, it adds or drops nothing.
+    numel = lambda shapes: sum(torch.Size(s).numel() for s in shapes)  # noqa: E731
+    assert numel(s for b in layout.wire for _, _, s in b) == sum(p.numel() for _, p in params)
+    # A bucket's real tensors convert to exactly what the layout announced.
+    index = next(i for i, b in enumerate(layout.wire) if any("experts.0." in n for n, _, _ in b))
+    tensors = layout.converted(index, [params[i][1].data for i in layout.sources[index]])
+    assert [list(t.shape) for t in tensors] == [s for _, _, s in layout.wire[index]]
+
+
+def test_probe_check_names_the_generator_and_the_fix():
+    expected = torch.zeros(31)
+    assert probe.check(expected, expected + 1e-5, 1e-3, 4, "generator worker generator:0") < 1e-3
+    with pytest.raises(probe.WeightSyncError) as info:
+        probe.check(expected, expected + 0.2, 1e-3, 4, "generator worker generator:0 (vllm)")
+    msg = str(info.value)
+    assert "policy_version 4, generator worker generator:0 (vllm)" in msg and "0.2 > " in msg
+    assert "rollout.sync_check_tolerance" in msg
+    assert probe.probe_tokens(512, 3) == probe.probe_tokens(512, 3) and max(probe.probe_tokens(512, 3)) < 512
+
+
+def test_head_size_vllm_cannot_serve_on_cpu_is_a_config_error(tiny, tmp_path):
+    model = tmp_path / "model16"
+    model.mkdir()
+    cfg = json.loads((tiny / "model" / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16}))
+    assert head_dim(json.loads((model / "config.json").read_text())) == 16
+    assert head_dim({"n_embd": 768, "n_head": 12}) == 64  # GPT-2 names, no head_dim
+    msg = error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny, model={"actor": str(model)},
+                                                  rollout={"backend": "vllm"})))
+    assert "model.actor:" in msg and "attention heads of size 16" in msg and "rollout.backend: hf" in msg
+    assert vllm_cpu_problem(tiny / "model") is None  # head size 64 is fine
+    # the same model with the transformers engine is accepted
+    write_config(tmp_path, example("tiny-grpo.yaml", tiny, model={"actor": str(model)}, rollout={"backend": "hf"}))
+
+
+def test_head_sizes_match_the_installed_vllm():
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == VLLM_CPU_HEAD_SIZES
+
+
+def test_dropout_is_turned_off_for_training():
+    gpt2 = build_family(REPO / "models" / "tiny-gpt2-tied", "gpt2-tied")
+    assert {"attn_pdrop", "embd_pdrop", "resid_pdrop"} <= set(without_dropout(gpt2))
+    assert set(without_dropout(gpt2).values()) == {0.0}
