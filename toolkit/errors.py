@@ -20,6 +20,11 @@ class RunError(ToolkitError):
 
 
 class Interrupted(ToolkitError):
-    """The user pressed Ctrl-C (or the driver got SIGTERM); the run was stopped cleanly."""
+    """The user pressed Ctrl-C (or the driver got SIGTERM); the run was stopped cleanly. The exit code is
+    128 + the signal's number, as a shell reports it: 130 for SIGINT, 143 for SIGTERM."""
 
     exit_code = 130
+
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code

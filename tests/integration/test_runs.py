@@ -119,10 +119,16 @@ def test_run_dir_is_never_reused(tiny, tmp_path):
 # ----- failures: named errors, bounded time, no process left ------------------------------------------------
 
 
+def _as_a_background_job() -> None:
+    """What a non-interactive shell does to `cmd &`: SIGINT ignored (the run must handle it anyway)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def start(config: Path, run_dir: Path, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, **(env or {})})
+                            start_new_session=True, env={**os.environ, **(env or {})},
+                            preexec_fn=_as_a_background_job)
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, timeout: float = 240) -> None:
@@ -192,10 +198,11 @@ def test_hung_worker_is_detected_by_heartbeat(tiny, tmp_path):
 
 
 def test_ctrl_c_stops_everything(tiny, tmp_path):
+    """Even when the run inherited SIGINT ignored, as every run started with `&` from a script does."""
     with running(tiny, tmp_path) as (proc, run_dir):
         os.kill(proc.pid, signal.SIGINT)
         code, out, err, took = finish(proc, timeout=60)
-    assert code == 130 and "interrupted" in err, err
+    assert code == 130 and "interrupted (SIGINT)" in err, err
     assert took < 20
     assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
     assert_no_workers_left(run_dir)
@@ -238,6 +245,6 @@ def test_cancel_stops_a_local_run(tiny, tmp_path):
         pids = worker_pids(run_dir)
         result = cli("cancel", run_dir, timeout=120)
         assert result.returncode == 0 and "stopped the local driver" in result.stdout, result.stderr
-        assert proc.wait(timeout=30) == 130
+        assert proc.wait(timeout=30) == 143  # 128 + SIGTERM, which `cancel` sends the driver
         assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
         assert not alive(pids.values())

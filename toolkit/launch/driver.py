@@ -95,8 +95,10 @@ class Driver:
         secret = read_secret(self.run_dir.secret)
         ctx = zmq.Context()
         self.coordinator = Coordinator(ctx, secret, self.bind_host)
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-        previous_usr1 = signal.signal(signal.SIGUSR1, self._on_usr1)
+        # Our own handlers: a run started in the background of a script inherits SIGINT ignored, and
+        # Python then installs no KeyboardInterrupt handler of its own.
+        previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_usr1)
         records: list[dict] = []
         try:
             resume = self._plan_resume()
@@ -115,15 +117,17 @@ class Driver:
             self._shutdown()
             self.state = "preempted" if stopped_early else "finished"
             return records
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             self.state = "interrupted"
-            raise Interrupted("interrupted: every worker was stopped") from None
+            signum = e.args[0] if e.args else signal.SIGINT
+            raise Interrupted(f"interrupted ({signal.Signals(signum).name}): every worker was stopped",
+                              128 + signum) from None
         except RunError as e:
             self.state, self.error = "failed", str(e)
             raise
         finally:
-            signal.signal(signal.SIGTERM, previous)
-            signal.signal(signal.SIGUSR1, previous_usr1)
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the clean-up short
+                signal.signal(sig, signal.SIG_IGN)
             self.stopping = True
             self.launcher.stop(grace_s=5.0)
             self._write_status()
@@ -131,6 +135,8 @@ class Driver:
                 self.outbox.close()
             self.coordinator.close()
             ctx.term()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _start_workers(self, resume: dict) -> None:
         """Launch every worker, hand out the address book and the resume plan, and wait until all are ready
@@ -463,7 +469,7 @@ def progress_line(r: dict, steps: int) -> str:
 
 
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise KeyboardInterrupt(signum)
 
 
 def read_metrics(path: Path) -> list[dict]:
