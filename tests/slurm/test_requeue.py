@@ -1,11 +1,13 @@
-"""Surviving the time limit on the local Slurm cluster: a job whose limit is far shorter than the run
-checkpoints and requeues itself on SIGUSR1, and every requeued job resumes by itself, until all steps ran."""
+"""Surviving the time limit on the local Slurm cluster: a job whose limit ends before the run checkpoints
+and requeues itself on SIGUSR1, and every requeued job resumes by itself, until all steps ran."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,22 +16,77 @@ from tests.slurm.test_submit import assert_nothing_left, squeue, wait_for_step
 from toolkit.store import experience
 
 pytestmark = pytest.mark.slurm
-STEPS = 200  # about 50 steps fit in one attempt here: at least 3 attempts even on a machine twice as fast
+STEPS = 240  # attempts ran 22 and 34 steps here, at most about 110: the third attempt has work left
+LONG_MIN = 30  # a time limit no attempt reaches
+
+
+def run_seconds(job_id: str) -> int:
+    """How long the job's current attempt has run (squeue's %M: [days-][hours:]minutes:seconds)."""
+    text = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%M"], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+    days, _, clock = text.rpartition("-")
+    seconds = 0
+    for part in clock.split(":"):
+        seconds = seconds * 60 + int(part)
+    return seconds + int(days or 0) * 86400
+
+
+def set_time_limit(job_id: str, minutes: int) -> None:
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}"], check=True, timeout=30,
+                   capture_output=True)
+
+
+def steps_done(run_dir: Path) -> int:
+    try:
+        return json.loads((run_dir / "status.json").read_text()).get("step", -1) + 1
+    except (OSError, ValueError):
+        return 0
+
+
+def wait_until(condition, what: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def cut_time_limit(job_id: str) -> None:
+    """End the running attempt 20-45 s from now (Slurm's limits are whole minutes), and tell it as Slurm
+    does (`--signal=B:USR1`). The limit comes from what the attempt has run, so a slow start on a busy
+    machine cannot use it up; the signal is sent here rather than left to slurmctld's periodic check."""
+    wait_until(lambda: 15 <= run_seconds(job_id) % 60 <= 40, "a moment 20-45 s before a whole minute")
+    set_time_limit(job_id, math.ceil(run_seconds(job_id) / 60))
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30, capture_output=True)
 
 
 def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
+    """Twice, once an attempt has made progress, the job's time limit is cut to end 20-45 s later and the
+    job is signalled: the driver keeps stepping while a step and a checkpoint fit, checkpoints, requeues
+    the job, and the requeued job resumes by itself (the test gives it a long limit again). The third
+    attempt finishes the run."""
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": STEPS, "name": "requeue"},
                                             checkpoint={"every_steps": 50},
-                                            slurm={"time_min": 1, "signal_lead_s": 30, "max_requeues": 8}))
+                                            slurm={"time_min": LONG_MIN, "signal_lead_s": 30, "max_requeues": 4}))
     run_dir = tmp_path / "run"
-    result = cli("submit", config, "--run-dir", run_dir, "--wait", timeout=1200)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    result = cli("submit", config, "--run-dir", run_dir, timeout=120)
+    assert result.returncode == 0, result.stderr
+    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+    for requeue in (1, 2):
+        first = steps_done(run_dir)
+        wait_until(lambda: steps_done(run_dir) >= first + 3, f"attempt {requeue} to run 3 steps")
+        cut_time_limit(job_id)
+        wait_until(lambda: json.loads((run_dir / "job.json").read_text()).get("requeues", 0) >= requeue,
+                   f"requeue {requeue}")
+        assert steps_done(run_dir) < STEPS
+        set_time_limit(job_id, LONG_MIN)  # (a requeued job keeps the limit it is given)
+    wait_until(lambda: not squeue(job_id), "the job to end", timeout_s=900)
     job = json.loads((run_dir / "job.json").read_text())
-    print(f"finished across {job['requeues']} automatic requeues")
-    assert job["requeues"] >= 2, f"finished after {job['requeues']} requeue(s); the test needs at least 2"
-    assert result.stdout.count("it will resume by itself") == job["requeues"]
-    assert result.stdout.count("resuming at step") == job["requeues"]
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    assert job["requeues"] == 2
+    output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
+    assert output.count("it will resume by itself") == 2 and output.count("resuming at step") == 2
+    assert output.count("stopping after step") == 2  # the time-limit path: a checkpoint, then the stop
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished", status.get("error")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(STEPS))
     committed = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
@@ -37,7 +94,7 @@ def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
     assert steps == list(range(STEPS)), "a step was committed twice or never"
     last = experience.read(run_dir / "experience" / experience.file_name(STEPS - 1))
     assert last["attrs"]["policy_version"] == STEPS - 1
-    assert_nothing_left(run_dir, str(job["job_id"]))
+    assert_nothing_left(run_dir, job_id)
 
 
 def test_a_job_requeued_by_slurm_resumes_by_itself(tiny, tmp_path):
