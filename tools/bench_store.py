@@ -26,7 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from toolkit.roles.samples import SampleBatch, ragged  # noqa: E402
+from toolkit.samples import SampleBatch, ragged  # noqa: E402
 from toolkit.store import experience  # noqa: E402
 
 SIZES = [("demo batch", 64, 24, 9), ("512 x 512 tokens", 512, 512, 128), ("1024 x 2048 tokens", 1024, 2048, 256)]
@@ -46,7 +46,7 @@ def synthetic_record(samples: int, response_len: int, prompt_len: int, rng: np.r
                         policy_version=np.zeros(samples, np.int32), prompt_tokens=pt, prompt_offsets=po,
                         response_tokens=rt, response_offsets=ro, behaviour_logprobs=lp, finished=np.ones(samples, bool),
                         prompts=["x" * (prompt_len * 4)] * samples, responses=["y" * (response_len * 4)] * samples,
-                        fields_=[{}] * samples, ref_logprobs=lp - 0.01, rewards=rng.random((samples, 2), np.float32),
+                        fields=[{}] * samples, ref_logprobs=lp - 0.01, rewards=rng.random((samples, 2), np.float32),
                         reward_names=["a", "b"], reward_weights=[1.0, 0.5])
     per_token = {k: rng.standard_normal(tokens, np.float32) for k in ("old_logprobs", "advantages", "values", "returns")}
     return experience.record_of(batch, per_token, 0, "ppo", 0, 0.01, samples)

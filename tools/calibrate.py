@@ -102,10 +102,11 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from toolkit.data.prompts import read_prompts
+    from toolkit.data.tokens import render_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
-    texts = [p.text for p in read_prompts(cfg.data.prompts, cfg.data.prompt_key)[:64]]
-    real = [tokenizer(t)["input_ids"][-cfg.rollout.max_prompt_tokens:] for t in texts]
+    real = [render_prompt(tokenizer, p.prompt, cfg.data.chat_template)[-cfg.rollout.max_prompt_tokens:]
+            for p in read_prompts(cfg.data, cfg.run.seed).next(64)]
     lp = mean_prompt_tokens(cfg)
     lr = cfg.rollout.max_new_tokens
 
@@ -133,8 +134,8 @@ def main() -> int:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from toolkit.roles.modeling import pad_samples, sequence_logprobs
-    from toolkit.roles.samples import SampleBatch, ragged
+    from toolkit.modeling import pad_samples, sequence_logprobs
+    from toolkit.samples import SampleBatch, ragged
     from toolkit.roles.trainer import deepspeed_engine
     from toolkit.roles.update import Experience, train_on
 
@@ -181,7 +182,7 @@ def main() -> int:
     codec = Codec(os.urandom(32), "calibrate")
     batch.ref_logprobs = batch.behaviour_logprobs.copy()
     batch.rewards = np.zeros((n, 1), np.float32)
-    batch.prompts, batch.responses, batch.fields_ = ["x" * 40] * n, ["y" * 40] * n, [{}] * n
+    batch.prompts, batch.responses, batch.fields = ["x" * 40] * n, ["y" * 40] * n, [{}] * n
     batch.reward_names, batch.reward_weights = ["r"], [1.0]
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

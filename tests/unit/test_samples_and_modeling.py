@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from toolkit.roles.modeling import gather_responses, pad_samples, scatter_responses, token_logprobs
-from toolkit.roles.samples import SampleBatch, ragged
+from toolkit.modeling import gather_responses, pad_samples, scatter_responses, token_logprobs
+from toolkit.samples import SampleBatch, ragged
 from toolkit.transport.wire import Codec
 
 
@@ -19,20 +19,30 @@ def batch(step=0, prompts=([1, 2, 3], [4]), responses=([5, 6], [7, 8, 9]), group
                        sample_index=np.zeros(n, np.int32), policy_version=np.full(n, 3, np.int32), prompt_tokens=pt,
                        prompt_offsets=po, response_tokens=rt, response_offsets=ro, behaviour_logprobs=lp,
                        finished=np.array([True, False][:n]), prompts=[f"p{i}" for i in range(n)],
-                       responses=[f"r{i}" for i in range(n)], fields_=[{"topic": "x"}] * n)
+                       responses=[f"r{i}" for i in range(n)], fields=[{"topic": "x"}] * n)
 
 
 def test_message_round_trip():
     b = batch()
     b.ref_logprobs = np.array([-1, -2, -3, -4, -5], np.float32)
     b.rewards = np.array([[1.0, 0.5], [0.0, 2.0]], np.float32)
+    b.reward_total = np.array([1.25, 1.0], np.float32)
     b.reward_names, b.reward_weights = ["rule", "rm"], [1.0, 0.5]
+    b.prompts = ["p0", [{"role": "user", "content": "chat prompts travel as messages"}]]
     tx, rx = Codec(b"k" * 32, "scorer:0"), Codec(b"k" * 32, "trainer:0")
     kind, meta, arrays = b.to_message()
     got = SampleBatch.from_message(rx.decode(tx.encode(kind, meta, arrays)))
     assert got.prompt(0).tolist() == [1, 2, 3] and got.response(1).tolist() == [7, 8, 9]
-    assert got.total_reward.tolist() == [1.25, 1.0]
-    assert got.fields_ == [{"topic": "x"}] * 2 and got.policy_version.tolist() == [3, 3]
+    assert got.reward_total.tolist() == [1.25, 1.0] and got.rewards.tolist() == [[1.0, 0.5], [0.0, 2.0]]
+    assert got.fields == [{"topic": "x"}] * 2 and got.policy_version.tolist() == [3, 3]
+    assert got.prompts == b.prompts and got.reward_names == ["rule", "rm"]
+    # one serialisation: the parts rebuild the same batch
+    meta, arrays = got.parts()
+    assert set(arrays) == {"prompt_ids", "group_index", "sample_index", "policy_version", "prompt_tokens",
+                           "prompt_offsets", "response_tokens", "response_offsets", "behaviour_logprobs", "finished",
+                           "ref_logprobs", "rewards", "reward_total"}
+    again = SampleBatch.from_parts(meta, arrays)
+    assert again.prompts == b.prompts and again.response(0).tolist() == [5, 6]
 
 
 def test_concat_and_select():

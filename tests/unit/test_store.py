@@ -16,6 +16,7 @@ def scored_batch(step=0):
     b = make_batch(step=step)
     b.ref_logprobs = np.array([-1, -2, -3, -4, -5], np.float32)
     b.rewards = np.array([[1.0, 0.5], [0.0, 2.0]], np.float32)
+    b.reward_total = np.array([1.25, 1.0], np.float32)
     b.reward_names, b.reward_weights = ["rule", "rm"], [1.0, 0.5]
     b.responses = ["a\0b", "c"]  # a NUL, as untrained models write
     return b
@@ -23,7 +24,7 @@ def scored_batch(step=0):
 
 def record(step=0):
     per_token = {"old_logprobs": np.arange(5, dtype=np.float32), "advantages": np.ones(5, np.float32)}
-    return experience.record_of(scored_batch(step), per_token, step, "grpo", step, 0.01, 16 * (step + 1))
+    return experience.record_of(scored_batch(step), per_token, "grpo", step, 0.01, 16 * (step + 1))
 
 
 def commit(run_dir, step):
@@ -37,18 +38,19 @@ def test_commit_and_read_back(tmp_path):
     path = commit(tmp_path, 3)
     assert path.name == "step-000003.h5" and not list(path.parent.glob(".*tmp"))
     rec = experience.read(path)
-    assert rec["attrs"]["step"] == 3 and rec["attrs"]["reward_names"] == ["rule", "rm"]
+    assert rec["attrs"]["step"] == 3 and rec["meta"]["reward_names"] == ["rule", "rm"]
     assert rec["samples"]["reward_total"].tolist() == [1.25, 1.0]
-    assert rec["response"]["old_logprobs"].tolist() == [0, 1, 2, 3, 4]
-    assert rec["text"]["response"] == ["a\\x00b", "c"]  # NUL escaped; the token ids are exact
+    assert rec["experience"]["old_logprobs"].tolist() == [0, 1, 2, 3, 4]
+    assert rec["meta"]["responses"] == ["a\0b", "c"]  # the text as it was, NUL included
     back = experience.batch_of(rec)
-    assert back.response(1).tolist() == [7, 8, 9] and back.total_reward.tolist() == [1.25, 1.0]
+    assert back.response(1).tolist() == [7, 8, 9] and back.reward_total.tolist() == [1.25, 1.0]
+    assert back.fields == [{"topic": "x"}] * 2 and back.ref_logprobs.tolist() == [-1, -2, -3, -4, -5]
     assert "samples 2 (2 prompts x 1)" in experience.summary(path)
 
 
 def test_failed_commit_leaves_nothing(tmp_path):
     bad = record(0)
-    bad["samples"]["prompt_id"] = np.array([object()], dtype=object)  # h5py cannot store this
+    bad["samples"]["prompt_ids"] = np.array([object()], dtype=object)  # h5py cannot store this
     with pytest.raises(TypeError):
         experience.commit(tmp_path, 0, bad)
     assert list(tmp_path.iterdir()) == []
