@@ -1,0 +1,192 @@
+"""Data as users have it: the three readers give the same rows; rows become each stage's examples; one
+seeded split gives the stages disjoint parts; sources blend by weight; the RL feeder resumes; bad rows
+and files are named by file and line (or row) with the fix."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from toolkit.config.data import DataSection
+from toolkit.data.dataset import StageData
+from toolkit.data.prompts import PromptFeeder, prompt_text
+from toolkit.data.sources import read_source
+from toolkit.data.tokens import fit, render_prompt, response_ids
+from toolkit.errors import ConfigError
+
+
+def jsonl(path: Path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def parquet(path: Path, rows) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def saved(path: Path, rows) -> str:
+    import datasets
+
+    datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return str(path)
+
+
+def data(**fields) -> DataSection:
+    return DataSection.model_validate(fields)
+
+
+ROWS = [{"prompt": f"q{i}", "response": f"a{i}", "chosen": f"good {i}", "rejected": f"bad {i}", "n": i}
+        for i in range(40)]
+
+
+def test_three_formats_read_the_same_rows(tmp_path):
+    paths = [jsonl(tmp_path / "d.jsonl", ROWS), parquet(tmp_path / "d.parquet", ROWS), saved(tmp_path / "d", ROWS)]
+    read = [read_source(p) for p in paths]
+    assert [r.data for r in read[0]] == [r.data for r in read[1]] == [r.data for r in read[2]] == ROWS
+    assert read[0][3].location == f"{paths[0]}:4" and read[1][3].location == f"{paths[1]}: row 4"
+    assert read[2][3].location == f"{paths[2]}: row 4"
+    for path in paths:  # each stage's kind of example from every format
+        sft = StageData(data(sources=[{"path": path}]), "sft", "sft", 0).train[0]
+        pairs = StageData(data(sources=[{"path": path}]), "rm", "pair", 0).train[0]
+        assert {(e.prompt, e.response) for e in sft} == {(r["prompt"], r["response"]) for r in ROWS}
+        assert {(e.chosen, e.rejected) for e in pairs} == {(r["chosen"], r["rejected"]) for r in ROWS}
+
+
+def test_split_is_disjoint_decided_by_content_and_has_eval_parts(tmp_path):
+    rows = [{"prompt": f"p{i}", "response": "r", "chosen": "c", "rejected": "x"} for i in range(3000)]
+    path = jsonl(tmp_path / "d.jsonl", rows)
+    section = data(sources=[{"path": path}], split={"sft": 2, "rm": 4, "rl": 4, "seed": 7}, eval_fraction=0.1)
+    parts = {stage: StageData(section, stage, kind, 0) for stage, kind in (("sft", "sft"), ("rm", "pair"),
+                                                                           ("rl", "prompt"))}
+    ids = {stage: {e.id for e in d.train[0]} | {e.id for e in d.eval} for stage, d in parts.items()}
+    assert not ids["sft"] & ids["rm"] and not ids["sft"] & ids["rl"] and not ids["rm"] & ids["rl"]
+    assert set().union(*ids.values()) == set(range(3000))  # every row in exactly one part
+    for stage, share in (("sft", 0.2), ("rm", 0.4), ("rl", 0.4)):
+        assert abs(len(ids[stage]) / 3000 - share) < 0.03, (stage, len(ids[stage]))
+        d = parts[stage]
+        assert abs(len(d.eval) / len(ids[stage]) - 0.1) < 0.03 and not {e.id for e in d.eval} & {e.id for e in d.train[0]}
+    # decided by each row's content, not its position: the same rows shuffled land in the same parts
+    reordered = jsonl(tmp_path / "r.jsonl", rows[::-1])
+    again = StageData(data(sources=[{"path": reordered}], split={"sft": 2, "rm": 4, "rl": 4, "seed": 7},
+                           eval_fraction=0.1), "sft", "sft", 0)
+    assert {e.prompt for e in again.train[0]} == {e.prompt for e in parts["sft"].train[0]}
+    # another seed, another split
+    other = StageData(data(sources=[{"path": path}], split={"sft": 2, "rm": 4, "rl": 4, "seed": 8}), "sft", "sft", 0)
+    assert {e.prompt for e in other.train[0]} != {e.prompt for e in parts["sft"].train[0]}
+
+
+def test_blend_follows_the_weights(tmp_path):
+    small = jsonl(tmp_path / "small.jsonl", [{"prompt": f"s{i}"} for i in range(10)])
+    large = parquet(tmp_path / "large.parquet", [{"prompt": f"l{i}"} for i in range(500)])
+    d = StageData(data(sources=[{"path": small, "weight": 3}, {"path": large, "weight": 1}]), "rl", "prompt", 5)
+    drawn = d.next(4000)
+    share = sum(e.prompt.startswith("s") for e in drawn) / len(drawn)
+    assert abs(share - 0.75) < 0.03, share  # by weight, not by size (the small source repeats)
+    assert {e.id for e in drawn if e.prompt.startswith("l")} <= set(range(10, 510))  # ids after the first source
+    again = StageData(data(sources=[{"path": small, "weight": 3}, {"path": large, "weight": 1}]), "rl", "prompt", 5)
+    again.skip(1234)
+    assert [e.id for e in again.next(50)] == [e.id for e in drawn[1234:1284]]  # any cursor resumes
+
+
+def test_prompt_feeder_order_epochs_and_resume(tmp_path):
+    path = jsonl(tmp_path / "p.jsonl", [{"q": str(i), "answer": i} for i in range(5)])
+    section = data(sources=[{"path": path}], prompt_key="q")
+    feeder = PromptFeeder(StageData(section, "rl", "prompt", 3))
+    first = feeder.next(7)
+    assert sorted(p.id for p in first[:5]) == list(range(5))  # a whole pass, then the next one
+    assert first[0].fields == {"answer": int(first[0].prompt)}
+    rest = [p.id for p in feeder.next(6)]
+    again = PromptFeeder(StageData(section, "rl", "prompt", 3))
+    again.skip(7)
+    assert [p.id for p in again.next(6)] == rest
+    plain = PromptFeeder(StageData(data(sources=[{"path": path}], prompt_key="q", shuffle=False), "rl", "prompt", 3))
+    assert [p.id for p in plain.next(6)] == [0, 1, 2, 3, 4, 0]
+
+
+def test_chat_rows_render_with_the_chat_template(tiny, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
+                    {"role": "assistant", "content": "hello 42"}]
+    section = data(sources=[{"path": jsonl(tmp_path / "chat.jsonl", [{"messages": conversation}])}])
+    sft = StageData(section, "sft", "sft", 0).train[0]
+    ex = next(e for e in sft if isinstance(e.prompt, list) and len(e.prompt) == 2)
+    assert ex.response == "hello 42" and ex.prompt == conversation[:2]
+    text = tokenizer.decode(render_prompt(tokenizer, ex.prompt, False))
+    assert text == "<s>system: be brief\n<s>user: hi there\n<s>assistant: "
+    # a text prompt, rendered as a user message when data.chat_template asks
+    assert tokenizer.decode(render_prompt(tokenizer, "hi there", True)) == "<s>user: hi there\n<s>assistant: "
+    assert tokenizer.decode(render_prompt(tokenizer, "hi there", False)) == "hi there"
+    assert response_ids(tokenizer, "hello 42")[-1] == tokenizer.eos_token_id
+    pairs = jsonl(tmp_path / "pairs.jsonl", [{"prompt": [{"role": "user", "content": "hi there"}],
+                                               "chosen": conversation[-1:], "rejected": "no"},
+                                              {"chosen": conversation[1:], "rejected": conversation[1:2] + [
+                                                  {"role": "assistant", "content": "nope"}]}])
+    pair = StageData(data(sources=[{"path": pairs}]), "rm", "pair", 0).train[0]
+    assert sorted((e.chosen, e.rejected) for e in pair) == [("hello 42", "no"), ("hello 42", "nope")]
+    assert all(e.prompt == [{"role": "user", "content": "hi there"}] for e in pair)  # from the conversation too
+    assert prompt_text(conversation[:2]) == "hi there"  # what a rule-based reward reads
+
+
+def test_fit_cuts_the_prompt_from_the_left():
+    assert fit([1, 2, 3, 4], [5, 6], 4) == ([3, 4], [5, 6])
+    assert fit([1, 2], [5, 6, 7, 8, 9], 3, keep="end") == ([], [7, 8, 9])  # a reward model reads the end
+    assert fit([1, 2], [5, 6, 7, 8, 9], 3, keep="start") == ([], [5, 6, 7])
+    assert fit([1], [2], 5) == ([1], [2])
+
+
+@pytest.mark.parametrize("text,kind,expected", [
+    ('{"prompt": "a"}\n[1, 2]\n', "prompt", ":2: expected a JSON object"),
+    ('{"prompt": "a"}\n{"prompt": "b"\n', "prompt", ":2: not valid JSON"),
+    ('{"prompt": ""}\n', "prompt", ":1: no non-empty string field 'prompt'"),
+    ('{"question": "a"}\n', "prompt", "set data.prompt_key to the field holding the prompt"),
+    ('{"prompt": "a", "chosen": "b"}\n', "pair", ":1: field 'rejected' (the other response) is missing"),
+    ('{"prompt": "a"}\n', "sft", ":1: no response: expected a field 'response', 'chosen' or 'messages'"),
+    ('{"messages": [{"role": "user"}]}\n', "sft", ":1: messages[0] is not a message"),
+    ('{"prompt": "a", "response": [{"role": "user", "content": "x"}]}\n', "sft", "must be the assistant's message"),
+    ("\n\n", "prompt", "no rows in the file"),
+])
+def test_bad_rows_are_named_by_file_and_line(tmp_path, text, kind, expected):
+    path = tmp_path / "p.jsonl"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(expected)) as info:
+        StageData(data(sources=[{"path": str(path)}]), "x", kind, 0)
+    assert str(path) in str(info.value)
+
+
+def test_bad_files_are_named(tmp_path):
+    rows = [{"prompt": "a", "response": "b"}] * 3
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not parquet at all")
+    with pytest.raises(ConfigError, match="broken.parquet: not a readable Parquet file"):
+        read_source(str(broken))
+    with pytest.raises(ConfigError, match="cannot tell the format from the name"):
+        read_source(jsonl(tmp_path / "rows.txt", rows))
+    assert len(read_source(jsonl(tmp_path / "rows.txt", rows), "jsonl")) == 3  # unless it is declared
+    with pytest.raises(ConfigError, match="not a data set saved with datasets' save_to_disk"):
+        (tmp_path / "empty").mkdir()
+        read_source(str(tmp_path / "empty"))
+    bad_row = parquet(tmp_path / "rows.parquet", [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": ""}])
+    with pytest.raises(ConfigError, match=r"rows.parquet: row 2: field 'response' \(the response\) is missing"):
+        StageData(data(sources=[{"path": bad_row}]), "sft", "sft", 0)
+    import datasets
+
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ConfigError, match="without a 'train' split .*point data.sources"):
+        read_source(str(tmp_path / "dd"))
+    assert len(read_source(str(tmp_path / "dd" / "test"))) == 3
+
+
+def test_a_split_that_leaves_a_stage_nothing_is_named(tmp_path):
+    path = jsonl(tmp_path / "few.jsonl", [{"prompt": "only one", "response": "r"}])
+    section = data(sources=[{"path": path}], split={"sft": 1, "rm": 1000})
+    with pytest.raises(ConfigError, match="none of its 1 rows is left for training the sft stage"):
+        StageData(section, "sft", "sft", 0)

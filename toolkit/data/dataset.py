@@ -1,0 +1,67 @@
+"""One stage's rows: every source read, the stage's part of the split, its train and eval examples, and
+the blended training order.
+
+A row's id is its position over all sources (the rows of earlier sources, then its index in its own),
+so an id names the same row in every stage and in every experience record.
+"""
+
+from __future__ import annotations
+
+from toolkit.data.blend import Blend
+from toolkit.data.examples import Example, example_of
+from toolkit.data.sources import read_source
+from toolkit.data.split import part_of, uniforms
+from toolkit.errors import ConfigError
+
+
+class StageData:
+    def __init__(self, data, stage: str, kind: str, seed: int):
+        """`data`: a DataSection; `stage`: sft, rm or rl (the part of data.split it uses); `kind`: the
+        examples it needs (see examples.KINDS)."""
+        self.stage, self.kind = stage, kind
+        self.train: list[list[Example]] = []   # per source
+        self.eval: list[Example] = []
+        fractions = data.split.fractions() if data.split else None
+        hash_seed = data.split.seed if data.split else seed
+        offset = 0
+        for source in data.sources:
+            rows = read_source(source.path, source.format)
+            kept = []
+            for row in rows:
+                u_part, u_eval = uniforms(row.data, hash_seed)
+                if fractions is not None and part_of(u_part, fractions) != stage:
+                    continue
+                example = example_of(row, kind, data, offset + row.index)
+                (self.eval if u_eval < data.eval_fraction else kept).append(example)
+            offset += rows[-1].index + 1
+            if not kept:
+                raise ConfigError(f"{source.path}: none of its {len(rows)} rows is left for training the {stage} "
+                                  f"stage (data.split gives it {fractions[stage] if fractions else 1:.0%} of the "
+                                  f"rows, data.eval_fraction holds out {data.eval_fraction:.0%}); use more rows or "
+                                  "change the split")
+            self.train.append(kept)
+        self.blend = Blend([len(t) for t in self.train], [s.weight for s in data.sources], data.shuffle, seed)
+
+    @property
+    def train_rows(self) -> int:
+        return sum(len(t) for t in self.train)
+
+    def next(self, n: int) -> list[Example]:
+        """The next `n` training examples of the blended order."""
+        return [self.train[source][index] for source, index in self.blend.next(n)]
+
+    def skip(self, draws: int) -> None:
+        """Go to the cursor after `draws` training examples from the start."""
+        self.blend.skip(draws)
+
+
+KIND = {"sft": "sft", "rm": "pair", "rl": "prompt"}  # the examples each stage trains on
+
+
+def check_data(cfg) -> StageData:
+    """Read a stage config's data as its workers will (a bad row is a ConfigError before any process starts)."""
+    data = StageData(cfg.data, cfg.stage, KIND[cfg.stage], cfg.run.seed)
+    ptx = getattr(cfg, "ptx", None)
+    if ptx is not None and ptx.coef:
+        StageData(ptx.data, "ptx", "text", cfg.run.seed)
+    return data

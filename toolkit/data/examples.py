@@ -1,0 +1,116 @@
+"""Rows checked into the examples each stage trains on; a bad row is named by its file and line (or row).
+
+  prompt (RL):  a prompt, and the row's other fields (for rule-based rewards)
+  sft:          prompt and response
+  pair (RM):    prompt, chosen and rejected responses
+  text (PTX):   plain text
+
+A prompt is text, or chat messages [{role, content}, ...] (rendered with the tokenizer's chat template).
+Rows as users have them: {prompt, response}; {prompt, chosen, rejected} (SFT trains on the chosen one);
+{messages: [...]} (the last assistant message is the response); chosen/rejected as whole conversations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toolkit.data import Row
+from toolkit.errors import ConfigError
+
+KINDS = ("prompt", "sft", "pair", "text")
+
+
+@dataclass
+class Example:
+    id: int
+    location: str
+    prompt: str | list = ""
+    response: str | None = None
+    chosen: str | None = None
+    rejected: str | None = None
+    text: str | None = None
+    fields: dict = field(default_factory=dict)
+
+
+def example_of(row: Row, kind: str, keys, id: int) -> Example:
+    """The `kind` example of `row`; `keys` is the data section (prompt_key, response_key, ...)."""
+    data, where = row.data, row.location
+    if kind == "text":
+        return Example(id, where, text=_text(data, keys.text_key, where, "text"))
+    messages = _messages(data[keys.messages_key], where, keys.messages_key) if keys.messages_key in data else None
+    ex = Example(id, where)
+    if kind == "pair":
+        chosen = data.get(keys.chosen_key)
+        ex.chosen = _reply(chosen, where, keys.chosen_key, "the preferred response")
+        ex.rejected = _reply(data.get(keys.rejected_key), where, keys.rejected_key, "the other response")
+        conversation = chosen[:-1] if isinstance(chosen, list) else None
+        ex.prompt = _prompt(data, keys, where, messages, conversation)
+        return ex
+    if kind == "sft":
+        if keys.response_key in data:
+            ex.response = _reply(data[keys.response_key], where, keys.response_key, "the response")
+        elif keys.chosen_key in data:
+            ex.response = _reply(data[keys.chosen_key], where, keys.chosen_key, "the response")
+        elif messages is not None:
+            ex.response = _reply(messages, where, keys.messages_key, "the response")
+            messages = messages[:-1]
+        else:
+            raise ConfigError(f"{where}: no response: expected a field {keys.response_key!r}, {keys.chosen_key!r} "
+                              f"or {keys.messages_key!r} (fields: {sorted(data)}); set data.response_key to the "
+                              "field that holds it")
+        ex.prompt = _prompt(data, keys, where, messages)
+        return ex
+    if messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    ex.prompt = _prompt(data, keys, where, messages)
+    # (a reward function takes `prompt` and `response` itself: a row's fields of those names are not passed)
+    ex.fields = {k: v for k, v in data.items() if k not in (keys.prompt_key, keys.messages_key, "prompt", "response")}
+    return ex
+
+
+def _prompt(data: dict, keys, where: str, messages: list | None, conversation: list | None = None):
+    if keys.prompt_key in data:
+        value = data[keys.prompt_key]
+        if isinstance(value, list):
+            return _messages(value, where, keys.prompt_key)
+        return _text(data, keys.prompt_key, where, "prompt")
+    for found in (messages, conversation):
+        if found:
+            return found
+    raise ConfigError(f"{where}: no non-empty string field {keys.prompt_key!r} (text or chat messages) and no "
+                      f"{keys.messages_key!r} (fields: {sorted(data)}); set data.prompt_key to the field holding "
+                      "the prompt")
+
+
+def _text(data: dict, key: str, where: str, what: str) -> str:
+    value = data.get(key)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: no non-empty string field {key!r} (fields: {sorted(data)}); set "
+                          f"data.{what}_key to the field holding the {what}")
+    return value
+
+
+def _reply(value, where: str, key: str, what: str) -> str:
+    """Text of a response given as text, as one message, or as a conversation ending with the reply."""
+    if isinstance(value, dict):
+        value = [value]
+    if isinstance(value, list):
+        messages = _messages(value, where, key)
+        if messages[-1]["role"] != "assistant":
+            raise ConfigError(f"{where}: {key}: the last message is from {messages[-1]['role']!r}; {what} must be "
+                              "the assistant's message")
+        return messages[-1]["content"]
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: field {key!r} ({what}) is missing or not a non-empty string; point "
+                          "data.response_key, chosen_key or rejected_key at the field that holds it")
+    return value
+
+
+def _messages(value, where: str, key: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: field {key!r} must be a non-empty list of messages [{{role, content}}, ...]")
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ConfigError(f"{where}: {key}[{i}] is not a message {{role: ..., content: ...}} with string values "
+                              f"(got {m!r:.80})")
+    return [{"role": m["role"], "content": m["content"]} for m in value]

@@ -1,0 +1,42 @@
+"""From examples to token ids, the same way in every stage.
+
+A prompt is rendered with the tokenizer's chat template when it is chat messages (or when
+data.chat_template asks for it): the messages and the generation prompt of the assistant's turn. A
+response is its text's tokens plus the end-of-sequence token, which the generator emits when a response
+ends. Too long: the prompt loses its start first (the end is what the response answers); then the
+response loses its end (SFT) or its start (a reward model reads the last token).
+"""
+
+from __future__ import annotations
+
+
+def render_prompt(tokenizer, prompt, chat_template: bool) -> list[int]:
+    """Token ids of a prompt (text, or chat messages [{role, content}, ...])."""
+    if isinstance(prompt, list) or chat_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer {tokenizer.name_or_path!r} has no chat template, so it cannot render "
+                             "chat messages; give text prompts (and data.chat_template: false), or a tokenizer with one")
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def response_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of a response, ending with the end-of-sequence token."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids + [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else ids
+
+
+def fit(prompt: list[int], response: list[int], max_tokens: int, keep: str = "start") -> tuple[list[int], list[int]]:
+    """Cut prompt + response to `max_tokens`: the prompt from the left first, then the response (keeping
+    its `start` or its `end`)."""
+    if len(prompt) + len(response) <= max_tokens:
+        return prompt, response
+    room = max_tokens - len(response)
+    if room > 0:
+        return prompt[len(prompt) - room:], response
+    response = response[:max_tokens] if keep == "start" else response[len(response) - max_tokens:]
+    return [], response
