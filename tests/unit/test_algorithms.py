@@ -148,3 +148,55 @@ def test_kl_controllers():
     restored = AdaptiveKLController(1.0, 6.0, 10000)
     restored.load_state_dict(c.state_dict())
     assert restored.coef == c.coef
+
+
+def test_rloo_leave_one_out_by_hand():
+    # group 0 rewards [1, 0, 2]: baselines (0+2)/2=1, (1+2)/2=1.5, (1+0)/2=0.5 -> A = [0, -1.5, 1.5]
+    # group 5 rewards [4, 2]: A = [2, -2]; a group of one sample: 0
+    from toolkit.algorithms.advantages import rloo_advantages
+
+    rewards = T([1.0, 4.0, 0.0, 2.0, 2.0, 9.0])
+    groups = T([0, 5, 0, 0, 5, 8])
+    assert close(rloo_advantages(rewards, groups), [0.0, 2.0, -1.5, 1.5, -2.0, 0.0])
+    # = k/(k-1) (r - group mean): mean of group 0 is 1, so 3/2 * [0, -1, 1]
+    assert close(rloo_advantages(T([1.0, 0.0, 2.0]), T([0, 0, 0])), [0.0, -1.5, 1.5])
+
+
+def test_reinforce_pp_returns_normalised_over_the_batch_by_hand():
+    # two responses (mask 0 outside), per-token rewards (KL penalty, the score on the last token):
+    #   row 0: r = [ -0.1, 0.9, (pad) ] -> returns (gamma 1) [0.8, 0.9, 0]
+    #   row 1: r = [ (prompt), 0.2, -0.2 ] -> returns [0, 0.0, -0.2]
+    # over the 4 masked tokens [0.8, 0.9, 0.0, -0.2]: mean 0.375, var (0.180625+0.275625+0.140625+0.330625)/4
+    #   = 0.231875, std 0.481534 -> A = (G - 0.375) / 0.481534
+    from toolkit.algorithms.advantages import reinforce_pp_advantages
+
+    rewards = T([[-0.1, 0.9, 0.0], [0.0, 0.2, -0.2]])
+    mask = T([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]])
+    adv = reinforce_pp_advantages(rewards, mask, gamma=1.0)
+    std = math.sqrt(0.231875)
+    assert close(adv, [[(0.8 - 0.375) / std, (0.9 - 0.375) / std, 0.0], [0.0, (0.0 - 0.375) / std, (-0.2 - 0.375) / std]],
+                 1e-4)
+    # the statistics are summed over data-parallel ranks: a second rank with the same tokens changes nothing
+    assert close(reinforce_pp_advantages(rewards, mask, 1.0, all_reduce=lambda t: 2 * t), adv, 1e-5)
+    # gamma discounts: row 0 with gamma 0.5: returns [-0.1 + 0.45, 0.9]
+    raw = reinforce_pp_advantages(rewards[:1], mask[:1], gamma=0.5)
+    g = T([0.35, 0.9])
+    assert close(raw[0, :2], (g - g.mean()) / g.std(unbiased=False), 1e-4)
+
+
+def test_response_lm_loss_counts_response_tokens_only():
+    # logits predict token t+1 from position t; uniform logits over 4 tokens: loss log 4 per target.
+    from toolkit.algorithms.supervised import pairwise_loss, response_lm_loss
+
+    ids = T([[1, 2, 3, 0]])
+    mask = T([[0, 0, 1, 1]])  # the response is tokens 2 and 3 (positions 2, 3)
+    logits = torch.zeros(1, 4, 4)
+    total, count = response_lm_loss(logits, ids, mask)
+    assert count.item() == 2 and close(total, 2 * math.log(4))
+    logits[0, 1, 3] = 100.0  # position 1 predicts token 3 (at position 2) with certainty: its loss is ~0
+    total, count = response_lm_loss(logits, ids, mask)
+    assert close(total, math.log(4), 1e-4)
+    # pairwise: margins [2, -1]: loss mean(-log sigmoid) = (0.126928 + 1.313262) / 2; accuracy 1/2; margin 0.5
+    loss, stats = pairwise_loss(T([3.0, 0.0]), T([1.0, 1.0]))
+    assert close(loss, (0.126928 + 1.313262) / 2, 1e-5)
+    assert stats["accuracy"].item() == 0.5 and close(stats["margin"], 0.5)

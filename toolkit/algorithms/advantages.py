@@ -1,4 +1,5 @@
-"""Advantages: group-relative (GRPO) and GAE over a KL-penalised per-token reward (PPO).
+"""Advantages: group-relative (GRPO), GAE over a KL-penalised per-token reward (PPO), REINFORCE
+leave-one-out (RLOO) and REINFORCE++.
 
 Per-token tensors are [batch, positions] with a 0/1 `mask` that marks the response tokens; each row's
 response is one contiguous span (prompt before it, padding after it).
@@ -76,3 +77,32 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce: Callable[[tor
     mean = total / count.clamp(min=1)
     var = (total_sq / count.clamp(min=1) - mean**2).clamp(min=0)
     return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i - mean of the other samples of i's group (Ahmadian et al. 2024, "Back to Basics"): the
+    leave-one-out baseline, equal to k/(k-1) (r_i - mean_g) for a group of k. One advantage per sample
+    (for every token of its response); a group of one sample gets 0. `rewards` are sequence rewards,
+    KL-penalised by the caller as the paper does (r - beta * KL of the sequence)."""
+    rewards = rewards.float()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if len(inverse) else 0
+    zeros = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
+    counts = zeros.index_add(0, inverse, torch.ones_like(rewards))[inverse]
+    sums = zeros.index_add(0, inverse, rewards)[inverse]
+    others = (sums - rewards) / (counts - 1).clamp(min=1)
+    return torch.where(counts > 1, rewards - others, torch.zeros_like(rewards))
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                            all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262): the return G_t = sum_{s >= t} gamma^(s-t) r_s of a per-token
+    reward (KL penalty on every token, the score on the last: `kl_penalized_rewards`), normalised over
+    every response token of the whole batch (global batch normalisation instead of a critic or a group)."""
+    mask = mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = (token_rewards[:, t] + gamma * running) * mask[:, t]
+        returns[:, t] = running
+    return masked_whiten(returns, mask, all_reduce)

@@ -14,8 +14,9 @@ import time
 import numpy as np
 
 from toolkit.placement.plan import group_of
+from toolkit.data.tokens import render_prompt
 from toolkit.roles.base import Role
-from toolkit.roles.samples import SampleBatch, ragged
+from toolkit.samples import SampleBatch, ragged
 from toolkit.weights import probe
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class GeneratorRole(Role):
             prompt_offsets=prompt_offsets, response_tokens=response_tokens, response_offsets=response_offsets,
             behaviour_logprobs=behaviour, finished=np.asarray([c.finished for c in completions], bool),
             prompts=[t for t in texts for _ in range(group_size)], responses=[c.text for c in completions],
-            fields_=[f for f in fields for _ in range(group_size)],
+            fields=[f for f in fields for _ in range(group_size)],
             timings={"generate_s": generate_s, "generator": self.worker.id})
         log.info("step %d: %d samples, %d tokens in %.2f s", step, len(batch), len(response_tokens), generate_s)
         self.status["phase"] = "idle"
@@ -121,20 +122,15 @@ class GeneratorRole(Role):
         return probe.check(expected, actual, self.cfg.sync_check_tolerance, version,
                            f"generator worker {self.worker.id} ({self.cfg.generation_backend})")
 
-    def _tokenize(self, text: str) -> list[int]:
-        if self.cfg.data.chat_template:
-            tokens = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                        add_generation_prompt=True)
-            if isinstance(tokens, dict):  # transformers 5 may return a BatchEncoding
-                tokens = tokens["input_ids"]
-        else:
-            tokens = self.tokenizer(text)["input_ids"]
+    def _tokenize(self, prompt) -> list[int]:
+        """Token ids of a prompt (text or chat messages), cut from the left to rollout.max_prompt_tokens."""
+        tokens = render_prompt(self.tokenizer, prompt, self.cfg.data.chat_template)
         limit = self.cfg.rollout.max_prompt_tokens
         if len(tokens) > limit:
             self.truncated += 1
             log.warning("prompt of %d tokens cut to its last %d (%d cut so far)", len(tokens), limit, self.truncated)
             tokens = tokens[-limit:]
-        return list(tokens)
+        return tokens
 
     def close(self) -> None:
         self.engine.close()

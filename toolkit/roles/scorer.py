@@ -2,23 +2,29 @@
 
 Rewards are components, each weighted: rule-based functions named by import path (called per sample
 with the prompt, the response and the prompt's other data fields) and Hugging Face
-sequence-classification reward models (score of prompt + response). The trainer sees every component
-and their weighted total.
+sequence-classification reward models (the score at the last token of prompt + response, normalised by
+the statistics the `rm` stage saved when asked). The trainer sees every component and their weighted
+total, clipped to reward.clip.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from toolkit.config.schema import load_function
+from toolkit.config.base import load_function
+from toolkit.data.prompts import prompt_text
+from toolkit.data.tokens import fit, render_prompt
+from toolkit.modeling import gather_responses, last_token_scores, pad_samples, sequence_logprobs, torch_dtype
 from toolkit.roles.base import Role
-from toolkit.roles.modeling import gather_responses, pad_samples, sequence_logprobs, torch_dtype
-from toolkit.roles.samples import SampleBatch
+from toolkit.samples import SampleBatch
 
 log = logging.getLogger(__name__)
 
@@ -80,35 +86,41 @@ class ReferenceRole(_Scoring):
 
 
 class RewardRole(_Scoring):
-    """Adds every reward component: rule-based functions and reward models."""
+    """Adds every reward component (rule-based functions and reward models) and their weighted total."""
 
     def setup(self) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from toolkit.modeling import ScoreModel
 
         cfg = self.cfg
         dtype = torch_dtype(cfg.model.dtype)
+        actor_vocab = AutoTokenizer.from_pretrained(cfg.tokenizer_path).get_vocab()
         self.functions = [(f.name, load_function(f.function), f.args, f.function) for f in cfg.reward.functions]
         self.reward_models = []
         for rm in cfg.reward.models:
-            rm_tokenizer = AutoTokenizer.from_pretrained(rm.path)
-            model = self._load(lambda device: AutoModelForSequenceClassification.from_pretrained(
-                rm.path, dtype=dtype).to(device).eval())
-            if model.config.num_labels != 1:
-                raise ValueError(f"reward model {rm.path} has {model.config.num_labels} labels; a reward model needs 1")
-            if model.config.pad_token_id is None:
-                model.config.pad_token_id = rm_tokenizer.pad_token_id
-            self.reward_models.append((rm.name, model, rm_tokenizer))
+            tokenizer = AutoTokenizer.from_pretrained(rm.path)
+            model = self._load(lambda device: ScoreModel(rm.path, dtype).to(device).eval())
+            if model.model.config.num_labels != 1:
+                raise ValueError(f"reward model {rm.path} has {model.model.config.num_labels} labels; a reward model "
+                                 "needs 1")
+            stats = json.loads((Path(rm.path) / "reward_stats.json").read_text()) if rm.normalize else None
+            # The same vocabulary: score the generated tokens themselves, not a new tokenization of the text.
+            self.reward_models.append(RewardModel(model, tokenizer, tokenizer.get_vocab() == actor_vocab, stats))
         self.names = [f.name for f in cfg.reward.functions] + [m.name for m in cfg.reward.models]
         self.weights = [f.weight for f in cfg.reward.functions] + [m.weight for m in cfg.reward.models]
 
     def _models(self) -> list:
-        return [m for _, m, _ in self.reward_models]
+        return [rm.model for rm in self.reward_models]
 
     def score(self, batch: SampleBatch) -> None:
         columns = [self._call_function(f, batch) for f in self.functions]
-        columns += [self._score_model(m, tok, batch) for _, m, tok in self.reward_models]
+        columns += [self._score_model(rm, batch) for rm in self.reward_models]
         batch.rewards = np.stack(columns, axis=1).astype(np.float32)
         batch.reward_names, batch.reward_weights = self.names, self.weights
+        total = batch.rewards @ np.asarray(self.weights, dtype=np.float32)
+        clip = self.cfg.reward.clip
+        batch.reward_total = (np.clip(total, -clip, clip) if clip else total).astype(np.float32)
 
     @staticmethod
     def _call_function(function, batch: SampleBatch) -> np.ndarray:
@@ -116,7 +128,8 @@ class RewardRole(_Scoring):
         out = np.zeros(len(batch), dtype=np.float64)
         for i in range(len(batch)):
             try:
-                value = float(fn(prompt=batch.prompts[i], response=batch.responses[i], **batch.fields_[i], **args))
+                value = float(fn(prompt=prompt_text(batch.prompts[i]), response=batch.responses[i], **batch.fields[i],
+                                 **args))
             except Exception as e:
                 raise RewardFunctionError(
                     f"reward function {name!r} ({path}) failed on prompt id {int(batch.prompt_ids[i])}, "
@@ -127,14 +140,31 @@ class RewardRole(_Scoring):
             out[i] = value
         return out
 
-    @torch.no_grad()
-    def _score_model(self, model, tokenizer, batch: SampleBatch) -> np.ndarray:
-        texts = [p + r for p, r in zip(batch.prompts, batch.responses)]
-        scores = []
-        size = self.cfg.model.forward_batch_size
-        for start in range(0, len(texts), size):
-            enc = tokenizer(texts[start: start + size], return_tensors="pt", padding=True, truncation=True,
-                            max_length=self.cfg.rollout.max_prompt_tokens + self.cfg.rollout.max_new_tokens)
-            logits = model(**{k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}).logits
-            scores.append(logits[:, 0].float().cpu().numpy())
-        return np.concatenate(scores)
+    def _score_model(self, rm: "RewardModel", batch: SampleBatch) -> np.ndarray:
+        """The reward model's score at the last token of prompt + response, the prompt cut from the left
+        to fit (the end of the response is what the reward judges), normalised when asked."""
+        r = self.cfg.rollout
+        sequences = []
+        for i in range(len(batch)):
+            if rm.same_vocab:
+                prompt, response = batch.prompt(i).tolist(), batch.response(i).tolist()
+            else:
+                prompt = render_prompt(rm.tokenizer, batch.prompts[i], self.cfg.data.chat_template)
+                response = rm.tokenizer(batch.responses[i], add_special_tokens=False)["input_ids"]
+                if batch.finished[i] and rm.tokenizer.eos_token_id is not None:
+                    response = [*response, rm.tokenizer.eos_token_id]
+            prompt, response = fit(prompt, response, r.max_prompt_tokens + r.max_new_tokens, keep="end")
+            sequences.append(prompt + response)
+        pad = rm.tokenizer.pad_token_id if rm.tokenizer.pad_token_id is not None else 0
+        scores = last_token_scores(rm.model, sequences, pad, self.cfg.model.forward_batch_size, self.device).numpy()
+        if rm.stats is not None:
+            scores = (scores - rm.stats["mean"]) / max(rm.stats["std"], 1e-6)
+        return scores
+
+
+@dataclass
+class RewardModel:
+    model: torch.nn.Module
+    tokenizer: object
+    same_vocab: bool          # the actor's vocabulary: the samples' token ids are scored as they are
+    stats: dict | None        # {mean, std} of its rewards on the RL prompts, when it normalises

@@ -1,11 +1,13 @@
 """One policy update from one experience batch: old log-probs, values, advantages, then PPO-style epochs.
 
-Runs on every trainer rank over its shard of the batch. GRPO advantages need whole groups, so they are
-computed from the full batch's rewards (every rank has them) and then sharded; PPO whitening uses
-statistics summed across ranks (`all_reduce`).
+Runs on every trainer rank over its shard of the batch. GRPO and RLOO advantages need whole groups, so
+they are computed from the full batch's rewards (every rank has them) and then sharded; PPO whitening
+and REINFORCE++'s batch normalisation use statistics summed across ranks (`all_reduce`).
 
 The loss departs from the textbook in the usual ways: token-mean over all response tokens of a
-micro-batch; GRPO puts its KL term (k3 estimator) in the loss, PPO puts a k1 penalty in the reward. In
+micro-batch; GRPO puts its KL term (k3 estimator) in the loss; PPO and REINFORCE++ put a k1 penalty on
+every token's reward, RLOO on the sequence's reward (as its paper). With PTX, each micro-batch adds
+`ptx.coef` times the language-modelling loss of a micro-batch of text (DeepSpeed-Chat's unsup_coef). In
 asynchronous mode the samples come from older weights than the update's: the ratio stays against the
 policy at the update (`old`, the proximal policy) and each token is weighted by the truncated importance
 ratio of that policy to the one that sampled it (`behaviour_weights`; decoupled PPO).
@@ -19,9 +21,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from toolkit.algorithms.advantages import gae, grpo_advantages, kl_penalized_rewards, masked_whiten
+from toolkit.algorithms.advantages import (gae, grpo_advantages, kl_penalized_rewards, masked_whiten,
+                                           reinforce_pp_advantages, rloo_advantages)
 from toolkit.algorithms.losses import behaviour_weights, kl_estimate, masked_mean, policy_loss, value_loss
-from toolkit.roles.modeling import (Padded, critic_values, pad_samples, scatter_responses, sequence_logprobs,
+from toolkit.algorithms.supervised import response_lm_loss
+from toolkit.modeling import (Padded, critic_values, pad_samples, scatter_responses, sequence_logprobs,
                                     token_logprobs)
 
 
@@ -53,13 +57,21 @@ def make_experience(batch, shard_index: np.ndarray, actor, critic, cfg, kl_coef:
     ref = scatter_responses(shard.ref_logprobs, shard.response_offsets, padded)
     behaviour = scatter_responses(shard.behaviour_logprobs, shard.response_offsets, padded)
     algo = cfg.algorithm
-    total = torch.from_numpy(batch.total_reward.astype(np.float32))
+    total = torch.from_numpy(batch.reward_total.astype(np.float32))
+    groups = torch.from_numpy(batch.group_index.astype(np.int64))
+    mine = torch.from_numpy(shard_index)
     if cfg.run.algorithm == "grpo":
-        groups = torch.from_numpy(batch.group_index.astype(np.int64))
-        per_sample = grpo_advantages(total, groups, algo.normalize_advantages)[torch.from_numpy(shard_index)]
+        per_sample = grpo_advantages(total, groups, algo.normalize_advantages)[mine]
         return Experience(padded, old, ref, behaviour, per_sample[:, None] * mask)
+    if cfg.run.algorithm == "rloo":  # the KL of every sequence is needed for every group: summed over ranks
+        kl = torch.zeros(len(batch))
+        kl[mine] = ((old - ref) * mask).sum(1)
+        per_sample = rloo_advantages(total - kl_coef * all_reduce(kl), groups)[mine]
+        return Experience(padded, old, ref, behaviour, per_sample[:, None] * mask)
+    rewards = kl_penalized_rewards(total[mine], old, ref, mask, kl_coef)
+    if cfg.run.algorithm == "reinforce_pp":
+        return Experience(padded, old, ref, behaviour, reinforce_pp_advantages(rewards, mask, algo.gamma, all_reduce))
     values = critic_values(critic, padded, cfg.model.forward_batch_size)
-    rewards = kl_penalized_rewards(total[torch.from_numpy(shard_index)], old, ref, mask, kl_coef)
     advantages, returns = gae(rewards, values, mask, algo.gamma, algo.lam)
     if algo.normalize_advantages:
         advantages = masked_whiten(advantages, mask, all_reduce)
@@ -77,7 +89,7 @@ def experience_from_record(record: dict, shard_index: np.ndarray, pad_id: int) -
     offsets = batch.response_offsets
     lo, hi = offsets[shard_index[0]], offsets[shard_index[-1] + 1]
     local = offsets[shard_index[0]: shard_index[-1] + 2] - lo
-    stored = record["response"]
+    stored = {**record["experience"], "ref_logprobs": batch.ref_logprobs, "behaviour_logprobs": batch.behaviour_logprobs}
 
     def place(name: str) -> torch.Tensor | None:
         return scatter_responses(stored[name][lo:hi], local, padded) if name in stored else None
@@ -86,9 +98,10 @@ def experience_from_record(record: dict, shard_index: np.ndarray, pad_id: int) -
                       place("advantages"), place("values"), place("returns"))
 
 
-def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator) -> dict[str, float]:
+def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx=None) -> dict[str, float]:
     """`algorithm.epochs` passes over the experience in micro-batches; DeepSpeed steps the optimizer
-    every `gradient_accumulation_steps` micro-batches. Returns means of the loss statistics."""
+    every `gradient_accumulation_steps` micro-batches. `ptx(i)` gives the i-th micro-batch of PTX text
+    (ids, attention, loss mask) when the PTX mixture is on. Returns means of the loss statistics."""
     algo, trainer = cfg.algorithm, cfg.trainer
     grpo = cfg.run.algorithm == "grpo"
     n = len(exp.padded)
@@ -124,6 +137,13 @@ def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator) 
                 kl_term = masked_mean(kl_estimate(logprobs, ref, "k3"), mask)
                 loss = loss + algo.kl.coef * kl_term
                 add("kl_loss", kl_term.item())
+            if ptx is not None:
+                text_ids, text_attention, text_mask = (t.to(device) for t in ptx(count))
+                total, tokens = response_lm_loss(actor(input_ids=text_ids, attention_mask=text_attention).logits,
+                                                 text_ids, text_mask)
+                ptx_loss = total / tokens.clamp(min=1)
+                loss = loss + cfg.ptx.coef * ptx_loss
+                add("ptx_loss", ptx_loss.item())
             actor.backward(loss)
             actor.step()
             add("loss", loss.item())

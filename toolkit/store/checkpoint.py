@@ -1,10 +1,11 @@
-"""Model checkpoints: every DeepSpeed engine (weights and optimizer state), the actor in Hugging Face format
-for use elsewhere, and the trainer's own state (policy_version, KL controller, random generators).
+"""Model checkpoints of any training stage: every DeepSpeed engine (weights and optimizer state), each
+rank's random generators, the stage's own state, and Hugging Face copies for use elsewhere.
 
-    checkpoints/step-NNNNNN/actor/ds/...          DeepSpeed save_checkpoint (every rank writes its shard)
-    checkpoints/step-NNNNNN/critic/ds/...         PPO only
-    checkpoints/step-NNNNNN/hf/                   save_pretrained of the actor, and its tokenizer
-    checkpoints/step-NNNNNN/trainer_state.json
+    checkpoints/step-NNNNNN/<engine>/ds/...       DeepSpeed save_checkpoint (every rank writes its shard)
+    checkpoints/step-NNNNNN/rng/rank-K.json       rank K's torch random state (exact resume with dropout)
+    checkpoints/step-NNNNNN/trainer_state.json    the stage's state (step or policy_version, ...)
+    checkpoints/step-NNNNNN/hf/ ...               what the stage's `write_copies` adds (the model in
+                                                  Hugging Face format with its tokenizer, an EMA copy)
 
 Everything is written under a temporary name; rank 0 checksums every file, renames the directory into
 place and only then records it in the manifest, so a checkpoint in the manifest is always complete.
@@ -17,6 +18,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -26,8 +28,8 @@ from toolkit.store.manifest import Manifest, checkpoint_files
 TAG = "ds"
 
 
-def directory_of(run_dir: Path, version: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step-{version:06d}"
+def directory_of(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:06d}"
 
 
 def rng_state(generator: torch.Generator | None = None) -> str:
@@ -43,18 +45,23 @@ def set_rng_state(encoded: str, generator: torch.Generator | None = None) -> Non
         torch.set_rng_state(state)
 
 
-def save(run_dir: Path, version: int, engines: dict, state: dict, tokenizer_path: str, rank: int, zero3: bool,
-         barrier, keep: int) -> float:
-    """Save a checkpoint of policy_version `version` (every trainer rank calls this); return its size in MB."""
-    final = directory_of(run_dir, version)
+def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrier, keep: int,
+         write_copies: Callable[[Path], None] = lambda directory: None) -> float:
+    """Save a checkpoint at `step` (every trainer rank calls this); return its size in MB. `write_copies`
+    runs on every rank with the checkpoint's directory (it may gather weights under ZeRO-3)."""
+    final = directory_of(run_dir, step)
     tmp = final.parent / f".{final.name}.tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        (tmp / "rng").mkdir(parents=True)
     barrier()
     for name, engine in engines.items():
         engine.save_checkpoint(str(tmp / name), tag=TAG)
-    _save_hf(engines["actor"], tmp / "hf", tokenizer_path, rank, zero3)
+    rng = {"torch": rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    (tmp / "rng" / f"rank-{rank}.json").write_text(json.dumps(rng))
+    write_copies(tmp)
     barrier()
     size_mb = 0.0
     if rank == 0:
@@ -69,39 +76,28 @@ def save(run_dir: Path, version: int, engines: dict, state: dict, tokenizer_path
         os.replace(tmp, final)
         fsync_dir(final.parent)
         manifest = Manifest(run_dir)
-        manifest.append({"kind": "checkpoint", "step": version, "dir": str(final.relative_to(run_dir)),
+        manifest.append({"kind": "checkpoint", "step": step, "dir": str(final.relative_to(run_dir)),
                          "files": files})
         _remove_old(run_dir, manifest, keep)
     barrier()
     return size_mb
 
 
-def load(directory: Path, engines: dict) -> dict:
-    """Load the engines' weights and optimizer states; return the trainer state saved with them."""
+def load(directory: Path, engines: dict, rank: int) -> dict:
+    """Load the engines' weights and optimizer states and this rank's random state; return the stage's
+    state saved with them."""
     for name, engine in engines.items():
         path, _ = engine.load_checkpoint(str(directory / name), tag=TAG, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the {name} checkpoint in {directory / name}")
+    rng_file = directory / "rng" / f"rank-{rank}.json"
+    if rng_file.exists():  # (a checkpoint from more ranks than now: the others keep their seeds)
+        rng = json.loads(rng_file.read_text())
+        set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["cuda"])), dtype=torch.uint8))
     return json.loads((directory / "trainer_state.json").read_text())
-
-
-def _save_hf(actor, directory: Path, tokenizer_path: str, rank: int, zero3: bool) -> None:
-    """The actor as a Hugging Face model (full weights: gathered from every rank under ZeRO-3)."""
-    from transformers import AutoTokenizer
-
-    def write():
-        if rank == 0:
-            actor.module.save_pretrained(directory, safe_serialization=True)
-            AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(directory)
-
-    if zero3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(actor.module.parameters()), modifier_rank=None):
-            write()
-    else:
-        write()
 
 
 def _remove_old(run_dir: Path, manifest: Manifest, keep: int) -> None:

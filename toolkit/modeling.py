@@ -1,4 +1,5 @@
-"""Model helpers shared by scorer and trainer: padding ragged samples, token log-probs, the critic.
+"""Model helpers shared by every stage: padding ragged samples, token log-probs, score models (reward
+models and critics) and dropout.
 
 Layout: each sample is `prompt + response`, right-padded to [B, T]. Per-token quantities (log-probs,
 values, advantages) live on [B, T-1]: position t scores token t+1, so response token j of a sample with
@@ -112,26 +113,65 @@ def sequence_logprobs(model: nn.Module, padded: Padded, temperature: float, batc
 
 
 def critic_values(critic: nn.Module, padded: Padded, batch_size: int) -> torch.Tensor:
-    """V(state after token t) of a CriticModel on the action positions."""
+    """V(state after token t) of a ScoreModel on the action positions."""
     return per_position(critic, padded, batch_size, lambda m, ids, attention: m(ids, attention)[:, :-1])
 
 
-class CriticModel(nn.Module):
-    """A transformer backbone (from a causal-LM or base-model directory) with a scalar value head.
+class ScoreModel(nn.Module):
+    """A sequence-classification model with one label (a reward model, or a critic) read at every
+    position: forward returns scores [B, T], the score of the sequence up to each token.
 
-    forward returns values [B, T]: the value of the state after each token.
-    """
+    A reward model is the same network read at the last token of the response. Built from a reward
+    model's directory it keeps the trained score head (PPO's critic starts from the reward model, as in
+    DeepSpeed-Chat); from a causal LM's, the head is new (transformers initialises it, seeded)."""
 
-    def __init__(self, path: str, dtype: torch.dtype):
+    def __init__(self, path: str, dtype: torch.dtype, dropout: bool = False):
         super().__init__()
-        from transformers import AutoModel
+        import logging
 
-        self.backbone = AutoModel.from_pretrained(path, dtype=dtype, **without_dropout(path))
-        hidden = self.backbone.config.hidden_size
-        self.value_head = nn.Linear(hidden, 1, dtype=dtype)
-        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1) ** 0.5)
-        nn.init.zeros_(self.value_head.bias)
+        from transformers import AutoModelForSequenceClassification
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).float()
+        quiet = logging.getLogger("transformers.modeling_utils")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # "some weights ... newly initialized: ['score.weight']" is expected
+        try:
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, dtype=dtype, **({} if dropout else without_dropout(path)))
+        finally:
+            quiet.setLevel(level)
+        if getattr(self.model, "score", None) is None:
+            raise ValueError(f"{path}: {type(self.model).__name__} has no `score` head; a reward model or critic "
+                             "needs a sequence-classification model with one")
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.model.config.eos_token_id
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                       position_ids=position_ids).last_hidden_state
+        return self.model.score(hidden).squeeze(-1).float()
+
+
+def last_token_scores(model: ScoreModel, sequences: list[list[int]], pad_id: int, batch_size: int,
+                      device: torch.device) -> torch.Tensor:
+    """float32 [N]: each sequence's score at its last token (right-padded in batches, no gradient)."""
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(sequences), batch_size):
+            part = sequences[start: start + batch_size]
+            ids, attention = right_pad(part, pad_id)
+            scores = model(ids.to(device), attention.to(device))
+            last = torch.tensor([len(s) - 1 for s in part], device=scores.device)
+            out.append(scores[torch.arange(len(part), device=scores.device), last].float().cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def right_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, T] of token sequences padded on the right."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attention[i, : len(s)] = 1
+    return ids, attention

@@ -1,0 +1,107 @@
+"""RL beside GRPO and PPO: RLOO and REINFORCE++ (their advantages recomputed by hand from the committed
+HDF5 records), an EMA of the actor (equal to the average of the checkpointed weights), the PTX mixture,
+reward normalisation and clipping, and a PPO critic started from a reward model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import cli, example, write_config
+from toolkit.store import experience
+
+pytestmark = pytest.mark.integration
+
+
+def run(tiny, tmp_path: Path, name: str, **sections) -> tuple[Path, list[dict]]:
+    sections.setdefault("run", {})
+    sections["run"] = {"steps": 3, "name": name, "seed": 4, **sections["run"]}
+    config = write_config(tmp_path / f"{name}-config", example("tiny-grpo.yaml", tiny, **sections))
+    run_dir = tmp_path / name
+    result = cli("run", config, "--run-dir", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:
+        assert m["behaviour_logprob_diff"] < 1e-4 and np.isfinite(m["loss"])
+    return run_dir, metrics
+
+
+def per_sample(record: dict, name: str) -> list[np.ndarray]:
+    """A per-response-token array of a record, cut into its samples."""
+    offsets = record["samples"]["response_offsets"]
+    values = record["experience"][name] if name in record["experience"] else record["samples"][name]
+    return [values[offsets[i]: offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+def test_rloo_advantages_are_leave_one_out(tiny, tmp_path):
+    run_dir, _ = run(tiny, tmp_path, "rloo", run={"algorithm": "rloo"}, algorithm={"kl": {"coef": 0.05}})
+    rec = experience.read(run_dir / "experience" / experience.file_name(2))
+    kl = np.array([(o - r).sum() for o, r in zip(per_sample(rec, "old_logprobs"), per_sample(rec, "ref_logprobs"))])
+    reward = rec["samples"]["reward_total"] - 0.05 * kl  # the KL-penalised sequence reward, as the paper
+    groups = rec["samples"]["group_index"]
+    for i, adv in enumerate(per_sample(rec, "advantages")):
+        others = reward[(groups == groups[i]) & (np.arange(len(groups)) != i)]
+        assert np.allclose(adv, reward[i] - others.mean(), atol=1e-5)  # the same for every token
+
+
+def test_reinforce_pp_advantages_are_batch_normalised_returns(tiny, tmp_path):
+    run_dir, _ = run(tiny, tmp_path, "rpp", run={"algorithm": "reinforce_pp"}, algorithm={"kl": {"coef": 0.05}})
+    rec = experience.read(run_dir / "experience" / experience.file_name(2))
+    returns = []
+    for score, old, ref in zip(rec["samples"]["reward_total"], per_sample(rec, "old_logprobs"),
+                               per_sample(rec, "ref_logprobs")):
+        r = -0.05 * (old - ref)
+        r[-1] += score
+        returns.append(np.cumsum(r[::-1])[::-1])  # gamma 1: the sum of the rewards from each token on
+    flat = np.concatenate(returns)
+    expected = (flat - flat.mean()) / np.sqrt(flat.var() + 1e-8)
+    assert np.allclose(np.concatenate(per_sample(rec, "advantages")), expected, atol=1e-4)
+
+
+def test_ema_is_the_average_of_the_weights_and_is_exported(tiny, tmp_path):
+    decay = 0.5
+    run_dir, _ = run(tiny, tmp_path, "ema", run={"steps": 4}, trainer={"ema": decay},
+                     checkpoint={"every_steps": 1, "keep": 10})
+    names = list(load_file(tiny / "model" / "model.safetensors"))
+    average = load_file(tiny / "model" / "model.safetensors")  # it starts from the initial weights
+    for step in range(1, 5):
+        w = load_file(run_dir / "checkpoints" / f"step-{step:06d}" / "hf" / "model.safetensors")
+        average = {k: decay * average[k] + (1 - decay) * w[k] for k in names}
+    exported = load_file(run_dir / "export-ema" / "model.safetensors")
+    assert max((exported[k] - average[k]).abs().max().item() for k in names) < 1e-5
+    final = load_file(run_dir / "export" / "model.safetensors")
+    assert max((exported[k] - final[k]).abs().max().item() for k in names) > 1e-4  # not the last weights
+
+
+def test_ptx_mixes_a_language_modelling_loss_in(tiny, tmp_path):
+    text = {"sources": [{"path": str(tiny / "pipeline.jsonl")}], "text_key": "response"}
+    run_dir, metrics = run(tiny, tmp_path, "ptx", run={"steps": 6}, ptx={"coef": 1.0, "data": text, "max_tokens": 32})
+    losses = [m["ptx_loss"] for m in metrics]
+    assert losses[-1] < losses[0] - 0.1, losses  # the text is learned too
+    assert all(abs(m["loss"] - m["pg_loss"] - 0.01 * m["kl_loss"] - m["ptx_loss"]) < 1e-3 for m in metrics)
+
+
+def test_reward_normalised_clipped_and_a_critic_from_the_reward_model(tiny, tmp_path):
+    rm = tmp_path / "rm"
+    shutil.copytree(tiny / "reward_model", rm)
+    (rm / "reward_stats.json").write_text(json.dumps({"mean": 0.2, "std": 0.5}))
+    run_dir, metrics = run(tiny, tmp_path, "norm", run={"algorithm": "ppo"},
+                           model={"actor": str(tiny / "model"), "critic": str(rm)},
+                           reward={"functions": [], "clip": 0.3, "models": [{"path": str(rm), "normalize": True,
+                                                                              "name": "rm"}]})
+    rec = experience.read(run_dir / "experience" / experience.file_name(0))
+    from toolkit.modeling import ScoreModel, last_token_scores
+
+    model = ScoreModel(str(rm), torch.float32).eval()
+    batch = experience.batch_of(rec)
+    raw = last_token_scores(model, [batch.prompt(i).tolist() + batch.response(i).tolist() for i in range(8)], 0, 8,
+                            torch.device("cpu")).numpy()
+    assert np.allclose(rec["samples"]["rewards"][:8, 0], (raw - 0.2) / 0.5, atol=1e-4)  # normalised
+    assert np.allclose(rec["samples"]["reward_total"], np.clip(rec["samples"]["rewards"][:, 0], -0.3, 0.3))
+    assert abs(rec["samples"]["reward_total"]).max() <= 0.3 + 1e-6 and "value_loss" in metrics[0]

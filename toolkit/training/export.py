@@ -1,0 +1,50 @@
+"""Hugging Face copies of trained models: in each checkpoint (`hf/`), and the stage's product, the
+run directory's `export/`, which the next stage of a pipeline reads.
+
+Under ZeRO-3 the weights are gathered from every rank first, so every rank calls `save_hf`; rank 0 writes.
+An export is written under a temporary name and renamed into place, so `export/` is always whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+
+def save_hf(module, directory: Path, tokenizer_path: str, rank: int, zero3: bool, state_dict: dict | None = None,
+            extra_files: dict[str, dict] | None = None) -> None:
+    """`module` (or the given full `state_dict` for it) as a Hugging Face model directory with the tokenizer
+    and `extra_files` ({file name: JSON content})."""
+    from transformers import AutoTokenizer
+
+    def write():
+        if rank != 0:
+            return
+        module.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(directory)
+        for name, content in (extra_files or {}).items():
+            (Path(directory) / name).write_text(json.dumps(content, indent=1))
+
+    if zero3 and state_dict is None:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            write()
+    else:
+        write()
+
+
+def publish(run_dir: Path, source: Path, name: str = "export") -> Path:
+    """Copy a checkpoint's Hugging Face directory `source` to RUN_DIR/<name> (atomically; rank 0)."""
+    final = Path(run_dir) / name
+    tmp = final.parent / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    old = final.parent / f".{name}.old"
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
