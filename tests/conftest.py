@@ -74,18 +74,26 @@ def experience_commits(run_dir: Path) -> int:
     return sum('"kind": "experience"' in line for line in path.read_text().splitlines())
 
 
-def run_and_kill(config: Path, run_dir: Path, after_commits: int, timeout_s: float = 300) -> None:
+def metric_lines(run_dir: Path) -> int:
+    """Steps whose metrics the run has written."""
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def run_and_kill(config: Path, run_dir: Path, after_commits: int | None = None, timeout_s: float = 300,
+                 until=None) -> None:
     """Start `slurm-rlhf run CONFIG` and SIGKILL it (its process group and every worker's) right after its
-    `after_commits`-th experience commit, as a crash would."""
+    `after_commits`-th experience commit (or once `until()` holds), as a crash would."""
     import json
     import signal
     import time
 
+    done = until or (lambda: experience_commits(run_dir) >= after_commits)
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
-        while experience_commits(run_dir) < after_commits:
+        while not done():
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the kill"
             time.sleep(0.05)
         workers = [w["pid"] for w in json.loads((run_dir / "status.json").read_text())["workers"].values()]

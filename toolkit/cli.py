@@ -14,6 +14,10 @@ from toolkit.errors import ConfigError, ToolkitError
 
 EXAMPLES = """examples:
   slurm-rlhf run templates/examples/tiny-grpo.yaml --run-dir runs/demo
+  slurm-rlhf sft sft.yaml                       # supervised fine-tuning (stage sft)
+  slurm-rlhf rm rm.yaml                         # reward-model training (stage rm)
+  slurm-rlhf run pipeline.yaml                  # sft -> rm -> rl, here, one after the other
+  slurm-rlhf submit pipeline.yaml --wait        # one Slurm job per stage, chained (afterok)
   slurm-rlhf run run.yaml --set rollout.group_size=8 --set trainer.lr=1e-6
   slurm-rlhf submit run.yaml --dry-run          # the placement and the batch script, nothing submitted
   slurm-rlhf submit run.yaml --run-dir runs/r1  # one Slurm allocation, one srun step per node group
@@ -40,12 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__import__('toolkit').__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("run", help="run an RL job on this machine (workers as local processes)")
+    p = sub.add_parser("run", help="run a config on this machine (workers as local processes): an RL run, "
+                                   "an sft or rm stage, or a pipeline of them")
     _add_config_args(p)
     p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
     p.add_argument("--verbose", "-v", action="store_true", help="show worker registration and debug records")
 
-    p = sub.add_parser("resume", help="continue a run from its last checkpoint and committed experience")
+    for stage, what in (("sft", "supervised fine-tuning: the loss on the response tokens"),
+                        ("rm", "reward-model training on preference pairs")):
+        p = sub.add_parser(stage, help=f"run an {stage} stage on this machine ({what})")
+        _add_config_args(p)
+        p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
+        p.add_argument("--verbose", "-v", action="store_true", help="show worker registration and debug records")
+
+    p = sub.add_parser("resume", help="continue a run (or a pipeline) from its last checkpoint and committed "
+                                      "experience")
     p.add_argument("run_dir")
     p.add_argument("--submit", action="store_true", help="resume as a new Slurm job instead of on this machine")
     p.add_argument("--wait", action="store_true", help="with --submit: follow the job until it ends")
@@ -54,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="summarise an experience file (or every one of a run directory)")
     p.add_argument("path", help="experience/step-NNNNNN.h5, or a run directory")
 
-    p = sub.add_parser("submit", help="submit the run to Slurm: one allocation, one srun step per node group")
+    p = sub.add_parser("submit", help="submit to Slurm: one allocation per stage, one srun step per node group; "
+                                      "a pipeline's stages as jobs chained with --dependency=afterok")
     _add_config_args(p)
     p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
     p.add_argument("--dry-run", action="store_true", help="print the placement and the batch script; submit nothing")
@@ -65,10 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
 
-    p = sub.add_parser("status", help="state of a run: Slurm job, steps, every worker's node and phase")
+    p = sub.add_parser("status", help="state of a run (Slurm job, steps, every worker's node and phase), or of "
+                                      "every stage of a pipeline")
     p.add_argument("run_dir")
 
-    p = sub.add_parser("cancel", help="cancel a run's Slurm job (or stop its local driver) and wait for the end")
+    p = sub.add_parser("cancel", help="cancel a run's (or a pipeline's) Slurm jobs, or stop its local driver, and "
+                                      "wait for the end")
     p.add_argument("run_dir")
 
     p = sub.add_parser("validate", help="check a config and print it resolved (paths, defaults)")
@@ -92,53 +108,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_run(args) -> int:
+def _load(args, stage: str | None = None):
+    """(the config, None) of a stage config, or (None, the pipeline) of a pipeline file; data checked."""
     from toolkit.config import load_config
-    from toolkit.data.prompts import read_prompts
+    from toolkit.config.pipeline import is_pipeline, load_pipeline
+
+    if stage is None and is_pipeline(args.config):
+        return None, load_pipeline(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, stage)
+    from toolkit.data.dataset import check_data
+
+    check_data(cfg)  # bad data is a config error, found before any process
+    return cfg, None
+
+
+def _pipeline_configs(pipeline, directory: Path) -> list:
+    from toolkit.data.dataset import check_data
+
+    configs = pipeline.configs(directory)
+    for cfg in configs:
+        check_data(cfg)
+    return configs
+
+
+def cmd_run(args, stage: str | None = None) -> int:
+    from toolkit.launch.here import run_here
     from toolkit.launch.rundir import RunDir
 
-    cfg = load_config(args.config, args.overrides)
-    read_prompts(cfg.data.prompts, cfg.data.prompt_key)  # bad data is a config error, found before any process
+    cfg, pipeline = _load(args, stage)
+    if pipeline is not None:
+        from toolkit.launch.pipeline import PipelineDir, run_pipeline_here
+
+        pd = PipelineDir(args.run_dir or Path("runs") / pipeline.name)
+        configs = _pipeline_configs(pipeline, pd.path)
+        return run_pipeline_here(configs, pd.create(pipeline), args.verbose)
     run_dir = RunDir(args.run_dir or Path("runs") / cfg.run.name).create(cfg)
-    return _run_here(cfg, run_dir, args.verbose)
-
-
-def _run_here(cfg, run_dir, verbose: bool) -> int:
-    """Run (or resume) `run_dir` with local worker processes."""
-    import logging
-
-    from toolkit.launch.driver import Driver
-    from toolkit.launch.local import LocalLauncher
-    from toolkit.log import setup_logging
-
-    setup_logging("driver", level=logging.DEBUG if verbose else logging.WARNING, file=str(run_dir.logs / "driver.log"))
-    print(f"run {cfg.run.name!r} ({cfg.run.algorithm}, {cfg.run.steps} steps) in {run_dir.path}", flush=True)
-    started = time.monotonic()
-    bind_host = cfg.transport.bind_host or "127.0.0.1"
-    driver = Driver(cfg, run_dir, LocalLauncher(run_dir, bind_host), bind_host, echo=lambda line: print(line, flush=True))
-    records = driver.run()
-    if driver.state == "preempted":
-        print(f"stopped at step {driver.step + 1}/{cfg.run.steps}; continue with: slurm-rlhf resume "
-              f"{shlex.quote(str(run_dir.path))}", flush=True)
-        return 0
-    line = f"done in {time.monotonic() - started:.1f} s: {cfg.run.steps} steps"
-    if records:
-        first, last = records[: min(5, len(records))], records[-min(5, len(records)):]
-        mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)  # noqa: E731
-        line += (f", mean reward of the first {len(first)} steps run now {mean(first):.3f}, of the last "
-                 f"{len(last)} {mean(last):.3f}")
-    print(f"{line}; metrics in {run_dir.metrics}", flush=True)
-    return 0
+    return run_here(cfg, run_dir, args.verbose)
 
 
 def cmd_resume(args) -> int:
     from toolkit.config import load_config
     from toolkit.launch.jobs import follow, open_run
+    from toolkit.launch.pipeline import PipelineDir, is_pipeline_dir
 
+    if is_pipeline_dir(args.run_dir):
+        return _resume_pipeline(PipelineDir(args.run_dir), args)
     run_dir = open_run(args.run_dir)
     cfg = load_config(run_dir.config)
     if not args.submit:
-        return _run_here(cfg, run_dir, args.verbose)
+        from toolkit.launch.here import run_here
+
+        return run_here(cfg, run_dir, args.verbose)
     from toolkit.launch.allocation import plan_allocation
     from toolkit.launch.submit import submit
     from toolkit.placement.plan import plan
@@ -147,6 +167,21 @@ def cmd_resume(args) -> int:
     run_dir.update_job(job_id=job_id, submitted=time.time(), requeues=0)
     print(f"submitted slurm job {job_id} to resume {run_dir.path}", flush=True)
     return follow(run_dir, job_id) if args.wait else 0
+
+
+def _resume_pipeline(pd, args) -> int:
+    """Continue a pipeline from its first stage that did not finish (here, or as chained Slurm jobs)."""
+    from toolkit.config.pipeline import load_pipeline
+    from toolkit.launch.pipeline import follow_pipeline, run_pipeline_here, submit_pipeline
+
+    info = __import__("json").loads(pd.file.read_text())
+    configs = _pipeline_configs(load_pipeline(info["source"]), pd.path)
+    if not args.submit:
+        return run_pipeline_here(configs, pd, args.verbose)
+    jobs = submit_pipeline(configs, pd)
+    for stage, job_id in jobs:
+        print(f"submitted slurm job {job_id} for stage {stage}", flush=True)
+    return follow_pipeline(pd, jobs) if args.wait and jobs else 0
 
 
 def cmd_inspect(args) -> int:
@@ -167,15 +202,16 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _prepare(args):
+def _prepare(args, cfg=None):
     """Config, placement and allocation of a Slurm run, checked before anything is written."""
-    from toolkit.config import load_config
-    from toolkit.data.prompts import read_prompts
     from toolkit.launch.allocation import plan_allocation
     from toolkit.placement.plan import plan
 
-    cfg = load_config(args.config, args.overrides)
-    read_prompts(cfg.data.prompts, cfg.data.prompt_key)
+    if cfg is None:
+        cfg, pipeline = _load(args)
+        if pipeline is not None:
+            raise ConfigError(f"{args.config} is a pipeline file; `render` writes the batch script of one stage: "
+                              "render each stage's own config, or submit the pipeline")
     groups = plan(cfg)
     return cfg, groups, plan_allocation(groups, cfg.slurm.heterogeneous)
 
@@ -187,7 +223,10 @@ def cmd_submit(args) -> int:
     from toolkit.launch.rundir import RunDir
     from toolkit.launch.submit import submit, submit_script
 
-    cfg, groups, allocation = _prepare(args)
+    cfg, pipeline = _load(args)
+    if pipeline is not None:
+        return _submit_pipeline(pipeline, args)
+    cfg, groups, allocation = _prepare(args, cfg)
     run_dir = RunDir(args.run_dir or Path("runs") / cfg.run.name)
     kind = f"a heterogeneous job of {len(allocation.components)} components" if allocation.heterogeneous else "one job"
     if args.dry_run:
@@ -208,6 +247,28 @@ def cmd_submit(args) -> int:
     return follow(run_dir, job_id)
 
 
+def _submit_pipeline(pipeline, args) -> int:
+    from toolkit.launch.allocation import placement_table
+    from toolkit.launch.pipeline import PipelineDir, follow_pipeline, submit_pipeline
+
+    pd = PipelineDir(args.run_dir or Path("runs") / pipeline.name)
+    configs = _pipeline_configs(pipeline, pd.path)
+    if args.dry_run:
+        for cfg in configs:
+            _, groups, allocation = _prepare(args, cfg)
+            print(f"stage {cfg.stage} ({cfg.summary}): {allocation.nodes} node(s)\n{placement_table(groups, allocation)}\n")
+        print(f"{len(configs)} jobs, each starting after the one before finished (--dependency=afterok); "
+              f"run directory {pd.path}")
+        return 0
+    jobs = submit_pipeline(configs, pd.create(pipeline))
+    for stage, job_id in jobs:
+        print(f"submitted slurm job {job_id} for stage {stage}; run directory {pd.stage(stage).path}", flush=True)
+    if not args.wait:
+        print(f"follow it with: slurm-rlhf status {pd.path}")
+        return 0
+    return follow_pipeline(pd, jobs)
+
+
 def cmd_render(args) -> int:
     from toolkit.launch.rundir import RunDir
     from toolkit.launch.sbatch import sbatch_script
@@ -226,23 +287,36 @@ def cmd_render(args) -> int:
 
 def cmd_status(args) -> int:
     from toolkit.launch.jobs import open_run, status_text
+    from toolkit.launch.pipeline import PipelineDir, is_pipeline_dir, pipeline_status
 
-    print(status_text(open_run(args.run_dir)))
+    if is_pipeline_dir(args.run_dir):
+        print(pipeline_status(PipelineDir(args.run_dir)))
+    else:
+        print(status_text(open_run(args.run_dir)))
     return 0
 
 
 def cmd_cancel(args) -> int:
     from toolkit.launch.jobs import cancel, open_run
+    from toolkit.launch.pipeline import PipelineDir, cancel_pipeline, is_pipeline_dir
 
-    print(cancel(open_run(args.run_dir)))
+    if is_pipeline_dir(args.run_dir):
+        print(cancel_pipeline(PipelineDir(args.run_dir)))
+    else:
+        print(cancel(open_run(args.run_dir)))
     return 0
 
 
 def cmd_validate(args) -> int:
-    from toolkit.config import dump_config, load_config
+    from toolkit.config import dump_config
 
-    cfg = load_config(args.config, args.overrides)
-    print(dump_config(cfg), end="")
+    cfg, pipeline = _load(args)
+    if pipeline is None:
+        print(dump_config(cfg), end="")
+        return 0
+    directory = Path("runs").resolve() / pipeline.name
+    for cfg in _pipeline_configs(pipeline, directory):
+        print(f"# stage {cfg.stage} (run directory {directory / cfg.stage})\n{dump_config(cfg)}", end="")
     return 0
 
 
@@ -251,7 +325,7 @@ def cmd_plan(args) -> int:
     from toolkit.placement.cluster import load_cluster
     from toolkit.placement.planner import STRATEGIES, candidates, rank, report, workload_of, write_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, "rl")
     cluster = load_cluster(args.cluster)
     params = {}
     for item in args.params:
@@ -286,9 +360,10 @@ def cmd_tiny(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"run": cmd_run, "resume": cmd_resume, "inspect": cmd_inspect, "submit": cmd_submit,
-               "render": cmd_render, "status": cmd_status, "cancel": cmd_cancel, "validate": cmd_validate,
-               "plan": cmd_plan, "tiny": cmd_tiny}[args.command]
+    handler = {"run": cmd_run, "sft": lambda a: cmd_run(a, "sft"), "rm": lambda a: cmd_run(a, "rm"),
+               "resume": cmd_resume, "inspect": cmd_inspect, "submit": cmd_submit, "render": cmd_render,
+               "status": cmd_status, "cancel": cmd_cancel, "validate": cmd_validate, "plan": cmd_plan,
+               "tiny": cmd_tiny}[args.command]
     try:
         return handler(args)
     except ToolkitError as e:

@@ -3,7 +3,8 @@
 Life of a worker: read the environment contract and the run's resolved config; register with the
 coordinator (group, rank, node, pid, the address of its inbox); wait for `start` with the address book
 of every worker; set up its role (load models, join process groups); report `ready`; serve data and
-commands until `shutdown`. Any exception is reported to the coordinator as `failed` (with the
+commands until `shutdown` (a supervised stage's trainer ranks run their training loop instead, then
+wait for `shutdown`). Any exception is reported to the coordinator as `failed` (with the
 traceback's last lines) before the process exits non-zero.
 """
 
@@ -40,7 +41,7 @@ class Worker:
         self.heartbeat = Heartbeat(self.ctx, secret, wenv.control, self.id, t.heartbeat_interval_s,
                                    t.heartbeat_timeout_s, self._coordinator_lost)
         self.status = self.heartbeat.status
-        has_inbox = self.rank == 0 or any(self.group.receives(r) for r in self.group.roles)
+        has_inbox = cfg.stage == "rl" and (self.rank == 0 or any(self.group.receives(r) for r in self.group.roles))
         self.inbox = Inbox(self.ctx, self.codec, wenv.bind_host, t.max_inflight_messages) if has_inbox else None
         self.outboxes: dict = {}
         self.book: dict = {}
@@ -90,8 +91,12 @@ class Worker:
     def serve(self) -> None:
         """Handle commands and samples until `shutdown`. Trainer ranks above 0 follow trainer rank 0; in a
         worker that also generates, they do so once their share of the step has left."""
-        from toolkit.roles.samples import SampleBatch
+        from toolkit.samples import SampleBatch
 
+        if self.cfg.stage != "rl":  # a supervised stage: its ranks run their own loop
+            self.roles[self.cfg.stage].train_loop()
+            self.wait_command("shutdown", self.cfg.transport.step_timeout_s)
+            return
         trainer = self.roles.get("trainer")
         follower = trainer is not None and self.rank > 0
         if follower and "generator" not in self.roles:

@@ -39,7 +39,7 @@ def test_wrong_type_and_bad_value(tiny, tmp_path):
     data["run"]["algorithm"] = "dpo"
     msg = error_of(write_config(tmp_path, data))
     assert "rollout.max_new_tokens: got 'many'" in msg and "integer" in msg
-    assert "run.algorithm: got 'dpo'" in msg and "'grpo' or 'ppo'" in msg
+    assert "run.algorithm: got 'dpo'" in msg and "'grpo', 'ppo', 'rloo' or 'reinforce_pp'" in msg
 
 
 def test_batch_not_divisible(tiny, tmp_path):

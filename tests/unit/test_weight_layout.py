@@ -10,7 +10,7 @@ import torch
 from tests.conftest import REPO, example, write_config
 from tests.unit.test_config import error_of
 from toolkit.config.model_files import VLLM_CPU_HEAD_SIZES, head_dim, vllm_cpu_problem
-from toolkit.roles.modeling import without_dropout
+from toolkit.modeling import without_dropout
 from toolkit.tiny import build_family
 from toolkit.weights import probe
 from toolkit.weights.hf_format import checkpoint_converter

@@ -1,4 +1,8 @@
-"""Read a run config from YAML, apply `--set a.b=c` overrides, validate, and explain errors by file and line."""
+"""Read a config from YAML, apply `--set a.b=c` overrides, validate, and explain errors by file and line.
+
+The top-level `stage` key says which config it is: `rl` (the default), `sft` or `rm`. A file with a
+`pipeline` key chains stages (pipeline.py reads it).
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,14 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from toolkit.config.schema import RunConfig
+from toolkit.config.stages import RMConfig, SFTConfig
 from toolkit.errors import ConfigError
 
+CONFIGS = {"rl": RunConfig, "sft": SFTConfig, "rm": RMConfig}
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
-    """Load and validate `path` with overrides applied; raise ConfigError naming file, line and field."""
+
+def read_yaml(path: str | Path) -> tuple[dict, str]:
+    """(mapping, text) of a YAML config file; ConfigError naming the file (and line) if it is not one."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -31,20 +38,45 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a mapping of sections (run:, model:, ...), got {type(data).__name__}")
+    return data, text
+
+
+def load_config(path: str | Path, overrides: list[str] = (), stage: str | None = None):
+    """Load and validate `path` with overrides applied; raise ConfigError naming file, line and field.
+    `stage`: the stage the caller expects (None: any; the file's `stage` key decides)."""
+    path = Path(path)
+    data, text = read_yaml(path)
+    if "pipeline" in data:
+        raise ConfigError(f"{path} is a pipeline file (it has a `pipeline` section); run it with "
+                          "`slurm-rlhf run` or `slurm-rlhf submit`")
     overridden = {}
     for expr in overrides:
         key = apply_override(data, expr)
         overridden[key] = expr
-    return validate(data, base_dir=path.resolve().parent, source=path, text=text, overridden=overridden)
+    if stage is not None:
+        data.setdefault("stage", stage)
+    return validate(data, base_dir=path.resolve().parent, source=path, text=text, overridden=overridden,
+                    expect=stage)
 
 
 def validate(data: dict, base_dir: Path, source: Path | str = "<config>", text: str | None = None,
-             overridden: dict[tuple, str] | None = None) -> RunConfig:
-    """Validate a config mapping; relative paths resolve against `base_dir`."""
+             overridden: dict[tuple, str] | None = None, expect: str | None = None, pending_models=(),
+             prefix: tuple = ()):
+    """Validate a config mapping (its `stage` picks the schema); relative paths resolve against `base_dir`.
+    `pending_models`: model directories a pipeline's earlier stage will write (not checked yet);
+    `prefix`: where the mapping sits in the file (a pipeline's stage section), for errors."""
+    stage = data.get("stage", "rl")
+    if stage not in CONFIGS:
+        raise ConfigError(f"{source}: stage: got {stage!r}; one of {', '.join(CONFIGS)}")
+    if expect is not None and stage != expect:
+        raise ConfigError(f"{source}: this is a {stage!r} config (stage: {stage}); this command runs {expect!r} "
+                          f"configs (use `slurm-rlhf {'run' if stage == 'rl' else stage}`)")
+    schema = CONFIGS[stage]
     try:
-        return RunConfig.model_validate(data, context={"base_dir": str(base_dir)})
+        return schema.model_validate(data, context={"base_dir": str(base_dir),
+                                                    "pending_models": {str(p) for p in pending_models}})
     except ValidationError as e:
-        lines = [_explain(err, source, text, overridden or {}) for err in e.errors()]
+        lines = [_explain(err, source, text, overridden or {}, schema, prefix) for err in e.errors()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
@@ -76,18 +108,19 @@ def apply_override(data: dict, expr: str) -> tuple:
     return tuple(parts)
 
 
-def dump_config(cfg: RunConfig) -> str:
+def dump_config(cfg) -> str:
     """The resolved config (absolute paths, defaults filled in) as YAML."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-def _explain(err: dict, source, text: str | None, overridden: dict[tuple, str]) -> str:
-    loc = tuple(err["loc"])
+def _explain(err: dict, source, text: str | None, overridden: dict[tuple, str], schema=RunConfig,
+             prefix: tuple = ()) -> str:
+    allowed = _allowed_keys(tuple(err["loc"])[:-1], schema) if err["type"] == "extra_forbidden" else []
+    loc = prefix + tuple(err["loc"])
     field = ".".join(str(p) for p in loc) or "(top level)"
     kind = err["type"]
     msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
     if kind == "extra_forbidden":
-        allowed = _allowed_keys(loc[:-1])
         msg = f"unknown key {loc[-1]!r}; allowed here: {', '.join(allowed)}"
     elif kind == "missing":
         msg = "missing; this field is required"
@@ -128,9 +161,9 @@ def _line_of(text: str, loc: tuple) -> int:
     return line
 
 
-def _allowed_keys(loc: tuple) -> list[str]:
+def _allowed_keys(loc: tuple, schema=RunConfig) -> list[str]:
     """Field names of the section at `loc` (walking list items and optionals)."""
-    model: Any = RunConfig
+    model: Any = schema
     for part in loc:
         if isinstance(part, int):
             continue

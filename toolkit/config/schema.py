@@ -1,75 +1,32 @@
-"""The run config: one YAML file per run, validated into these dataclasses before any process starts.
-
-Relative paths are resolved against the directory of the config file. Unknown keys are errors.
+"""The RL run config (stage `rl`): one YAML file per run, validated into these sections before any
+process starts. The SFT and reward-model stages are in stages.py, the pieces every stage shares in base.py
+and data.py. Relative paths are resolved against the directory of the config file. Unknown keys are errors.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from toolkit.config.base import (MODELS, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
+                                 Section, SlurmSection, TransportSection, load_function)
+from toolkit.config.data import DataSection
 from toolkit.config.model_files import vllm_cpu_problem
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
-
-
-def _resolve(value: str | Path, info: ValidationInfo) -> Path:
-    path = Path(str(value)).expanduser()
-    base = (info.context or {}).get("base_dir")
-    if not path.is_absolute() and base is not None:
-        path = Path(base) / path
-    return path.resolve()
-
-
-def _model_dir(value: Any, info: ValidationInfo) -> str:
-    path = _resolve(value, info)
-    if not path.is_dir():
-        raise ValueError(f"no such directory {str(path)!r}; give the path of a Hugging Face model directory")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{str(path)!r} has no config.json; give a Hugging Face model directory (save_pretrained)")
-    return str(path)
-
-
-def _existing_file(value: Any, info: ValidationInfo) -> str:
-    path = _resolve(value, info)
-    if not path.is_file():
-        raise ValueError(f"no such file {str(path)!r}")
-    return str(path)
-
-
-def load_function(import_path: str):
-    """Import `package.module:function` and return the callable; ValueError says what is wrong."""
-    module_name, _, attr = import_path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"cannot import module {module_name!r} of {import_path!r} ({e}); install it or add its folder to PYTHONPATH"
-        ) from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"module {module_name!r} has no function {attr!r}")
-    return fn
-
-
-ModelDir = Annotated[str, AfterValidator(_model_dir)]
-ExistingFile = Annotated[str, AfterValidator(_existing_file)]
-PositiveInt = Annotated[int, Field(ge=1)]
 SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 
 
 class RunSection(Section):
     name: str = "run"
     """Name of the run (used for the default run directory `runs/<name>` and the Slurm job name)."""
-    algorithm: Literal["grpo", "ppo"] = "grpo"
-    """`grpo`: group-relative advantages, no critic. `ppo`: critic, GAE, clipped value loss."""
+    algorithm: Literal["grpo", "ppo", "rloo", "reinforce_pp"] = "grpo"
+    """`grpo`: group-relative advantages (KL in the loss). `ppo`: a critic, GAE, clipped value loss.
+    `rloo`: REINFORCE leave-one-out, each sample's baseline the mean of the other samples of its prompt
+    (KL-penalised sequence reward). `reinforce_pp`: REINFORCE++, per-token KL penalty in the reward,
+    returns normalised over the whole batch, no critic. See algorithms/advantages.py."""
     steps: PositiveInt = 10
     """Number of steps (experience batches, each followed by one policy update and weight sync)."""
     seed: int = 0
@@ -77,18 +34,6 @@ class RunSection(Section):
     deterministic: bool = False
     """Bitwise-repeatable runs: deterministic torch algorithms, fixed thread counts (cpus_per_worker, else
     1), no vLLM prefix cache. A resumed run then ends with the same weights as an uninterrupted one."""
-
-
-class DataSection(Section):
-    prompts: ExistingFile
-    """JSON Lines file, one object per line with at least the `prompt_key` field; other fields are
-    passed to rule-based reward functions as keyword arguments."""
-    prompt_key: str = "prompt"
-    """Field of each line that holds the prompt text."""
-    shuffle: bool = True
-    """Shuffle prompt order (seeded by `run.seed`) every pass over the file."""
-    chat_template: bool = False
-    """Wrap each prompt as a user message with the tokenizer's chat template."""
 
 
 class ModelSection(Section):
@@ -99,7 +44,8 @@ class ModelSection(Section):
     reference: ModelDir | None = None
     """Reference model for the KL penalty (default: `actor`)."""
     critic: ModelDir | None = None
-    """PPO only: initial critic backbone; a value head is added (default: `actor`)."""
+    """PPO only: the critic's starting point: a reward model (its score head becomes the value head) or a
+    causal LM (a new value head is added). Default: `actor`."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype for every model (weights and computation)."""
     forward_batch_size: PositiveInt = 16
@@ -169,7 +115,11 @@ class RewardFunction(Section):
 
 class RewardModel(Section):
     path: ModelDir
-    """Hugging Face sequence-classification model with one label; its score of prompt+response."""
+    """Hugging Face sequence-classification model with one label (e.g. the `rm` stage's export); the reward
+    is its score at the last token of prompt + response (the prompt is cut from the left to fit)."""
+    normalize: bool = False
+    """Subtract the mean and divide by the std of this model's rewards on the RL prompts, which the `rm`
+    stage saves as reward_stats.json in its export."""
     weight: float = 1.0
     """Weight of this component in the total reward."""
     name: str | None = None
@@ -181,6 +131,8 @@ class RewardSection(Section):
     """Rule-based reward functions."""
     models: list[RewardModel] = []
     """Reward models."""
+    clip: float | None = Field(default=None, gt=0)
+    """Clip the total reward to [-clip, clip] (DeepSpeed-Chat's clip_reward_value); none: no clipping."""
 
     @model_validator(mode="after")
     def _named(self) -> "RewardSection":
@@ -188,6 +140,9 @@ class RewardSection(Section):
             raise ValueError("no reward: give at least one entry in reward.functions or reward.models")
         for i, rm in enumerate(self.models):
             rm.name = rm.name or f"rm{i}"
+            if rm.normalize and not (Path(rm.path) / "reward_stats.json").exists() and Path(rm.path).exists():
+                raise ValueError(f"models[{i}].normalize: {rm.path} has no reward_stats.json (the `rm` stage writes "
+                                 "it); train the reward model with slurm-rlhf rm, or set normalize: false")
         names = [c.name for c in [*self.functions, *self.models]]
         duplicated = sorted({n for n in names if names.count(n) > 1})
         if duplicated:
@@ -229,36 +184,36 @@ class AlgorithmSection(Section):
     """Largest importance weight of the behaviour correction (truncated importance sampling)."""
 
 
-class TrainerSection(Section):
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    """DeepSpeed ZeRO stage for actor and critic."""
-    lr: float = Field(default=1e-5, gt=0)
-    """Actor learning rate (AdamW)."""
+class TrainerSection(EngineSection):
+    """DeepSpeed training of the actor (and critic): the engine's settings, and RL's own."""
+
     critic_lr: float = Field(default=1e-5, gt=0)
     """PPO only: critic learning rate."""
-    weight_decay: float = Field(default=0.0, ge=0)
-    """AdamW weight decay."""
-    grad_clip: float = Field(default=1.0, gt=0)
-    """Gradient norm clip."""
-    micro_batch_size: PositiveInt = 8
-    """Samples per forward/backward on each trainer rank."""
+    ema: float | None = Field(default=None, gt=0, lt=1)
+    """Keep an exponential moving average of the actor's weights with this decay (e.g. 0.992, as
+    DeepSpeed-Chat); it is checkpointed, resumed exactly and exported as `export-ema/`. None: off."""
     updates_per_step: PositiveInt = 1
     """Optimizer updates per epoch over an experience batch (mini-batches)."""
     weight_sync_bucket_mb: float = Field(default=64, gt=0)
     """Weights are broadcast to generators in buckets of about this size."""
 
 
-class CheckpointSection(Section):
-    every_steps: PositiveInt = 10
-    """Save a model checkpoint after every this many steps (and after the last step). Experience batches
-    are committed every step regardless, so a resume never regenerates what was committed."""
-    keep: PositiveInt = 2
-    """Model checkpoints kept (the newest); experience files are all kept."""
+class PtxSection(Section):
+    """DeepSpeed-Chat's PTX mixture: a language-modelling loss on unsupervised text added to the RL loss."""
 
+    coef: float = Field(default=0.0, ge=0)
+    """Weight of the LM loss (DeepSpeed-Chat's unsup_coef, 27.8 there); 0: off."""
+    data: DataSection | None = None
+    """The text rows (`text_key` field, default `text`)."""
+    max_tokens: PositiveInt = 256
+    """Tokens of a text row trained on (longer rows are cut)."""
 
-MODELS = ("generation", "reference", "reward", "actor", "critic")
-"""The models a placement puts somewhere: the generation engine, the reference model, the rewards
-(functions and reward models), the actor and the critic (PPO)."""
+    @model_validator(mode="after")
+    def _data(self) -> "PtxSection":
+        if self.coef > 0 and self.data is None:
+            raise ValueError("ptx.coef is above 0 but there is no ptx.data: give ptx.data.sources: [{path: ...}]")
+        return self
+
 
 # Node groups of each preset placement (the order is the order of the node groups in the allocation).
 PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -271,35 +226,6 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
                                "trainer": ("actor", "critic", "reward")},
     "colocate_all_models": {"generator": ("generation",), "trainer": ("actor", "critic", "reference", "reward")},
 }
-
-
-class GroupSection(Section):
-    models: list[Literal[MODELS]] | None = None
-    """Strategy `custom` only: the models this node group hosts (generation, reference, reward, actor,
-    critic); every model in exactly one group. The presets set this themselves."""
-    workers: PositiveInt = 1
-    """Worker processes of this node group (Slurm tasks of its job step)."""
-    nodes: PositiveInt = 1
-    """Slurm: nodes of this node group; `workers` are spread evenly over them."""
-    cpus_per_worker: PositiveInt | None = None
-    """CPU threads of each worker (Slurm: --cpus-per-task; default: Slurm's, or all cores locally)."""
-    gpus_per_worker: int = Field(default=0, ge=0)
-    """GPUs of each worker (Slurm: --gpus-per-task)."""
-    mem_gb: float | None = Field(default=None, gt=0)
-    """Slurm: memory per node of this group, in GB (default: the partition's)."""
-    partition: str | None = None
-    """Slurm: partition of this group (default: `slurm.partition`)."""
-    constraint: str | None = None
-    """Slurm: node features this group needs (--constraint), e.g. `a100`."""
-    env: dict[str, str] = {}
-    """Extra environment variables for these workers."""
-
-    @model_validator(mode="after")
-    def _spread(self) -> "GroupSection":
-        if self.workers % self.nodes:
-            raise ValueError(f"workers ({self.workers}) must be a multiple of nodes ({self.nodes}): "
-                             "each node of a group runs the same number of workers")
-        return self
 
 
 class PlacementSection(Section):
@@ -371,76 +297,9 @@ class PlacementSection(Section):
         return any("generation" in models and "actor" in models for _, models, _ in self.layout())
 
 
-# sbatch options slurm-rlhf sets from the placement or needs for itself.
-RESERVED_SBATCH = {"nodes", "ntasks", "ntasks-per-node", "cpus-per-task", "gpus", "gpus-per-task", "gpus-per-node",
-                   "mem", "partition", "constraint", "account", "qos", "time", "job-name", "output", "error",
-                   "open-mode", "hetjob", "signal", "array", "nodelist", "requeue"}
-
-
-class SlurmSection(Section):
-    partition: str | None = None
-    """Partition of every node group that names none."""
-    account: str | None = None
-    """Account to charge (--account)."""
-    qos: str | None = None
-    """Quality of service (--qos)."""
-    nodes: PositiveInt | None = None
-    """Nodes you may use at most (e.g. your share of the cluster, or an allocation you already hold);
-    a placement whose node groups need more is refused before anything is submitted."""
-    time_min: PositiveInt = 60
-    """Time limit of the allocation, in minutes."""
-    job_name: str | None = None
-    """Name of the Slurm job (default: `run.name`)."""
-    heterogeneous: Literal["auto", "always", "never"] = "auto"
-    """`auto`: a heterogeneous job when node groups need different partitions, node features or GPU
-    counts, one allocation otherwise; `always`: one job component per node group; `never`: one."""
-    setup: list[str] = []
-    """Shell lines the batch script runs before the driver (e.g. `module load cuda`)."""
-    sbatch: dict[str, str | int | float | bool] = {}
-    """More sbatch options, e.g. `{mail-type: END, exclusive: true}` -> `#SBATCH --mail-type=END`."""
-    python: str | None = None
-    """Python on the compute nodes (default: the interpreter running `slurm-rlhf submit`)."""
-    signal_lead_s: PositiveInt = 120
-    """Seconds before the time limit at which the job is told (SIGUSR1) to checkpoint and requeue itself."""
-    max_requeues: int = Field(default=5, ge=0)
-    """How many times a job may requeue itself on reaching its time limit (0: never)."""
-
-    @model_validator(mode="after")
-    def _options(self) -> "SlurmSection":
-        for key in self.sbatch:
-            if not re.fullmatch(r"[a-z][a-z0-9-]*", key):
-                raise ValueError(f"slurm.sbatch: {key!r} is not an sbatch option name (write e.g. mail-type)")
-            if key in RESERVED_SBATCH:
-                raise ValueError(f"slurm.sbatch: --{key} is set by slurm-rlhf; use the placement or slurm "
-                                 "settings instead (placement.<group>.nodes/partition/..., slurm.time_min, ...)")
-        return self
-
-
-class TransportSection(Section):
-    heartbeat_interval_s: float = Field(default=1.0, gt=0)
-    """Workers and the coordinator exchange heartbeats this often."""
-    heartbeat_timeout_s: float = Field(default=60.0, gt=0)
-    """A worker silent this long is declared dead and the run stops."""
-    startup_timeout_s: float = Field(default=600.0, gt=0)
-    """Most time for every worker to register and load its models."""
-    step_timeout_s: float = Field(default=1800.0, gt=0)
-    """Most time for one step (generate, score, train, sync); also the timeout of every collective."""
-    max_inflight_messages: PositiveInt = 8
-    """Messages queued per data connection before the sender blocks (backpressure)."""
-    bind_host: str | None = None
-    """Address to bind sockets to (default: 127.0.0.1 for local runs, the node's address under Slurm)."""
-
-    @model_validator(mode="after")
-    def _heartbeats(self) -> "TransportSection":
-        if self.heartbeat_timeout_s < 3 * self.heartbeat_interval_s:
-            raise ValueError(
-                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least 3 x heartbeat_interval_s "
-                f"({self.heartbeat_interval_s})"
-            )
-        return self
-
-
 class RunConfig(Section):
+    stage: Literal["rl"] = "rl"
+    """The RL stage (`sft` and `rm` configs are in stages.py)."""
     run: RunSection = RunSection()
     """What to run."""
     data: DataSection
@@ -463,13 +322,15 @@ class RunConfig(Section):
     """Model checkpoints (experience is committed every step)."""
     slurm: SlurmSection = SlurmSection()
     """How `slurm-rlhf submit` and `render` ask Slurm for the allocation."""
+    ptx: PtxSection = PtxSection()
+    """A language-modelling loss on unsupervised text mixed into the RL loss."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
-        if self.run.algorithm == "grpo" and self.rollout.group_size < 2:
+        if self.run.algorithm in ("grpo", "rloo") and self.rollout.group_size < 2:
             raise ValueError(
-                f"rollout.group_size is {self.rollout.group_size}; GRPO needs >= 2 samples per prompt "
-                "to compare them (or set run.algorithm: ppo)"
+                f"rollout.group_size is {self.rollout.group_size}; {self.run.algorithm.upper()} needs >= 2 samples "
+                "per prompt to compare them (or set run.algorithm: ppo or reinforce_pp)"
             )
         trainers = self.placement.group_with("actor").workers
         per_update = self.trainer.micro_batch_size * trainers * self.trainer.updates_per_step
@@ -521,6 +382,14 @@ class RunConfig(Section):
     def sync_check_tolerance(self) -> float:
         """`rollout.sync_check_tolerance`, or the default for `model.dtype` (`SYNC_CHECK_TOLERANCE`)."""
         return self.rollout.sync_check_tolerance or SYNC_CHECK_TOLERANCE[self.model.dtype]
+
+    def hosts(self, model: str) -> bool:
+        """Whether the run has `model` at all (only PPO has a critic)."""
+        return model != "critic" or self.run.algorithm == "ppo"
+
+    @property
+    def summary(self) -> str:
+        return f"{self.run.algorithm}, {self.run.steps} steps"
 
     @property
     def samples_per_step(self) -> int:

@@ -1,8 +1,8 @@
 """The driver inside a Slurm allocation, for a run directory made by `submit` or `render`.
 
 `python -m toolkit.launch.batch RUN_DIR` is the command of a rendered sbatch script; `submit` runs
-`run_in_allocation(RUN_DIR)` through Submitit. Both start the same Driver as `slurm-rlhf run`, with the
-Slurm launcher: one srun step per node group.
+`run_in_allocation(RUN_DIR)` through Submitit. Both start the same driver as `slurm-rlhf run` (or `sft`,
+`rm`), with the Slurm launcher: one srun step per node group.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from toolkit.errors import RunError, ToolkitError
 def run_in_allocation(run_dir: str) -> None:
     from toolkit.config import load_config
     from toolkit.launch.allocation import plan_allocation
-    from toolkit.launch.driver import Driver
     from toolkit.launch.env import node_address, node_name
     from toolkit.launch.rundir import RunDir
     from toolkit.launch.slurm import SlurmLauncher
+    from toolkit.launch.supervisor import make_driver
     from toolkit.log import setup_logging
     from toolkit.placement.plan import plan
 
@@ -34,12 +34,16 @@ def run_in_allocation(run_dir: str) -> None:
                        "`slurm-rlhf render` wrote with sbatch, or use `slurm-rlhf submit`")
     rd = RunDir(run_dir)
     setup_logging("driver", level=logging.WARNING, stream=sys.stdout, file=str(rd.logs / "driver.log"))
-    cfg = load_config(rd.config)
+    try:
+        cfg = load_config(rd.config)
+    except ToolkitError as e:  # (e.g. a file it names is gone since the submit): `status` must say so
+        rd.write_status({"state": "failed", "error": f"the run's config no longer loads: {e}"})
+        raise
     rd.update_job(job_id=os.environ.get("SLURM_JOB_ID"), batch_node=node_name(), driver_pid=os.getpid())
     launcher = SlurmLauncher(rd, plan_allocation(plan(cfg), cfg.slurm.heterogeneous), cfg.slurm.python or sys.executable)
     print(f"job {launcher.job_id}: run {cfg.run.name!r} in {rd.path}; node groups: "
           + ", ".join(f"{g} on {','.join(n)}" for g, n in launcher.nodes.items()), flush=True)
-    driver = Driver(cfg, rd, launcher, node_address(), echo=lambda line: print(line, flush=True))
+    driver = make_driver(cfg, rd, launcher, node_address(), echo=lambda line: print(line, flush=True))
     driver.preempt = bool(early_usr1)
     driver.run()
     if driver.state == "preempted":
@@ -49,7 +53,7 @@ def run_in_allocation(run_dir: str) -> None:
             rd.write_status({**rd.read_json(rd.status), "state": "failed", "error": str(e)})
             raise
     else:
-        print(f"done: {cfg.run.steps} steps; metrics in {rd.metrics}", flush=True)
+        print(f"done: {driver.steps} steps; metrics in {rd.metrics}", flush=True)
 
 
 def requeue(rd, max_requeues: int) -> None:

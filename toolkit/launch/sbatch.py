@@ -20,13 +20,17 @@ def job_log(run_dir: str, suffix: str = "out") -> str:
     return f"{run_dir}/slurm/%j_0_log.{suffix}"
 
 
-def sbatch_script(cfg, allocation: Allocation, run_dir: str, command: list[str] | str, how: str) -> str:
-    """The batch script; `command` is an argv list (quoted here) or a ready shell line."""
+def sbatch_script(cfg, allocation: Allocation, run_dir: str, command: list[str] | str, how: str,
+                  depends_on: str | None = None) -> str:
+    """The batch script; `command` is an argv list (quoted here) or a ready shell line. `depends_on`: a
+    job that must finish well first (a pipeline's previous stage); if it fails, this one is cancelled."""
     s = cfg.slurm
     common = {"time": s.time_min, "account": s.account, "qos": s.qos}
     # USR1 to the batch shell (the driver) before the time limit: checkpoint, then requeue and resume.
     head = {"job-name": s.job_name or cfg.run.name, "output": job_log(run_dir), "error": job_log(run_dir, "err"),
             "open-mode": "append", "signal": f"B:USR1@{s.signal_lead_s}", "requeue": True, **s.sbatch}
+    if depends_on:
+        head.update({"dependency": f"afterok:{depends_on}", "kill-on-invalid-dep": "yes"})
     blocks = []
     for i, component in enumerate(allocation.components):
         options = {**(head if i == 0 else {}), **_resources(component), **common}
@@ -34,7 +38,7 @@ def sbatch_script(cfg, allocation: Allocation, run_dir: str, command: list[str] 
         lines += [_flag(k, v) for k, v in options.items() if v is not None and v is not False]
         blocks.append("\n".join(lines))
     groups = [g for c in allocation.components for g in c.groups]
-    description = f"{cfg.run.algorithm}, {cfg.run.steps} steps; " + ", ".join(
+    description = f"{cfg.summary}; " + ", ".join(
         f"{g.name}: {g.workers} worker{'s' if g.workers > 1 else ''} on {g.nodes} node{'s' if g.nodes > 1 else ''}"
         for g in groups)
     if isinstance(command, list):

@@ -21,17 +21,18 @@ def submitit_command(python: str, folder: str) -> str:
             f"exec {shlex.quote(python)} -u -m submitit.core._submit {shlex.quote(folder)}")
 
 
-def submit_script(cfg, allocation: Allocation, run_dir: str) -> str:
+def submit_script(cfg, allocation: Allocation, run_dir: str, depends_on: str | None = None) -> str:
     """The script `submit` hands to sbatch for a run directory (printed by --dry-run)."""
     python = cfg.slurm.python or sys.executable
-    return sbatch_script(cfg, allocation, run_dir, submitit_command(python, f"{run_dir}/slurm"), how="submit")
+    return sbatch_script(cfg, allocation, run_dir, submitit_command(python, f"{run_dir}/slurm"), how="submit",
+                         depends_on=depends_on)
 
 
-def submit(cfg, allocation: Allocation, run_dir) -> str:
-    """Submit the run in `run_dir` (already created); return the Slurm job id."""
+def submit(cfg, allocation: Allocation, run_dir, depends_on: str | None = None) -> str:
+    """Submit the run in `run_dir` (already created), after job `depends_on` if given; the Slurm job id."""
     import submitit
 
-    script = submit_script(cfg, allocation, str(run_dir.path))
+    script = submit_script(cfg, allocation, str(run_dir.path), depends_on)
 
     class Executor(submitit.SlurmExecutor):
         def _make_submission_file_text(self, command: str, uid: str) -> str:

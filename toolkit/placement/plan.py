@@ -48,11 +48,12 @@ class WorkerGroup:
 
 
 def plan(cfg) -> list[WorkerGroup]:
-    """Worker groups of the config's placement, in allocation order."""
+    """Worker groups of the config's placement, in allocation order. A supervised stage (sft, rm) has one
+    group, whose role is the stage itself, training its one model (the `trainee`)."""
     groups = []
     for name, models, s in cfg.placement.layout():
-        models = tuple(m for m in models if m != "critic" or cfg.run.algorithm == "ppo")  # GRPO has no critic
-        roles = tuple(dict.fromkeys(ROLE_OF[m] for m in models))
+        models = tuple(m for m in models if cfg.hosts(m))  # only PPO has a critic
+        roles = tuple(dict.fromkeys(cfg.stage if m == "trainee" else ROLE_OF[m] for m in models))
         groups.append(WorkerGroup(name, roles, s.workers, s.cpus_per_worker, s.gpus_per_worker, dict(s.env),
                                   s.nodes, s.mem_gb, s.partition or cfg.slurm.partition, s.constraint, tuple(models)))
     return groups

@@ -1,4 +1,5 @@
-"""Roles of the RL loop: generator (samples), reference (log-probs), reward (scores), trainer (updates)."""
+"""Roles of the RL loop: generator (samples), reference (log-probs), reward (scores), trainer (updates);
+and the trainer ranks of a supervised stage (`sft`, `rm`), whose loop is in training/supervised.py."""
 
 
 def make_role(worker, role: str):
@@ -12,5 +13,8 @@ def make_role(worker, role: str):
     if role == "reward":
         from toolkit.roles.scorer import RewardRole
         return RewardRole(worker)
+    if role in ("sft", "rm"):
+        from toolkit.training.supervised import SupervisedRole
+        return SupervisedRole(worker)
     from toolkit.roles.trainer import TrainerRole
     return TrainerRole(worker)

@@ -1,0 +1,152 @@
+"""The supervised stages with real processes (DeepSpeed ranks under the driver): SFT and the reward model
+learn, export a model the next stage loads, and a run killed mid-way and resumed ends with the
+uninterrupted run's weights; packing computes the same loss without padding; two ranks equal one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import cli, metric_lines, run_and_kill, write_config
+
+pytestmark = pytest.mark.integration
+SPLIT = {"sft": 2, "rm": 4, "rl": 4, "seed": 1234}
+
+
+def stage_config(tiny, stage: str, **sections) -> dict:
+    data = {"stage": stage, "run": {"name": stage, "steps": 12, "seed": 1, "deterministic": True},
+            "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}], "split": SPLIT, "eval_fraction": 0.1},
+            "model": {"base": str(tiny / "model")},
+            "train": {"lr": 0.002, "batch_size": 32, "micro_batch_size": 8, "max_tokens": 64, "eval_every": 4},
+            "checkpoint": {"every_steps": 4}}
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return data
+
+
+def run_stage(tiny, directory: Path, stage: str, **sections) -> Path:
+    config = write_config(directory, stage_config(tiny, stage, **sections))
+    result = cli(stage, config, "--run-dir", directory / "run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return directory / "run"
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "export" / "model.safetensors")
+
+
+def max_difference(a: Path, b: Path) -> float:
+    x, y = weights(a), weights(b)
+    assert set(x) == set(y)
+    return max((x[k] - y[k]).abs().max().item() for k in x)
+
+
+@pytest.fixture(scope="module")
+def sft_run(tiny, tmp_path_factory) -> Path:
+    return run_stage(tiny, tmp_path_factory.mktemp("sft"), "sft")
+
+
+@pytest.fixture(scope="module")
+def rm_run(tiny, tmp_path_factory) -> Path:
+    return run_stage(tiny, tmp_path_factory.mktemp("rm"), "rm", run={"steps": 20}, train={"eval_every": 5},
+                     checkpoint={"every_steps": 5})
+
+
+def test_sft_learns_and_exports_a_causal_lm(sft_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rs = records(sft_run)
+    assert [r["step"] for r in rs] == list(range(12))
+    evals = [r for r in rs if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 7, 11]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.05, [r["eval_loss"] for r in evals]
+    assert abs(evals[-1]["eval_ppl"] - torch.tensor(evals[-1]["eval_loss"]).exp().item()) < 1e-3
+    assert rs[-1]["loss"] < rs[0]["loss"] and rs[0]["tokens"] > 0 and 0 < rs[0]["padding_frac"] < 1
+    status = json.loads((sft_run / "status.json").read_text())
+    assert status["state"] == "finished" and status["stage"] == "sft" and status["steps"] == 12
+    model = AutoModelForCausalLM.from_pretrained(sft_run / "export")  # what the next stage reads
+    tokenizer = AutoTokenizer.from_pretrained(sft_run / "export")
+    out = model.generate(**tokenizer("Write about stars:", return_tensors="pt"), max_new_tokens=5, do_sample=False)
+    assert out.shape[1] > 5
+
+
+def test_sft_killed_and_resumed_equals_an_uninterrupted_run(tiny, sft_run, tmp_path):
+    config = write_config(tmp_path, stage_config(tiny, "sft"))
+    run_dir = tmp_path / "run"
+    # after the checkpoint of step 4 and two more steps: those two are trained again
+    run_and_kill(config, run_dir, until=lambda: metric_lines(run_dir) >= 6)
+    assert not (run_dir / "export").exists()
+    result = cli("resume", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resuming at step 8: checkpoint checkpoints/step-000008 (step 8)" in result.stdout or \
+        "resuming at step 4: checkpoint checkpoints/step-000004 (step 4)" in result.stdout, result.stdout
+    assert max_difference(run_dir, sft_run) <= 1e-6
+    assert [r["loss"] for r in records(run_dir)] == [r["loss"] for r in records(sft_run)]
+    assert [r["step"] for r in records(run_dir)] == list(range(12))  # no step twice in the metrics
+
+
+def test_packing_computes_the_same_loss_without_padding(tiny, tmp_path):
+    one = {"run": {"steps": 1}, "train": {"eval_every": 1}}
+    plain = run_stage(tiny, tmp_path / "plain", "sft", **one)
+    packed = run_stage(tiny, tmp_path / "packed", "sft", run={"steps": 1}, train={"eval_every": 1, "packing": True})
+    a, b = records(plain)[0], records(packed)[0]
+    assert abs(a["loss"] - b["loss"]) < 1e-4, (a["loss"], b["loss"])  # attention stays within each row
+    assert a["tokens"] == b["tokens"] and b["padding_frac"] == 0 < a["padding_frac"]
+    assert max_difference(plain, packed) < 1e-4
+
+
+def test_two_trainer_ranks_train_like_one(tiny, sft_run, tmp_path):
+    run_dir = run_stage(tiny, tmp_path, "sft", placement={"trainer": {"workers": 2}})
+    assert (run_dir / "logs" / "trainer-1.log").stat().st_size > 0
+    assert max_difference(run_dir, sft_run) < 1e-4  # the same batches, the gradients averaged over the ranks
+    assert abs(records(run_dir)[-1]["eval_loss"] - records(sft_run)[-1]["eval_loss"]) < 1e-4
+
+
+def test_reward_model_learns_the_hidden_preference(rm_run):
+    from toolkit.modeling import ScoreModel
+
+    rs = records(rm_run)
+    evals = [r for r in rs if "eval_accuracy" in r]
+    assert evals[-1]["eval_accuracy"] >= 0.9 and evals[-1]["eval_margin"] > evals[0]["eval_margin"]
+    stats = json.loads((rm_run / "export" / "reward_stats.json").read_text())
+    assert stats["samples"] > 100 and stats["std"] > 0 and stats["rows"] == "rl part"
+    # a reward model, and the critic's starting point: its score head is kept
+    exported = load_file(rm_run / "export" / "model.safetensors")
+    critic = ScoreModel(str(rm_run / "export"), torch.float32)
+    assert torch.equal(critic.model.score.weight, exported["score.weight"])
+
+
+def test_reward_model_killed_and_resumed_equals_an_uninterrupted_run(tiny, rm_run, tmp_path):
+    config = write_config(tmp_path, stage_config(tiny, "rm", run={"steps": 20}, train={"eval_every": 5},
+                                                 checkpoint={"every_steps": 5}))
+    run_dir = tmp_path / "run"
+    run_and_kill(config, run_dir, until=lambda: metric_lines(run_dir) >= 7)
+    result = cli("resume", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert max_difference(run_dir, rm_run) <= 1e-6
+    assert [r.get("eval_accuracy") for r in records(run_dir)] == [r.get("eval_accuracy") for r in records(rm_run)]
+    assert json.loads((run_dir / "export" / "reward_stats.json").read_text()) == \
+        json.loads((rm_run / "export" / "reward_stats.json").read_text())
+
+
+def test_stage_config_errors_are_named(tiny, tmp_path):
+    bad = stage_config(tiny, "sft", train={"batch_size": 30})
+    result = cli("sft", write_config(tmp_path, bad), "--run-dir", tmp_path / "run")
+    assert result.returncode == 2 and "train.batch_size (30) is not a multiple of train.micro_batch_size 8" \
+        in result.stderr
+    wrong = cli("rm", write_config(tmp_path, stage_config(tiny, "sft"), "s.yaml"), "--run-dir", tmp_path / "r2")
+    assert wrong.returncode == 2 and "this is a 'sft' config" in wrong.stderr and "slurm-rlhf sft" in wrong.stderr
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "d", "chosen": "e"}\n')
+    missing = stage_config(tiny, "rm", data={"sources": [{"path": str(rows)}], "split": None, "eval_fraction": 0})
+    result = cli("rm", write_config(tmp_path, missing, "m.yaml"), "--run-dir", tmp_path / "r3")
+    assert result.returncode == 2 and f"{rows}:2: field 'rejected' (the other response) is missing" in result.stderr
+    assert not (tmp_path / "r3").exists()  # nothing was started, nothing half-written

@@ -1,0 +1,204 @@
+"""What every stage's config shares: documented sections, path checks, node groups, the DeepSpeed engine's
+settings, transport, checkpoints and Slurm. Relative paths resolve against the config file's directory."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+def _resolve(value: str | Path, info: ValidationInfo) -> Path:
+    path = Path(str(value)).expanduser()
+    base = (info.context or {}).get("base_dir")
+    if not path.is_absolute() and base is not None:
+        path = Path(base) / path
+    return path.resolve()
+
+
+def _model_dir(value: Any, info: ValidationInfo) -> str:
+    path = _resolve(value, info)
+    if str(path) in (info.context or {}).get("pending_models", ()):  # a pipeline's stage exports it later
+        return str(path)
+    if not path.is_dir():
+        raise ValueError(f"no such directory {str(path)!r}; give the path of a Hugging Face model directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{str(path)!r} has no config.json; give a Hugging Face model directory (save_pretrained)")
+    return str(path)
+
+
+def _existing_file(value: Any, info: ValidationInfo) -> str:
+    path = _resolve(value, info)
+    if not path.is_file():
+        raise ValueError(f"no such file {str(path)!r}")
+    return str(path)
+
+
+def _existing_path(value: Any, info: ValidationInfo) -> str:
+    path = _resolve(value, info)
+    if not path.exists():
+        raise ValueError(f"no such file or directory {str(path)!r}")
+    return str(path)
+
+
+def load_function(import_path: str):
+    """Import `package.module:function` and return the callable; ValueError says what is wrong."""
+    module_name, _, attr = import_path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"cannot import module {module_name!r} of {import_path!r} ({e}); install it or add its folder to PYTHONPATH"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+ModelDir = Annotated[str, AfterValidator(_model_dir)]
+ExistingFile = Annotated[str, AfterValidator(_existing_file)]
+ExistingPath = Annotated[str, AfterValidator(_existing_path)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class EngineSection(Section):
+    """Settings of the DeepSpeed engine every stage trains with (toolkit/training/engine.py)."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage: 0 plain data parallel; 1 optimizer states, 2 also gradients, 3 also weights
+    partitioned over the ranks."""
+    lr: float = Field(default=1e-5, gt=0)
+    """Learning rate (AdamW)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After the warm-up: `constant`, or `cosine` decay to `min_lr_ratio` x lr at the last step."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear learning-rate warm-up."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Cosine schedule only: the final learning rate as a fraction of `lr`."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(default=1.0, gt=0)
+    """Gradient norm clip."""
+    micro_batch_size: PositiveInt = 8
+    """Samples per forward/backward on each trainer rank."""
+
+
+MODELS = ("generation", "reference", "reward", "actor", "critic")
+"""The models a placement puts somewhere: the generation engine, the reference model, the rewards
+(functions and reward models), the actor and the critic (PPO)."""
+
+
+class CheckpointSection(Section):
+    every_steps: PositiveInt = 10
+    """Save a model checkpoint after every this many steps (and after the last step). Experience batches
+    are committed every step regardless, so a resume never regenerates what was committed."""
+    keep: PositiveInt = 2
+    """Model checkpoints kept (the newest); experience files are all kept."""
+
+
+class GroupSection(Section):
+    models: list[Literal[MODELS]] | None = None
+    """Strategy `custom` only: the models this node group hosts (generation, reference, reward, actor,
+    critic); every model in exactly one group. The presets set this themselves."""
+    workers: PositiveInt = 1
+    """Worker processes of this node group (Slurm tasks of its job step)."""
+    nodes: PositiveInt = 1
+    """Slurm: nodes of this node group; `workers` are spread evenly over them."""
+    cpus_per_worker: PositiveInt | None = None
+    """CPU threads of each worker (Slurm: --cpus-per-task; default: Slurm's, or all cores locally)."""
+    gpus_per_worker: int = Field(default=0, ge=0)
+    """GPUs of each worker (Slurm: --gpus-per-task)."""
+    mem_gb: float | None = Field(default=None, gt=0)
+    """Slurm: memory per node of this group, in GB (default: the partition's)."""
+    partition: str | None = None
+    """Slurm: partition of this group (default: `slurm.partition`)."""
+    constraint: str | None = None
+    """Slurm: node features this group needs (--constraint), e.g. `a100`."""
+    env: dict[str, str] = {}
+    """Extra environment variables for these workers."""
+
+    @model_validator(mode="after")
+    def _spread(self) -> "GroupSection":
+        if self.workers % self.nodes:
+            raise ValueError(f"workers ({self.workers}) must be a multiple of nodes ({self.nodes}): "
+                             "each node of a group runs the same number of workers")
+        return self
+
+
+# sbatch options slurm-rlhf sets from the placement or needs for itself.
+RESERVED_SBATCH = {"nodes", "ntasks", "ntasks-per-node", "cpus-per-task", "gpus", "gpus-per-task", "gpus-per-node",
+                   "mem", "partition", "constraint", "account", "qos", "time", "job-name", "output", "error",
+                   "open-mode", "hetjob", "signal", "array", "nodelist", "requeue"}
+
+
+class SlurmSection(Section):
+    partition: str | None = None
+    """Partition of every node group that names none."""
+    account: str | None = None
+    """Account to charge (--account)."""
+    qos: str | None = None
+    """Quality of service (--qos)."""
+    nodes: PositiveInt | None = None
+    """Nodes you may use at most (e.g. your share of the cluster, or an allocation you already hold);
+    a placement whose node groups need more is refused before anything is submitted."""
+    time_min: PositiveInt = 60
+    """Time limit of the allocation, in minutes."""
+    job_name: str | None = None
+    """Name of the Slurm job (default: `run.name`)."""
+    heterogeneous: Literal["auto", "always", "never"] = "auto"
+    """`auto`: a heterogeneous job when node groups need different partitions, node features or GPU
+    counts, one allocation otherwise; `always`: one job component per node group; `never`: one."""
+    setup: list[str] = []
+    """Shell lines the batch script runs before the driver (e.g. `module load cuda`)."""
+    sbatch: dict[str, str | int | float | bool] = {}
+    """More sbatch options, e.g. `{mail-type: END, exclusive: true}` -> `#SBATCH --mail-type=END`."""
+    python: str | None = None
+    """Python on the compute nodes (default: the interpreter running `slurm-rlhf submit`)."""
+    signal_lead_s: PositiveInt = 120
+    """Seconds before the time limit at which the job is told (SIGUSR1) to checkpoint and requeue itself."""
+    max_requeues: int = Field(default=5, ge=0)
+    """How many times a job may requeue itself on reaching its time limit (0: never)."""
+
+    @model_validator(mode="after")
+    def _options(self) -> "SlurmSection":
+        for key in self.sbatch:
+            if not re.fullmatch(r"[a-z][a-z0-9-]*", key):
+                raise ValueError(f"slurm.sbatch: {key!r} is not an sbatch option name (write e.g. mail-type)")
+            if key in RESERVED_SBATCH:
+                raise ValueError(f"slurm.sbatch: --{key} is set by slurm-rlhf; use the placement or slurm "
+                                 "settings instead (placement.<group>.nodes/partition/..., slurm.time_min, ...)")
+        return self
+
+
+class TransportSection(Section):
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    """Workers and the coordinator exchange heartbeats this often."""
+    heartbeat_timeout_s: float = Field(default=60.0, gt=0)
+    """A worker silent this long is declared dead and the run stops."""
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    """Most time for every worker to register and load its models."""
+    step_timeout_s: float = Field(default=1800.0, gt=0)
+    """Most time for one step (generate, score, train, sync); also the timeout of every collective."""
+    max_inflight_messages: PositiveInt = 8
+    """Messages queued per data connection before the sender blocks (backpressure)."""
+    bind_host: str | None = None
+    """Address to bind sockets to (default: 127.0.0.1 for local runs, the node's address under Slurm)."""
+
+    @model_validator(mode="after")
+    def _heartbeats(self) -> "TransportSection":
+        if self.heartbeat_timeout_s < 3 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least 3 x heartbeat_interval_s "
+                f"({self.heartbeat_interval_s})"
+            )
+        return self
+
+

@@ -1,0 +1,108 @@
+"""A pipeline file: the stages of DeepSpeed-Chat's recipe (sft -> rm -> rl, or any of them in that order)
+in one YAML file, each stage reading the model the stage before it exported.
+
+    pipeline: {name: my-pipeline}
+    data:  {sources: [...], split: {sft: 2, rm: 4, rl: 4}}   # shared: merged into every stage's data,
+                                                             # so the split is decided once for all
+    slurm: {partition: gpu, time_min: 240}                   # shared Slurm settings, merged likewise
+    sft: {model: {base: /models/llama-1b}, train: {...}}
+    rm:  {model: {base: sft}, ...}                           # a stage's name: the model it exports
+    rl:  {model: {actor: sft, critic: rm}, reward: {models: [{path: rm, normalize: true}]}, ...}
+
+Each stage section is that stage's config (stages.py, schema.py) without `stage:`. A model path that names
+an earlier stage becomes PIPELINE_DIR/<stage>/export, which that stage writes before the next one starts.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.config.load import apply_override, read_yaml, validate
+from toolkit.errors import ConfigError
+
+ORDER = ("sft", "rm", "rl")
+SHARED = ("data", "slurm")
+# Where a stage's config names models (key paths; `*` walks a list).
+MODEL_FIELDS = {"sft": [("model", "base"), ("model", "tokenizer")], "rm": [("model", "base"), ("model", "tokenizer")],
+                "rl": [("model", "actor"), ("model", "tokenizer"), ("model", "reference"), ("model", "critic"),
+                       ("reward", "models", "*", "path")]}
+
+
+@dataclass
+class Pipeline:
+    name: str
+    source: Path                # the pipeline file
+    text: str                   # its text (for errors by line)
+    stages: dict[str, dict]     # stage -> its config mapping (shared sections merged, references not resolved)
+
+    def configs(self, directory: Path) -> list:
+        """Every stage's validated config for a pipeline in `directory` (stage references resolved)."""
+        out, pending = [], []
+        for stage, data in self.stages.items():
+            data = copy.deepcopy(data)
+            for path in MODEL_FIELDS[stage]:
+                _resolve_references(data, path, stage, self.stages, directory, self.source)
+            cfg = validate({**data, "stage": stage}, base_dir=self.source.resolve().parent, source=self.source,
+                           text=self.text, prefix=(stage,), pending_models=pending)
+            out.append(cfg)
+            pending.append(directory / stage / "export")
+        return out
+
+
+def is_pipeline(path: str | Path) -> bool:
+    """Whether the YAML file at `path` is a pipeline file (it has a `pipeline` section)."""
+    data, _ = read_yaml(path)
+    return "pipeline" in data
+
+
+def load_pipeline(path: str | Path, overrides: list[str] = ()) -> Pipeline:
+    """Read a pipeline file with `--set stage.key=value` overrides; ConfigError naming what is wrong."""
+    path = Path(path)
+    data, text = read_yaml(path)
+    for expr in overrides:
+        apply_override(data, expr)
+    head = data.pop("pipeline", None) or {}
+    if not isinstance(head, dict) or not isinstance(head.get("name", ""), str):
+        raise ConfigError(f"{path}: pipeline: expected {{name: ...}}")
+    shared = {key: data.pop(key) for key in SHARED if key in data}
+    unknown = sorted(set(data) - set(ORDER))
+    if unknown:
+        raise ConfigError(f"{path}: unknown section(s) {', '.join(unknown)}; a pipeline file has pipeline, "
+                          f"{', '.join(SHARED)} and the stages {', '.join(ORDER)}")
+    stages = {stage: data[stage] or {} for stage in ORDER if stage in data}
+    if not stages:
+        raise ConfigError(f"{path}: no stages; give at least one of {', '.join(ORDER)}")
+    name = head.get("name") or path.stem
+    for stage, section in stages.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: {stage}: expected the stage's config (a mapping)")
+        if "stage" in section:
+            raise ConfigError(f"{path}: {stage}.stage: not needed in a pipeline (the section's name says it)")
+        for key, value in shared.items():
+            own = section.get(key, {})
+            section[key] = {**value, **own} if isinstance(value, dict) and isinstance(own, dict) else own or value
+        section.setdefault("run", {}).setdefault("name", f"{name}-{stage}")
+    return Pipeline(name, path, text, stages)
+
+
+def _resolve_references(data: dict, path: tuple, stage: str, stages: dict, directory: Path, source: Path) -> None:
+    """Replace a model path naming a stage by that stage's export directory (it must come earlier)."""
+    node = data
+    for i, key in enumerate(path[:-1]):
+        if key == "*":
+            for item in node if isinstance(node, list) else []:
+                _resolve_references(item, path[i + 1:], stage, stages, directory, source)
+            return
+        node = node.get(key) if isinstance(node, dict) else None
+        if node is None:
+            return
+    last = path[-1]
+    if not isinstance(node, dict) or not isinstance(node.get(last), str) or node[last] not in ORDER:
+        return
+    named = node[last]
+    if named not in stages or ORDER.index(named) >= ORDER.index(stage):
+        raise ConfigError(f"{source}: {stage}.{'.'.join(path)}: {named!r} names a stage that does not come before "
+                          f"{stage} in this pipeline (stages: {', '.join(stages)})")
+    node[last] = str(directory / named / "export")

@@ -1,0 +1,120 @@
+"""The configs of the supervised stages: `sft` (fine-tune a causal LM on prompt/response rows) and `rm`
+(train a reward model on prompt/chosen/rejected rows). They share every section with the RL run but its
+RL ones: the same data, engine, placement (one node group of trainer ranks), checkpoints and Slurm."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from toolkit.config.base import (CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt, Section,
+                                 SlurmSection, TransportSection)
+from toolkit.config.data import DataSection
+
+
+class StageRunSection(Section):
+    name: str = "stage"
+    """Name of the run (the default run directory `runs/<name>` and the Slurm job name)."""
+    steps: PositiveInt | None = None
+    """Optimizer steps; none: `epochs` passes over the stage's training rows."""
+    epochs: float = Field(default=1.0, gt=0)
+    """Passes over the training rows when `steps` is not given (steps = ceil(epochs x rows / batch_size))."""
+    seed: int = 0
+    """Seed for row order, dropout and new weights (a reward model's score head)."""
+    deterministic: bool = False
+    """Bitwise-repeatable training: deterministic torch algorithms, fixed thread counts."""
+
+
+class StageModelSection(Section):
+    base: ModelDir
+    """The model to start from: a causal LM for `sft`; for `rm` a causal LM (a score head is added) or a
+    reward model (sequence classification, one label) to train further."""
+    tokenizer: ModelDir | None = None
+    """Tokenizer directory (default: `base`)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the weights and computation."""
+    dropout: bool = True
+    """Keep the model's own dropout while training (false: every dropout probability 0)."""
+
+
+class TrainSection(EngineSection):
+    """The engine's settings, and how a supervised stage batches and evaluates."""
+
+    batch_size: PositiveInt = 32
+    """Rows per optimizer step over all ranks (pairs for `rm`); a multiple of micro_batch_size x ranks."""
+    max_tokens: PositiveInt = 512
+    """Most tokens of prompt + response; longer rows lose the start of the prompt (then of the response)."""
+    eval_every: PositiveInt = 50
+    """Evaluate on the eval rows (data.eval_fraction) every this many steps, and after the last one."""
+    eval_batch_size: PositiveInt = 16
+    """Rows per forward pass when evaluating."""
+    packing: bool = False
+    """SFT: pack several rows into one sequence of at most max_tokens x micro_batch_size tokens, with
+    attention kept within each row (a block-diagonal mask): no padding is computed."""
+
+
+class StagePlacementSection(Section):
+    """The stage's one node group: its trainer ranks."""
+
+    trainer: GroupSection = GroupSection()
+    """Workers (data-parallel ranks), nodes and resources of the trainer node group."""
+
+    def layout(self) -> list[tuple[str, tuple[str, ...], GroupSection]]:
+        return [("trainer", ("trainee",), self.trainer)]
+
+    def group_with(self, model: str) -> GroupSection:
+        return self.trainer
+
+
+class StageConfig(Section):
+    run: StageRunSection = StageRunSection()
+    """What to run."""
+    data: DataSection
+    """Rows (this stage uses its part of data.split)."""
+    model: StageModelSection
+    """The model to start from."""
+    train: TrainSection = TrainSection()
+    """DeepSpeed training, batches and evaluation."""
+    placement: StagePlacementSection = StagePlacementSection()
+    """The trainer node group."""
+    transport: TransportSection = TransportSection()
+    """ZeroMQ, heartbeats and timeouts."""
+    checkpoint: CheckpointSection = CheckpointSection()
+    """Model checkpoints."""
+    slurm: SlurmSection = SlurmSection()
+    """How `slurm-rlhf submit` and `render` ask Slurm for the allocation."""
+
+    @model_validator(mode="after")
+    def _batches(self) -> "StageConfig":
+        ranks = self.placement.trainer.workers
+        per_step = self.train.micro_batch_size * ranks
+        if self.train.batch_size % per_step:
+            raise ValueError(f"train.batch_size ({self.train.batch_size}) is not a multiple of train.micro_batch_size "
+                             f"{self.train.micro_batch_size} x trainer workers {ranks} = {per_step}; change one of them")
+        return self
+
+    def hosts(self, model: str) -> bool:
+        return True
+
+    @property
+    def summary(self) -> str:
+        steps = f"{self.run.steps} steps" if self.run.steps else f"{self.run.epochs:g} epoch(s)"
+        return f"{self.stage}, {steps}"
+
+    @property
+    def tokenizer_path(self):
+        from pathlib import Path
+
+        return Path(self.model.tokenizer or self.model.base)
+
+
+class SFTConfig(StageConfig):
+    stage: Literal["sft"]
+    """Supervised fine-tuning: the loss is on the response tokens only."""
+
+
+class RMConfig(StageConfig):
+    stage: Literal["rm"]
+    """Reward-model training: pairwise loss -log sigmoid(r_chosen - r_rejected), reward read at the last
+    token of the response."""

@@ -1,0 +1,52 @@
+"""Running one stage on this machine: its driver with the local launcher, the progress lines, and the
+closing line (what `slurm-rlhf run`, `sft`, `rm` and a local `resume` print)."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import time
+
+from toolkit.launch.rundir import RunDir
+
+
+def run_here(cfg, run_dir: RunDir, verbose: bool = False) -> int:
+    """Run (or resume) `run_dir` with local worker processes; the exit code."""
+    from toolkit.launch.local import LocalLauncher
+    from toolkit.launch.supervisor import make_driver
+    from toolkit.log import setup_logging
+
+    setup_logging("driver", level=logging.DEBUG if verbose else logging.WARNING, file=str(run_dir.logs / "driver.log"))
+    kind = "run" if cfg.stage == "rl" else f"{cfg.stage} run"
+    print(f"{kind} {cfg.run.name!r} ({cfg.summary}) in {run_dir.path}", flush=True)
+    started = time.monotonic()
+    bind_host = cfg.transport.bind_host or "127.0.0.1"
+    driver = make_driver(cfg, run_dir, LocalLauncher(run_dir, bind_host), bind_host,
+                         echo=lambda line: print(line, flush=True))
+    records = driver.run()
+    if driver.state == "preempted":
+        print(f"stopped at step {driver.step + 1}/{driver.steps}; continue with: slurm-rlhf resume "
+              f"{shlex.quote(str(run_dir.path))}", flush=True)
+        return 0
+    print(f"done in {time.monotonic() - started:.1f} s: {driver.steps} steps{closing(cfg, records)}; metrics in "
+          f"{run_dir.metrics}" + (f"; model in {run_dir.path / 'export'}" if (run_dir.path / "export").exists() else ""),
+          flush=True)
+    return 0
+
+
+def closing(cfg, records: list[dict]) -> str:
+    """What the stage's steps run now achieved, in a few words."""
+    if not records:
+        return ""
+    first, last = records[: min(5, len(records))], records[-min(5, len(records)):]
+    mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+    if cfg.stage == "rl":
+        return (f", mean reward of the first {len(first)} steps run now {mean(first, 'reward_mean'):.3f}, of the last "
+                f"{len(last)} {mean(last, 'reward_mean'):.3f}")
+    evals = [r for r in records if "eval_loss" in r]
+    text = f", train loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}"
+    if evals:
+        text += f", eval loss {evals[0]['eval_loss']:.4f} -> {evals[-1]['eval_loss']:.4f}"
+        if "eval_accuracy" in evals[-1]:
+            text += f", eval accuracy {evals[-1]['eval_accuracy']:.3f}"
+    return text

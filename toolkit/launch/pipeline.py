@@ -1,0 +1,168 @@
+"""A pipeline's stages, run in order: here one after the other, or on Slurm as one job per stage chained
+with `--dependency=afterok:<previous job>` (a stage starts only once the one before it finished well and
+wrote its export) and `--kill-on-invalid-dep=yes` (a failed stage cancels the ones after it).
+
+    PIPELINE_DIR/pipeline.json      the pipeline's name, file and stages
+    PIPELINE_DIR/<stage>/           each stage's run directory (config.yaml, job.json, export/, ...)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+from toolkit.errors import ConfigError, RunError
+from toolkit.launch.rundir import RunDir
+from toolkit.table import text_table
+
+
+class PipelineDir:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path).resolve()
+        self.file = self.path / "pipeline.json"
+
+    def stage(self, name: str) -> RunDir:
+        return RunDir(self.path / name)
+
+    def stages(self) -> list[str]:
+        return json.loads(self.file.read_text())["stages"]
+
+    def create(self, pipeline) -> "PipelineDir":
+        if self.file.exists():
+            raise ConfigError(f"{self.path} already holds a pipeline; choose another --run-dir, remove it, or "
+                              f"continue it with: slurm-rlhf resume {shlex.quote(str(self.path))}")
+        os.umask(0o077)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.chmod(0o700)
+        RunDir.write_atomic(self.file, json.dumps({"name": pipeline.name, "source": str(pipeline.source.resolve()),
+                                                   "stages": list(pipeline.stages)}, indent=1))
+        return self
+
+
+def is_pipeline_dir(path: str | os.PathLike) -> bool:
+    return (Path(path) / "pipeline.json").exists()
+
+
+def finished(rd: RunDir) -> bool:
+    """The stage ran to its end and wrote its export."""
+    return rd.read_json(rd.status).get("state") == "finished" and (rd.path / "export").is_dir()
+
+
+def run_pipeline_here(configs: list, pd: PipelineDir, verbose: bool) -> int:
+    """Run the stages in order on this machine (a finished stage is skipped, a started one resumed)."""
+    from toolkit.config import load_config
+    from toolkit.launch.here import run_here
+
+    for cfg in configs:
+        rd = pd.stage(cfg.stage)
+        if finished(rd):
+            print(f"pipeline: {cfg.stage} finished before; its model is {rd.path / 'export'}", flush=True)
+            continue
+        if rd.config.exists():
+            cfg = load_config(rd.config)  # (a stage that started before: resume it as it was)
+        else:
+            rd.create(cfg)
+        print(f"pipeline: stage {cfg.stage}", flush=True)
+        try:
+            code = run_here(cfg, rd, verbose)
+        except RunError as e:
+            raise RunError(f"pipeline stopped: stage {cfg.stage} failed ({rd.path}): {e}") from None
+        if code != 0 or not finished(rd):
+            print(f"pipeline stopped after stage {cfg.stage} (state {rd.read_json(rd.status).get('state')}); continue "
+                  f"with: slurm-rlhf resume {shlex.quote(str(pd.path))}", flush=True)
+            return code
+    print(f"pipeline done: {', '.join(cfg.stage for cfg in configs)}; the last model is "
+          f"{pd.stage(configs[-1].stage).path / 'export'}", flush=True)
+    return 0
+
+
+def submit_pipeline(configs: list, pd: PipelineDir) -> list[tuple[str, str]]:
+    """Submit one job per stage not finished yet, each depending on the one before; [(stage, job id)]."""
+    from toolkit.launch.allocation import plan_allocation
+    from toolkit.launch.submit import submit
+    from toolkit.placement.plan import plan
+
+    jobs, previous = [], None
+    for cfg in configs:
+        rd = pd.stage(cfg.stage)
+        if finished(rd):
+            continue
+        if not rd.config.exists():
+            rd.create(cfg)
+        job_id = submit(cfg, plan_allocation(plan(cfg), cfg.slurm.heterogeneous), rd, depends_on=previous)
+        rd.update_job(job_id=job_id, submitted=time.time(), requeues=0, depends_on=previous)
+        jobs.append((cfg.stage, job_id))
+        previous = job_id
+    return jobs
+
+
+def follow_pipeline(pd: PipelineDir, jobs: list[tuple[str, str]]) -> int:
+    """Follow each stage's job in turn; 0 if every stage finished. A failed stage is named with its
+    cause, and the stages after it are cancelled (Slurm does it too: --kill-on-invalid-dep)."""
+    from toolkit.launch.jobs import follow
+
+    for i, (stage, job_id) in enumerate(jobs):
+        print(f"pipeline: stage {stage}, slurm job {job_id}", flush=True)
+        if follow(pd.stage(stage), job_id) != 0:
+            later = [j for _, j in jobs[i + 1:]]
+            if later:
+                subprocess.run(["scancel", *later], capture_output=True, timeout=30)
+            print(f"error: pipeline stopped: stage {stage} (slurm job {job_id}) did not finish"
+                  + (f"; cancelled {', '.join(f'{s} (job {j})' for s, j in jobs[i + 1:])}" if later else ""),
+                  flush=True)
+            return 1
+    print(f"pipeline done; the last model is {pd.stage(jobs[-1][0]).path / 'export'}", flush=True)
+    return 0
+
+
+def pipeline_status(pd: PipelineDir) -> str:
+    """A table of the stages: Slurm job and state, run state, steps, and what went wrong."""
+    from toolkit.launch.jobs import slurm_job
+
+    rows = [("stage", "slurm job", "slurm state", "run state", "steps", "note")]
+    failed, errors = None, []
+    for stage in pd.stages():
+        rd = pd.stage(stage)
+        job = rd.read_json(rd.job) if rd.path.exists() else {}
+        status = rd.read_json(rd.status) if rd.path.exists() else {}
+        state = slurm_job(str(job["job_id"])) if job.get("job_id") else {}
+        run_state = status.get("state", "not started")
+        steps = f"{status.get('step', -1) + 1}/{status['steps']}" if status.get("steps") else "-"
+        note = ""
+        if status.get("error"):
+            note = "failed: see below"
+            errors.append(f"{stage}: " + "\n    ".join(status["error"].splitlines()[:4]))
+            failed = failed or stage
+        elif state.get("reason") == "DependencyNeverSatisfied" or (failed and run_state == "not started"):
+            note = f"not run: {failed or 'an earlier stage'} did not finish"
+        elif run_state == "finished" and (rd.path / "export").is_dir():
+            note = f"model: {rd.path / 'export'}"
+        elif state.get("state") == "PENDING" and job.get("depends_on"):
+            note = f"waits for job {job['depends_on']}"
+        rows.append((stage, str(job.get("job_id", "-")), state.get("state", "-").split()[0] if state else "-",
+                     run_state, steps, note))
+    name = json.loads(pd.file.read_text())["name"]
+    return "\n".join([f"pipeline {name!r} in {pd.path}", text_table(rows), *errors])
+
+
+def cancel_pipeline(pd: PipelineDir) -> str:
+    """Cancel every stage's job (or stop the stage running here)."""
+    from toolkit.launch.jobs import cancel
+
+    lines = []
+    for stage in pd.stages():
+        rd = pd.stage(stage)
+        if not rd.config.exists():
+            continue
+        status = rd.read_json(rd.status)
+        job = rd.read_json(rd.job)
+        if job.get("job_id") or status.get("state") in ("starting", "running"):
+            try:
+                lines.append(f"{stage}: {cancel(rd)}")
+            except RunError as e:
+                lines.append(f"{stage}: {e}")
+    return "\n".join(lines) or "nothing to cancel"

@@ -1,0 +1,52 @@
+"""Driver of a supervised stage (`sft`, `rm`): the trainer ranks run the training loop themselves; the
+driver watches them, writes each step's metrics and the progress line, and on SIGUSR1 asks rank 0 for a
+checkpoint and a stop while one still fits before the time limit (the rest is the Supervisor's)."""
+
+from __future__ import annotations
+
+from toolkit.launch.supervisor import Supervisor
+
+
+class StageDriver(Supervisor):
+    def _loop(self, resume: dict, secret: bytes, records: list[dict]) -> None:
+        self.steps = self.trainer_ready["steps"]
+        first = self.trainer_ready["step"]
+        self.step = first - 1
+        self.echo(f"{self.cfg.stage}: {self.trainer_ready['train_rows']} training rows, "
+                  f"{self.trainer_ready['eval_rows']} eval rows; steps {first + 1}..{self.steps} of "
+                  f"{self.cfg.train.batch_size} rows")
+        for step in range(first, self.steps):
+            if self.preempt and not self._time_for_a_step(records):
+                break
+            self.running_step = step
+            self._pump(lambda: step in self.trained, self.cfg.transport.step_timeout_s, f"step {step} to finish")
+            records.append(self._record(step))
+        self.running_step = None
+
+    def _checkpoint_before_stopping(self) -> None:
+        """Ask rank 0 to checkpoint at its next step boundary; the steps it finished meanwhile are recorded
+        (and if that was the last one, the stage simply finished)."""
+        self.echo(f"stopping after step {self.step + 1} (SIGUSR1): saving a checkpoint")
+        self.coordinator.send(self.trainer_id, "checkpoint")
+        self._pump(lambda: self.checkpointed is not None or self.step + 1 + len(self.trained) >= self.steps,
+                   self.cfg.transport.step_timeout_s, "the trainer's checkpoint")
+        for step in sorted(self.trained):
+            self._record(step)
+        if self.checkpointed is not None:
+            self.echo(f"checkpoint of step {self.checkpointed['version']} saved in "
+                      f"{self.checkpointed['checkpoint_s']:.1f} s")
+
+    def progress_line(self, r: dict) -> str:
+        line = f"step {r['step'] + 1:>3}/{self.steps}  loss {r['loss']:.4f}"
+        if "accuracy" in r:
+            line += f"  acc {r['accuracy']:.3f}  margin {r['margin']:+.3f}"
+        line += f"  lr {r['lr']:.2e}  {r['tokens_per_s']:.0f} tok/s"
+        if "eval_loss" in r:
+            line += f"  eval loss {r['eval_loss']:.4f}"
+        if "eval_ppl" in r:
+            line += f" ppl {r['eval_ppl']:.2f}"
+        if "eval_accuracy" in r:
+            line += f" acc {r['eval_accuracy']:.3f} margin {r['eval_margin']:+.3f}"
+        if r.get("checkpoint_s"):
+            line += f"  ckpt {r['checkpoint_s']:.2f}s"
+        return line

@@ -1,0 +1,387 @@
+"""Supervisor: what every stage's driver does besides its own loop. It starts the workers, hands out the
+address book and the resume plan, watches their health, writes metrics and status, and stops them.
+
+A stage's driver (driver.py for RL, stage_driver.py for SFT and the reward model) subclasses it and
+writes `_loop`: what happens between "every worker is ready" and "shutdown". Between events the
+supervisor checks that every worker process lives and heart-beats; any failure stops the run with an
+error naming the worker (role and rank), its node and pid, and its log file, and every worker is
+stopped. On SIGUSR1 (Slurm sends it before the time limit, and sometimes a minute early) the loop keeps
+stepping while another step, a checkpoint and the stop still fit before the job's end time
+(`_time_for_a_step`), then asks the trainer for a checkpoint and stops: state `preempted`. The launcher
+decides only how workers are spawned (local processes or Slurm steps).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+from toolkit.errors import Interrupted, RunError
+from toolkit.launch import env as E
+from toolkit.launch.env import node_name
+from toolkit.launch.rundir import RunDir
+from toolkit.placement.plan import group_of, plan
+from toolkit.store.manifest import Manifest, plan_resume, set_aside
+
+log = logging.getLogger("toolkit.driver")
+STATUS_EVERY_S = 2.0  # status.json is rewritten this often while the run waits on its workers
+STOP_MARGIN_S = 15.0  # kept free before the job's end for stopping the workers and requeueing
+REPORT_GRACE_S = 2.0  # on a failure, how long to look for its cause: a worker's last report, a peer's death
+
+
+class Supervisor:
+    unit = "step"  # what a checkpoint is counted in (RL: policy_version)
+
+    def __init__(self, cfg, run_dir: RunDir, launcher, bind_host: str, echo: Callable = print):
+        self.cfg, self.run_dir, self.launcher, self.bind_host, self.echo = cfg, run_dir, launcher, bind_host, echo
+        self.groups = plan(cfg)
+        self.worker_ids = [w for g in self.groups for w in g.worker_ids()]
+        self.trainer_ids = group_of(self.groups, "trainer" if cfg.stage == "rl" else cfg.stage).worker_ids()
+        self.trainer_id = self.trainer_ids[0]
+        self.steps: int | None = getattr(cfg.run, "steps", None)  # (a supervised stage says it when ready)
+        self.book: dict[str, dict] = {}
+        self.ready: set[str] = set()
+        self.trained: dict[int, dict] = {}  # metrics the trainer reported, by step, not written yet
+        self.stopping = False
+        self.state = "starting"
+        self.step = -1  # the last step completed
+        self.running_step: int | None = None
+        self.error: str | None = None
+        self.last_metrics: dict | None = None
+        self._status_written = 0.0
+        self.preempt = False
+        self.history: list[dict] = []  # metrics of steps run before this attempt (a resume)
+        self.end_time: float | None = None  # when the job will be killed (unix time), once known
+        self.trainer_ready: dict = {}
+        self.checkpointed: dict | None = None
+
+    # ----- the run --------------------------------------------------------------------------------
+
+    def run(self) -> list[dict]:
+        """Run the stage; the metrics of the steps run now. State afterwards: finished or preempted (or an
+        Interrupted / RunError is raised, with state interrupted / failed)."""
+        import zmq
+
+        from toolkit.launch.coordinator import Coordinator
+        from toolkit.transport.wire import read_secret
+
+        secret = read_secret(self.run_dir.secret)
+        self.ctx = zmq.Context()
+        self.coordinator = Coordinator(self.ctx, secret, self.bind_host)
+        # Our own handlers: a run started in the background of a script inherits SIGINT ignored, and
+        # Python then installs no KeyboardInterrupt handler of its own.
+        previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_usr1)
+        records: list[dict] = []
+        try:
+            resume = self._plan_resume()
+            self._start_workers(resume)
+            self.state = "running"
+            self._loop(resume, secret, records)
+            stopped_early = self.step + 1 < self.steps
+            if stopped_early:
+                self._checkpoint_before_stopping()
+            self._shutdown()
+            self.state = "preempted" if stopped_early else "finished"
+            return records
+        except KeyboardInterrupt as e:
+            self.state = "interrupted"
+            signum = e.args[0] if e.args else signal.SIGINT
+            raise Interrupted(f"interrupted ({signal.Signals(signum).name}): every worker was stopped",
+                              128 + signum) from None
+        except RunError as e:
+            self.state, self.error = "failed", str(e)
+            raise
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the clean-up short
+                signal.signal(sig, signal.SIG_IGN)
+            self.stopping = True
+            self.launcher.stop(grace_s=5.0)
+            self._write_status()
+            self._close()
+            self.coordinator.close()
+            self.ctx.term()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _loop(self, resume: dict, secret: bytes, records: list[dict]) -> None:
+        """The stage's steps, appending each step's metrics to `records` (until done or preempted)."""
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        """Close what `_loop` opened (sockets)."""
+
+    def _start_workers(self, resume: dict) -> None:
+        """Launch every worker, hand out the address book and the resume plan, and wait until all are ready."""
+        t = self.cfg.transport
+        self.launcher.start(self.groups, {E.RUN_DIR: str(self.run_dir.path), E.CONTROL: self.coordinator.address,
+                                          E.SECRET_FILE: str(self.run_dir.secret)})
+        self.echo(f"started {len(self.worker_ids)} workers ({', '.join(f'{g.name} x{g.workers}' for g in self.groups)})"
+                  f"; logs in {self.run_dir.logs}")
+        started = time.monotonic()
+        self._pump(lambda: len(self.book) == len(self.worker_ids), t.startup_timeout_s, "every worker to register")
+        for worker_id in self.worker_ids:
+            self.coordinator.send(worker_id, "start", book=self.book, resume=resume)
+        self._pump(lambda: len(self.ready) == len(self.worker_ids), t.startup_timeout_s,
+                   "every worker to load its models")
+        self.echo(f"all workers ready in {time.monotonic() - started:.1f} s")
+
+    # ----- metrics --------------------------------------------------------------------------------
+
+    def progress_line(self, record: dict) -> str:
+        raise NotImplementedError
+
+    def _record(self, step: int, **extra) -> dict:
+        """Write the metrics of trained `step` (what the trainer reported, plus `extra`) and show them."""
+        record = {"step": step, **self.trained.pop(step), **extra, "time": time.time()}
+        self.run_dir.append_metrics(record)
+        self.step = step
+        self.echo(self.progress_line(record))
+        self._write_status(last=record)
+        return record
+
+    def _plan_resume(self) -> dict:
+        """Resume from what the run directory holds (nothing, for a new run): the newest whole checkpoint
+        and the committed experience after it; the trainer's part of the plan."""
+        plan = plan_resume(self.run_dir.path)
+        for problem in plan.problems:
+            self.echo(f"resume: {problem}")
+        moved = set_aside(self.run_dir.path, plan)
+        if plan.checkpoint or plan.replay or moved:
+            where = f"checkpoint {plan.checkpoint['dir']}" if plan.checkpoint else "the initial weights"
+            self.echo(f"resuming at step {plan.next_step}: {where} ({self.unit} {plan.start_version}), then "
+                      f"training again on {len(plan.replay)} committed experience batch(es)"
+                      + (f"; {len(moved)} later one(s) set aside in {moved[0].parent}" if moved else ""))
+            Manifest(self.run_dir.path).append({
+                "kind": "resume", "checkpoint": plan.checkpoint["dir"] if plan.checkpoint else None,
+                "replay": [str(p.relative_to(self.run_dir.path)) for p in plan.replay], "next_step": plan.next_step,
+                "set_aside": [str(p.relative_to(self.run_dir.path)) for p in moved], "problems": plan.problems})
+        self._keep_metrics_before(plan.next_step)
+        self.step = plan.next_step - 1
+        return {"checkpoint": plan.checkpoint["dir"] if plan.checkpoint else None,
+                "replay": [str(p) for p in plan.replay], "next_step": plan.next_step}
+
+    def _keep_metrics_before(self, step: int) -> None:
+        """Drop metrics of steps that will run again (and a line cut short by a crash)."""
+        path = self.run_dir.metrics
+        if not path.exists():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+                if record["step"] < step:
+                    kept.append(line + "\n")
+                    self.history.append(record)
+            except (json.JSONDecodeError, KeyError):
+                pass
+        self.run_dir.write_atomic(path, "".join(kept))
+
+    # ----- stopping -------------------------------------------------------------------------------
+
+    def _checkpoint_before_stopping(self) -> None:
+        self.echo(f"stopping after step {self.step + 1} (SIGUSR1): saving a checkpoint")
+        for worker_id in self.trainer_ids:  # ranks above 0 that also generate join rank 0's checkpoint
+            self.coordinator.send(worker_id, "checkpoint")
+        self._pump(lambda: self.checkpointed is not None, self.cfg.transport.step_timeout_s, "the trainer's checkpoint")
+        self.echo(f"checkpoint of {self.unit} {self.checkpointed['version']} saved in "
+                  f"{self.checkpointed['checkpoint_s']:.1f} s")
+        for step in sorted(self.trained):  # asynchronous: steps whose samples were in before the stop
+            self._record(step)
+
+    def _on_usr1(self, signum, frame) -> None:
+        self.preempt = True
+        if self.end_time is None:
+            self.end_time = self.launcher.end_time() or time.time()
+        log.warning("SIGUSR1: stopping while %.0f s are left before the job ends", self.end_time - time.time())
+
+    def _time_for_a_step(self, records: list[dict]) -> bool:
+        """Another step, a checkpoint and the stop fit before the end (estimated from the last steps run,
+        also by earlier attempts of the run)."""
+        if self.end_time is None:
+            self.end_time = self.launcher.end_time() or time.time()
+        ran = [r for r in [*self.history, *records] if "step_s" in r]
+        step_s = max((r["step_s"] for r in ran[-3:]), default=30.0)
+        checkpoint_s = max((r.get("checkpoint_s") or 0.0 for r in ran), default=0.0) + 5.0
+        return time.time() + step_s + checkpoint_s + STOP_MARGIN_S < self.end_time
+
+    def _shutdown(self) -> None:
+        self.stopping = True
+        for worker_id in self.worker_ids:
+            self.coordinator.send(worker_id, "shutdown")
+        if not self.launcher.wait(timeout_s=60):
+            log.warning("some workers did not exit within 60 s of shutdown; stopping them")
+
+    # ----- events and health ----------------------------------------------------------------------
+
+    def _pump(self, done: Callable[[], bool], timeout_s: float, waiting_for: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise RunError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}\n{self._who_is_where()}")
+            self._pump_once(0.2)
+
+    def _pump_once(self, wait_s: float = 0.0) -> None:
+        """Handle the control messages that arrived (waiting up to `wait_s` for one), then check health."""
+        item = self.coordinator.recv(wait_s)
+        while item is not None:
+            self._handle(*item)
+            item = self.coordinator.recv(0)
+        self._between_events()
+        self._check_health()
+        if time.monotonic() - self._status_written > STATUS_EVERY_S:
+            self._write_status()
+
+    def _between_events(self) -> None:
+        """What the stage does whenever the events that arrived are handled."""
+
+    def _handle(self, worker_id: str, msg) -> None:
+        m = msg.meta
+        if worker_id not in self.worker_ids:
+            log.warning("message %r from unknown worker %r ignored", msg.kind, worker_id)
+        elif msg.kind == "register":
+            self.book[worker_id] = {k: m.get(k) for k in ("group", "rank", "pid", "node", "inbox", "store")}
+            # The launcher knows the step's real id (in a heterogeneous job, the component's job id).
+            self.book[worker_id]["slurm_step"] = self.launcher.step_id(m.get("group", "")) or m.get("slurm_step")
+            log.info("registered %s (pid %s on %s)", worker_id, m.get("pid"), m.get("node"))
+        elif msg.kind == "ready":
+            self.ready.add(worker_id)
+            if worker_id == self.trainer_id:
+                self.trainer_ready = m
+            log.info("%s ready", worker_id)
+        elif msg.kind == "failed":
+            dead = self._dead_peer(worker_id, REPORT_GRACE_S)
+            if dead is not None:  # its peers fail in their collectives: the dead worker is the cause
+                raise RunError(f"{self._exited(dead)}\n(then {self._describe(worker_id)} failed: {m.get('error')})")
+            raise RunError(self._failed(worker_id, m))
+        elif msg.kind == "trained":
+            self.trained[m["step"]] = m["metrics"]
+        elif msg.kind == "checkpointed":
+            self.checkpointed = m
+        elif not self._handle_stage(worker_id, msg) and msg.kind != "bye":
+            log.warning("unexpected %r from %s", msg.kind, worker_id)
+
+    def _handle_stage(self, worker_id: str, msg) -> bool:
+        """A message only this stage knows; True if it was one."""
+        return False
+
+    def _dead_peer(self, worker_id: str, wait_s: float):
+        """A worker other than `worker_id` that died without a word (killed, out of memory, crashed: any exit
+        but 0, and 1, which is a worker that raised and reports for itself), looked for during `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for ended in self.launcher.poll():
+                if ended.worker_id != worker_id and ended.code not in (0, 1):
+                    return ended
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+
+    def _last_report(self, worker_id: str, wait_s: float) -> dict | None:
+        """The `failed` report of `worker_id`, which has just exited, if it sent one (a worker flushes its
+        last event before it exits, so it is here or on its way). Other workers' reports meanwhile are
+        left out: they follow from this exit. Other messages are handled."""
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            item = self.coordinator.recv(left)
+            if item is None:
+                return None
+            sender, msg = item
+            if msg.kind == "failed":
+                if sender == worker_id:
+                    return msg.meta
+            else:
+                self._handle(sender, msg)
+        return None
+
+    def _failed(self, worker_id: str, report: dict) -> str:
+        return (f"{self._describe(worker_id)} failed: {report.get('error')}\n"
+                f"{report.get('traceback', '').rstrip()}\n{self._log_hint(worker_id)}")
+
+    def _exited(self, ended) -> str:
+        return f"{self._describe(ended.worker_id)} exited with {ended.describe()}\n{self._log_hint(ended.worker_id)}"
+
+    def _check_health(self) -> None:
+        for ended in self.launcher.poll():
+            if self.stopping and ended.code == 0:
+                continue
+            report = self._last_report(ended.worker_id, REPORT_GRACE_S)  # says more than an exit code
+            if report is not None:
+                raise RunError(self._failed(ended.worker_id, report))
+            raise RunError(self._exited(ended))
+        limit = self.cfg.transport.heartbeat_timeout_s
+        for worker_id, silent_s in self.coordinator.silent(self.worker_ids, limit):
+            raise RunError(f"{self._describe(worker_id)} sent no heartbeat for {silent_s:.0f} s "
+                           f"(limit transport.heartbeat_timeout_s = {limit:g}); it is hung or its node is lost\n"
+                           f"{self._log_hint(worker_id)}")
+
+    def _describe(self, worker_id: str) -> str:
+        group, rank = worker_id.split(":")
+        entry = self.book.get(worker_id)
+        if entry:
+            where = f"pid {entry['pid']} on node {entry['node']}"
+            if entry.get("slurm_step"):
+                where += f", Slurm step {entry['slurm_step']}"
+        else:
+            where = self.launcher.describe(worker_id)
+        return f"{group} worker rank {rank} ({worker_id}, {where})"
+
+    def _log_hint(self, worker_id: str, lines: int = 8) -> str:
+        path = self.run_dir.log_file(worker_id)
+        try:
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            tail = []
+        shown = "".join(f"\n    | {line}" for line in tail)
+        return f"log: {path}" + (f" (last lines:){shown}" if tail else "")
+
+    def _who_is_where(self) -> str:
+        rows = []
+        for worker_id in self.worker_ids:
+            status = self.coordinator.status.get(worker_id, {})
+            rows.append(f"  {worker_id}: {status.get('phase', 'not registered')}"
+                        + (f" step {status['step']}" if "step" in status else ""))
+        return "worker states:\n" + "\n".join(rows)
+
+    def _worker_status(self) -> dict[str, dict]:
+        """Every worker's entry of status.json: its address book entry and its last heartbeat's status."""
+        return {w: {**self.book.get(w, {}), **self.coordinator.status.get(w, {})} for w in self.worker_ids}
+
+    def _write_status(self, last: dict | None = None) -> None:
+        if last is not None:
+            self.last_metrics = last
+        workers = self._worker_status()
+        if self.state not in ("starting", "running"):
+            for w in workers.values():
+                w["phase"], w["step"] = "ended", self.step
+        status = {"state": self.state, "stage": self.cfg.stage, "step": self.step, "running_step": self.running_step,
+                  "steps": self.steps, "launcher": self.launcher.name, "error": self.error,
+                  "driver": {"pid": os.getpid(), "node": node_name()}, "workers": workers,
+                  "last_metrics": self.last_metrics}
+        self.run_dir.write_status(status)
+        self._status_written = time.monotonic()
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(signum)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def make_driver(cfg, run_dir: RunDir, launcher, bind_host: str, echo: Callable = print) -> Supervisor:
+    """The driver of the config's stage."""
+    if cfg.stage == "rl":
+        from toolkit.launch.driver import Driver
+
+        return Driver(cfg, run_dir, launcher, bind_host, echo)
+    from toolkit.launch.stage_driver import StageDriver
+
+    return StageDriver(cfg, run_dir, launcher, bind_host, echo)

@@ -1,0 +1,55 @@
+"""Reward-model training: the model, its micro-batches of pairs and its loss (the loop is supervised.py's).
+
+The model is a sequence classifier with one label, read at the last token of prompt + response (the
+end-of-sequence token: the DeepSpeed-Chat / OpenRLHF convention). The loss is -log sigmoid(r_chosen -
+r_rejected); the metrics are the pairs' accuracy and mean margin. After training, the reward's mean and
+std on RL prompts are saved with the model (reward_stats.json), so RL can normalise it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.algorithms.supervised import pairwise_loss
+from toolkit.data.tokens import fit, render_prompt, response_ids
+from toolkit.modeling import right_pad
+
+
+class RMTask:
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def model(self, dtype: torch.dtype):
+        from toolkit.modeling import ScoreModel
+
+        return ScoreModel(self.cfg.model.base, dtype, dropout=self.cfg.model.dropout)
+
+    def sequence(self, prompt, response: str) -> list[int]:
+        """prompt + response + EOS, the prompt cut from the left (then the response's start) to fit."""
+        prompt_ids = render_prompt(self.tokenizer, prompt, self.cfg.data.chat_template)
+        p, r = fit(prompt_ids, response_ids(self.tokenizer, response), self.cfg.train.max_tokens, keep="end")
+        return p + r
+
+    def batch(self, examples, packing: bool = False) -> dict:
+        """Chosen sequences first, then rejected, right-padded: one forward pass for both."""
+        sequences = [self.sequence(ex.prompt, ex.chosen) for ex in examples]
+        sequences += [self.sequence(ex.prompt, ex.rejected) for ex in examples]
+        ids, attention = right_pad(sequences, self.pad_id)
+        return {"input_ids": ids, "attention_mask": attention, "last": attention.sum(1) - 1,
+                "tokens": int(attention.sum()), "positions": ids.numel()}
+
+    def loss(self, model, batch: dict, device) -> tuple[torch.Tensor, dict[str, float]]:
+        scores = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        rewards = scores[torch.arange(len(scores), device=scores.device), batch["last"].to(device)]
+        n = len(rewards) // 2
+        loss, stats = pairwise_loss(rewards[:n], rewards[n:])
+        return loss, {"loss_sum": float(loss) * n, "correct": float(stats["accuracy"]) * n,
+                      "margin_sum": float(stats["margin"]) * n, "pairs": float(n)}
+
+    @staticmethod
+    def summary(sums: dict[str, float], prefix: str = "") -> dict[str, float]:
+        pairs = max(sums["pairs"], 1)
+        return {f"{prefix}loss": sums["loss_sum"] / pairs, f"{prefix}accuracy": sums["correct"] / pairs,
+                f"{prefix}margin": sums["margin_sum"] / pairs}
