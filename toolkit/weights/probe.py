@@ -27,7 +27,7 @@ def probe_tokens(vocab_size: int, seed: int, length: int = PROBE_LENGTH) -> list
 @torch.no_grad()
 def model_logprobs(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     """float32 [len(tokens) - 1]: log p(token t+1 | tokens <= t) of a causal LM at temperature 1."""
-    from toolkit.roles.modeling import token_logprobs
+    from toolkit.modeling import token_logprobs
 
     device = next(model.parameters()).device
     ids = torch.tensor([tokens], device=device)
