@@ -1,11 +1,13 @@
-"""Build a tiny Llama, tokenizer, reward model and prompt set offline, for demos and tests.
+"""Build a tiny Llama, tokenizer, reward model, prompt set and preference data offline, for demos and tests.
 
-Nothing is downloaded: a byte-level BPE tokenizer is trained in memory on a small synthetic corpus,
-and the models are randomly initialised (seeded), so the same seed always gives the same files.
-Layout of OUT_DIR:
+Nothing is downloaded: a byte-level BPE tokenizer (with a small chat template) is trained in memory on a
+synthetic corpus, and the models are randomly initialised (seeded), so the same seed always gives the
+same files. Layout of OUT_DIR:
     model/          LlamaForCausalLM + tokenizer (the actor, reference and critic backbone)
     reward_model/   LlamaForSequenceClassification (1 label) + tokenizer
     prompts.jsonl   {"prompt": ..., "topic": ...} per line
+    pipeline.jsonl  {"prompt", "response", "chosen", "rejected"} per line: the synthetic task of the
+                    pipeline demo (see `preference_rows`)
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ TOPICS = ["apples", "rivers", "stars", "trains", "music", "clocks", "maps", "bir
           "coins", "lamps", "ships", "gardens", "storms", "books"]
 TEMPLATES = ["Write about {t}:", "Tell me something about {t}.", "A short note on {t}:", "Numbers and {t}:",
              "Describe {t} in one line:", "Question about {t}?"]
-LAYOUT_VERSION = "1"
+LAYOUT_VERSION = "2"
+# A chat template for the tiny tokenizer (chat rows of the data readers are rendered with it).
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+WORDS = TOPICS + """the a of and to in is it that was for on are with as at be this have from or by one had not but what all were when we there can an your which their said if do will each about how up out them then she many some so these would other into has more her two like him see time could no make than first been its who now people my made over did down only way find use may water long little very after words called just where most know""".split()
 
 
 def _corpus(rng: random.Random) -> list[str]:
-    words = TOPICS + "the a of and to in is it that was for on are with as at be this have from or by one had not but what all were when we there can an your which their said if do will each about how up out them then she many some so these would other into has more her two like him see time could no make than first been its who now people my made over did down only way find use may water long little very after words called just where most know".split()
+    words = WORDS
     lines = []
     for _ in range(3000):
         n = rng.randint(4, 14)
@@ -51,7 +57,7 @@ def build_tokenizer(out: Path, seed: int = 0, vocab_size: int = 512):
     tok.train_from_iterator(_corpus(random.Random(seed)), trainer)
     # padding_side must be given to the constructor: an attribute set later is not saved.
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   padding_side="left")
+                                   padding_side="left", chat_template=CHAT_TEMPLATE)
     fast.save_pretrained(out)
     return fast
 
@@ -130,5 +136,36 @@ def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
         for i in range(256):
             topic = TOPICS[i % len(TOPICS)]
             f.write(json.dumps({"prompt": rng.choice(TEMPLATES).format(t=topic), "topic": topic}) + "\n")
+    with open(out / "pipeline.jsonl", "w") as f:
+        for row in preference_rows(3000, seed):
+            f.write(json.dumps(row) + "\n")
     stamp.write_text(f"{LAYOUT_VERSION} {seed}")
     return out
+
+
+def _response(rng: random.Random, digits: float) -> str:
+    """A response of 6-12 words, each a number with probability `digits`."""
+    return " ".join(str(rng.randint(0, 999)) if rng.random() < digits else rng.choice(WORDS)
+                    for _ in range(rng.randint(6, 12)))
+
+
+def preference_rows(n: int, seed: int) -> list[dict]:
+    """The pipeline demo's synthetic task. Responses mix words and numbers, each response with its own
+    density of numbers; the hidden preference is `toolkit.rewards.examples:digit_ratio` (the share of
+    digits among the response's characters), which nothing in the prompt mentions. Every row has a
+    prompt, a `response` to imitate (SFT) and a pair whose `chosen` response has clearly more digits
+    than the `rejected` one (by at least 0.15 of digit_ratio)."""
+    from toolkit.rewards.examples import digit_ratio
+
+    rng = random.Random(f"{seed}:pipeline")
+    rows = []
+    while len(rows) < n:
+        topic = rng.choice(TOPICS)
+        a, b = (_response(rng, rng.uniform(0.0, 0.5)) for _ in range(2))
+        ra, rb = digit_ratio("", a), digit_ratio("", b)
+        if abs(ra - rb) < 0.15:
+            continue
+        chosen, rejected = (a, b) if ra > rb else (b, a)
+        rows.append({"prompt": rng.choice(TEMPLATES).format(t=topic), "response": _response(rng, rng.uniform(0.0, 0.5)),
+                     "chosen": chosen, "rejected": rejected, "topic": topic})
+    return rows
