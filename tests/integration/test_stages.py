@@ -150,3 +150,40 @@ def test_stage_config_errors_are_named(tiny, tmp_path):
     result = cli("rm", write_config(tmp_path, missing, "m.yaml"), "--run-dir", tmp_path / "r3")
     assert result.returncode == 2 and f"{rows}:2: field 'rejected' (the other response) is missing" in result.stderr
     assert not (tmp_path / "r3").exists()  # nothing was started, nothing half-written
+
+
+def test_sigusr1_checkpoints_stops_and_resume_finishes_the_same(tiny, sft_run, tmp_path):
+    """What a Slurm time limit does (--signal=B:USR1), here: the driver asks for a checkpoint, the ranks
+    stop at the next step boundary, and `resume` ends with the uninterrupted run's weights."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    config = write_config(tmp_path, stage_config(tiny, "sft", checkpoint={"every_steps": 100}))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "sft", str(config), "--run-dir", str(run_dir)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while metric_lines(run_dir) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGUSR1)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out + err
+    assert "stopping after step" in out and "continue with: slurm-rlhf resume" in out
+    stopped = metric_lines(run_dir)
+    assert 3 <= stopped < 12 and json.loads((run_dir / "status.json").read_text())["state"] == "preempted"
+    manifest = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in manifest if r["kind"] == "checkpoint"] == [stopped]  # the stop's own checkpoint
+    result = cli("resume", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"resuming at step {stopped}: checkpoint checkpoints/step-{stopped:06d} (step {stopped})" in result.stdout
+    assert max_difference(run_dir, sft_run) <= 1e-6

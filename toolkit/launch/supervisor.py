@@ -154,8 +154,9 @@ class Supervisor:
         moved = set_aside(self.run_dir.path, plan)
         if plan.checkpoint or plan.replay or moved:
             where = f"checkpoint {plan.checkpoint['dir']}" if plan.checkpoint else "the initial weights"
-            self.echo(f"resuming at step {plan.next_step}: {where} ({self.unit} {plan.start_version}), then "
-                      f"training again on {len(plan.replay)} committed experience batch(es)"
+            replay = f", then training again on {len(plan.replay)} committed experience batch(es)" \
+                if self.cfg.stage == "rl" else ""
+            self.echo(f"resuming at step {plan.next_step}: {where} ({self.unit} {plan.start_version}){replay}"
                       + (f"; {len(moved)} later one(s) set aside in {moved[0].parent}" if moved else ""))
             Manifest(self.run_dir.path).append({
                 "kind": "resume", "checkpoint": plan.checkpoint["dir"] if plan.checkpoint else None,
