@@ -30,7 +30,7 @@ STEPS, KILL_AFTER = 6, 4
 def config(tiny, tmp_path: Path) -> Path:
     return write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": STEPS, "name": "exact", "seed": 5,
                                                                       "deterministic": True},
-                                          checkpoint={"every_steps": 2}))
+                                          checkpoint={"every_steps": 2}, trainer={"ema": 0.9}))
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,10 @@ def assert_same_as_baseline(run_dir: Path, baseline: Path) -> float:
     assert set(a) == set(b)
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     assert diff <= 1e-6, f"max abs difference of the actor weights {diff:.3g}"
+    # the EMA of the actor too: saved with each checkpoint, folded in again for the replayed steps
+    ema = [load_file(d / "export-ema" / "model.safetensors") for d in (baseline, run_dir)]
+    ema_diff = max((ema[0][k] - ema[1][k]).abs().max().item() for k in ema[0])
+    assert ema_diff <= 1e-6, f"max abs difference of the EMA weights {ema_diff:.3g}"
     rewards = [[r["reward_mean"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
                for d in (baseline, run_dir)]
     assert len(rewards[0]) == STEPS and rewards[0] == rewards[1]
