@@ -174,8 +174,7 @@ def _resume_pipeline(pd, args) -> int:
     from toolkit.config.pipeline import load_pipeline
     from toolkit.launch.pipeline import follow_pipeline, run_pipeline_here, submit_pipeline
 
-    info = __import__("json").loads(pd.file.read_text())
-    configs = _pipeline_configs(load_pipeline(info["source"]), pd.path)
+    configs = _pipeline_configs(load_pipeline(pd.source()), pd.path)
     if not args.submit:
         return run_pipeline_here(configs, pd, args.verbose)
     jobs = submit_pipeline(configs, pd)

@@ -70,13 +70,14 @@ def status_text(rd: RunDir) -> str:
         lines.append("driver: not started yet")
         return "\n".join(lines)
     step = status.get("step", -1)
-    lines.append(f"run state: {status['state']}, steps done: {max(step + 1, 0)}/{status['steps']}")
+    lines.append(f"run state: {status['state']}, steps done: {max(step + 1, 0)}/{status.get('steps') or '?'}")
     if status.get("error"):
         lines.append("error: " + status["error"])
     last = status.get("last_metrics")
     if last:
         lines.append("last step: " + "  ".join(f"{k} {last[k]:.4g}" for k in
-                                                ("reward_mean", "kl", "loss", "generate_s", "train_s", "sync_s")
+                                                ("reward_mean", "kl", "loss", "accuracy", "eval_loss",
+                                                 "eval_accuracy", "generate_s", "train_s", "sync_s", "step_s")
                                                 if isinstance(last.get(k), (int, float))))
     rows = [("worker", "node", "pid", "slurm step", "phase", "step", "policy_version")]
     for worker_id, w in status.get("workers", {}).items():

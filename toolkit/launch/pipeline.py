@@ -31,6 +31,10 @@ class PipelineDir:
     def stages(self) -> list[str]:
         return json.loads(self.file.read_text())["stages"]
 
+    def source(self) -> str:
+        """The pipeline file it was made from (resume reads it again)."""
+        return json.loads(self.file.read_text())["source"]
+
     def create(self, pipeline) -> "PipelineDir":
         if self.file.exists():
             raise ConfigError(f"{self.path} already holds a pipeline; choose another --run-dir, remove it, or "
