@@ -121,3 +121,35 @@ def test_a_job_requeued_by_slurm_resumes_by_itself(tiny, tmp_path):
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
         list(range(60))
     assert_nothing_left(run_dir, job_id)
+
+
+def test_an_sft_stage_survives_its_time_limit_by_requeueing(tiny, tmp_path):
+    """The same path for a supervised stage: its ranks checkpoint at a step boundary, the job requeues
+    itself, and the requeued job resumes from that checkpoint and finishes every step once."""
+    steps = 400
+    config = {"stage": "sft", "run": {"name": "sft-requeue", "steps": steps, "seed": 1},
+              "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]}, "model": {"base": str(tiny / "model")},
+              "train": {"batch_size": 32, "micro_batch_size": 16, "max_tokens": 64, "eval_every": 100},
+              "checkpoint": {"every_steps": 1000},
+              "slurm": {"time_min": LONG_MIN, "signal_lead_s": 30, "max_requeues": 2}}
+    run_dir = tmp_path / "run"
+    result = cli("submit", write_config(tmp_path, config), "--run-dir", run_dir, timeout=120)
+    assert result.returncode == 0, result.stderr
+    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+    wait_until(lambda: steps_done(run_dir) >= 3, "the first steps")
+    cut_time_limit(job_id)
+    wait_until(lambda: json.loads((run_dir / "job.json").read_text()).get("requeues", 0) >= 1, "the requeue")
+    stopped = steps_done(run_dir)
+    assert stopped < steps, "the stage finished before its time limit was cut; raise its steps"
+    set_time_limit(job_id, LONG_MIN)
+    wait_until(lambda: not squeue(job_id), "the job to end", timeout_s=900)
+    output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
+    assert output.count("resuming at step") == 1 and output.count("stopping after step") == 1
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(steps))
+    checkpoints = [json.loads(line)["step"] for line in (run_dir / "manifest.jsonl").read_text().splitlines()
+                   if '"kind": "checkpoint"' in line]
+    assert checkpoints[0] < steps and checkpoints[-1] == steps  # the stop's own checkpoint, then the last
+    assert (run_dir / "export" / "model.safetensors").exists()
+    assert_nothing_left(run_dir, job_id)
