@@ -129,7 +129,7 @@ def test_an_sft_stage_survives_its_time_limit_by_requeueing(tiny, tmp_path):
     steps = 400
     config = {"stage": "sft", "run": {"name": "sft-requeue", "steps": steps, "seed": 1},
               "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]}, "model": {"base": str(tiny / "model")},
-              "train": {"batch_size": 32, "micro_batch_size": 16, "max_tokens": 64, "eval_every": 100},
+              "train": {"batch_size": 128, "micro_batch_size": 16, "max_tokens": 64, "eval_every": 100},
               "checkpoint": {"every_steps": 1000},
               "slurm": {"time_min": LONG_MIN, "signal_lead_s": 30, "max_requeues": 2}}
     run_dir = tmp_path / "run"
