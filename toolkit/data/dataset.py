@@ -17,7 +17,7 @@ from toolkit.errors import ConfigError
 class StageData:
     def __init__(self, data, stage: str, kind: str, seed: int):
         """`data`: a DataSection; `stage`: sft, rm or rl (the part of data.split it uses); `kind`: the
-        examples it needs (see examples.KINDS)."""
+        examples it needs: prompt, sft, pair or text (see data/examples.py)."""
         self.stage, self.kind = stage, kind
         self.train: list[list[Example]] = []   # per source
         self.eval: list[Example] = []

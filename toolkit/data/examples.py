@@ -17,9 +17,6 @@ from dataclasses import dataclass, field
 from toolkit.data import Row
 from toolkit.errors import ConfigError
 
-KINDS = ("prompt", "sft", "pair", "text")
-
-
 @dataclass
 class Example:
     id: int

@@ -52,7 +52,3 @@ def build_engine(model: torch.nn.Module, settings, lr: float, dtype: str, world:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
 
-
-def current_lr(engine) -> float:
-    return float(engine.optimizer.param_groups[0]["lr"]) if hasattr(engine.optimizer, "param_groups") else \
-        float(engine.get_lr()[0])
