@@ -31,6 +31,12 @@ def without_dropout(path) -> dict:
             if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0}
 
 
+def pretrained_kwargs(path, dtype: torch.dtype, attention: str = "sdpa", dropout: bool = False) -> dict:
+    """`from_pretrained` keyword arguments of every model a stage loads: dtype, the attention
+    implementation (`model.attn_implementation`) and, unless `dropout`, every dropout probability 0."""
+    return {"dtype": dtype, "attn_implementation": attention, **({} if dropout else without_dropout(path))}
+
+
 @dataclass
 class Padded:
     input_ids: torch.Tensor        # long [B, T]
@@ -125,7 +131,7 @@ class ScoreModel(nn.Module):
     model's directory it keeps the trained score head (PPO's critic starts from the reward model, as in
     DeepSpeed-Chat); from a causal LM's, the head is new (transformers initialises it, seeded)."""
 
-    def __init__(self, path: str, dtype: torch.dtype, dropout: bool = False):
+    def __init__(self, path: str, dtype: torch.dtype, dropout: bool = False, attention: str = "sdpa"):
         super().__init__()
         import logging
 
@@ -136,7 +142,7 @@ class ScoreModel(nn.Module):
         quiet.setLevel(logging.ERROR)  # "some weights ... newly initialized: ['score.weight']" is expected
         try:
             self.model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, dtype=dtype, **({} if dropout else without_dropout(path)))
+                path, num_labels=1, **pretrained_kwargs(path, dtype, attention, dropout))
         finally:
             quiet.setLevel(level)
         if getattr(self.model, "score", None) is None:
@@ -150,6 +156,9 @@ class ScoreModel(nn.Module):
         hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                        position_ids=position_ids).last_hidden_state
         return self.model.score(hidden).squeeze(-1).float()
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.model.gradient_checkpointing_enable(**kwargs)
 
 
 def last_token_scores(model: ScoreModel, sequences: list[list[int]], pad_id: int, batch_size: int,

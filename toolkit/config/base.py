@@ -4,6 +4,7 @@ settings, transport, checkpoints and Slurm. Relative paths resolve against the c
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -69,6 +70,34 @@ ExistingPath = Annotated[str, AfterValidator(_existing_path)]
 PositiveInt = Annotated[int, Field(ge=1)]
 
 
+class LoraSection(Section):
+    """Low-rank adapters (LoRA, through peft): only the adapters train; the base weights stay frozen."""
+
+    rank: PositiveInt = 8
+    """Rank r of each adapter (A: r x in, B: out x r)."""
+    alpha: float = Field(default=16.0, gt=0)
+    """Scale: an adapter adds (alpha / rank) x B A to its weight."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input (keep 0 for RL: the trainer's log-probs must match the generator's)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Names of the linear layers that get adapters (e.g. [q_proj, v_proj]), or `all-linear` (every linear
+    layer but the output head)."""
+
+
+ATTENTION = Literal["sdpa", "eager", "flash_attention_2"]
+
+
+def _attention(value: str) -> str:
+    if value == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("flash_attention_2 needs the flash-attn package (pip install flash-attn, on a machine "
+                         "with CUDA); use sdpa, PyTorch's own fused attention, otherwise")
+    return value
+
+
+Attention = Annotated[ATTENTION, AfterValidator(_attention)]
+"""The attention implementation transformers uses in every model a run trains or scores with."""
+
+
 class EngineSection(Section):
     """Settings of the DeepSpeed engine every stage trains with (toolkit/training/engine.py)."""
 
@@ -89,6 +118,29 @@ class EngineSection(Section):
     """Gradient norm clip."""
     micro_batch_size: PositiveInt = 8
     """Samples per forward/backward on each trainer rank."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing: keep only each layer's input in the forward pass and recompute the rest
+    in the backward pass (activation memory of one layer instead of all, for about a third more compute)."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload: the fp32 master weights and Adam states live in host memory and DeepSpeed's CPU Adam
+    updates them there (needs zero_stage >= 1). Frees 12 bytes per parameter on the device."""
+    offload_params: bool = False
+    """ZeRO-3 only: the parameters too live in host memory between uses (ZeRO-Infinity's CPU tier)."""
+    lora: LoraSection | None = None
+    """Train low-rank adapters instead of every weight (peft). None: full fine-tuning."""
+
+    @model_validator(mode="after")
+    def _memory(self) -> "EngineSection":
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO-Offload partitions what it "
+                             "offloads); set zero_stage: 2")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"offload_params needs zero_stage 3 (only ZeRO-3 partitions the parameters); "
+                             f"zero_stage is {self.zero_stage}")
+        if self.lora is not None and self.zero_stage == 3:
+            raise ValueError("lora with zero_stage 3 is not supported: the adapters are small, so use zero_stage 2 "
+                             "(and offload_optimizer) instead")
+        return self
 
 
 MODELS = ("generation", "reference", "reward", "actor", "critic")

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from toolkit.config.base import (MODELS, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
-                                 Section, SlurmSection, TransportSection, load_function)
+from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSection, GroupSection, ModelDir,
+                                 PositiveInt, Section, SlurmSection, TransportSection, load_function)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import vllm_cpu_problem
 
@@ -48,6 +48,9 @@ class ModelSection(Section):
     causal LM (a new value head is added). Default: `actor`."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype for every model (weights and computation)."""
+    attn_implementation: Attention = "sdpa"
+    """Attention of every model the trainer and scorers run (transformers): `sdpa` (PyTorch's fused
+    attention), `eager` (plain matmuls), or `flash_attention_2` (needs flash-attn and a GPU)."""
     forward_batch_size: PositiveInt = 16
     """Samples per no-gradient forward pass (reference and reward scores, old log-probs and values)."""
 
@@ -342,6 +345,16 @@ class RunConfig(Section):
                 f"trainer.updates_per_step {self.trainer.updates_per_step} = {per_update}; change one of them"
             )
         layout = self.placement.layout()
+        if self.trainer.lora is not None:
+            if self.model.reference and Path(self.model.reference) != Path(self.model.actor):
+                raise ValueError("model.reference: with trainer.lora the reference model is the actor with its "
+                                 "adapters disabled (no second copy); remove model.reference")
+            idle = [name for name, models, _ in layout if not any(self.hosts(m) for m in models)]
+            if idle:
+                raise ValueError(f"node group {idle[0]!r} of placement.strategy {self.placement.strategy} hosts only "
+                                 "the reference model, which with trainer.lora is the actor without its adapters, "
+                                 "computed by the trainer; use a placement without a reference group of its own "
+                                 "(e.g. separation)")
         generators = self.placement.group_with("generation")
         if self.rollout.prompts_per_step < generators.workers:
             raise ValueError(f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) is less than the generator "
@@ -384,8 +397,11 @@ class RunConfig(Section):
         return self.rollout.sync_check_tolerance or SYNC_CHECK_TOLERANCE[self.model.dtype]
 
     def hosts(self, model: str) -> bool:
-        """Whether the run has `model` at all (only PPO has a critic)."""
-        return model != "critic" or self.run.algorithm == "ppo"
+        """Whether the run has `model` as a model of its own: only PPO has a critic; with LoRA the reference
+        is the actor with its adapters disabled, computed in the trainer's workers."""
+        if model == "critic":
+            return self.run.algorithm == "ppo"
+        return model != "reference" or self.trainer.lora is None
 
     @property
     def summary(self) -> str:

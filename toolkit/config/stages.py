@@ -8,8 +8,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from toolkit.config.base import (CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt, Section,
-                                 SlurmSection, TransportSection)
+from toolkit.config.base import (Attention, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
+                                 Section, SlurmSection, TransportSection)
 from toolkit.config.data import DataSection
 
 
@@ -34,6 +34,8 @@ class StageModelSection(Section):
     """Tokenizer directory (default: `base`)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the weights and computation."""
+    attn_implementation: Attention = "sdpa"
+    """Attention implementation (transformers): `sdpa`, `eager`, or `flash_attention_2` (needs flash-attn)."""
     dropout: bool = True
     """Keep the model's own dropout while training (false: every dropout probability 0)."""
 
@@ -89,6 +91,12 @@ class StageConfig(Section):
     def _batches(self) -> "StageConfig":
         ranks = self.placement.trainer.workers
         per_step = self.train.micro_batch_size * ranks
+        if self.train.packing and self.model.attn_implementation == "flash_attention_2":
+            raise ValueError("train.packing keeps attention within each row with a block-diagonal mask, which "
+                             "flash_attention_2 does not take; use model.attn_implementation: sdpa")
+        if self.train.lora is not None and self.stage == "rm":
+            raise ValueError("train.lora is for causal LMs (the sft stage and the RL actor); the rm stage trains "
+                             "every weight of the reward model: remove train.lora")
         if self.train.batch_size % per_step:
             raise ValueError(f"train.batch_size ({self.train.batch_size}) is not a multiple of train.micro_batch_size "
                              f"{self.train.micro_batch_size} x trainer workers {ranks} = {per_step}; change one of them")

@@ -66,7 +66,7 @@ def group_of(groups: list[WorkerGroup], role: str) -> WorkerGroup:
 def stages(groups: list[WorkerGroup]) -> tuple[str, ...]:
     """The order in which samples pass the roles (see the module docstring)."""
     order = ["generator"]
-    left = list(SCORING)
+    left = [role for role in SCORING if any(role in g.roles for g in groups)]  # (LoRA: no reference role)
     here = group_of(groups, "generator")
     trainer = group_of(groups, "trainer")
     while left:

@@ -22,7 +22,8 @@ import torch
 from toolkit.config.base import load_function
 from toolkit.data.prompts import prompt_text
 from toolkit.data.tokens import fit, render_prompt
-from toolkit.modeling import gather_responses, last_token_scores, pad_samples, sequence_logprobs, torch_dtype
+from toolkit.modeling import (gather_responses, last_token_scores, pad_samples, pretrained_kwargs, sequence_logprobs,
+                              torch_dtype)
 from toolkit.roles.base import Role
 from toolkit.samples import SampleBatch
 
@@ -73,8 +74,9 @@ class ReferenceRole(_Scoring):
         cfg = self.cfg
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        kwargs = pretrained_kwargs(cfg.reference_path, torch_dtype(cfg.model.dtype), cfg.model.attn_implementation)
         self.reference = self._load(lambda device: AutoModelForCausalLM.from_pretrained(
-            cfg.reference_path, dtype=torch_dtype(cfg.model.dtype)).to(device).eval())
+            cfg.reference_path, **kwargs).to(device).eval())
 
     def _models(self) -> list:
         return [self.reference]
@@ -100,7 +102,8 @@ class RewardRole(_Scoring):
         self.reward_models = []
         for rm in cfg.reward.models:
             tokenizer = AutoTokenizer.from_pretrained(rm.path)
-            model = self._load(lambda device: ScoreModel(rm.path, dtype).to(device).eval())
+            model = self._load(lambda device: ScoreModel(rm.path, dtype, attention=cfg.model.attn_implementation)
+                               .to(device).eval())
             if model.model.config.num_labels != 1:
                 raise ValueError(f"reward model {rm.path} has {model.model.config.num_labels} labels; a reward model "
                                  "needs 1")

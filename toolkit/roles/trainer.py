@@ -52,8 +52,9 @@ class TrainerRole(Role):
     def setup(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from toolkit.modeling import ScoreModel, torch_dtype, without_dropout
+        from toolkit.modeling import ScoreModel, pretrained_kwargs, torch_dtype
         from toolkit.training.engine import build_engine
+        from toolkit.training.lora import parameter_counts, plain_model, plain_weights
 
         cfg = self.cfg
         self.run_dir = Path(self.worker.wenv.run_dir)
@@ -64,12 +65,14 @@ class TrainerRole(Role):
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         dtype = torch_dtype(cfg.model.dtype)
-        actor = AutoModelForCausalLM.from_pretrained(cfg.model.actor, dtype=dtype, **without_dropout(cfg.model.actor))
+        attention = cfg.model.attn_implementation
+        actor = AutoModelForCausalLM.from_pretrained(cfg.model.actor,
+                                                     **pretrained_kwargs(cfg.model.actor, dtype, attention))
         t = cfg.trainer
         accumulation = cfg.samples_per_step // self.world // (t.micro_batch_size * t.updates_per_step)
-        self.engines = {"actor": build_engine(actor, t, t.lr, cfg.model.dtype, self.world, accumulation)}
+        self.engines = {"actor": build_engine(actor, t, t.lr, cfg.model.dtype, self.world, accumulation, lora=t.lora)}
         if cfg.run.algorithm == "ppo":
-            critic = ScoreModel(str(cfg.critic_path), dtype)
+            critic = ScoreModel(str(cfg.critic_path), dtype, attention=attention)
             self.engines["critic"] = build_engine(critic, t, t.critic_lr, cfg.model.dtype, self.world, accumulation)
         self.actor, self.critic = self.engines["actor"], self.engines.get("critic")
         k = cfg.algorithm.kl
@@ -77,9 +80,12 @@ class TrainerRole(Role):
         self.version = 0
         self.checkpointed = -1
         self.shuffle_rng = torch.Generator().manual_seed(cfg.run.seed)
-        self.params = list(self.actor.module.named_parameters())
+        # The weights as the plain model holds them (with LoRA: the base model's names, adapters merged in).
+        weights = plain_weights(self.actor.module)
+        self.params = [(w.name, w.param) for w in weights]
+        self.deltas = [w.delta for w in weights]
         # vLLM loads the checkpoint format; the transformers engine loads the parameters as they are.
-        convert = checkpoint_converter(self.actor.module) if cfg.generation_backend == "vllm" else identity
+        convert = checkpoint_converter(plain_model(self.actor.module)) if cfg.generation_backend == "vllm" else identity
         vocab = min(len(self.tokenizer), actor.config.vocab_size)
         self.layout = plan_layout(self.params, int(t.weight_sync_bucket_mb * 2**20), probe_tokens(vocab, cfg.run.seed),
                                   convert)
@@ -100,6 +106,7 @@ class TrainerRole(Role):
             log.info("forming the weight-sync group with %d generator rank(s)", generators.workers * ranks_each)
             group = form_group(self.ranks.store, 0, 1 + generators.workers * ranks_each, timeout_s, self.device)
             self.sender = WeightSender(group, self.layout, self.device)
+        self.status["trainable_parameters"] = parameter_counts(self.actor.module)[0]
         log.info("trainer rank %d/%d ready (ZeRO-%d, %d actor weights, policy_version %d)", self.rank, self.world,
                  t.zero_stage, len(self.params), self.version)
 
@@ -304,10 +311,15 @@ class TrainerRole(Role):
         per_token = {"old_logprobs": exp.old_logprobs, "advantages": exp.advantages}
         if exp.values is not None:
             per_token.update(values=exp.values, returns=exp.returns)
+        computed_ref = batch.ref_logprobs is None  # LoRA: the trainer computed them (the actor without adapters)
+        if computed_ref:
+            per_token["ref_logprobs"] = exp.ref_logprobs
         flat = {name: np.concatenate(gather_responses(t, exp.padded) or [np.zeros(0, np.float32)])
                 for name, t in per_token.items()}
         full = self.ranks.gather_flat(flat)
         if self.rank == 0:
+            if computed_ref:
+                batch.ref_logprobs = full.pop("ref_logprobs").astype(np.float32)
             record = experience.record_of(batch, full, self.cfg.run.algorithm, self.version, self.kl.coef,
                                           (batch.step + 1) * self.cfg.rollout.prompts_per_step)
             path, digest, size = experience.commit(self.run_dir / "experience", batch.step, record)
@@ -369,7 +381,7 @@ class TrainerRole(Role):
             self.generator.holds(self.version, time.monotonic() - started)
             return time.monotonic() - started, 0.0
         zero3 = self.cfg.trainer.zero_stage == 3
-        buckets = gathered_buckets([p for _, p in self.params], self.layout.sources, zero3)
+        buckets = self._buckets(zero3)
         if fold_ema and self.ema is not None:
             buckets = self._folded(buckets)
         sent = 0
@@ -382,6 +394,10 @@ class TrainerRole(Role):
                 pass
         return time.monotonic() - started, sent / 2**20
 
+    def _buckets(self, zero3: bool):
+        """The full weights of each bucket of the layout, as the plain model holds them (adapters merged)."""
+        return gathered_buckets([p for _, p in self.params], self.layout.sources, zero3, self.deltas)
+
     def _folded(self, buckets):
         """The buckets, each folded into the EMA on rank 0 on its way through."""
         for index, tensors in zip(self.layout.sources, buckets):
@@ -392,7 +408,7 @@ class TrainerRole(Role):
     def _full_weights(self) -> None:
         """Fold the current weights into the EMA (every rank iterates: ZeRO-3 gathers)."""
         zero3 = self.cfg.trainer.zero_stage == 3
-        for _ in self._folded(gathered_buckets([p for _, p in self.params], self.layout.sources, zero3)):
+        for _ in self._folded(self._buckets(zero3)):
             pass
 
     def _load_local(self) -> None:
@@ -402,7 +418,7 @@ class TrainerRole(Role):
             return
         names = self.layout.names
         sources = self.layout.sources
-        for index, tensors in zip(sources, gathered_buckets([p for _, p in self.params], sources, True)):
+        for index, tensors in zip(sources, self._buckets(True)):
             self.generator.engine.load_weights((names[i], t) for i, t in zip(index, tensors))
 
 

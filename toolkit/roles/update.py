@@ -54,7 +54,11 @@ def make_experience(batch, shard_index: np.ndarray, actor, critic, cfg, kl_coef:
     mask = padded.action_mask
     temperature = cfg.rollout.temperature
     old = sequence_logprobs(actor, padded, temperature, cfg.model.forward_batch_size)
-    ref = scatter_responses(shard.ref_logprobs, shard.response_offsets, padded)
+    if shard.ref_logprobs is None:  # LoRA: the reference model is the actor without its adapters
+        with actor.module.disable_adapter():
+            ref = sequence_logprobs(actor, padded, temperature, cfg.model.forward_batch_size)
+    else:
+        ref = scatter_responses(shard.ref_logprobs, shard.response_offsets, padded)
     behaviour = scatter_responses(shard.behaviour_logprobs, shard.response_offsets, padded)
     algo = cfg.algorithm
     total = torch.from_numpy(batch.reward_total.astype(np.float32))
@@ -101,7 +105,19 @@ def experience_from_record(record: dict, shard_index: np.ndarray, pad_id: int) -
 def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx=None) -> dict[str, float]:
     """`algorithm.epochs` passes over the experience in micro-batches; DeepSpeed steps the optimizer
     every `gradient_accumulation_steps` micro-batches. `ptx(i)` gives the i-th micro-batch of PTX text
-    (ids, attention, loss mask) when the PTX mixture is on. Returns means of the loss statistics."""
+    (ids, attention, loss mask) when the PTX mixture is on. Returns means of the loss statistics.
+    The models are in training mode meanwhile (activation checkpointing acts only then; RL has no dropout)."""
+    models = [m for m in (actor, critic) if m is not None]
+    for m in models:
+        m.train()
+    try:
+        return _epochs(exp, actor, critic, cfg, shuffle_rng, ptx)
+    finally:
+        for m in models:
+            m.eval()
+
+
+def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx) -> dict[str, float]:
     algo, trainer = cfg.algorithm, cfg.trainer
     grpo = cfg.run.algorithm == "grpo"
     n = len(exp.padded)

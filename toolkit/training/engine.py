@@ -1,8 +1,13 @@
 """The one place a DeepSpeed engine is built, for every stage (SFT, reward model, RL actor and critic).
 
-What it reads from the config (`EngineSection` in config/schema.py): the ZeRO stage, learning rate,
-schedule, weight decay, gradient clipping, micro-batch size, and the model's dtype (bf16/fp16 mixed
-precision). The optimizer is torch's AdamW: no C++ op to build, it works on every accelerator.
+What it reads from the config (`EngineSection` in config/base.py): the ZeRO stage, learning rate,
+schedule, weight decay, gradient clipping, micro-batch size, the model's dtype (bf16/fp16 mixed
+precision), and the memory switches: activation checkpointing, LoRA adapters (training/lora.py),
+ZeRO-Offload of the optimizer (and under ZeRO-3 of the parameters) to host memory.
+
+The optimizer is torch's AdamW (no C++ op to build, it works on every accelerator), except with
+`offload_optimizer`: then DeepSpeed's CPU Adam, the vectorised C++ Adam that ZeRO-Offload was built
+around (compiled on first use, or by tools/setup.sh). Both are AdamW with the same hyper-parameters.
 """
 
 from __future__ import annotations
@@ -27,28 +32,55 @@ def lr_lambda(warmup_steps: int, schedule: str, total_steps: int | None, min_rat
 
 
 def build_engine(model: torch.nn.Module, settings, lr: float, dtype: str, world: int, accumulation: int,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, lora=None):
     """A DeepSpeed engine training `model` on one of `world` data-parallel ranks. `settings` is an
-    EngineSection; an optimizer step takes `accumulation` micro-batches of `settings.micro_batch_size`."""
+    EngineSection; an optimizer step takes `accumulation` micro-batches of `settings.micro_batch_size`.
+    With `lora` (a LoraSection) only adapters added to `model` train; `engine.module` is then the peft model."""
     import deepspeed
 
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    if settings.gradient_checkpointing:  # (before the adapters: it is the base model's layers that recompute)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        from toolkit.training.lora import add_adapters
+
+        model = add_adapters(model, lora)
+    zero = {"stage": settings.zero_stage}
+    if settings.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if settings.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     config = {
         "train_micro_batch_size_per_gpu": settings.micro_batch_size,
         "gradient_accumulation_steps": accumulation,
         "train_batch_size": settings.micro_batch_size * accumulation * world,
         "gradient_clipping": settings.grad_clip,
-        "zero_optimization": {"stage": settings.zero_stage},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16"},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=settings.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if settings.offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(trainable, lr=lr, weight_decay=settings.weight_decay, adamw_mode=True)
+    else:
+        optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=settings.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(settings.warmup_steps, settings.lr_schedule, total_steps, settings.min_lr_ratio))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
-    return engine
+    from toolkit.training.lora import parameter_counts
 
+    trained, total = parameter_counts(engine.module)
+    switches = [name for name, on in (("LoRA rank %d" % lora.rank if lora else "", lora is not None),
+                                      ("activation checkpointing", settings.gradient_checkpointing),
+                                      ("optimizer offload (CPU Adam)", settings.offload_optimizer),
+                                      ("parameter offload", settings.offload_params)) if on]
+    logging.getLogger(__name__).info("%s: ZeRO-%d, %s of %s parameters trained%s", type(engine.module).__name__,
+                                     settings.zero_stage, f"{trained:,}", f"{total:,}",
+                                     "".join(f", {s}" for s in switches))
+    return engine

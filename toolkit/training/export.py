@@ -16,13 +16,22 @@ from pathlib import Path
 def save_hf(module, directory: Path, tokenizer_path: str, rank: int, zero3: bool, state_dict: dict | None = None,
             extra_files: dict[str, dict] | None = None) -> None:
     """`module` (or the given full `state_dict` for it) as a Hugging Face model directory with the tokenizer
-    and `extra_files` ({file name: JSON content})."""
+    and `extra_files` ({file name: JSON content}). A model with LoRA adapters is written merged (a plain
+    model), its adapters alone beside it in `adapter/`."""
     from transformers import AutoTokenizer
+
+    from toolkit.training.lora import has_adapters, merged_state_dict, plain_model
 
     def write():
         if rank != 0:
             return
-        module.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+        target, state = module, state_dict
+        if has_adapters(module):
+            if state is None:
+                module.save_pretrained(Path(directory) / "adapter", safe_serialization=True)
+                state = merged_state_dict(module)
+            target = plain_model(module)
+        target.save_pretrained(directory, state_dict=state, safe_serialization=True)
         AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(directory)
         for name, content in (extra_files or {}).items():
             (Path(directory) / name).write_text(json.dumps(content, indent=1))

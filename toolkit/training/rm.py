@@ -24,7 +24,7 @@ class RMTask:
     def model(self, dtype: torch.dtype):
         from toolkit.modeling import ScoreModel
 
-        return ScoreModel(self.cfg.model.base, dtype, dropout=self.cfg.model.dropout)
+        return ScoreModel(self.cfg.model.base, dtype, self.cfg.model.dropout, self.cfg.model.attn_implementation)
 
     def sequence(self, prompt, response: str) -> list[int]:
         """prompt + response + EOS, the prompt cut from the left (then the response's start) to fit."""

@@ -23,11 +23,11 @@ class SFTTask:
     def model(self, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
 
-        from toolkit.modeling import without_dropout
+        from toolkit.modeling import pretrained_kwargs
 
-        path = self.cfg.model.base
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                    **({} if self.cfg.model.dropout else without_dropout(path)))
+        m = self.cfg.model
+        return AutoModelForCausalLM.from_pretrained(m.base, **pretrained_kwargs(m.base, dtype, m.attn_implementation,
+                                                                                m.dropout))
 
     def tokens(self, example) -> tuple[list[int], int]:
         """(prompt + response ids, prompt length) of an example, cut to train.max_tokens."""

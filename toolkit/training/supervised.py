@@ -55,7 +55,8 @@ class SupervisedRole(Role):
         self.per_rank = t.batch_size // self.ranks.world
         accumulation = self.per_rank // t.micro_batch_size
         model = self.task.model(torch_dtype(cfg.model.dtype))
-        self.engine = build_engine(model, t, t.lr, cfg.model.dtype, self.ranks.world, accumulation, self.steps)
+        self.engine = build_engine(model, t, t.lr, cfg.model.dtype, self.ranks.world, accumulation, self.steps,
+                                   lora=t.lora)
         torch.manual_seed(cfg.run.seed + 1 + self.ranks.rank)  # dropout: each rank its own stream
         self.step, self.checkpointed, self.extra_files = 0, -1, {}
         plan = self.worker.resume or {}

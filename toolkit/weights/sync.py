@@ -171,18 +171,24 @@ class WeightReceiver:
         self.group.broadcast(tensor, 0).wait()
 
 
-def gathered_buckets(params: list[torch.nn.Parameter], buckets: list[list[int]], zero3: bool) -> Iterator[list]:
-    """Full tensors of each bucket of `params`. Under ZeRO-3 every data-parallel rank must iterate this
-    (each bucket is all-gathered with GatheredParameters and released after the consumer's next call)."""
+def gathered_buckets(params: list[torch.nn.Parameter], buckets: list[list[int]], zero3: bool,
+                     deltas: list | None = None) -> Iterator[list]:
+    """Full tensors of each bucket of `params`, each plus `deltas[i]()` where that is given (a LoRA
+    adapter's update, merged on the way; see training/lora.py). Under ZeRO-3 every data-parallel rank
+    must iterate this (each bucket is all-gathered with GatheredParameters and released after the
+    consumer's next call)."""
+    def full(i: int) -> torch.Tensor:
+        delta = deltas[i] if deltas is not None else None
+        return params[i].data if delta is None else params[i].data + delta().to(params[i].dtype)
+
     for index in buckets:
-        chosen = [params[i] for i in index]
         if zero3:
             import deepspeed
 
-            with deepspeed.zero.GatheredParameters(chosen, modifier_rank=None):
-                yield [p.data for p in chosen]
+            with deepspeed.zero.GatheredParameters([params[i] for i in index], modifier_rank=None):
+                yield [full(i) for i in index]
         else:
-            yield [p.data for p in chosen]
+            yield [full(i) for i in index]
 
 
 def manifest_of(named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> list:

@@ -19,7 +19,8 @@ class HFEngine:
         self.cfg, self.device = cfg, device
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(cfg.model.actor, dtype=getattr(torch, cfg.model.dtype))
+            model = AutoModelForCausalLM.from_pretrained(cfg.model.actor, dtype=getattr(torch, cfg.model.dtype),
+                                                         attn_implementation=cfg.model.attn_implementation)
             model.to(device).eval()
         self.model = model
         r = cfg.rollout

@@ -1,0 +1,208 @@
+"""The memory switches side by side: what each saves, and that the training result stays the same.
+
+    python tools/bench_memory.py [--hidden 512 --layers 8 --heads 8 --intermediate 1376]
+                                 [--batch 8 --seq 256 --steps 4] [--json OUT]
+
+Builds a random Llama of the given shape (the tiny tokenizer's 512 vocab), then trains it for a few
+steps on the same random tokens through `toolkit.training.engine.build_engine` (the engine every stage
+uses), once per setting, each in a fresh process:
+
+    baseline              ZeRO-2, every weight trained
+    checkpointing         + trainer.gradient_checkpointing
+    offload_optimizer     + trainer.offload_optimizer (ZeRO-Offload, DeepSpeed's CPU Adam)
+    zero3_offload         ZeRO-3 + offload_optimizer + offload_params
+    lora                  trainer.lora (rank 8, every linear layer)
+    lora+checkpointing    both
+    eager_attention       model.attn_implementation: eager (the baseline uses sdpa)
+
+Figures per setting: trainable parameters; bytes of the optimizer's states; bytes of the activations
+autograd keeps for the backward pass of one micro-batch (counted by a saved-tensors hook, each storage
+once); the process's peak resident memory (its own high-water mark: on a CPU machine the device memory
+is host memory, so offloading moves nothing there, and shows in this column only on a GPU); the median
+step time; and the largest difference of the per-step losses from the baseline's (LoRA trains other
+weights, so its losses differ after the first step by design; its first loss must be the baseline's).
+The ratio of each figure to the baseline's comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+SETTINGS = {
+    "baseline": {},
+    "checkpointing": {"engine": {"gradient_checkpointing": True}},
+    "offload_optimizer": {"engine": {"offload_optimizer": True}},
+    "zero3_offload": {"engine": {"zero_stage": 3, "offload_optimizer": True, "offload_params": True}},
+    "lora": {"engine": {"lora": {"rank": 8}}},
+    "lora+checkpointing": {"engine": {"lora": {"rank": 8}, "gradient_checkpointing": True}},
+    "eager_attention": {"attention": "eager"},
+}
+
+
+def build_model(directory: Path, args) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                         intermediate_size=args.intermediate, max_position_embeddings=max(512, args.seq),
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def one(name: str, model_dir: str, args) -> dict:
+    """Train with setting `name` in this process; its figures."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.config.base import EngineSection
+    from toolkit.modeling import pretrained_kwargs
+    from toolkit.training.engine import build_engine
+    from toolkit.training.lora import parameter_counts
+
+    setting = SETTINGS[name]
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, **pretrained_kwargs(model_dir, torch.float32, setting.get("attention", "sdpa")))
+    engine_settings = {"zero_stage": 2, "lr": 1e-3, "micro_batch_size": args.batch, **setting.get("engine", {})}
+    settings = EngineSection(**engine_settings)
+    engine = build_engine(model, settings, settings.lr, "float32", 1, 1, lora=settings.lora)
+    trainable, total = parameter_counts(engine.module)
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 512, (args.batch, args.seq), generator=generator) for _ in range(args.steps)]
+
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    losses, seconds = [], []
+    engine.train()
+    for i, ids in enumerate(batches):
+        started = time.perf_counter()
+        if i == 0:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = engine(input_ids=ids, labels=ids).loss
+        else:
+            loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        seconds.append(time.perf_counter() - started)
+        losses.append(loss.item())
+    state_bytes = 0
+    for optimizer in _optimizers(engine.optimizer):
+        for state in optimizer.state.values():
+            state_bytes += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim())
+    return {"setting": name, "trainable": trainable, "total": total, "optimizer_state_bytes": state_bytes,
+            "saved_activation_bytes": sum(saved.values()),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "step_s": statistics.median(seconds[1:] or seconds), "losses": losses,
+            "optimizer": type(engine.optimizer).__name__ + "/" + type(_optimizers(engine.optimizer)[0]).__name__}
+
+
+def _optimizers(optimizer) -> list:
+    """The torch optimizer(s) under DeepSpeed's ZeRO wrapper (which keeps the states)."""
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if inner is not None else [optimizer]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(args, names: list[str]) -> list[dict]:
+    """Every setting in a fresh process (a process's peak memory is its own)."""
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        build_model(model_dir, args)
+        for name in names:
+            env = {"TORCH_EXTENSIONS_DIR": os.path.join(sys.prefix, "torch_extensions"),  # where setup built the ops
+                   **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+                   "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+            command = [sys.executable, __file__, "--one", name, "--model-dir", str(model_dir), *_shape(args)]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode != 0 or not lines:
+                raise SystemExit(f"bench_memory: setting {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+            results.append(json.loads(lines[-1]))
+    return results
+
+
+def _shape(args) -> list[str]:
+    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+            ("hidden", "layers", "heads", "intermediate", "batch", "seq", "steps", "threads")]
+
+
+def table(results: list[dict]) -> str:
+    from toolkit.table import text_table
+
+    base = results[0]
+    rows = [("setting", "trainable", "optimizer states MB", "activations MB", "peak RSS MB", "step s",
+             "max loss diff", "activations ratio", "step ratio")]
+    for r in results:
+        same_weights = not r["setting"].startswith("lora")
+        diffs = [abs(a - b) for a, b in zip(r["losses"], base["losses"])]
+        diff = max(diffs) if same_weights else diffs[0]
+        rows.append((r["setting"], f"{r['trainable']:,}", f"{r['optimizer_state_bytes'] / 2**20:.1f}",
+                     f"{r['saved_activation_bytes'] / 2**20:.1f}", f"{r['peak_rss_mb']:.0f}", f"{r['step_s']:.3f}",
+                     f"{diff:.1e}" + ("" if same_weights else " (first)"),
+                     f"{r['saved_activation_bytes'] / base['saved_activation_bytes']:.2f}",
+                     f"{r['step_s'] / base['step_s']:.2f}"))
+    return text_table(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--intermediate", type=int, default=1376)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset, baseline first")
+    parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.model_dir, args)))
+        return 0
+    names = args.settings.split(",")
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown or names[0] != "baseline":
+        parser.error(f"--settings: known settings are {', '.join(SETTINGS)}, baseline first")
+    results = measure(args, names)
+    print(f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, intermediate {args.intermediate}; "
+          f"{results[0]['total'] / 1e6:.1f}M parameters; micro-batch {args.batch} x {args.seq} tokens, "
+          f"{args.steps} steps, fp32")
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
