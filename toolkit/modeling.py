@@ -98,14 +98,21 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
 
 
+def by_length(lengths, batch_size: int) -> list[torch.Tensor]:
+    """Indices of forward passes of at most `batch_size` samples, the longest samples together: each pass
+    is padded only to its own longest sample, so samples of very different lengths waste little. The
+    number of passes depends on the count alone (ZeRO-3 ranks must make the same number)."""
+    order = torch.argsort(torch.as_tensor(lengths), descending=True, stable=True)
+    return [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
+
+
 def per_position(model: nn.Module, padded: Padded, batch_size: int, fn) -> torch.Tensor:
-    """[B, T-1] of `fn(model, input_ids, attention_mask)` over forward passes of `batch_size` samples (no
-    gradients), zero outside the action positions."""
+    """[B, T-1] of `fn(model, input_ids, attention_mask)` over forward passes of `batch_size` samples of
+    similar length (no gradients), zero outside the action positions."""
     out = torch.zeros_like(padded.action_mask)
     device = next(model.parameters()).device
     with torch.no_grad():
-        for start in range(0, len(padded), batch_size):
-            index = torch.arange(start, min(start + batch_size, len(padded)))
+        for index in by_length(padded.attention_mask.sum(1), batch_size):
             part = padded.rows(index)
             values = fn(model, part.input_ids.to(device), part.attention_mask.to(device)).float().cpu()
             out[index, : values.shape[1]] = values
@@ -164,15 +171,15 @@ class ScoreModel(nn.Module):
 def last_token_scores(model: ScoreModel, sequences: list[list[int]], pad_id: int, batch_size: int,
                       device: torch.device) -> torch.Tensor:
     """float32 [N]: each sequence's score at its last token (right-padded in batches, no gradient)."""
-    out = []
+    out = torch.zeros(len(sequences))
     with torch.no_grad():
-        for start in range(0, len(sequences), batch_size):
-            part = sequences[start: start + batch_size]
+        for index in by_length([len(s) for s in sequences], batch_size):
+            part = [sequences[i] for i in index]
             ids, attention = right_pad(part, pad_id)
             scores = model(ids.to(device), attention.to(device))
             last = torch.tensor([len(s) - 1 for s in part], device=scores.device)
-            out.append(scores[torch.arange(len(part), device=scores.device), last].float().cpu())
-    return torch.cat(out) if out else torch.zeros(0)
+            out[index] = scores[torch.arange(len(part), device=scores.device), last].float().cpu()
+    return out
 
 
 def right_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
