@@ -74,6 +74,14 @@ def experience_commits(run_dir: Path) -> int:
     return sum('"kind": "experience"' in line for line in path.read_text().splitlines())
 
 
+def assert_clean_logs(run_dir: Path) -> None:
+    """A run that succeeded leaves no traceback in any log, and no warning of weights that failed to load."""
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        text = log.read_text()
+        assert "Traceback" not in text, f"{log}:\n{text[text.index('Traceback') - 500:][:3000]}"
+        assert "Failed to load weights" not in text, log
+
+
 def metric_lines(run_dir: Path) -> int:
     """Steps whose metrics the run has written."""
     path = run_dir / "metrics.jsonl"

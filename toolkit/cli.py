@@ -273,7 +273,9 @@ def cmd_render(args) -> int:
     from toolkit.launch.sbatch import sbatch_script
 
     cfg, groups, allocation = _prepare(args)
-    run_dir = RunDir(args.run_dir or Path("runs") / cfg.run.name).create(cfg)
+    run_dir = RunDir(args.run_dir or Path("runs") / cfg.run.name)
+    # Rendering again after a config edit rewrites the script, as long as nothing has run from it.
+    run_dir = run_dir.rewrite_config(cfg) if run_dir.rendered_only() else run_dir.create(cfg)
     python = cfg.slurm.python or sys.executable
     script = sbatch_script(cfg, allocation, str(run_dir.path), [python, "-m", "toolkit.launch.batch", str(run_dir.path)],
                            how="render")

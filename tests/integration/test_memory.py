@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, cli, example, metric_lines, run_and_kill, write_config
+from tests.conftest import REPO, assert_clean_logs, cli, example, metric_lines, run_and_kill, write_config
 from tests.integration.test_stages import max_difference, records, run_stage, stage_config
 from toolkit.store import experience
 
@@ -93,6 +93,7 @@ def test_a_lora_policy_trains_with_vllm_and_exports_merged(tiny, tmp_path):
     run_dir = tmp_path / "run"
     result = cli("run", config, "--run-dir", run_dir)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert_clean_logs(run_dir)  # (vLLM's expected "RotaryEmbedding: Failed to load weights" filtered out)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics:  # vLLM holds the merged weights after every sync

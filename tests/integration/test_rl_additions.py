@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import cli, example, write_config
+from tests.conftest import assert_clean_logs, cli, example, write_config
 from toolkit.store import experience
 
 pytestmark = pytest.mark.integration
@@ -26,6 +26,7 @@ def run(tiny, tmp_path: Path, name: str, **sections) -> tuple[Path, list[dict]]:
     run_dir = tmp_path / name
     result = cli("run", config, "--run-dir", run_dir)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert_clean_logs(run_dir)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for m in metrics:
         assert m["behaviour_logprob_diff"] < 1e-4 and np.isfinite(m["loss"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import cli, metric_lines, run_and_kill, write_config
+from tests.conftest import assert_clean_logs, cli, metric_lines, run_and_kill, write_config
 
 pytestmark = pytest.mark.integration
 SPLIT = {"sft": 2, "rm": 4, "rl": 4, "seed": 1234}
@@ -32,6 +32,7 @@ def run_stage(tiny, directory: Path, stage: str, **sections) -> Path:
     config = write_config(directory, stage_config(tiny, stage, **sections))
     result = cli(stage, config, "--run-dir", directory / "run")
     assert result.returncode == 0, result.stdout + result.stderr
+    assert_clean_logs(directory / "run")
     return directory / "run"
 
 

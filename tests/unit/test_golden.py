@@ -68,3 +68,23 @@ def test_render_writes_the_script_into_a_new_run_dir(tiny, tmp_path):
     script = (run_dir / "slurm" / "job.sbatch").read_text()
     assert "exec '/opt/rlhf env/bin/python' -m toolkit.launch.batch" in script
     assert (run_dir / "config.yaml").exists() and "sbatch '" in result.stdout
+
+
+def test_render_again_after_a_config_edit_rewrites_the_script_until_the_run_starts(tiny, tmp_path):
+    import yaml
+
+    config = configs(tiny, tmp_path)["one"]
+    run_dir = tmp_path / "run"
+    assert cli("render", config, "--run-dir", run_dir, timeout=60).returncode == 0
+    secret = (run_dir / "secret").read_bytes()
+    data = yaml.safe_load(config.read_text())
+    data["slurm"]["time_min"] = 17
+    config.write_text(yaml.safe_dump(data))
+    again = cli("render", config, "--run-dir", run_dir, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert "#SBATCH --time=17" in (run_dir / "slurm" / "job.sbatch").read_text()
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["slurm"]["time_min"] == 17
+    assert (run_dir / "secret").read_bytes() == secret
+    (run_dir / "status.json").write_text("{}")  # the job has started: its directory is never rewritten
+    refused = cli("render", config, "--run-dir", run_dir, timeout=60)
+    assert refused.returncode == 2 and "already holds a run" in refused.stderr

@@ -45,6 +45,18 @@ class RunDir:
             f.write(new_secret())
         return self
 
+    def rendered_only(self) -> bool:
+        """Whether the directory holds a config that `render` wrote and nothing has run from: no job
+        submitted, no status, no metrics, no committed experience or checkpoint."""
+        started = (self.job, self.status, self.metrics, self.path / "manifest.jsonl", self.path / "experience",
+                   self.path / "checkpoints")
+        return self.config.exists() and not any(p.exists() for p in started)
+
+    def rewrite_config(self, cfg: RunConfig) -> "RunDir":
+        """Replace the config of a directory nothing has run from (the secret stays)."""
+        self.write_atomic(self.config, dump_config(cfg))
+        return self
+
     def log_file(self, worker_id: str) -> Path:
         return self.logs / f"{worker_id.replace(':', '-')}.log"
 

@@ -44,6 +44,10 @@ class ControlClient:
         self.socket.close()
 
 
+STOP_POLL_S = 0.1
+"""Longest wait of the heartbeat thread before it looks at its stop flag again."""
+
+
 class Heartbeat(threading.Thread):
     """Sends a heartbeat every `interval_s`; calls `on_lost` if the coordinator is silent for `timeout_s`.
 
@@ -72,7 +76,7 @@ class Heartbeat(threading.Thread):
                 sock.send_multipart(self._codec.encode("heartbeat", {"status": dict(self.status)}))
                 deadline = time.monotonic() + self._interval_s
                 while (left := deadline - time.monotonic()) > 0 and not self._stop_event.is_set():
-                    if sock.poll(int(left * 1000) + 1):
+                    if sock.poll(int(min(left, STOP_POLL_S) * 1000) + 1):  # (short polls: `stop` acts at once)
                         msg = decode_or_count(self._codec, sock.recv_multipart(), rejected)
                         if msg is not None and msg.kind == "pong":
                             last_pong = time.monotonic()
@@ -80,8 +84,14 @@ class Heartbeat(threading.Thread):
                 if silent > self._timeout_s and not self._stop_event.is_set():
                     self._on_lost(silent)
                     return
+        except zmq.ContextTerminated:  # the worker is ending and closed the context under us
+            return
         finally:
             sock.close()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop sending and wait (at most `timeout_s`) until the thread has closed its socket, so that the
+        worker's context can end without pulling it from under a poll."""
         self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout_s)

