@@ -149,8 +149,8 @@ def test_experience_files_read_with_plain_tools(baseline):
         assert offsets[-1] == len(f["samples/response_tokens"]) == len(f["experience/advantages"])
         assert f["samples/rewards"].shape == (n, 1) and len(json.loads(f["meta"][()])["responses"]) == n
     dump = subprocess.run(["h5dump", "-H", str(path)], capture_output=True, text=True)
-    assert dump.returncode == 0 and 'GROUP "samples"' in dump.stdout and 'DATASET "old_logprobs"' in dump.stdout
+    assert dump.returncode == 0 and 'GROUP "samples"' in dump.stdout and 'DATASET "advantages"' in dump.stdout
     out = cli("inspect", path, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "samples 64 (16 prompts x 4)" in out.stdout and "reward (total): mean" in out.stdout
-    assert "kl per token (old - ref)" in out.stdout
+    assert "kl per token (behaviour - ref)" in out.stdout  # (GRPO, one update: no old log-probs stored)

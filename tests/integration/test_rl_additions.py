@@ -106,3 +106,20 @@ def test_reward_normalised_clipped_and_a_critic_from_the_reward_model(tiny, tmp_
     assert np.allclose(rec["samples"]["rewards"][:8, 0], (raw - 0.2) / 0.5, atol=1e-4)  # normalised
     assert np.allclose(rec["samples"]["reward_total"], np.clip(rec["samples"]["rewards"][:, 0], -0.3, 0.3))
     assert abs(rec["samples"]["reward_total"]).max() <= 0.3 + 1e-6 and "value_loss" in metrics[0]
+
+
+def test_grpo_with_one_update_takes_old_logprobs_from_the_training_forward(tiny, tmp_path):
+    """The separate old log-prob pass is skipped (GRPO, one update per batch): the same update as with it.
+    The comparison run keeps the pass by turning the behaviour correction on, whose weights are 1 here
+    (on-policy samples) up to the generator's rounding."""
+    skip_dir, skipped = run(tiny, tmp_path, "skip")
+    full_dir, full = run(tiny, tmp_path, "full", algorithm={"behaviour_correction": "on"})
+    for a, b in zip(skipped, full):
+        assert abs(a["loss"] - b["loss"]) < 1e-4 and abs(a["kl"] - b["kl"]) < 1e-5
+        assert a["reward_mean"] == b["reward_mean"] or a["step"] > 0
+        assert abs(b["behaviour_weight"] - 1) < 1e-4
+    weights = load_file(skip_dir / "export" / "model.safetensors")
+    reference = load_file(full_dir / "export" / "model.safetensors")
+    assert max((weights[k] - reference[k]).abs().max().item() for k in weights) < 1e-4
+    assert "old_logprobs" not in experience.read(skip_dir / "experience" / experience.file_name(1))["experience"]
+    assert "old_logprobs" in experience.read(full_dir / "experience" / experience.file_name(1))["experience"]

@@ -308,7 +308,9 @@ class TrainerRole(Role):
     def _commit(self, batch: SampleBatch, exp) -> float:
         """Commit the step's experience batch to HDF5 (rank 0 writes; all ranks wait for it); seconds taken."""
         started = time.monotonic()
-        per_token = {"old_logprobs": exp.old_logprobs, "advantages": exp.advantages}
+        per_token = {"advantages": exp.advantages}
+        if exp.old_logprobs is not None:  # (None: the training forward's own, see update.old_at_update)
+            per_token["old_logprobs"] = exp.old_logprobs
         if exp.values is not None:
             per_token.update(values=exp.values, returns=exp.returns)
         computed_ref = batch.ref_logprobs is None  # LoRA: the trainer computed them (the actor without adapters)

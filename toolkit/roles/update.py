@@ -11,6 +11,13 @@ every token's reward, RLOO on the sequence's reward (as its paper). With PTX, ea
 asynchronous mode the samples come from older weights than the update's: the ratio stays against the
 policy at the update (`old`, the proximal policy) and each token is weighted by the truncated importance
 ratio of that policy to the one that sampled it (`behaviour_weights`; decoupled PPO).
+
+GRPO with one update per batch (one epoch, `updates_per_step` 1, no behaviour correction) skips the
+separate forward pass for the old log-probs: every micro-batch is forwarded before the optimizer steps,
+so the policy at the update is the current one and `old` is the training forward's own log-probs,
+detached (as TRL does with one iteration). They are then not in the committed record (the update needs
+none); the training forward fills them in for the step's metrics. That pass was about a quarter of the
+train time. The other algorithms need them before training (their rewards carry the KL penalty).
 """
 
 from __future__ import annotations
@@ -31,10 +38,11 @@ from toolkit.modeling import (Padded, critic_values, pad_samples, scatter_respon
 
 @dataclass
 class Experience:
-    """The per-token tensors ([B, T-1]) one rank trains on."""
+    """The per-token tensors ([B, T-1]) one rank trains on. `old_logprobs` is None until training when
+    they are the training forward's own (`old_at_update`)."""
 
     padded: Padded
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor
     behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
@@ -46,6 +54,12 @@ class Experience:
         return self.padded.action_mask
 
 
+def old_at_update(cfg) -> bool:
+    """Whether the old log-probs are the training forward's own (see the module docstring)."""
+    return (cfg.run.algorithm == "grpo" and cfg.algorithm.epochs == 1 and cfg.trainer.updates_per_step == 1
+            and not cfg.behaviour_correction)
+
+
 def make_experience(batch, shard_index: np.ndarray, actor, critic, cfg, kl_coef: float, pad_id: int,
                     all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Experience:
     """Experience for the samples `shard_index` of `batch` (a SampleBatch with rewards)."""
@@ -53,7 +67,7 @@ def make_experience(batch, shard_index: np.ndarray, actor, critic, cfg, kl_coef:
     padded = pad_samples(shard, pad_id)
     mask = padded.action_mask
     temperature = cfg.rollout.temperature
-    old = sequence_logprobs(actor, padded, temperature, cfg.model.forward_batch_size)
+    old = None if old_at_update(cfg) else sequence_logprobs(actor, padded, temperature, cfg.model.forward_batch_size)
     if shard.ref_logprobs is None:  # LoRA: the reference model is the actor without its adapters
         with actor.module.disable_adapter():
             ref = sequence_logprobs(actor, padded, temperature, cfg.model.forward_batch_size)
@@ -127,6 +141,9 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
     def add(name: str, value) -> None:
         sums[name] = sums.get(name, 0.0) + float(value)
 
+    at_update = exp.old_logprobs is None
+    if at_update:  # filled in below from each micro-batch's training forward
+        exp.old_logprobs = torch.zeros_like(exp.padded.action_mask)
     for _ in range(algo.epochs):
         order = torch.randperm(n, generator=shuffle_rng) if trainer.updates_per_step > 1 or algo.epochs > 1 \
             else torch.arange(n)
@@ -136,8 +153,8 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
             width = part.action_mask.shape[1]
             device = next(actor.parameters()).device
             ids, attention, mask = (t.to(device) for t in (part.input_ids, part.attention_mask, part.action_mask))
-            old, advantages, ref = (t[index, :width].to(device) for t in (exp.old_logprobs, exp.advantages,
-                                                                          exp.ref_logprobs))
+            advantages, ref = (t[index, :width].to(device) for t in (exp.advantages, exp.ref_logprobs))
+            old = None if at_update else exp.old_logprobs[index, :width].to(device)
             weights = None
             if cfg.behaviour_correction:
                 behaviour = exp.behaviour_logprobs[index, :width].to(device)
@@ -147,6 +164,9 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
                                                            .to(weights.dtype), mask).item())
             logits = actor(input_ids=ids, attention_mask=attention).logits
             logprobs = token_logprobs(logits, ids, cfg.rollout.temperature)
+            if at_update:
+                old = logprobs.detach()
+                exp.old_logprobs[index, :width] = (old * mask).cpu()
             loss, stats = policy_loss(logprobs, old, advantages, mask, algo.clip_eps, weights)
             add("pg_loss", loss.item())
             if grpo and algo.kl.coef > 0:

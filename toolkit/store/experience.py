@@ -12,7 +12,8 @@ Layout of experience/step-NNNNNN.h5 (schema 2), readable with plain h5py or `h5d
                           prompt_offsets; response_tokens, behaviour_logprobs and ref_logprobs with
                           response_offsets: sample i is values[offsets[i]:offsets[i+1]])
     /experience/<name>    what the trainer computed, one value per response token, aligned with
-                          /samples/response_tokens: old_logprobs, advantages, (PPO) values, returns
+                          /samples/response_tokens: advantages, old_logprobs (not for GRPO with one
+                          update per batch: the update computes them itself), (PPO) values, returns
 
 A commit writes a temporary file, fsyncs it, renames it into place and fsyncs the directory, so a file
 under its final name is always whole; its SHA-256 goes into the run manifest.
@@ -129,7 +130,9 @@ def summary(path: Path) -> str:
              _stats("reward (total)", batch.reward_total)]
     for i, name in enumerate(m["reward_names"]):
         lines.append(_stats(f"reward {name} (weight {m['reward_weights'][i]:g})", batch.rewards[:, i]))
-    lines.append(_stats("kl per token (old - ref)", e["old_logprobs"] - batch.ref_logprobs))
+    old = e.get("old_logprobs", batch.behaviour_logprobs)  # (GRPO with one update stores none: the samplers')
+    lines.append(_stats("kl per token (old - ref)" if "old_logprobs" in e else "kl per token (behaviour - ref)",
+                        old - batch.ref_logprobs))
     lines.append(_stats("advantage per token", e["advantages"]))
     if "values" in e:
         lines.append(_stats("value per token", e["values"]))
