@@ -123,3 +123,17 @@ def test_grpo_with_one_update_takes_old_logprobs_from_the_training_forward(tiny,
     assert max((weights[k] - reference[k]).abs().max().item() for k in weights) < 1e-4
     assert "old_logprobs" not in experience.read(skip_dir / "experience" / experience.file_name(1))["experience"]
     assert "old_logprobs" in experience.read(full_dir / "experience" / experience.file_name(1))["experience"]
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_ignore_eos_runs_every_response_to_full_length(tiny, tmp_path, backend):
+    run_dir, metrics = run(tiny, tmp_path, f"full-{backend}", run={"steps": 2},
+                           rollout={"ignore_eos": True, "backend": backend, "max_new_tokens": 64})
+    for m in metrics:
+        assert m["response_len_mean"] == 64 and m["finished_frac"] == 0
+    eos = json.loads((tiny / "model" / "config.json").read_text())["eos_token_id"]
+    past_eos = 0
+    for step in range(2):  # some samples drew the end-of-sequence token and went on
+        responses = per_sample(experience.read(run_dir / "experience" / experience.file_name(step)), "response_tokens")
+        past_eos += sum(bool((r[:-1] == eos).any()) for r in responses)
+    assert past_eos > 0

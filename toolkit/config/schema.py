@@ -77,6 +77,9 @@ class RolloutSection(Section):
     """Sampling temperature (the trainer scores log-probs at the same temperature)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
+    ignore_eos: bool = False
+    """Benchmarks: every response runs to max_new_tokens, past any end-of-sequence token (vLLM's
+    ignore_eos), so that systems compared side by side do the same work."""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """`vllm`, `hf` (transformers `generate`, the fallback without vLLM), or `auto` (vllm if installed)."""
     vllm: VllmSection = VllmSection()

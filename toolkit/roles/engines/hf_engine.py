@@ -25,7 +25,7 @@ class HFEngine:
         self.model = model
         r = cfg.rollout
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.eos_id = self.tokenizer.eos_token_id
+        self.eos_id = None if r.ignore_eos else self.tokenizer.eos_token_id  # (None: never stop early)
         # Explicit: a model's own generation_config (e.g. top_k=50) must not change what is sampled.
         self.gen_config = GenerationConfig(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=0,
                                            max_new_tokens=r.max_new_tokens, pad_token_id=self.pad_id,
@@ -60,7 +60,7 @@ class HFEngine:
         completions = []
         for i in range(len(prompts)):
             row = new[i].tolist()
-            finished = self.eos_id in row  # generate pads finished rows after their EOS
+            finished = self.eos_id is not None and self.eos_id in row  # generate pads finished rows after EOS
             end = row.index(self.eos_id) + 1 if finished else len(row)
             completions.append(Completion(row[:end], token_lp[i, :end].tolist(), finished,
                                           self.tokenizer.decode(row[:end], skip_special_tokens=True)))

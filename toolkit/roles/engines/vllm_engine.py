@@ -44,7 +44,7 @@ class VllmEngine:
 
         r = self.cfg.rollout
         params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
-                                 logprobs=0, seed=seed) for seed in seeds]
+                                 logprobs=0, seed=seed, ignore_eos=r.ignore_eos) for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         completions = []
         for out in outputs:

@@ -1,0 +1,175 @@
+"""An end-to-end GRPO step against TRL's GRPOTrainer: the same model, workload and reward, side by side.
+
+    python tools/bench_trl.py [--steps 5]
+
+The model: a random 26M-parameter Llama (hidden 512, 8 layers, 8 heads, intermediate 1376) with the tiny
+tokenizer's 512 vocab, fp32. The workload: 16 prompts x 4 samples x 128 new tokens per step, every
+response forced to full length on both sides (slurm-rlhf: `rollout.ignore_eos`; TRL: `min_new_tokens`),
+KL coefficient 0.04 against a reference model, reward `digit_ratio`, one optimizer step per 64 samples in
+micro-batches of 16. slurm-rlhf runs twice: Separation (vLLM generator, scorer and trainer in processes
+of their own) and Flattening (every role in one process, what a one-GPU user runs; it generates with
+transformers). TRL goes into a virtual environment of its own, `.venv-trl` (made on first use, with the
+same torch and transformers), and runs tools/trl_grpo.py.
+
+Figures: the median step time over the steps after the first (slurm-rlhf: also the last, which
+exports), each phase's median where the system reports it, and the peak of the summed resident memory of
+every process of the run (sampled 4 times a second). The last line is `ratio R`: the lower of TRL's
+median step time over ours, for Separation and Flattening.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+TRL_VENV = REPO / ".venv-trl"
+TRL = "trl==1.16.0"
+
+
+def build_model(tiny: Path, out: Path) -> None:
+    """The benchmark's Llama with the tiny tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    small = json.loads((tiny / "model" / "config.json").read_text())
+    config = LlamaConfig(vocab_size=small["vocab_size"], hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=8, intermediate_size=1376, max_position_embeddings=512,
+                         bos_token_id=small["bos_token_id"], eos_token_id=small["eos_token_id"],
+                         pad_token_id=small["pad_token_id"], tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny / "model" / name).exists():
+            shutil.copy(tiny / "model" / name, out / name)
+
+
+def trl_python() -> Path:
+    """TRL's virtual environment (made once): the same torch and transformers as ours."""
+    python = TRL_VENV / "bin" / "python"
+    if not (TRL_VENV / ".installed").exists():
+        print(f"bench_trl: installing {TRL} into {TRL_VENV} (once)", flush=True)
+        subprocess.run([os.environ.get("PYTHON", "python3"), "-m", "venv", str(TRL_VENV)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q", "-c", str(REPO / "tools" / "constraints-cpu.txt")]
+        subprocess.run([*pip, "torch"], check=True)
+        subprocess.run([*pip, TRL, "transformers", "datasets", "accelerate"], check=True)
+        (TRL_VENV / ".installed").write_text(TRL)
+    return python
+
+
+class PeakMemory(threading.Thread):
+    """The peak of the summed resident memory of a process and all its descendants."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.done = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not self.done.wait(0.25):
+            total = 0
+            try:
+                for p in [root, *root.children(recursive=True)]:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.NoSuchProcess:
+                        pass
+            except psutil.NoSuchProcess:
+                return
+            self.peak = max(self.peak, total)
+
+
+def measured(command: list[str], **kwargs) -> int:
+    """Run `command` to completion; the peak memory of its processes in bytes."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    peak = PeakMemory(process.pid)
+    peak.start()
+    output, _ = process.communicate()
+    peak.done.set()
+    peak.join()
+    if process.returncode != 0:
+        raise SystemExit(f"bench_trl: {' '.join(command[:4])} ... failed:\n{output[-4000:]}")
+    return peak.peak
+
+
+def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int) -> dict:
+    config = {"run": {"name": f"bench-{strategy}", "algorithm": "grpo", "steps": steps + 2, "seed": 0},
+              "data": {"prompts": str(prompts)}, "model": {"actor": str(model)},
+              "rollout": {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 128, "ignore_eos": True},
+              "reward": {"functions": [{"function": "toolkit.rewards.examples:digit_ratio"}]},
+              "algorithm": {"kl": {"coef": 0.04}},
+              "trainer": {"zero_stage": 2, "lr": 1e-5, "micro_batch_size": 16},
+              "placement": {"strategy": strategy}, "checkpoint": {"every_steps": 10**6}}
+    path = tmp / f"{strategy}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = tmp / f"run-{strategy}"
+    peak = measured([sys.executable, "-m", "toolkit", "run", str(path), "--run-dir", str(run_dir)], cwd=REPO)
+    steady = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:-1]
+    phases = {k: statistics.median(m[k] for m in steady) for k in ("generate_s", "score_s", "train_s", "sync_s")}
+    return {"step_s": statistics.median(m["step_s"] for m in steady), **phases, "peak": peak,
+            "response_len": statistics.mean(m["response_len_mean"] for m in steady)}
+
+
+def theirs(model: Path, prompts: Path, tmp: Path, steps: int) -> dict:
+    out = tmp / "trl.json"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    peak = measured([str(trl_python()), str(REPO / "tools" / "trl_grpo.py"), str(model), str(prompts),
+                     str(steps + 1), str(out)], env=env)
+    result = json.loads(out.read_text())
+    return {"step_s": statistics.median(result["step_s"][1:]), "peak": peak, "version": result["trl"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5, help="measured steps of each system (after a first one)")
+    args = parser.parse_args()
+
+    from toolkit.table import text_table
+    from toolkit.tiny import build_tiny
+
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        tiny = build_tiny(tmp / "tiny")
+        model = tmp / "model"
+        build_model(tiny, model)
+        prompts = tiny / "prompts.jsonl"
+        results = {"TRL": theirs(model, prompts, tmp, args.steps)}
+        for strategy in ("separation", "flattening"):
+            results[strategy] = ours(model, prompts, tmp, strategy, args.steps)
+
+    trl = results["TRL"]
+    rows = [("system", "step s (median)", "generate s", "score s", "train s", "sync s", "peak memory GB",
+             "TRL / this")]
+    rows.append((f"TRL {trl['version']} GRPOTrainer", f"{trl['step_s']:.2f}", "", "", "", "",
+                 f"{trl['peak'] / 1e9:.2f}", "1.00"))
+    for strategy in ("separation", "flattening"):
+        r = results[strategy]
+        rows.append((f"slurm-rlhf {strategy}", f"{r['step_s']:.2f}", f"{r['generate_s']:.2f}", f"{r['score_s']:.2f}",
+                     f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}", f"{r['peak'] / 1e9:.2f}",
+                     f"{trl['step_s'] / r['step_s']:.2f}"))
+    print(f"GRPO step: 26M-parameter Llama, 16 prompts x 4 samples x 128 new tokens (mean response "
+          f"{results['separation']['response_len']:.0f}), KL 0.04, fp32, {args.steps} steps measured, "
+          f"{os.cpu_count()} cores")
+    print(text_table(rows))
+    print(f"ratio {min(trl['step_s'] / results[s]['step_s'] for s in ('separation', 'flattening')):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
