@@ -65,6 +65,10 @@ class SupervisedRole(Role):
             self.step = self.checkpointed = state["step"]
             log.info("loaded %s (step %d)", plan["checkpoint"], self.step)
         self.data.skip(self.step * t.batch_size)
+        # Resumed after the last step's checkpoint but before the export: the loop only finishes. Decided
+        # here, before any rank can have exported: a look at the file system after the loop would race
+        # with rank 0's export (a rank that saw none would wait for a checkpoint no other rank makes).
+        self.finish_pending = self.step == self.steps and not (self.run_dir / "export").exists()
         log.info("%s: %d training rows, %d eval rows, %d steps of %d rows on %d rank(s), starting at step %d",
                  cfg.stage, self.data.train_rows, len(self.data.eval), self.steps, t.batch_size, self.ranks.world,
                  self.step)
@@ -97,8 +101,8 @@ class SupervisedRole(Role):
                 metrics["checkpoint_s"], metrics["checkpoint_mb"] = self._finish()
             if self.ranks.rank == 0:
                 self.worker.control.send("trained", step=step, metrics=metrics)
-        if self.step == self.steps and not (self.run_dir / "export").exists():
-            self._finish()  # (resumed after its last checkpoint, before the export: every rank sees the same)
+        if self.finish_pending:
+            self._finish()
 
     def _finish(self) -> tuple[float, float]:
         """After the last step (every rank): the reward statistics (rm), the last checkpoint, the export."""
