@@ -62,8 +62,10 @@ def trl_python() -> Path:
         print(f"bench_trl: installing {TRL} into {TRL_VENV} (once)", flush=True)
         subprocess.run([os.environ.get("PYTHON", "python3"), "-m", "venv", str(TRL_VENV)], check=True)
         pip = [str(python), "-m", "pip", "install", "-q", "-c", str(REPO / "tools" / "constraints-cpu.txt")]
-        subprocess.run([*pip, "torch"], check=True)
-        subprocess.run([*pip, TRL, "transformers", "datasets", "accelerate"], check=True)
+        with open(TRL_VENV / "setup.log", "w") as log:  # (shown only if pip fails)
+            for packages in (["torch"], [TRL, "transformers", "datasets", "accelerate"]):
+                if subprocess.run([*pip, *packages], stdout=log, stderr=subprocess.STDOUT).returncode != 0:
+                    raise SystemExit(f"bench_trl: pip install {' '.join(packages)} failed; see {TRL_VENV / 'setup.log'}")
         (TRL_VENV / ".installed").write_text(TRL)
     return python
 
