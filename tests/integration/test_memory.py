@@ -98,7 +98,7 @@ def test_a_lora_policy_trains_with_vllm_and_exports_merged(tiny, tmp_path):
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics:  # vLLM holds the merged weights after every sync
         assert m["behaviour_logprob_diff"] < 1e-4 and m["sync_check_diff"] < 1e-4
-    assert metrics[0]["kl"] == 0.0 and metrics[2]["kl"] > 1e-4  # the reference: the actor without adapters
+    assert abs(metrics[0]["kl"]) < 1e-6 and metrics[2]["kl"] > 1e-4  # the reference: the actor without adapters
     first = experience.read(run_dir / "experience" / experience.file_name(0))
     assert torch.allclose(torch.from_numpy(first["samples"]["ref_logprobs"]),
                           torch.from_numpy(first["samples"]["behaviour_logprobs"]), atol=1e-5)
