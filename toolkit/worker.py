@@ -221,6 +221,17 @@ def _end_children() -> None:
         pass
 
 
+def _report_failure(worker, worker_id: str, error: BaseException) -> None:
+    """Log the failure and tell the coordinator, with the end of the traceback."""
+    log.error("worker %s failed:\n%s", worker_id, "".join(traceback.format_exception(error)))
+    if worker is not None:
+        lines = traceback.format_exception(error)
+        try:
+            worker.control.send("failed", error=f"{type(error).__name__}: {error}", traceback="".join(lines[-6:]))
+        except Exception:
+            pass
+
+
 def _on_sigterm(signum, frame):
     log.warning("got SIGTERM; exiting")
     _end_children()
@@ -260,16 +271,14 @@ def main() -> None:
         worker.run()
         log.info("worker %s done", wenv.worker_id)
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0
+        # SystemExit() and SystemExit(0) end the worker cleanly; SystemExit("message") (e.g. from a reward
+        # function or a library) or a non-zero code is a failure, reported like any other.
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code:
+            _report_failure(worker, wenv.worker_id, e)
     except BaseException as e:
         code = 1
-        log.error("worker %s failed:\n%s", wenv.worker_id, traceback.format_exc())
-        if worker is not None:
-            lines = traceback.format_exception(e)
-            try:
-                worker.control.send("failed", error=f"{type(e).__name__}: {e}", traceback="".join(lines[-6:]))
-            except Exception:
-                pass
+        _report_failure(worker, wenv.worker_id, e)
     finally:
         if worker is not None:
             worker.heartbeat.stop()

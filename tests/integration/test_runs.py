@@ -248,3 +248,16 @@ def test_cancel_stops_a_local_run(tiny, tmp_path):
         assert proc.wait(timeout=30) == 143  # 128 + SIGTERM, which `cancel` sends the driver
         assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
         assert not alive(pids.values())
+
+
+def test_a_role_that_exits_with_a_message_fails_the_run_and_says_why(tiny, tmp_path):
+    """SystemExit("message") inside a role (here a reward function) is a failure, reported as such."""
+    (tmp_path / "quitting.py").write_text("def reward(prompt, response, **kw):\n"
+                                          "    raise SystemExit('out of API quota')\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 2, "name": "q"},
+                                            reward={"functions": [{"function": "quitting:reward"}]}))
+    result = cli("run", config, "--run-dir", tmp_path / "run", env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert ") failed: SystemExit: out of API quota" in result.stderr, result.stderr
+    assert_no_workers_left(tmp_path / "run")

@@ -14,6 +14,7 @@ import sys
 import time
 
 from toolkit.errors import ConfigError, RunError
+from toolkit.launch.env import node_name
 from toolkit.launch.rundir import RunDir
 from toolkit.table import text_table
 
@@ -126,14 +127,27 @@ def cancel(rd: RunDir, timeout_s: float = 60) -> str:
                 return f"cancelled slurm job {job_id} ({state})"
             time.sleep(0.5)
         raise RunError(f"slurm job {job_id} still not ended {timeout_s:.0f} s after scancel")
-    pid = rd.read_json(rd.status).get("driver", {}).get("pid")
+    status = rd.read_json(rd.status)
+    driver = status.get("driver", {})
+    pid = driver.get("pid")
     if not pid:
         raise RunError(f"{rd.path}: neither a Slurm job nor a running local driver is recorded")
+    if driver.get("node") not in (None, node_name()):
+        raise RunError(f"the run's driver (pid {pid}) runs on node {driver['node']}, not here ({node_name()}); "
+                       "run `slurm-rlhf cancel` there")
+    import psutil
+
+    try:
+        started = psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return f"the local driver (pid {pid}) had already ended"
+    if "started" in driver and abs(started - driver["started"]) > 1.0:  # the pid now belongs to another process
+        return (f"the local driver (pid {pid}) had already ended (run state: {status.get('state', 'unknown')}); "
+                f"pid {pid} is now another process, left alone")
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return f"the local driver (pid {pid}) had already ended"
-    import psutil
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -362,10 +362,18 @@ class Supervisor:
                 w["phase"], w["step"] = "ended", self.step
         status = {"state": self.state, "stage": self.cfg.stage, "step": self.step, "running_step": self.running_step,
                   "steps": self.steps, "launcher": self.launcher.name, "error": self.error,
-                  "driver": {"pid": os.getpid(), "node": node_name()}, "workers": workers,
+                  "driver": {"pid": os.getpid(), "node": node_name(), "started": _started()}, "workers": workers,
                   "last_metrics": self.last_metrics}
         self.run_dir.write_status(status)
         self._status_written = time.monotonic()
+
+
+def _started() -> float:
+    """When this process started (seconds since the epoch, as psutil reads it): with the pid, it names
+    the driver process, so `cancel` never signals another process that later got the same pid."""
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def _raise_interrupt(signum, frame):
