@@ -223,9 +223,9 @@ def _end_children() -> None:
 
 def _report_failure(worker, worker_id: str, error: BaseException) -> None:
     """Log the failure and tell the coordinator, with the end of the traceback."""
-    log.error("worker %s failed:\n%s", worker_id, "".join(traceback.format_exception(error)))
+    lines = traceback.format_exception(error)
+    log.error("worker %s failed:\n%s", worker_id, "".join(lines))
     if worker is not None:
-        lines = traceback.format_exception(error)
         try:
             worker.control.send("failed", error=f"{type(error).__name__}: {error}", traceback="".join(lines[-6:]))
         except Exception:

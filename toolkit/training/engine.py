@@ -76,10 +76,10 @@ def build_engine(model: torch.nn.Module, settings, lr: float, dtype: str, world:
     from toolkit.training.lora import parameter_counts
 
     trained, total = parameter_counts(engine.module)
-    switches = [name for name, on in (("LoRA rank %d" % lora.rank if lora else "", lora is not None),
-                                      ("activation checkpointing", settings.gradient_checkpointing),
-                                      ("optimizer offload (CPU Adam)", settings.offload_optimizer),
-                                      ("parameter offload", settings.offload_params)) if on]
+    switches = [f"LoRA rank {lora.rank}"] if lora is not None else []
+    switches += [name for name, on in (("activation checkpointing", settings.gradient_checkpointing),
+                                       ("optimizer offload (CPU Adam)", settings.offload_optimizer),
+                                       ("parameter offload", settings.offload_params)) if on]
     logging.getLogger(__name__).info("%s: ZeRO-%d, %s of %s parameters trained%s", type(engine.module).__name__,
                                      settings.zero_stage, f"{trained:,}", f"{total:,}",
                                      "".join(f", {s}" for s in switches))
