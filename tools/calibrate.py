@@ -10,7 +10,7 @@ then checks the planner's predictions against whole runs):
                             and byte terms, split into a per-step and a per-sequence part
   forward_call              no-gradient forward passes (log-probs) beyond their FLOPs
   train_micro_batch, optimizer_step   DeepSpeed updates with two micro-batch sizes, beyond their FLOPs
-  message, step             one samples message (encode, HMAC, send, decode); one HDF5 experience commit
+  message, step             one samples message (encode, MAC, send, decode); one HDF5 experience commit
 Run it with the thread count the runs will have (default: every core).
 """
 

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from toolkit.transport.sockets import Inbox, Outbox
-from toolkit.transport.wire import MAGIC, Codec, FrameError, new_secret
+from toolkit.transport.wire import MAGIC, NONCE_BYTES, Codec, FrameError, new_secret
 
 SECRET = b"s" * 32
 
@@ -41,7 +41,7 @@ def test_round_trip():
 def test_buffers_are_not_copied_on_send():
     a = np.arange(1000, dtype=np.float32)
     frames = Codec(SECRET, "x").encode("k", {}, {"a": a})
-    assert np.shares_memory(np.frombuffer(frames[2], dtype=np.float32), a)
+    assert np.shares_memory(np.frombuffer(frames[3], dtype=np.float32), a)
 
 
 def test_wrong_secret_is_rejected():
@@ -51,7 +51,7 @@ def test_wrong_secret_is_rejected():
     assert info.value.reason == "bad-mac"
 
 
-@pytest.mark.parametrize("index", [1, 2, 3])
+@pytest.mark.parametrize("index", [1, 2, 3, 4])
 def test_altered_frame_is_rejected(index):
     frames = [bytes(f) for f in Codec(SECRET, "g").encode("samples", {"step": 0}, arrays())]
     altered = bytearray(frames[index])
@@ -74,7 +74,7 @@ def test_replay_is_rejected():
 def forged(header: dict, buffers: list[bytes]) -> list:
     """Frames with a valid MAC around an arbitrary header (as from a buggy peer that knows the secret)."""
     codec = Codec(SECRET, "x")
-    body = [MAGIC, msgpack.packb(header), *buffers]
+    body = [MAGIC, bytes(NONCE_BYTES), msgpack.packb(header), *buffers]
     return [*body, codec._mac(body)]
 
 
@@ -95,10 +95,11 @@ def test_malformed_header_is_rejected(header, buffers, detail):
 
 def test_garbage_is_rejected():
     rx = Codec(SECRET, "s")
-    for frames in ([b"hello"], [b"SRLHF0", b"x", b"y"], [MAGIC, b"\xc1", b"0" * 32]):
+    for frames in ([b"hello"], [b"SRLHF0", b"x", b"y", b"z"], [MAGIC, bytes(NONCE_BYTES), b"\xc1", b"0" * 16],
+                   [MAGIC, b"short nonce", b"\xc1", b"0" * 16]):
         with pytest.raises(FrameError):
             rx.decode(frames)
-    body = [MAGIC, b"\xc1\xc1"]  # authenticated but not msgpack
+    body = [MAGIC, bytes(NONCE_BYTES), b"\xc1\xc1"]  # authenticated but not msgpack
     with pytest.raises(FrameError, match="not msgpack"):
         rx.decode([*body, Codec(SECRET, "x")._mac(body)])
 

@@ -56,7 +56,7 @@ class Overheads(_Section):
     optimizer_step: float = Field(ge=0)
     """One optimizer step (besides reading the states)."""
     message: float = Field(ge=0)
-    """One ZeroMQ message between workers (encode, HMAC, decode)."""
+    """One ZeroMQ message between workers (encode, MAC, decode)."""
     step: float = Field(ge=0)
     """The driver's own work per step (prompts, metrics, HDF5 commit)."""
 

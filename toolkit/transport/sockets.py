@@ -102,10 +102,14 @@ def recv_valid(socket: zmq.Socket, codec: Codec, rejected: collections.Counter, 
     """The next message on `socket` that decodes, or None after `timeout_s`; bad frames are counted."""
     deadline = time.monotonic() + timeout_s
     while True:
-        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        if not socket.poll(left_ms):
-            return None
-        msg = decode_or_count(codec, socket.recv_multipart(copy=copy), rejected)
+        try:  # (a queued message is taken at once; the poll is for waiting)
+            frames = socket.recv_multipart(zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not socket.poll(left_ms):
+                return None
+            continue
+        msg = decode_or_count(codec, frames, rejected)
         if msg is not None:
             return msg
 

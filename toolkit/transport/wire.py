@@ -2,11 +2,15 @@
 
 A message travels as ZeroMQ multipart frames:
 
-    [MAGIC, header, buffer_0, ..., buffer_n-1, mac]
+    [MAGIC, nonce, header, buffer_0, ..., buffer_n-1, tag]
 
+- nonce: 16 random bytes, new for every message.
 - header: msgpack map {kind, sender, seq, meta, arrays: [[name, dtype, shape], ...]}; never pickle.
 - buffers: the arrays' bytes, C order, sent without copying.
-- mac: HMAC-SHA256 over every preceding frame, each prefixed by its 8-byte length.
+- tag: Poly1305 over the lengths of every preceding frame (8 bytes each), then the frames, with the
+  one-time key HMAC-SHA256(run secret, nonce), as in ChaCha20-Poly1305, where the key of each message is
+  drawn from the secret and a nonce. Poly1305 runs at about 12 GB/s here against SHA-256's 1.7 GB/s (an
+  HMAC-SHA256 over the whole message halved the throughput of rollout streaming).
 
 `Codec.decode` checks the MAC before it parses anything, then the header's shape, then that every buffer
 has exactly the bytes its dtype and shape need, and that `seq` grows per sender (no replays). A frame that
@@ -15,9 +19,9 @@ fails raises `FrameError` with the reason; receivers log it, count it and drop i
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import itertools
+import math
 import os
 import secrets
 import struct
@@ -27,10 +31,16 @@ from typing import Any
 import msgpack
 import numpy as np
 
-MAGIC = b"SRLHF1"
-MAC_BYTES = 32
+MAGIC = b"SRLHF2"
+NONCE_BYTES = 16
+MAC_BYTES = 16
 # Only plain numeric dtypes cross the wire (no object arrays, no structured dtypes).
 DTYPES = {"bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64"}
+# (dtype.name is slow to compute; these are looked up per array of every message)
+_NAME_OF = {np.dtype(name): name for name in DTYPES}
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in DTYPES}
+# Frames shorter than this are joined before they are fed to Poly1305 (fewer calls per message).
+_SMALL_FRAME = 4096
 MAX_HEADER_BYTES = 16 * 2**20
 MAX_ARRAYS = 1024
 
@@ -88,29 +98,31 @@ class Codec:
             arr = np.asarray(arr)
             if not arr.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d arrays into 1-d)
                 arr = arr.copy(order="C")
-            if arr.dtype.name not in DTYPES:
+            dtype = _NAME_OF.get(arr.dtype)
+            if dtype is None:
                 raise TypeError(f"array {name!r} has dtype {arr.dtype}; allowed: {sorted(DTYPES)}")
-            specs.append([name, arr.dtype.name, list(arr.shape)])
+            specs.append([name, dtype, list(arr.shape)])
             buffers.append(memoryview(arr.reshape(-1).view(np.uint8)))
         header = msgpack.packb(
             {"kind": kind, "sender": self.sender, "seq": next(self._seq), "meta": meta or {}, "arrays": specs},
             use_bin_type=True,
         )
-        frames = [MAGIC, header, *buffers]
+        frames = [MAGIC, secrets.token_bytes(NONCE_BYTES), header, *buffers]
         return [*frames, self._mac(frames)]
 
     def decode(self, frames: list) -> Message:
         """Authenticate and parse frames (bytes, memoryviews or zmq.Frame); raise FrameError if bad."""
         views = [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
-        if len(views) < 3:
-            raise FrameError("malformed", f"{len(views)} frames, need at least 3")
+        if len(views) < 4:
+            raise FrameError("malformed", f"{len(views)} frames, need at least 4")
         if bytes(views[0]) != MAGIC:
             raise FrameError("malformed", "bad magic (not a slurm-rlhf frame, or another version)")
         *body, mac = views
-        if len(mac) != MAC_BYTES or not hmac.compare_digest(self._mac(body), bytes(mac)):
+        if (len(body[1]) != NONCE_BYTES or len(mac) != MAC_BYTES
+                or not hmac.compare_digest(self._mac(body), bytes(mac))):
             raise FrameError("bad-mac", "authentication failed (wrong run secret, or the frame was altered)")
-        header = self._parse_header(body[1])
-        buffers = body[2:]
+        header = self._parse_header(body[2])
+        buffers = body[3:]
         specs = header["arrays"]
         if len(specs) != len(buffers):
             raise FrameError("malformed", f"header lists {len(specs)} arrays but {len(buffers)} buffers came")
@@ -121,7 +133,7 @@ class Codec:
         arrays = {}
         for spec, buf in zip(specs, buffers):
             name, dtype, shape = _check_spec(spec)
-            need = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            need = math.prod(shape) * _ITEMSIZE[dtype]
             if len(buf) != need:
                 raise FrameError("malformed", f"array {name!r} {dtype}{tuple(shape)} needs {need} bytes, got {len(buf)}")
             arrays[name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
@@ -129,12 +141,21 @@ class Codec:
         return Message(header["kind"], header["meta"], arrays, sender, seq)
 
     def _mac(self, frames) -> bytes:
-        h = hmac.new(self._secret, digestmod=hashlib.sha256)
+        """Poly1305 tag of `frames` (frames[1] is the nonce) under the message's one-time key."""
+        from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+        frames = [memoryview(f) for f in frames]
+        mac = Poly1305(hmac.digest(self._secret, b"slurm-rlhf poly1305 key:" + bytes(frames[1]), "sha256"))
+        small = bytearray(struct.pack(f"<{len(frames)}Q", *(f.nbytes for f in frames)))
         for f in frames:
-            f = memoryview(f)
-            h.update(struct.pack("<Q", f.nbytes))
-            h.update(f)
-        return h.digest()
+            if f.nbytes < _SMALL_FRAME:
+                small += f
+                continue
+            mac.update(small)
+            small.clear()
+            mac.update(f)
+        mac.update(small)
+        return mac.finalize()
 
     @staticmethod
     def _parse_header(raw) -> dict:
