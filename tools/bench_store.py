@@ -26,30 +26,39 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from toolkit.config.base import CheckpointSection  # noqa: E402
 from toolkit.samples import SampleBatch, ragged  # noqa: E402
 from toolkit.store import experience  # noqa: E402
 
 SIZES = [("demo batch", 64, 24, 9), ("512 x 512 tokens", 512, 512, 128), ("1024 x 2048 tokens", 1024, 2048, 256)]
 
 
-def synthetic_record(samples: int, response_len: int, prompt_len: int, rng: np.random.Generator) -> dict:
+def synthetic_batch(samples: int, response_len: int, prompt_len: int, rng: np.random.Generator,
+                    full_length: bool = False) -> SampleBatch:
+    """A scored batch of random tokens: responses of response_len/2..response_len tokens (all
+    response_len with `full_length`), texts of 4 characters a token (also used by bench_transport.py)."""
+    shortest = response_len if full_length else response_len // 2
     prompts = [rng.integers(3, 32000, prompt_len, dtype=np.int32) for _ in range(samples)]
-    responses = [rng.integers(3, 32000, int(rng.integers(response_len // 2, response_len + 1)), dtype=np.int32)
+    responses = [rng.integers(3, 32000, int(rng.integers(shortest, response_len + 1)), dtype=np.int32)
                  for _ in range(samples)]
     pt, po = ragged(prompts, np.int32)
     rt, ro = ragged(responses, np.int32)
-    tokens = len(rt)
-    lp = -rng.random(tokens, dtype=np.float32)
-    batch = SampleBatch(step=0, prompt_ids=np.arange(samples, dtype=np.int64),
-                        group_index=np.arange(samples, dtype=np.int32) // 8,
-                        sample_index=np.arange(samples, dtype=np.int32) % 8,
-                        policy_version=np.zeros(samples, np.int32), prompt_tokens=pt, prompt_offsets=po,
-                        response_tokens=rt, response_offsets=ro, behaviour_logprobs=lp, finished=np.ones(samples, bool),
-                        prompts=["x" * (prompt_len * 4)] * samples, responses=["y" * (response_len * 4)] * samples,
-                        fields=[{}] * samples, ref_logprobs=lp - 0.01, rewards=rng.random((samples, 2), np.float32),
-                        reward_names=["a", "b"], reward_weights=[1.0, 0.5])
+    lp = -rng.random(len(rt), dtype=np.float32)
+    return SampleBatch(step=0, prompt_ids=np.arange(samples, dtype=np.int64),
+                       group_index=np.arange(samples, dtype=np.int32) // 8,
+                       sample_index=np.arange(samples, dtype=np.int32) % 8,
+                       policy_version=np.zeros(samples, np.int32), prompt_tokens=pt, prompt_offsets=po,
+                       response_tokens=rt, response_offsets=ro, behaviour_logprobs=lp, finished=np.ones(samples, bool),
+                       prompts=["x" * (prompt_len * 4)] * samples, responses=["y" * (response_len * 4)] * samples,
+                       fields=[{}] * samples, ref_logprobs=lp - 0.01, rewards=rng.random((samples, 2), np.float32),
+                       reward_names=["a", "b"], reward_weights=[1.0, 0.5])
+
+
+def synthetic_record(samples: int, response_len: int, prompt_len: int, rng: np.random.Generator) -> dict:
+    batch = synthetic_batch(samples, response_len, prompt_len, rng)
+    tokens = len(batch.response_tokens)
     per_token = {k: rng.standard_normal(tokens, np.float32) for k in ("old_logprobs", "advantages", "values", "returns")}
-    return experience.record_of(batch, per_token, 0, "ppo", 0, 0.01, samples)
+    return experience.record_of(batch, per_token, "ppo", 0, 0.01, samples)
 
 
 def plain_write(directory: Path, size: int, payload: bytes) -> float:
@@ -69,6 +78,7 @@ def bench_commits(directory: Path, repeats: int) -> None:
     print("HDF5 experience commit vs plain sequential write + fsync of the same bytes (same directory)")
     header = f"{'batch':<20}{'file MB':>9}{'commit s':>10}{'commit MB/s':>13}{'plain s':>9}{'plain MB/s':>12}{'ratio':>7}"
     print(header + "\n" + "-" * len(header))
+    ratios = []
     for label, samples, response_len, prompt_len in SIZES:
         record = synthetic_record(samples, response_len, prompt_len, rng)
         commit_s, plain_s, size = [], [], 0
@@ -81,11 +91,15 @@ def bench_commits(directory: Path, repeats: int) -> None:
             path.unlink()
         mb = size / 2**20
         c, p = statistics.median(commit_s), statistics.median(plain_s)
-        print(f"{label:<20}{mb:>9.2f}{c:>10.4f}{mb / c:>13.1f}{p:>9.4f}{mb / p:>12.1f}{c / p:>7.2f}")
-    print(f"(median of {repeats}; commit = HDF5 write + fsync + SHA-256 + rename + directory fsync)\n")
+        print(f"{label:<20}{mb:>9.2f}{c:>10.4f}{mb / c:>13.1f}{p:>9.4f}{mb / p:>12.1f}{p / c:>7.2f}")
+        if mb >= 1:
+            ratios.append(p / c)
+    print(f"(median of {repeats}; commit = HDF5 write + fsync + SHA-256 + rename + directory fsync;\n"
+          " ratio = commit MB/s / plain MB/s)\n")
+    return min(ratios)
 
 
-def bench_run(steps: int) -> None:
+def bench_run(steps: int, every: int) -> None:
     with tempfile.TemporaryDirectory(dir=REPO / "runs") as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "toolkit", "run", str(REPO / "templates/examples/tiny-grpo.yaml"),
@@ -100,8 +114,11 @@ def bench_run(steps: int) -> None:
     print(header + "\n" + "-" * len(header))
     for label, seconds in rows:
         print(f"{label:<20}{seconds:>9.4f}{step_s:>9.3f}{seconds / step_s:>8.1%}")
+    checkpoint_s = rows[1][1]
+    print(f"{'checkpoint every ' + str(every):<20}{checkpoint_s / every:>9.4f}{step_s:>9.3f}"
+          f"{checkpoint_s / every / step_s:>8.1%}   (checkpoint.every_steps default)")
     print(f"checkpoint size {statistics.mean(r.get('checkpoint_mb', 0.0) for r in records):.1f} MB "
-          "(actor: DeepSpeed weights + optimizer state, HF copy)")
+          "(actor: DeepSpeed weights + optimizer state, HF copy)\n")
 
 
 def main() -> None:
@@ -112,9 +129,10 @@ def main() -> None:
     args = parser.parse_args()
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
-    bench_commits(directory, args.repeats)
+    ratio = bench_commits(directory, args.repeats)
     if args.steps:
-        bench_run(args.steps)
+        bench_run(args.steps, CheckpointSection().every_steps)
+    print(f"ratio {ratio:.2f}  (HDF5 commit throughput / plain write + fsync, lowest over batches of 1 MB or more)")
 
 
 if __name__ == "__main__":
