@@ -97,13 +97,16 @@ def zero3(rank, config, directory) -> None:
     params = list(engine.module.named_parameters())
     partitioned = all(p.ds_tensor.numel() < p.ds_numel for _, p in params if p.ds_numel > 1000)
     layout = plan_layout(params, BUCKET_BYTES, probe_tokens(500, 0))
-    expected = model_logprobs(engine.module, layout.probe)  # (a forward pass: every ZeRO-3 rank takes part)
+    def probe():  # (a forward pass: every ZeRO-3 rank takes part)
+        return model_logprobs(engine.module, layout.probe)
+
     if rank == 0:
         sender = WeightSender(form_group(store, 0, 2, 120, torch.device("cpu")), layout, torch.device("cpu"))
-        sender.send(1, expected, gathered_buckets([p for _, p in params], layout.sources, zero3=True))
+        sender.send(1, gathered_buckets([p for _, p in params], layout.sources, zero3=True), probe, transient=True)
     else:
         for _ in gathered_buckets([p for _, p in params], layout.sources, zero3=True):
             pass
+        probe()
     with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
         if rank == 0:
             torch.save({n: p.data.clone() for n, p in params}, directory / "expected.pt")

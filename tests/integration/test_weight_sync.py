@@ -59,8 +59,8 @@ def sync_once(config, model_dir, backend: str, tmp_path, refresh: str = "refresh
         layout = plan_layout(params, 64 * 1024, probe_tokens(500, 0), convert)
         sender = WeightSender(form_group(store, 0, 2, 120, torch.device("cpu")), layout, torch.device("cpu"))
         assert len(layout.sources) > 5
-        sent = sender.send(1, model_logprobs(model, layout.probe),
-                           gathered_buckets([p for _, p in params], layout.sources, zero3=False))
+        sent = sender.send(1, gathered_buckets([p for _, p in params], layout.sources, zero3=False),
+                           lambda: model_logprobs(model, layout.probe))
         assert sent == sum(p.numel() * 4 for _, p in params)
     finally:
         finish(proc, log_path)

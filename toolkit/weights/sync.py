@@ -7,10 +7,16 @@ workers (or their vLLM workers). It is separate from the trainer's own data-para
 Protocol, all on that group, root 0:
   join:  layout length (int64[1]), layout (uint8 JSON: {"buckets": [[[name, dtype, shape], ...], ...],
          "probe": [token ids]})
-  sync:  version (int64[1]), the trainer's log-probs of the probe (float32[len(probe) - 1]), then one
-         flat tensor per bucket of the layout
+  sync:  version (int64[1]), one flat tensor per bucket of the layout, then the trainer's log-probs of
+         the probe (float32[len(probe) - 1])
 The layout says what each bucket carries as the generator loads it (see `hf_format`), so no per-sync
-metadata travels. The probe log-probs let the generator check the sync (see `probe`).
+metadata travels. The probe log-probs let the generator check the sync (see `probe`); they go last, so
+the trainer computes them while the last bucket travels.
+
+Each tensor travels as its own asynchronous broadcast, straight from the parameter's memory (no copy
+into a bucket buffer); the receiver takes a bucket's tensors into slices of one new flat tensor. The
+trainer computes the probe while the weights travel. (`tools/bench_sync.py` compares this with one raw
+broadcast of the same bytes.)
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import datetime
 import json
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -111,24 +117,39 @@ class WeightSender:
         self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64, device=device))
         self._broadcast(payload)
 
-    def send(self, version: int, probe_logprobs: torch.Tensor, buckets: Iterable[list[torch.Tensor]]) -> int:
-        """Broadcast `version`, the probe's log-probs, then each bucket (its source parameters' full
-        tensors, in layout order, converted here); return bytes sent."""
+    def send(self, version: int, buckets: Iterable[list[torch.Tensor]], probe: Callable[[], torch.Tensor],
+             transient: bool = False) -> int:
+        """Broadcast `version`, each bucket (its source parameters' full tensors, in layout order,
+        converted here), then `probe()`, the trainer's log-probs of the probe; return bytes sent.
+        `transient`: a bucket's tensors are freed once the next one is taken (ZeRO-3 gathers), so each
+        bucket's transfer ends before the next starts; otherwise everything is in flight at once and
+        the probe runs meanwhile."""
         self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
-        self._broadcast(probe_logprobs.to(self.device, torch.float32).contiguous())
-        sent = 0
+        sent, pending = 0, []
         for index, tensors in enumerate(buckets):
             converted = self.layout.converted(index, tensors)
             expected = [tuple(shape) for _, _, shape in self.layout.wire[index]]
             if [tuple(t.shape) for t in converted] != expected:
                 raise RuntimeError(f"weight bucket shapes {[tuple(t.shape) for t in converted]} differ from {expected}")
-            flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in converted])
-            self._broadcast(flat)
-            sent += flat.numel() * flat.element_size()
+            for t in converted:
+                t = t.detach().to(self.device).contiguous()
+                pending.append((t, self.group.broadcast(t, 0)))  # (t stays referenced until its transfer ends)
+                sent += t.numel() * t.element_size()
+            if transient:
+                _wait(pending)
+        logprobs = probe()
+        _wait(pending)
+        self._broadcast(logprobs.to(self.device, torch.float32).contiguous())
         return sent
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         self.group.broadcast(tensor, 0).wait()
+
+
+def _wait(pending: list) -> None:
+    for _, work in pending:
+        work.wait()
+    pending.clear()
 
 
 class WeightReceiver:
@@ -147,25 +168,32 @@ class WeightReceiver:
     def weights(self) -> int:
         return sum(len(b) for b in self.buckets)
 
-    def receive(self) -> tuple[int, torch.Tensor, Iterator[tuple[str, torch.Tensor]]]:
-        """(version, the trainer's probe log-probs, iterator of (name, tensor)). Consume the whole iterator:
-        it receives bucket by bucket."""
+    def receive(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+        """(version, iterator of (name, tensor)). Consume the whole iterator (it receives bucket by
+        bucket), then call `probe_logprobs`."""
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._broadcast(version)
+        return int(version.item()), self._tensors()
+
+    def probe_logprobs(self) -> torch.Tensor:
+        """The trainer's log-probs of the probe for the version just received (sent after the weights)."""
         expected = torch.zeros(max(len(self.probe) - 1, 0), dtype=torch.float32, device=self.device)
         self._broadcast(expected)
-        return int(version.item()), expected.cpu(), self._tensors()
+        return expected.cpu()
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # (a new tensor per bucket: a loader may hold views of earlier buckets until a layer is whole)
         for entries in self.buckets:
             flat = torch.empty(sum(_numel(shape) for _, _, shape in entries), dtype=_dtype(entries[0][1]),
                                device=self.device)
-            self._broadcast(flat)
-            offset = 0
+            views, pending, offset = [], [], 0
             for name, _, shape in entries:
                 n = _numel(shape)
-                yield name, flat[offset: offset + n].view(shape)
+                views.append((name, flat[offset: offset + n].view(shape)))
+                pending.append((None, self.group.broadcast(flat[offset: offset + n], 0)))
                 offset += n
+            _wait(pending)
+            yield from views
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         self.group.broadcast(tensor, 0).wait()

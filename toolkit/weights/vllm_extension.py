@@ -55,12 +55,13 @@ class WeightSyncExtension:
     def receive_weights(self) -> tuple[int, list[float]]:
         """Receive the next version of the weights into the model; return it and the trainer's probe
         log-probs."""
-        version, expected, tensors = self._weight_receiver.receive()
+        version, tensors = self._weight_receiver.receive()
         try:
             self.model_runner.reload_weights(weights_iterator=tensors)
         finally:
             for _ in tensors:  # keep the group in step even if loading stopped early
                 pass
+        expected = self._weight_receiver.probe_logprobs()
         _refresh_derived(self.model_runner.model)
         return version, expected.tolist()
 

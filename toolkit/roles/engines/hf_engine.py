@@ -88,9 +88,13 @@ class HFEngine:
 
     def receive_weights(self) -> tuple[int, torch.Tensor]:
         """Load the next version of the weights; (that version, the trainer's probe log-probs)."""
-        version, expected, tensors = self._receiver.receive()
-        self.load_weights(tensors)
-        return version, expected
+        version, tensors = self._receiver.receive()
+        try:
+            self.load_weights(tensors)
+        finally:
+            for _ in tensors:  # keep the group in step even if loading stopped early
+                pass
+        return version, self._receiver.probe_logprobs()
 
     @torch.no_grad()
     def load_weights(self, named_tensors) -> None:

@@ -1,0 +1,144 @@
+"""Benchmark of weight sync: slurm-rlhf's bucketed broadcast against one raw torch.distributed broadcast.
+
+    .venv/bin/python tools/bench_sync.py [--repeats N]
+
+Two processes on this machine form a gloo group over a TCPStore on 127.0.0.1, as trainer rank 0 and one
+generator rank do (NCCL takes gloo's place on GPU). Per model:
+- slurm-rlhf: what the trainer does at every sync: the probe's log-probs (one forward pass of 64 tokens,
+  the check that the generator loaded every weight), then `WeightSender.send`: the weights in buckets of
+  `trainer.weight_sync_bucket_mb` (64), converted to the checkpoint format vLLM loads, one broadcast per
+  bucket; the receiver takes them with `WeightReceiver.receive` (views of each bucket, as vLLM's loader gets them);
+- raw: one `broadcast` of a flat tensor of the same number of bytes, into a new tensor on the receiver
+  (as a loader needs each version: vLLM keeps the tensors it is given until a layer is whole), and, for
+  the link's bound, into one tensor reused every time.
+Both end with a barrier; rank 0's wall time, median over repeats, alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from toolkit.transport.rendezvous import connect_store, serve_store  # noqa: E402
+from toolkit.weights.hf_format import checkpoint_converter  # noqa: E402
+from toolkit.weights.probe import model_logprobs, probe_tokens  # noqa: E402
+from toolkit.weights.sync import WeightReceiver, WeightSender, form_group, gathered_buckets, plan_layout  # noqa: E402
+
+# (label, hidden, layers, heads, intermediate, vocab): bench_trl.py's Llama, and a larger one
+MODELS = [("Llama (bench_trl)", 512, 8, 8, 1376, 512), ("Llama, 32k vocab", 768, 12, 12, 2048, 32000)]
+BUCKET_MB = 64  # trainer.weight_sync_bucket_mb's default
+TIMEOUT_S = 300
+
+
+def build(hidden: int, layers: int, heads: int, intermediate: int, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=heads, intermediate_size=intermediate, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval()
+
+
+def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int) -> None:
+    torch.set_num_threads(1)
+    if rank == 0:
+        store = serve_store("127.0.0.1", TIMEOUT_S)
+        port_queue.put(store.port)
+    else:
+        store = connect_store("127.0.0.1", port_queue.get(timeout=TIMEOUT_S), TIMEOUT_S)
+    device = torch.device("cpu")
+    group = form_group(store, rank, 2, TIMEOUT_S, device)
+    raw_group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, datetime.timedelta(seconds=TIMEOUT_S))
+    if rank == 0:
+        model = build(*shape)
+        params = list(model.named_parameters())
+        layout = plan_layout(params, BUCKET_MB * 2**20, probe_tokens(shape[-1], 0), checkpoint_converter(model))
+        sender = WeightSender(group, layout, device)
+        flat = torch.cat([p.detach().reshape(-1) for _, p in params])
+    else:
+        receiver = WeightReceiver(group, device)
+        flat = torch.empty(sum(p.numel() for p in build(*shape).parameters()))
+    ours, probe_s, fresh, reused, sent = [], [], [], [], 0
+
+    def probe():
+        started = time.perf_counter()
+        out = model_logprobs(model, layout.probe)
+        probe_s.append(time.perf_counter() - started)
+        return out
+
+    for version in range(1, repeats + 1):
+        group.barrier().wait()
+        started = time.perf_counter()
+        if rank == 0:
+            sent = sender.send(version, gathered_buckets([p for _, p in params], layout.sources, False), probe)
+        else:
+            got, tensors = receiver.receive()
+            assert got == version
+            for _ in tensors:
+                pass
+            receiver.probe_logprobs()
+        group.barrier().wait()
+        ours.append(time.perf_counter() - started)
+        for times, target in ((fresh, None), (reused, flat)):
+            raw_group.barrier().wait()
+            started = time.perf_counter()
+            raw_group.broadcast(flat if rank == 0 or target is not None else torch.empty_like(flat), 0).wait()
+            raw_group.barrier().wait()
+            times.append(time.perf_counter() - started)
+    if rank == 0:
+        results.put({"ours": statistics.median(ours), "probe": statistics.median(probe_s),
+                     "fresh": statistics.median(fresh), "reused": statistics.median(reused), "sent": sent,
+                     "raw_bytes": flat.numel() * flat.element_size(), "buckets": len(layout.wire),
+                     "params": flat.numel()})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    print("Weight sync between two processes over gloo (localhost): slurm-rlhf's bucketed broadcast vs one raw "
+          "broadcast of the same bytes")
+    header = (f"{'model':<26}{'MB':>7}{'buckets':>8}{'ours s':>8}{'probe s':>9}{'ours MB/s':>10}"
+              f"{'raw s':>8}{'raw MB/s':>9}{'ratio':>7}{'raw reused s':>14}")
+    print(header + "\n" + "-" * len(header))
+    ratios = []
+    for label, *shape in MODELS:
+        port_queue, results = ctx.Queue(), ctx.Queue()
+        procs = [ctx.Process(target=rank_main, args=(rank, port_queue, results, tuple(shape), args.repeats))
+                 for rank in (0, 1)]
+        for p in procs:
+            p.start()
+        try:
+            r = results.get(timeout=TIMEOUT_S)
+        finally:
+            for p in procs:
+                p.join(60)
+                if p.is_alive():
+                    p.kill()
+        assert r["sent"] == r["raw_bytes"], r
+        mb = r["sent"] / 2**20
+        ratios.append(r["fresh"] / r["ours"])
+        label = f"{label} {r['params'] / 1e6:.0f}M"
+        print(f"{label:<26}{mb:>7.1f}{r['buckets']:>8}{r['ours']:>8.3f}{r['probe']:>9.3f}{mb / r['ours']:>10.1f}"
+              f"{r['fresh']:>8.3f}{mb / r['fresh']:>9.1f}{r['fresh'] / r['ours']:>7.2f}{r['reused']:>14.3f}")
+    print(f"(median of {args.repeats}; ours includes the probe's forward pass, run while the weights travel;\n"
+          " raw: one broadcast of the same bytes into a new tensor, as a loader takes each version;\n"
+          " raw reused: into the same tensor every time, no page faults; ratio = our MB/s / raw MB/s)\n")
+    print(f"ratio {min(ratios):.2f}  (weight sync throughput / raw torch.distributed broadcast, lowest over the models)")
+
+
+if __name__ == "__main__":
+    main()
