@@ -137,3 +137,20 @@ def test_ignore_eos_runs_every_response_to_full_length(tiny, tmp_path, backend):
         responses = per_sample(experience.read(run_dir / "experience" / experience.file_name(step)), "response_tokens")
         past_eos += sum(bool((r[:-1] == eos).any()) for r in responses)
     assert past_eos > 0
+
+
+def test_token_budget_micro_batches_make_the_update_of_the_token_mean(tiny, tmp_path):
+    """trainer.micro_batch_tokens: each of two trainer ranks takes its half of the update in one
+    micro-batch, or in many small ones of a few rows (as many on both ranks, which cut their samples
+    differently), and it is the same update (the loss is the token mean of a rank's samples however they
+    are cut); rows of micro_batch_size (a mean of each micro-batch's token mean) make another."""
+    two = {"trainer": {"workers": 2}}
+    one_dir, one = run(tiny, tmp_path, "one", run={"steps": 1}, trainer={"micro_batch_tokens": 10**6}, placement=two)
+    many_dir, many = run(tiny, tmp_path, "many", run={"steps": 1}, trainer={"micro_batch_tokens": 280}, placement=two)
+    rows_dir, rows = run(tiny, tmp_path, "rows", run={"steps": 1}, trainer={"micro_batch_size": 4}, placement=two)
+    assert one[0]["micro_batches"] == 1 and many[0]["micro_batches"] >= 4 and rows[0]["micro_batches"] == 8
+    assert many[0]["padding_frac"] < one[0]["padding_frac"]
+    assert one[0]["reward_mean"] == many[0]["reward_mean"] == rows[0]["reward_mean"]  # the same samples
+    weights, cut, by_rows = (load_file(d / "export" / "model.safetensors") for d in (one_dir, many_dir, rows_dir))
+    assert max((weights[k] - cut[k]).abs().max().item() for k in weights) < 1e-4  # (lr 1e-3)
+    assert max((weights[k] - by_rows[k]).abs().max().item() for k in weights) > 1e-3

@@ -132,6 +132,7 @@ def test_bad_prompt_line_is_a_config_error(tiny, tmp_path):
     ({"lora": {}}, {}, {"strategy": "colocate_critic_reward"}, "node group 'reference' of placement.strategy"),
     ({}, {"attn_implementation": "flash_attention_2"}, {}, "flash_attention_2 needs the flash-attn package"),
     ({}, {"attn_implementation": "fast"}, {}, "'sdpa', 'eager' or 'flash_attention_2'"),
+    ({"micro_batch_tokens": 40}, {}, {}, "trainer.micro_batch_tokens is 40, less than one sample can have"),
 ])
 def test_memory_switch_errors_name_the_field_and_the_fix(tiny, tmp_path, trainer, model, placement, expected):
     data = example("tiny-grpo.yaml", tiny)

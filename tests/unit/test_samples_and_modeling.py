@@ -109,3 +109,17 @@ def test_scores_come_back_in_sample_order_whatever_the_passes():
     for size in (1, 2, 3):
         assert torch.equal(sequence_logprobs(Echo(), padded, 1.0, size), one_pass)
     assert (one_pass * (1 - padded.action_mask)).abs().sum() == 0 and (one_pass * padded.action_mask).abs().sum() > 0
+
+
+def test_token_budget_micro_batches_hold_at_most_the_budget_longest_first():
+    from toolkit.roles.update import split_to, token_budget_batches
+
+    lengths = np.array([10, 50, 20, 50, 30, 5, 40, 25])
+    batches = token_budget_batches(lengths, np.arange(8), budget=100)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(8))  # every sample once
+    assert [b.tolist() for b in batches] == [[1, 3], [6, 4], [7, 2, 0, 5]]  # longest first
+    assert all(len(b) * lengths[b].max() <= 100 for b in batches)
+    assert [b.tolist() for b in token_budget_batches(lengths, np.array([1, 5]), budget=30)] == [[1], [5]]
+    split = split_to(batches, 5)  # (another rank needs 5): the one of most rows (the first of those: its
+    assert [b.tolist() for b in split] == [[1], [3], [6, 4], [7, 2], [0, 5]]  # samples are longest) is halved
+    assert sorted(np.concatenate(split).tolist()) == list(range(8))

@@ -202,6 +202,12 @@ class TrainerSection(EngineSection):
     """Optimizer updates per epoch over an experience batch (mini-batches)."""
     weight_sync_bucket_mb: float = Field(default=64, gt=0)
     """Weights are broadcast to generators in buckets of about this size."""
+    micro_batch_tokens: PositiveInt | None = None
+    """Micro-batches by token budget instead of `micro_batch_size` rows each: a rank's samples of an update,
+    longest first, fill micro-batches of at most this many tokens (rows x the longest sample, prompt
+    included), so short samples are not padded to long ones and every micro-batch needs about the same
+    memory. The loss is then the token mean over the update's samples. Must hold one whole sample
+    (rollout.max_prompt_tokens + max_new_tokens). None: `micro_batch_size` rows each."""
 
 
 class PtxSection(Section):
@@ -347,6 +353,14 @@ class RunConfig(Section):
                 f"{self.trainer.micro_batch_size} x trainer workers {trainers} x "
                 f"trainer.updates_per_step {self.trainer.updates_per_step} = {per_update}; change one of them"
             )
+        budget = self.trainer.micro_batch_tokens
+        longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
+        if budget is not None and budget < longest:
+            raise ValueError(f"trainer.micro_batch_tokens is {budget}, less than one sample can have "
+                             f"(rollout.max_prompt_tokens + max_new_tokens = {longest}); raise it to at least {longest}")
+        if budget is not None and self.ptx.coef > 0:
+            raise ValueError("trainer.micro_batch_tokens with ptx.coef > 0 is not supported (PTX text comes in "
+                             "micro_batch_size rows per micro-batch); remove one of them")
         layout = self.placement.layout()
         if self.trainer.lora is not None:
             if self.model.reference and Path(self.model.reference) != Path(self.model.actor):

@@ -288,7 +288,7 @@ class TrainerRole(Role):
             exp = experience_from_record(record, shard, self.pad_id)
         commit_s = self._commit(batch, exp) if commit else 0.0
         ptx = None if self.ptx is None else (lambda i: self.ptx.batch(batch.step, i))
-        stats = train_on(exp, self.actor, self.critic, cfg, self.shuffle_rng, ptx)
+        stats = train_on(exp, self.actor, self.critic, cfg, self.shuffle_rng, ptx, self.ranks.max)
         mask = exp.mask
         k1 = (exp.old_logprobs - exp.ref_logprobs) * mask
         totals = self.ranks.sum(torch.tensor([
@@ -387,13 +387,17 @@ class TrainerRole(Role):
         if fold_ema and self.ema is not None:
             buckets = self._folded(buckets)
         sent = 0
-        if self.sender is not None or zero3:  # (under ZeRO-3 the probe's forward pass needs every rank)
-            expected = model_logprobs(self.actor.module, self.layout.probe)
+
+        def probe() -> torch.Tensor:
+            return model_logprobs(self.actor.module, self.layout.probe)
+
         if self.sender is not None:
-            sent = self.sender.send(self.version, expected, buckets)
+            sent = self.sender.send(self.version, buckets, probe, transient=zero3)
         else:
             for _ in buckets:
                 pass
+            if zero3:  # (the probe's forward pass needs every ZeRO-3 rank, after the same gathers)
+                probe()
         return time.monotonic() - started, sent / 2**20
 
     def _buckets(self, zero3: bool):

@@ -116,27 +116,84 @@ def experience_from_record(record: dict, shard_index: np.ndarray, pad_id: int) -
                       place("advantages"), place("values"), place("returns"))
 
 
-def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx=None) -> dict[str, float]:
-    """`algorithm.epochs` passes over the experience in micro-batches; DeepSpeed steps the optimizer
-    every `gradient_accumulation_steps` micro-batches. `ptx(i)` gives the i-th micro-batch of PTX text
-    (ids, attention, loss mask) when the PTX mixture is on. Returns means of the loss statistics.
+def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx=None,
+             agree_max: Callable[[int], int] = lambda n: n) -> dict[str, float]:
+    """`algorithm.epochs` passes over the experience in micro-batches, `trainer.updates_per_step`
+    optimizer steps each (see `micro_batches`). `ptx(i)` gives the i-th micro-batch of PTX text (ids,
+    attention, loss mask) when the PTX mixture is on. `agree_max(n)`: the largest n over the trainer
+    ranks (token-budget micro-batches: every rank runs as many). Returns means of the loss statistics.
     The models are in training mode meanwhile (activation checkpointing acts only then; RL has no dropout)."""
     models = [m for m in (actor, critic) if m is not None]
     for m in models:
         m.train()
     try:
-        return _epochs(exp, actor, critic, cfg, shuffle_rng, ptx)
+        return _epochs(exp, actor, critic, cfg, shuffle_rng, ptx, agree_max)
     finally:
         for m in models:
             m.eval()
 
 
-def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx) -> dict[str, float]:
+def micro_batches(exp: Experience, order: torch.Tensor, cfg, agree_max: Callable[[int], int]) -> list[list]:
+    """The micro-batches of each optimizer update: `order` split into `updates_per_step` updates, each in
+    `micro_batch_size` rows, or with `trainer.micro_batch_tokens` by token budget (`token_budget_batches`),
+    as many on every rank (ZeRO's collectives run per forward and backward)."""
+    trainer = cfg.trainer
+    updates = [u.numpy() for u in order.chunk(trainer.updates_per_step)]
+    if trainer.micro_batch_tokens is None:
+        return [[u[i: i + trainer.micro_batch_size] for i in range(0, len(u), trainer.micro_batch_size)]
+                for u in updates]
+    lengths = exp.padded.attention_mask.sum(1).numpy()
+    planned = [token_budget_batches(lengths, u, trainer.micro_batch_tokens) for u in updates]
+    return [split_to(batches, agree_max(len(batches))) for batches in planned]
+
+
+def token_budget_batches(lengths: np.ndarray, index: np.ndarray, budget: int) -> list[np.ndarray]:
+    """`index` in micro-batches of at most `budget` padded tokens (rows x the longest), longest first; a
+    sample longer than the budget is a micro-batch of its own."""
+    index = index[np.argsort(-lengths[index], kind="stable")]
+    batches, start = [], 0
+    while start < len(index):
+        rows = max(1, budget // int(lengths[index[start]]))  # (the first is the longest)
+        batches.append(index[start: start + rows])
+        start += rows
+    return batches
+
+
+def _backward(engine, loss: torch.Tensor, share: float | None) -> None:
+    """DeepSpeed's backward: the loss over gradient_accumulation_steps, or times `share` (token budget)."""
+    if share is None:
+        engine.backward(loss)
+    else:
+        engine.backward(loss * share, scale_wrt_gas=False)
+
+
+def _planned(exp: Experience, updates: list[list]):
+    """(index, last of its update, its share of the update's response tokens) of every micro-batch."""
+    for update in updates:
+        tokens = [float(exp.mask[torch.from_numpy(i)].sum()) for i in update]
+        for k, index in enumerate(update):
+            yield torch.from_numpy(index), k == len(update) - 1, tokens[k] / (sum(tokens) or 1.0)
+
+
+def split_to(batches: list[np.ndarray], count: int) -> list[np.ndarray]:
+    """`batches` with the one of most rows (the first of those: the longest) halved until there are `count`."""
+    batches = list(batches)
+    while len(batches) < count:
+        i = max(range(len(batches)), key=lambda k: len(batches[k]))
+        if len(batches[i]) < 2:
+            raise ValueError(f"cannot split {sum(map(len, batches))} samples into {count} micro-batches")
+        half = len(batches[i]) // 2
+        batches[i: i + 1] = [batches[i][:half], batches[i][half:]]
+    return batches
+
+
+def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx,
+            agree_max: Callable[[int], int]) -> dict[str, float]:
     algo, trainer = cfg.algorithm, cfg.trainer
     grpo = cfg.run.algorithm == "grpo"
     n = len(exp.padded)
     sums: dict[str, float] = {}
-    count = 0
+    count = real = computed = 0
 
     def add(name: str, value) -> None:
         sums[name] = sums.get(name, 0.0) + float(value)
@@ -144,12 +201,21 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
     at_update = exp.old_logprobs is None
     if at_update:  # filled in below from each micro-batch's training forward
         exp.old_logprobs = torch.zeros_like(exp.padded.action_mask)
+    # By token budget, micro-batches differ in size: the update's boundary is set here, and each
+    # micro-batch's token-mean loss is weighted by its share of the update's tokens (instead of
+    # DeepSpeed's 1 / gradient_accumulation_steps), so the loss is the token mean over the update.
+    by_tokens = trainer.micro_batch_tokens is not None
+    engines = [m for m in (actor, critic) if m is not None]
     for _ in range(algo.epochs):
         order = torch.randperm(n, generator=shuffle_rng) if trainer.updates_per_step > 1 or algo.epochs > 1 \
             else torch.arange(n)
-        for start in range(0, n, trainer.micro_batch_size):
-            index = order[start: start + trainer.micro_batch_size]
+        for index, last, share in _planned(exp, micro_batches(exp, order, cfg, agree_max)):
+            if by_tokens:
+                for engine in engines:
+                    engine.set_gradient_accumulation_boundary(last)
             part = exp.padded.rows(index)
+            real += int(part.attention_mask.sum())
+            computed += part.attention_mask.numel()
             width = part.action_mask.shape[1]
             device = next(actor.parameters()).device
             ids, attention, mask = (t.to(device) for t in (part.input_ids, part.attention_mask, part.action_mask))
@@ -180,7 +246,7 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
                 ptx_loss = total / tokens.clamp(min=1)
                 loss = loss + cfg.ptx.coef * ptx_loss
                 add("ptx_loss", ptx_loss.item())
-            actor.backward(loss)
+            _backward(actor, loss, share if by_tokens else None)
             actor.step()
             add("loss", loss.item())
             add("clip_frac", stats["clip_frac"])
@@ -189,9 +255,11 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
                 old_values, returns = (t[index, :width].to(device) for t in (exp.values, exp.returns))
                 values = critic(ids, attention)[:, :-1]
                 v_loss, v_stats = value_loss(values, old_values, returns, mask, algo.value_clip_eps)
-                critic.backward(v_loss)
+                _backward(critic, v_loss, share if by_tokens else None)
                 critic.step()
                 add("value_loss", v_loss.item())
                 add("value_clip_frac", v_stats["value_clip_frac"])
             count += 1
-    return {k: v / max(count, 1) for k, v in sums.items()}
+    # (micro-batches of all epochs, and the share of the positions they computed that were padding)
+    return {**{k: v / max(count, 1) for k, v in sums.items()}, "micro_batches": count,
+            "padding_frac": 1 - real / max(computed, 1)}

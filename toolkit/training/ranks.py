@@ -52,6 +52,14 @@ class Ranks:
             dist.all_reduce(t)
         return t
 
+    def max(self, n: int) -> int:
+        """The largest `n` over the ranks."""
+        if self.world == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
