@@ -7,8 +7,8 @@ tokenizer's 512 vocab, fp32. The workload: 16 prompts x 4 samples x 128 new toke
 response forced to full length on both sides (slurm-rlhf: `rollout.ignore_eos`; TRL: `min_new_tokens`),
 KL coefficient 0.04 against a reference model, reward `digit_ratio`, one optimizer step per 64 samples in
 micro-batches of 16. slurm-rlhf runs twice: Separation (vLLM generator, scorer and trainer in processes
-of their own) and Flattening (every role in one process, what a one-GPU user runs; it generates with
-transformers). TRL goes into a virtual environment of its own, `.venv-trl` (made on first use, with the
+of their own) and Flattening (every role in one process, what a one-GPU user runs; vLLM generates in
+the trainer's process, `rollout.backend: vllm`). TRL goes into a virtual environment of its own, `.venv-trl` (made on first use, with the
 same torch and transformers), and runs tools/trl_grpo.py.
 
 Figures: the median step time over the steps after the first (slurm-rlhf: also the last, which
@@ -113,7 +113,8 @@ def measured(command: list[str], **kwargs) -> int:
 def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int) -> dict:
     config = {"run": {"name": f"bench-{strategy}", "algorithm": "grpo", "steps": steps + 2, "seed": 0},
               "data": {"prompts": str(prompts)}, "model": {"actor": str(model)},
-              "rollout": {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 128, "ignore_eos": True},
+              "rollout": {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 128, "ignore_eos": True,
+                          "backend": "vllm"},  # (Flattening: vLLM in the trainer's process)
               "reward": {"functions": [{"function": "toolkit.rewards.examples:digit_ratio"}]},
               "algorithm": {"kl": {"coef": 0.04}},
               "trainer": {"zero_stage": 2, "lr": 1e-5, "micro_batch_size": 16},

@@ -87,8 +87,12 @@ def test_placement_against_resources(tiny, tmp_path):
                    rollout={"vllm": {"tensor_parallel_size": 2}})
     assert "rollout.vllm.tensor_parallel_size (2) does not divide the GPUs of each generator worker (3)" in \
         error_of(tiny, tmp_path, data)
-    data = example("tiny-grpo.yaml", tiny, placement={"strategy": "flattening"}, rollout={"backend": "vllm"})
-    assert "puts generation in the trainer's workers" in error_of(tiny, tmp_path, data)
+    data = example("tiny-grpo.yaml", tiny, placement={"strategy": "flattening", "all": {"workers": 2}},
+                   rollout={"backend": "vllm"})
+    assert "vLLM runs in the trainer's process only when that node group has one worker (one device), it has 2" \
+        in error_of(tiny, tmp_path, data)
+    data["placement"]["all"]["workers"] = 1  # (one worker: vLLM in the trainer's process)
+    assert load_config(write_config(tmp_path, data)).generation_backend == "vllm"
     data = example("tiny-grpo.yaml", tiny, placement={"generator": {"workers": 32}})
     assert "prompts_per_step (16) is less than the generator workers (32)" in error_of(tiny, tmp_path, data)
 

@@ -81,7 +81,11 @@ class RolloutSection(Section):
     """Benchmarks: every response runs to max_new_tokens, past any end-of-sequence token (vLLM's
     ignore_eos), so that systems compared side by side do the same work."""
     backend: Literal["auto", "vllm", "hf"] = "auto"
-    """`vllm`, `hf` (transformers `generate`, the fallback without vLLM), or `auto` (vllm if installed)."""
+    """`vllm`, `hf` (transformers `generate`, the fallback without vLLM), or `auto` (vllm if installed;
+    hf where generation shares the trainer's workers). Where generation shares the trainer's workers
+    (flattening, interleaving) `vllm` runs vLLM in the trainer's process (that node group must have one
+    worker): the trainer loads its weights into vLLM in memory after each update, and on GPU vLLM sleeps
+    (gives back its KV cache and weights) while the trainer works."""
     vllm: VllmSection = VllmSection()
     """Settings of the vLLM engine."""
     max_policy_lag: Annotated[int, Field(ge=0)] = 0
@@ -384,10 +388,11 @@ class RunConfig(Section):
         if self.slurm.nodes is not None and need > self.slurm.nodes:
             raise ValueError(f"the node groups need {need} nodes (" + ", ".join(f"{name} {g.nodes}" for name, _, g in layout)
                              + f") but slurm.nodes allows {self.slurm.nodes}; use fewer nodes per group")
-        if self.rollout.backend == "vllm" and self.placement.generation_with_actor():
-            raise ValueError(f"rollout.backend is 'vllm', but placement.strategy {self.placement.strategy} puts generation "
-                             "in the trainer's workers, which generate with the trainer's own actor (transformers); "
-                             "use backend auto or hf, or a placement that gives generation its own node group")
+        if self.rollout.backend == "vllm" and self.placement.generation_with_actor() and generators.workers > 1:
+            raise ValueError(f"rollout.backend is 'vllm' with placement.strategy {self.placement.strategy}: vLLM runs in "
+                             f"the trainer's process only when that node group has one worker (one device), it has "
+                             f"{generators.workers}; use backend auto or hf (the trainer's own actor generates), one "
+                             "worker, or a placement that gives generation its own node group")
         lag = self.rollout.max_policy_lag
         if lag and self.placement.generation_with_actor():
             raise ValueError(f"rollout.max_policy_lag is {lag} (asynchronous mode), but placement.strategy "

