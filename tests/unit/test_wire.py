@@ -162,3 +162,25 @@ def test_outbox_blocks_then_times_out_when_nobody_reads():
         outbox.close()
         inbox.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_an_outbox_that_never_connects_leaves_no_open_socket(interrupt, monkeypatch):
+    """Its connect timeout (or an interrupt while it waits) closes its socket, so the context can end:
+    before, `ctx.term()` waited forever for the PUSH socket nobody could close."""
+    import threading
+
+    ctx = zmq.Context()
+    if interrupt:
+        def interrupted(self, timeout=None, flags=zmq.POLLIN):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(zmq.Socket, "poll", interrupted)
+    nobody = "tcp://127.0.0.1:9"  # (discard port: nothing accepts there)
+    with pytest.raises(KeyboardInterrupt if interrupt else TimeoutError) as info:
+        Outbox(ctx, Codec(SECRET, "driver"), [nobody], hwm=2, connect_timeout_s=0.5)
+    # (the exception's traceback keeps the half-built outbox alive, as in the driver's handler)
+    assert info.traceback
+    ended = threading.Event()
+    threading.Thread(target=lambda: (ctx.term(), ended.set()), daemon=True).start()
+    assert ended.wait(10), "ctx.term() blocked: the outbox left its socket open"

@@ -68,9 +68,15 @@ class Outbox:
                                        f"({', '.join(addresses)}) in {connect_timeout_s:.0f} s")
                 monitor.recv_multipart()
                 connected += 1
-        finally:
+        except BaseException:
+            # (a timeout or an interrupt here: nobody holds this object to close it, and an open socket
+            # makes the context's term() wait forever)
             self.socket.disable_monitor()
             monitor.close(linger=0)
+            self.socket.close(linger=0)
+            raise
+        self.socket.disable_monitor()
+        monitor.close(linger=0)
 
     def send(self, kind: str, meta: dict | None = None, arrays: dict | None = None, timeout_s: float = 60.0,
              while_blocked: Callable[[], None] | None = None) -> None:
