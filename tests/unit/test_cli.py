@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.conftest import cli
+from tests.conftest import REPO, cli
 
 
 def test_help_is_fast_and_light():
@@ -54,3 +55,27 @@ def test_cancel_never_signals_a_process_that_reused_the_drivers_pid(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_non_editable_install_renders_the_batch_script(tiny, tmp_path):
+    """`pip install .` (not editable) carries the batch script's template, so `render` and `submit` work
+    outside the source tree: before, the template lived in templates/, which is not packaged."""
+    from tests.conftest import example, write_config
+
+    target = tmp_path / "site"
+    built = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                            "--target", str(target), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert (target / "toolkit" / "launch" / "sbatch.sh.tmpl").is_file()
+    config = write_config(tmp_path / "config", example("tiny-grpo.yaml", tiny))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = subprocess.run([sys.executable, "-m", "toolkit", "render", str(config), "--run-dir", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=120, cwd=elsewhere,
+                            env={**os.environ, "PYTHONPATH": str(target)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    script = (tmp_path / "run" / "slurm" / "job.sbatch").read_text()
+    assert script.startswith("#!") and "#SBATCH" in script and str(target) not in result.stderr
+    probe = subprocess.run([sys.executable, "-c", "import toolkit; print(toolkit.__file__)"], capture_output=True,
+                           text=True, cwd=elsewhere, env={**os.environ, "PYTHONPATH": str(target)})
+    assert probe.stdout.startswith(str(target))  # (the installed copy ran, not the source tree)

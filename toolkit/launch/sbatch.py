@@ -1,4 +1,5 @@
-"""The batch script of a run: `#SBATCH` lines from the allocation plan, in the thin templates/sbatch.sh.tmpl.
+"""The batch script of a run: `#SBATCH` lines from the allocation plan, in the thin sbatch.sh.tmpl beside
+this file (package data: it is installed with the package).
 
 One pure function serves `render` (a script you submit by hand), `submit` (the same script carrying
 Submitit's command) and `submit --dry-run`; golden tests compare its output with checked-in files.
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from toolkit.launch.allocation import Allocation, Component
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "templates" / "sbatch.sh.tmpl"
+TEMPLATE = Path(__file__).with_name("sbatch.sh.tmpl")
 
 
 def job_log(run_dir: str, suffix: str = "out") -> str:
