@@ -240,7 +240,7 @@ def _on_sigterm(signum, frame):
 
 
 def main() -> None:
-    from toolkit.launch.env import WorkerEnv
+    from toolkit.launch.env import WorkerEnv, interface_of
     from toolkit.log import setup_logging
 
     os.umask(0o077)
@@ -249,6 +249,10 @@ def main() -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     wenv = WorkerEnv.from_environ()
     setup_logging(wenv.worker_id)
+    interface = interface_of(wenv.bind_host)
+    if interface:  # torch.distributed's gloo and NCCL sockets listen on the same interface as ZeroMQ's
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when workers stop
     code, worker = 0, None

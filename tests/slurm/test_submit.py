@@ -143,8 +143,13 @@ def test_submit_runs_each_role_on_its_own_nodes(tiny, tmp_path):
 
 
 def test_heterogeneous_job(tiny, tmp_path):
+    """Also `transport.bind_host` as an interface name: every worker binds to that interface's address
+    (before, it was not passed to the job steps, and each worker bound to its node's default address,
+    here eth0's)."""
+    from toolkit.launch.env import interface_addresses
+
     config = run_config(tiny, tmp_path, placement={"generator": {"partition": "front"},
-                                                   "trainer": {"partition": "back"}})
+                                                   "trainer": {"partition": "back"}}, transport={"bind_host": "lo"})
     dry = cli("submit", config, "--dry-run", "--run-dir", tmp_path / "dry", timeout=60)
     assert "a heterogeneous job of 3 components" in dry.stdout and dry.stdout.count("#SBATCH hetjob") == 2
     run_dir = tmp_path / "het"
@@ -162,6 +167,10 @@ def test_heterogeneous_job(tiny, tmp_path):
     assert set(expand(steps["trainer"][1])) <= partition_nodes["back"]
     nodes = [status["workers"][w]["node"] for w in ("generator:0", "scorer:0", "trainer:0")]
     assert len(set(nodes)) == 3
+    loopback = interface_addresses()["lo"][0]
+    for worker in status["workers"].values():
+        assert worker["inbox"] is None or worker["inbox"].startswith(f"tcp://{loopback}:"), worker
+        assert worker["store"] is None or worker["store"].startswith(f"{loopback}:"), worker
     assert_nothing_left(run_dir, job_id)
 
 

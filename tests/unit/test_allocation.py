@@ -79,3 +79,28 @@ def test_srun_reports_are_parsed():
     assert STEP_ID.search(text)["step"] == "45314686.1"
     first = TASK_FAILED.search(text)
     assert (first["node"], first["tasks"], first["what"]) == ("n3", "1", "Killed")
+
+
+def test_bind_host_is_an_address_an_interface_or_a_network_resolved_on_each_node(monkeypatch):
+    from toolkit.launch import env
+
+    monkeypatch.setattr(env, "interface_addresses", lambda: {"lo": ["127.0.0.1"], "eth0": ["192.0.2.2"],
+                                                             "ib0": ["10.1.4.7"], "ifb0": []})
+    assert env.resolve_bind_host("ib0") == "10.1.4.7"
+    assert env.resolve_bind_host("10.1.0.0/16") == "10.1.4.7"
+    assert env.resolve_bind_host("192.0.2.2") == "192.0.2.2"
+    with pytest.raises(ConfigError, match=r"10\.9\.0\.0/16: no address of node .* is in that network \(its "
+                                          r"interfaces: lo 127\.0\.0\.1, eth0 192\.0\.2\.2, ib0 10\.1\.4\.7, ifb0 -\)"):
+        env.resolve_bind_host("10.9.0.0/16")
+    with pytest.raises(ConfigError, match="'ifb0': that interface of node .* has no IPv4 address"):
+        env.resolve_bind_host("ifb0")
+    # The default: the node's name resolved, but not to a loopback address (Debian's 127.0.1.1), which
+    # the other nodes of a job cannot reach
+    monkeypatch.setattr(env.socket, "gethostbyname", lambda name: "127.0.1.1")
+    assert env.resolve_bind_host(None) == "192.0.2.2"
+    monkeypatch.setattr(env.socket, "gethostbyname", lambda name: "10.1.4.7")
+    assert env.resolve_bind_host("") == "10.1.4.7"
+    monkeypatch.setattr(env, "interface_addresses", lambda: {"lo": ["127.0.0.1"]})
+    monkeypatch.setattr(env.socket, "gethostbyname", lambda name: "127.0.1.1")
+    assert env.node_address() == "127.0.1.1"  # (a machine with nothing else)
+    assert env.interface_of("127.0.0.1") == "lo" and env.interface_of("10.0.0.1") is None

@@ -18,7 +18,7 @@ from toolkit.errors import RunError, ToolkitError
 def run_in_allocation(run_dir: str) -> None:
     from toolkit.config import load_config
     from toolkit.launch.allocation import plan_allocation
-    from toolkit.launch.env import node_address, node_name
+    from toolkit.launch.env import node_name, resolve_bind_host
     from toolkit.launch.rundir import RunDir
     from toolkit.launch.slurm import SlurmLauncher
     from toolkit.launch.supervisor import make_driver
@@ -40,10 +40,12 @@ def run_in_allocation(run_dir: str) -> None:
         rd.write_status({"state": "failed", "error": f"the run's config no longer loads: {e}"})
         raise
     rd.update_job(job_id=os.environ.get("SLURM_JOB_ID"), batch_node=node_name(), driver_pid=os.getpid())
-    launcher = SlurmLauncher(rd, plan_allocation(plan(cfg), cfg.slurm.heterogeneous), cfg.slurm.python or sys.executable)
+    launcher = SlurmLauncher(rd, plan_allocation(plan(cfg), cfg.slurm.heterogeneous), cfg.slurm.python or sys.executable,
+                             cfg.transport.bind_host)
     print(f"job {launcher.job_id}: run {cfg.run.name!r} in {rd.path}; node groups: "
           + ", ".join(f"{g} on {','.join(n)}" for g, n in launcher.nodes.items()), flush=True)
-    driver = make_driver(cfg, rd, launcher, node_address(), echo=lambda line: print(line, flush=True))
+    driver = make_driver(cfg, rd, launcher, resolve_bind_host(cfg.transport.bind_host),
+                         echo=lambda line: print(line, flush=True))
     driver.preempt = bool(early_usr1)
     driver.run()
     if driver.state == "preempted":

@@ -12,6 +12,7 @@ from toolkit.launch.rundir import RunDir
 
 def run_here(cfg, run_dir: RunDir, verbose: bool = False) -> int:
     """Run (or resume) `run_dir` with local worker processes; the exit code."""
+    from toolkit.launch.env import resolve_bind_host
     from toolkit.launch.local import LocalLauncher
     from toolkit.launch.supervisor import make_driver
     from toolkit.log import setup_logging
@@ -20,7 +21,7 @@ def run_here(cfg, run_dir: RunDir, verbose: bool = False) -> int:
     kind = "run" if cfg.stage == "rl" else f"{cfg.stage} run"
     print(f"{kind} {cfg.run.name!r} ({cfg.summary}) in {run_dir.path}", flush=True)
     started = time.monotonic()
-    bind_host = cfg.transport.bind_host or "127.0.0.1"
+    bind_host = resolve_bind_host(cfg.transport.bind_host) if cfg.transport.bind_host else "127.0.0.1"
     driver = make_driver(cfg, run_dir, LocalLauncher(run_dir, bind_host), bind_host,
                          echo=lambda line: print(line, flush=True))
     records = driver.run()

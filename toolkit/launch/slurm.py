@@ -56,8 +56,9 @@ def srun_command(group: WorkerGroup, nodes: list[str], het_group: int | None, py
 class SlurmLauncher:
     name = "slurm"
 
-    def __init__(self, run_dir: RunDir, allocation: Allocation, python: str = sys.executable):
-        self.run_dir, self.allocation, self.python = run_dir, allocation, python
+    def __init__(self, run_dir: RunDir, allocation: Allocation, python: str = sys.executable,
+                 bind_host: str | None = None):
+        self.run_dir, self.allocation, self.python, self.bind_host = run_dir, allocation, python, bind_host
         self.job_id = os.environ["SLURM_JOB_ID"]
         self.nodes = assign_nodes(allocation, component_nodes(allocation))
         self.steps: dict[str, subprocess.Popen] = {}
@@ -73,6 +74,8 @@ class SlurmLauncher:
             cmd = srun_command(group, self.nodes[group.name], het, self.python, str(self.run_dir.logs))
             child_env = {**os.environ, **env, **group.env, E.GROUP: group.name}
             child_env.pop(E.RANK, None)  # each task's rank is its SLURM_PROCID
+            if self.bind_host:  # (transport.bind_host: each worker resolves it on its own node)
+                child_env[E.BIND_HOST] = self.bind_host
             with open(self.srun_log(group.name), "ab") as log:
                 log.write(f"$ {' '.join(cmd)}\n".encode())
                 log.flush()
