@@ -154,3 +154,23 @@ def test_experience_files_read_with_plain_tools(baseline):
     assert out.returncode == 0, out.stderr
     assert "samples 64 (16 prompts x 4)" in out.stdout and "reward (total): mean" in out.stdout
     assert "kl per token (behaviour - ref)" in out.stdout  # (GRPO, one update: no old log-probs stored)
+
+
+def test_a_long_replay_is_not_taken_for_a_slow_start(tiny, tmp_path):
+    """A resume that replays its committed batches for longer than transport.startup_timeout_s, each one
+    well within it, goes on: the limit counts from the workers' last progress (each replayed batch is
+    one). Before, the driver gave up "waiting for every worker to load its models"."""
+    from toolkit.roles.trainer import REPLAY_PAUSE_ENV
+
+    data = example("tiny-grpo.yaml", tiny, run={"steps": 6, "name": "long-replay"}, checkpoint={"every_steps": 100},
+                   transport={"startup_timeout_s": 20}, rollout={"backend": "hf"})
+    run_dir = tmp_path / "run"
+    run_and_kill(write_config(tmp_path, data), run_dir, after_commits=4)
+    replays = commits(run_dir)
+    assert 4 <= replays < 6
+    result = cli("resume", run_dir, env={REPLAY_PAUSE_ENV: "7"})  # 4 or 5 batches x 7 s: over 20 s in all
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert log.count("trained again on") == replays
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(6))

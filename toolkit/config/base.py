@@ -236,13 +236,15 @@ class TransportSection(Section):
     heartbeat_timeout_s: float = Field(default=60.0, gt=0)
     """A worker silent this long is declared dead and the run stops."""
     startup_timeout_s: float = Field(default=600.0, gt=0)
-    """Most time for every worker to register and load its models."""
+    """Most time for every worker to register and load its models, without progress: a resume that
+    replays many committed batches in the trainer's start-up reports each one, and each restarts the count."""
     step_timeout_s: float = Field(default=1800.0, gt=0)
     """Most time for one step (generate, score, train, sync); also the timeout of every collective."""
     max_inflight_messages: PositiveInt = 8
     """Messages queued per data connection before the sender blocks (backpressure)."""
     bind_host: str | None = None
-    """Address to bind sockets to (default: 127.0.0.1 for local runs, the node's address under Slurm)."""
+    """Where sockets listen: an address, an interface name (e.g. ib0) or a network (e.g. 10.1.0.0/16),
+    resolved on each node (default: 127.0.0.1 for local runs, each node's address under Slurm)."""
 
     @model_validator(mode="after")
     def _heartbeats(self) -> "TransportSection":

@@ -127,8 +127,10 @@ class Supervisor:
         self._pump(lambda: len(self.book) == len(self.worker_ids), t.startup_timeout_s, "every worker to register")
         for worker_id in self.worker_ids:
             self.coordinator.send(worker_id, "start", book=self.book, resume=resume)
+        # (a resume replays its committed batches in the trainer's setup, for as long as that takes: what
+        # the limit bounds is start-up without progress, seen in the workers' heartbeats)
         self._pump(lambda: len(self.ready) == len(self.worker_ids), t.startup_timeout_s,
-                   "every worker to load its models")
+                   "every worker to load its models", progress=self._startup_progress)
         self.echo(f"all workers ready in {time.monotonic() - started:.1f} s")
 
     # ----- metrics --------------------------------------------------------------------------------
@@ -220,12 +222,24 @@ class Supervisor:
 
     # ----- events and health ----------------------------------------------------------------------
 
-    def _pump(self, done: Callable[[], bool], timeout_s: float, waiting_for: str) -> None:
+    def _pump(self, done: Callable[[], bool], timeout_s: float, waiting_for: str,
+              progress: Callable[[], object] | None = None) -> None:
+        """Handle events until `done()`; fail after `timeout_s`, counted from the last change of
+        `progress()` when that is given."""
         deadline = time.monotonic() + timeout_s
+        last = progress() if progress else None
         while not done():
+            if progress is not None and (now := progress()) != last:
+                last, deadline = now, time.monotonic() + timeout_s
             if time.monotonic() > deadline:
-                raise RunError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}\n{self._who_is_where()}")
+                idle = " without progress" if progress else ""
+                raise RunError(f"timed out after {timeout_s:.0f} s{idle} waiting for {waiting_for}\n"
+                               f"{self._who_is_where()}")
             self._pump_once(0.2)
+
+    def _startup_progress(self) -> tuple:
+        """What the workers' heartbeats say they are doing (a resume's replay advances its step)."""
+        return tuple(sorted((w, s.get("phase"), s.get("step")) for w, s in self.coordinator.status.items()))
 
     def _pump_once(self, wait_s: float = 0.0) -> None:
         """Handle the control messages that arrived (waiting up to `wait_s` for one), then check health."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -142,7 +143,11 @@ class TrainerRole(Role):
                 self.ema.load(directory / "ema.safetensors")
             log.info("loaded %s (policy_version %d)", directory, self.version)
         replayed = []
+        pause_s = float(os.environ.get(REPLAY_PAUSE_ENV, 0))
         for path in plan.get("replay", []):
+            # (heartbeats carry this: the driver's start-up timeout counts from the last progress)
+            self.status.update(phase="replaying", step=len(replayed))
+            time.sleep(pause_s)
             record = experience.read(Path(path))
             batch = experience.batch_of(record)
             if abs(record["attrs"]["kl_coef"] - self.kl.coef) > 1e-12 or record["attrs"]["policy_version"] != self.version:
@@ -437,6 +442,10 @@ class TrainerRole(Role):
         self.generator.engine.load_local(named)
         del named
         return self.generator._check_sync(self.version, model_logprobs(self.actor.module, self.layout.probe))
+
+
+REPLAY_PAUSE_ENV = "SLURM_RLHF_TEST_REPLAY_PAUSE_S"
+"""Tests only: seconds to wait before each replayed batch (a long resume without a long run)."""
 
 
 def _stage_seconds(parts: list[SampleBatch], key: str, who: str) -> dict:
