@@ -114,3 +114,26 @@ def run_and_kill(config: Path, run_dir: Path, after_commits: int | None = None, 
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} of the event files under `directory`, read as TensorBoard reads them: files
+    in the order they were written, a session START at step N dropping earlier values of steps >= N."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(Path(directory).glob("events.out.tfevents.*")):  # (named by creation time)
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            event = Event.FromString(data[offset + 12: offset + 12 + length])
+            offset += 12 + length + 4  # (length, its CRC, the record, its CRC)
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                for values in scalars.values():
+                    for step in [s for s in values if s >= event.step]:
+                        del values[step]
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars

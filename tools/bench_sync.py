@@ -4,7 +4,7 @@
 
 Two processes on this machine form a gloo group over a TCPStore on 127.0.0.1, as trainer rank 0 and one
 generator rank do (NCCL takes gloo's place on GPU). Per model:
-- slurm-rlhf: what the trainer does at every sync: the probe's log-probs (one forward pass of 64 tokens,
+- slurm-rlhf: what the trainer does at every sync: the probe's log-probs (one forward pass of 32 tokens,
   the check that the generator loaded every weight), then `WeightSender.send`: the weights in buckets of
   `trainer.weight_sync_bucket_mb` (64), converted to the checkpoint format vLLM loads, one broadcast per
   bucket; the receiver takes them with `WeightReceiver.receive` (views of each bucket, as vLLM's loader gets them);

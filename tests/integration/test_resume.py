@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import cli, example, run_and_kill, write_config
+from tests.conftest import cli, example, run_and_kill, tensorboard_scalars, write_config
 from tests.conftest import experience_commits as commits
 from toolkit.store import experience
 
@@ -106,6 +106,13 @@ def test_resume_after_sigkill_ends_with_the_same_weights(baseline, killed, tmp_p
         assert np.array_equal(s["prompt_ids"], base["prompt_ids"])
     state = json.loads((run_dir / "checkpoints" / f"step-{STEPS:06d}" / "trainer_state.json").read_text())
     assert state["policy_version"] == STEPS  # one update per committed batch: none trained twice
+    # (c) the TensorBoard curves go on across the resume, every step once, as in metrics.jsonl
+    curves = tensorboard_scalars(run_dir / "tensorboard")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one file per attempt
+    for name, tb_tag in (("reward_mean", "reward_mean"), ("loss", "loss"), ("train_s", "time/train_s"),
+                         ("reward/digit_ratio", "reward/digit_ratio")):
+        assert curves[tb_tag] == pytest.approx({m["step"]: m[name] for m in metrics}, rel=1e-6), tb_tag
 
 
 def flip_bytes(path: Path) -> None:

@@ -134,7 +134,7 @@ class Driver(Supervisor):
         done = {r["step"] for r in read_metrics(self.run_dir.metrics)} if self.run_dir.metrics.exists() else set()
         for record in self.trainer_ready.get("replayed", []):
             if record["step"] not in done:
-                self.run_dir.append_metrics({**record, "time": time.time()})
+                self._write_metrics({**record, "time": time.time()})
             self.last_metrics = record
             self.echo(f"replayed {progress_line(record, self.cfg.run.steps)}")
 

@@ -23,6 +23,7 @@ from typing import Callable
 
 from toolkit.errors import Interrupted, RunError
 from toolkit.launch import env as E
+from toolkit.launch.curves import Curves
 from toolkit.launch.env import node_name
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import group_of, plan
@@ -56,6 +57,7 @@ class Supervisor:
         self._status_written = 0.0
         self.preempt = False
         self.history: list[dict] = []  # metrics of steps run before this attempt (a resume)
+        self.curves = Curves(run_dir.path / "tensorboard")
         self.end_time: float | None = None  # when the job will be killed (unix time), once known
         self.trainer_ready: dict = {}
         self.checkpointed: dict | None = None
@@ -104,6 +106,7 @@ class Supervisor:
             self.launcher.stop(grace_s=5.0)
             self._write_status()
             self._close()
+            self.curves.close()
             self.coordinator.close()
             self.ctx.term()
             for sig, handler in previous.items():
@@ -141,11 +144,16 @@ class Supervisor:
     def _record(self, step: int, **extra) -> dict:
         """Write the metrics of trained `step` (what the trainer reported, plus `extra`) and show them."""
         record = {"step": step, **self.trained.pop(step), **extra, "time": time.time()}
-        self.run_dir.append_metrics(record)
+        self._write_metrics(record)
         self.step = step
         self.echo(self.progress_line(record))
         self._write_status(last=record)
         return record
+
+    def _write_metrics(self, record: dict) -> None:
+        """A step's metrics record to metrics.jsonl and to the TensorBoard curves (steps in order)."""
+        self.run_dir.append_metrics(record)
+        self.curves.add(record)
 
     def _plan_resume(self) -> dict:
         """Resume from what the run directory holds (nothing, for a new run): the newest whole checkpoint
