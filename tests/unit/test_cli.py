@@ -79,3 +79,21 @@ def test_a_non_editable_install_renders_the_batch_script(tiny, tmp_path):
     probe = subprocess.run([sys.executable, "-c", "import toolkit; print(toolkit.__file__)"], capture_output=True,
                            text=True, cwd=elsewhere, env={**os.environ, "PYTHONPATH": str(target)})
     assert probe.stdout.startswith(str(target))  # (the installed copy ran, not the source tree)
+
+
+def test_every_dependency_in_pyproject_is_installed():
+    """tools/setup.sh installs its own list of packages (torch first, DeepSpeed without build isolation):
+    a dependency added to pyproject.toml but not there is caught here, not by a user's first run."""
+    import importlib.metadata
+    import re
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0] for spec in project["dependencies"]]
+    missing = []
+    for name in names:
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(name)
+    assert not missing, f"in pyproject.toml but not installed (add them to tools/setup.sh): {missing}"
