@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -237,6 +238,7 @@ def test_cancel_leaves_nothing_behind(tiny, tmp_path):
     live = cli("status", run_dir, timeout=60).stdout
     assert f"slurm job {job_id}: RUNNING" in live and "run state: running" in live
     assert live.count("(running)") == 3, live  # each role's srun step, as Slurm lists it
+    assert len(re.findall(r" \d+ s ago", live)) == 3, live  # when the driver last heard from each worker
     assert run_processes(run_dir), "no process of the run was found while it ran"
     started = time.monotonic()
     result = cli("cancel", run_dir, timeout=120)

@@ -78,15 +78,18 @@ def status_text(rd: RunDir) -> str:
     if last:
         lines.append("last step: " + "  ".join(f"{k} {last[k]:.4g}" for k in
                                                 ("reward_mean", "kl", "loss", "accuracy", "eval_loss",
-                                                 "eval_accuracy", "generate_s", "train_s", "sync_s", "step_s")
+                                                 "eval_accuracy", "generate_s", "train_s", "sync_s", "step_s",
+                                                 "tokens_per_s")
                                                 if isinstance(last.get(k), (int, float))))
-    rows = [("worker", "node", "pid", "slurm step", "phase", "step", "policy_version")]
+    rows = [("worker", "node", "pid", "slurm step", "phase", "step", "policy_version", "last heard")]
+    running = status["state"] in ("starting", "running")
     for worker_id, w in status.get("workers", {}).items():
         step = w.get("slurm_step") or "-"
         if steps and step != "-":
             step += " (running)" if step in steps else " (ended)"
+        heard = f"{max(0.0, time.time() - w['heard_unix']):.0f} s ago" if running and "heard_unix" in w else "-"
         rows.append((worker_id, str(w.get("node", "-")), str(w.get("pid", "-")), step,
-                     str(w.get("phase", "-")), str(w.get("step", "-")), str(w.get("policy_version", "-"))))
+                     str(w.get("phase", "-")), str(w.get("step", "-")), str(w.get("policy_version", "-")), heard))
     lines.append(text_table(rows))
     return "\n".join(lines)
 

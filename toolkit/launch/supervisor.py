@@ -372,8 +372,12 @@ class Supervisor:
         return "worker states:\n" + "\n".join(rows)
 
     def _worker_status(self) -> dict[str, dict]:
-        """Every worker's entry of status.json: its address book entry and its last heartbeat's status."""
-        return {w: {**self.book.get(w, {}), **self.coordinator.status.get(w, {})} for w in self.worker_ids}
+        """Every worker's entry of status.json: its address book entry, its last heartbeat's status, and
+        when the driver last heard from it (unix time)."""
+        wall = time.time() - time.monotonic()
+        return {w: {**self.book.get(w, {}), **self.coordinator.status.get(w, {}),
+                    **({"heard_unix": wall + self.coordinator.last_seen[w]} if w in self.coordinator.last_seen else {})}
+                for w in self.worker_ids}
 
     def _write_status(self, last: dict | None = None) -> None:
         if last is not None:
