@@ -17,6 +17,8 @@ import sys
 import time
 import traceback
 
+from toolkit.hold import hold
+
 log = logging.getLogger("toolkit.worker")
 
 
@@ -64,6 +66,7 @@ class Worker:
         self.control.send("register", group=self.group.name, rank=self.rank, pid=os.getpid(), node=node_name(),
                           inbox=self.inbox.address if self.inbox else None,
                           slurm_step=f"{os.environ.get('SLURM_JOB_ID')}.{step}" if step else None, **extra)
+        hold("registered", self.wenv.run_dir)
         start = self.wait_command("start", self.cfg.transport.startup_timeout_s)
         self.book = start.meta["book"]
         self.resume = start.meta.get("resume")

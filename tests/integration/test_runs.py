@@ -261,3 +261,64 @@ def test_a_role_that_exits_with_a_message_fails_the_run_and_says_why(tiny, tmp_p
     assert result.returncode == 1, result.stdout + result.stderr
     assert ") failed: SystemExit: out of API quota" in result.stderr, result.stderr
     assert_no_workers_left(tmp_path / "run")
+
+
+# Each moment of a run (toolkit/hold.py holds one process there), and a way to stop it; every way comes
+# twice or more over the moments.
+STOPS = [("start-up", "SIGINT"), ("registered", "SIGTERM"), ("loading", "cancel"), ("generating", "SIGINT twice"),
+         ("scoring", "SIGTERM"), ("training", "SIGINT"), ("syncing", "cancel"), ("checkpointing", "SIGTERM")]
+
+
+@pytest.mark.parametrize("moment,stop", STOPS)
+def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, moment, stop):
+    """SIGINT (once or twice), SIGTERM or `slurm-rlhf cancel` while a process of the run is busy in each
+    moment of it: the run ends with 130 or 143 and `interrupted`, no process it started is left, the
+    committed experience and checkpoints are intact, and `resume` finishes the run. The moment is
+    reached by waiting for the hook's file, not by sleeping."""
+    from toolkit.hold import ENV, MOMENTS
+    from toolkit.store.manifest import plan_resume
+
+    assert moment in MOMENTS
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": "stop"},
+                                            checkpoint={"every_steps": 1}))
+    run_dir = tmp_path / "run"
+    proc = start(config, run_dir, env={ENV: moment})
+    try:
+        marker = run_dir / f"held-{moment}"
+        deadline = time.monotonic() + 240
+        while not marker.exists() or not marker.read_text().strip():
+            assert proc.poll() is None, f"the run ended before {moment}: {proc.communicate()[1]}"
+            assert time.monotonic() < deadline, f"the run never reached {moment}"
+            time.sleep(0.1)
+        import psutil
+
+        started = {proc.pid, int(marker.read_text()), *(p.pid for p in psutil.Process(proc.pid).children(True))}
+        if (run_dir / "status.json").exists():
+            started |= set(worker_pids(run_dir).values())
+        stopping = time.monotonic()
+        if stop == "cancel":
+            result = cli("cancel", run_dir, timeout=120)
+            assert result.returncode == 0, result.stdout + result.stderr
+        else:
+            os.kill(proc.pid, signal.SIGTERM if stop == "SIGTERM" else signal.SIGINT)
+            if stop == "SIGINT twice":
+                time.sleep(1)  # (a user pressing Ctrl-C again while the run stops)
+                os.kill(proc.pid, signal.SIGINT)
+        code, _, err, _ = finish(proc, timeout=120)
+        took = time.monotonic() - stopping
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == (130 if stop.startswith("SIGINT") else 143), err
+    assert "interrupted" in err and took < 20, (took, err)
+    deadline = time.monotonic() + 15
+    while alive(started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(started), f"processes of the run still running: {alive(started)}"
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
+    assert not plan_resume(run_dir).problems  # every committed file whole
+    result = cli("resume", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    print(f"{moment}, {stop}: ended in {took:.1f} s")

@@ -23,6 +23,7 @@ from typing import Callable
 
 from toolkit.errors import Interrupted, RunError
 from toolkit.launch import env as E
+from toolkit.hold import hold
 from toolkit.launch.curves import Curves
 from toolkit.launch.env import node_name
 from toolkit.launch.rundir import RunDir
@@ -122,6 +123,7 @@ class Supervisor:
     def _start_workers(self, resume: dict) -> None:
         """Launch every worker, hand out the address book and the resume plan, and wait until all are ready."""
         t = self.cfg.transport
+        hold("start-up", self.run_dir.path)
         self.launcher.start(self.groups, {E.RUN_DIR: str(self.run_dir.path), E.CONTROL: self.coordinator.address,
                                           E.SECRET_FILE: str(self.run_dir.secret)})
         self.echo(f"started {len(self.worker_ids)} workers ({', '.join(f'{g.name} x{g.workers}' for g in self.groups)})"

@@ -15,6 +15,7 @@ import numpy as np
 
 from toolkit.placement.plan import group_of
 from toolkit.data.tokens import render_prompt
+from toolkit.hold import hold
 from toolkit.roles.base import Role
 from toolkit.samples import SampleBatch, ragged
 from toolkit.weights import probe
@@ -61,6 +62,7 @@ class GeneratorRole(Role):
             log.info("generating with the trainer's actor in this worker (policy_version %d)", self.version)
             return
         backend = cfg.generation_backend
+        hold("loading", self.worker.wenv.run_dir)
         log.info("starting the %s engine for %s", backend, cfg.model.actor)
         started = time.monotonic()
         self.engine = make_engine(backend, cfg, self.device)
@@ -87,6 +89,7 @@ class GeneratorRole(Role):
         slots = meta["group_index"]
         group_size = self.cfg.rollout.group_size
         self.status.update(phase="generating", step=step)
+        hold("generating", self.worker.wenv.run_dir)
         prompts = [self._tokenize(t) for t in texts]
         flat_prompts, seeds, prompt_ids, group_index, sample_index = [], [], [], [], []
         for pid, slot, tokens in zip(ids, slots, prompts):

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from toolkit.hold import hold
 from toolkit.config.base import load_function
 from toolkit.data.prompts import prompt_text
 from toolkit.data.tokens import fit, render_prompt
@@ -50,6 +51,7 @@ class _Scoring(Role):
 
     def handle(self, batch: SampleBatch) -> SampleBatch:
         self.status.update(phase="scoring", step=batch.step)
+        hold("scoring", self.worker.wenv.run_dir)
         started = time.monotonic()
         if self.offload:
             for model in self._models():

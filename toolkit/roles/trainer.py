@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from toolkit.algorithms.kl_controller import make_kl_controller
+from toolkit.hold import hold
 from toolkit.modeling import gather_responses
 from toolkit.placement.plan import colocated, group_of
 from toolkit.roles.base import Role
@@ -284,6 +285,7 @@ class TrainerRole(Role):
         committed first if asked, then trained on. Every rank calls this with the same batch."""
         cfg = self.cfg
         self.status.update(phase="training", step=batch.step)
+        hold("training", self.run_dir)
         started = time.monotonic()
         shard = self.ranks.shard(len(batch))
         if record is None:
@@ -379,6 +381,7 @@ class TrainerRole(Role):
         generator in this worker takes them in memory. Every rank gathers under ZeRO-3; the EMA reads
         the same gathered buckets. (seconds, MB sent)"""
         self.status["phase"] = "syncing"
+        hold("syncing", self.run_dir)
         started = time.monotonic()
         if self.generator is not None:
             if fold_ema and self.ema is not None:

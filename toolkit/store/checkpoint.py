@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from toolkit.hold import hold
 from toolkit.store.experience import fsync_dir
 from toolkit.store.manifest import Manifest, checkpoint_files
 
@@ -62,6 +63,7 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
         rng["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
     (tmp / "rng" / f"rank-{rank}.json").write_text(json.dumps(rng))
     write_copies(tmp)
+    hold("checkpointing", run_dir)  # (tests: a checkpoint half written)
     barrier()
     size_mb = 0.0
     if rank == 0:

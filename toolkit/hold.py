@@ -1,0 +1,32 @@
+"""A test hook: stop a run's process at a named moment until it is signalled.
+
+With SLURM_RLHF_TEST_HOLD=<moment> in the environment of `slurm-rlhf run`, the first process of the run
+that reaches that moment writes `RUN_DIR/held-<moment>` (its pid) and then waits there, as a process
+busy in that phase would, until a signal ends it. Tests use it to stop a run at each moment (start-up,
+registration, model loading, generation, scoring, training, weight sync, checkpoint writing) by
+waiting for the file, never by sleeping a fixed time. Without the variable it does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+ENV = "SLURM_RLHF_TEST_HOLD"
+MOMENTS = ("start-up", "registered", "loading", "generating", "scoring", "training", "syncing", "checkpointing")
+
+
+def hold(moment: str, run_dir) -> None:
+    """Wait here for good when SLURM_RLHF_TEST_HOLD is `moment` (see the module docstring)."""
+    if os.environ.get(ENV) != moment:
+        return
+    marker = Path(run_dir) / f"held-{moment}"
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return  # (another process holds this moment already)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    while True:
+        time.sleep(0.5)
