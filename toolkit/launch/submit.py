@@ -43,7 +43,11 @@ def submit(cfg, allocation: Allocation, run_dir, depends_on: str | None = None) 
     try:
         job = executor.submit(in_allocation, str(run_dir.path))
     except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError) as e:
-        raise RunError(f"sbatch refused the job:\n{str(e).strip()}") from None
+        detail = str(e).strip()
+        hint = ("\nthe Slurm controller did not answer: check that it runs (`sinfo`, `scontrol ping`) and that "
+                "SLURM_CONF names this cluster's slurm.conf" if "contact slurm controller" in detail
+                or "configuration file" in detail else "")
+        raise RunError(f"sbatch refused the job:\n{detail}{hint}") from None
     return str(job.job_id)
 
 
