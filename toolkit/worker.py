@@ -10,6 +10,7 @@ traceback's last lines) before the process exits non-zero.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -38,13 +39,14 @@ class Worker:
         self.ctx = zmq.Context()
         secret = read_secret(wenv.secret_file)
         self.codec = Codec(secret, self.id)
-        self.control = ControlClient(self.ctx, self.codec, wenv.control, self.id)
         t = cfg.transport
+        self.control = ControlClient(self.ctx, self.codec, wenv.control, self.id, t.max_message_mb)
         self.heartbeat = Heartbeat(self.ctx, secret, wenv.control, self.id, t.heartbeat_interval_s,
                                    t.heartbeat_timeout_s, self._coordinator_lost)
         self.status = self.heartbeat.status
         has_inbox = cfg.stage == "rl" and (self.rank == 0 or any(self.group.receives(r) for r in self.group.roles))
-        self.inbox = Inbox(self.ctx, self.codec, wenv.bind_host, t.max_inflight_messages) if has_inbox else None
+        self.inbox = Inbox(self.ctx, self.codec, wenv.bind_host, t.max_inflight_messages,
+                           t.max_message_mb) if has_inbox else None
         self.outboxes: dict = {}
         self.book: dict = {}
         self.resume: dict | None = None
@@ -187,7 +189,12 @@ class Worker:
             msg = self.inbox.recv(0)
             if msg is not None:
                 return "data", msg
+            self.status["rejected_frames"] = self.rejected_by_reason()  # (heartbeats carry it to status.json)
         return None
+
+    def rejected_by_reason(self) -> dict[str, int]:
+        """Frames this worker dropped, by reason (bad-mac, malformed, replay)."""
+        return dict(self.control.rejected + (self.inbox.rejected if self.inbox else collections.Counter()))
 
     def rejected_frames(self) -> int:
         return sum(self.control.rejected.values()) + (sum(self.inbox.rejected.values()) if self.inbox else 0)

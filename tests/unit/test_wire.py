@@ -184,3 +184,26 @@ def test_an_outbox_that_never_connects_leaves_no_open_socket(interrupt, monkeypa
     ended = threading.Event()
     threading.Thread(target=lambda: (ctx.term(), ended.set()), daemon=True).start()
     assert ended.wait(10), "ctx.term() blocked: the outbox left its socket open"
+
+
+def test_the_coordinator_takes_a_workers_identity_from_the_authenticated_sender():
+    """ZeroMQ's routing identity is whatever the peer says; the MAC covers the sender. A message whose
+    connection claims one worker and whose sender is another is dropped and counted."""
+    from toolkit.launch.coordinator import Coordinator
+
+    ctx = zmq.Context()
+    coordinator = Coordinator(ctx, SECRET, "127.0.0.1")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"trainer:0")
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(coordinator.address)
+    try:
+        dealer.send_multipart(Codec(SECRET, "generator:0").encode("failed", {"error": "framed"}))
+        dealer.send_multipart(Codec(SECRET, "trainer:0").encode("ready", {}))
+        got = coordinator.recv(10)
+        assert got is not None and got[0] == "trainer:0" and got[1].kind == "ready"
+        assert coordinator.rejected == {"identity": 1}
+    finally:
+        dealer.close(linger=0)
+        coordinator.close()
+        ctx.term()

@@ -242,6 +242,9 @@ class TransportSection(Section):
     """Most time for one step (generate, score, train, sync); also the timeout of every collective."""
     max_inflight_messages: PositiveInt = 8
     """Messages queued per data connection before the sender blocks (backpressure)."""
+    max_message_mb: float = Field(default=1024, gt=0)
+    """Largest message a socket accepts (ZeroMQ's MAXMSGSIZE): a peer that sends a bigger one is
+    disconnected before anything is buffered or hashed. A step's samples must fit."""
     bind_host: str | None = None
     """Where sockets listen: an address, an interface name (e.g. ib0) or a network (e.g. 10.1.0.0/16),
     resolved on each node (default: 127.0.0.1 for local runs, each node's address under Slurm)."""

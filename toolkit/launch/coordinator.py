@@ -8,6 +8,7 @@ heartbeat carried; `recv` hands the driver every message except heartbeats.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 
 import zmq
@@ -15,12 +16,15 @@ import zmq
 from toolkit.transport.sockets import decode_or_count
 from toolkit.transport.wire import Codec, Message
 
+log = logging.getLogger(__name__)
+
 
 class Coordinator:
-    def __init__(self, ctx: zmq.Context, secret: bytes, host: str):
+    def __init__(self, ctx: zmq.Context, secret: bytes, host: str, max_message_mb: float = 64):
         self.codec = Codec(secret, "coordinator")
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_mb * 2**20))
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.last_seen: dict[str, float] = {}
@@ -39,6 +43,11 @@ class Coordinator:
             if msg is None:
                 continue
             name = identity.decode(errors="replace")
+            if msg.sender.split("#")[0] != name:  # (the routing identity is not authenticated; the sender is)
+                self.rejected["identity"] += 1
+                log.warning("dropped a frame: connection %r sent as %r; %d dropped so far", name, msg.sender,
+                            sum(self.rejected.values()))
+                continue
             worker_id = name.removesuffix("/hb")
             self.last_seen[worker_id] = time.monotonic()
             if msg.kind == "heartbeat":

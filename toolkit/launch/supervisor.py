@@ -75,7 +75,7 @@ class Supervisor:
 
         secret = read_secret(self.run_dir.secret)
         self.ctx = zmq.Context()
-        self.coordinator = Coordinator(self.ctx, secret, self.bind_host)
+        self.coordinator = Coordinator(self.ctx, secret, self.bind_host, self.cfg.transport.max_message_mb)
         # Our own handlers: a run started in the background of a script inherits SIGINT ignored, and
         # Python then installs no KeyboardInterrupt handler of its own.
         previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 class ControlClient:
     """Commands from and events to the coordinator, for the worker's main thread."""
 
-    def __init__(self, ctx: zmq.Context, codec: Codec, address: str, worker_id: str):
+    def __init__(self, ctx: zmq.Context, codec: Codec, address: str, worker_id: str, max_message_mb: float = 64):
         self.codec = codec
         self.socket = ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_mb * 2**20))
         self.socket.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.socket.setsockopt(zmq.LINGER, 2000)  # let a last `failed` event out before exit
         self.socket.connect(address)

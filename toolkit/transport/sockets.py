@@ -22,10 +22,11 @@ log = logging.getLogger(__name__)
 class Inbox:
     """Receives authenticated messages on a socket bound to `host` (a free port is chosen)."""
 
-    def __init__(self, ctx: zmq.Context, codec: Codec, host: str, hwm: int):
+    def __init__(self, ctx: zmq.Context, codec: Codec, host: str, hwm: int, max_message_mb: float = 1024):
         self.codec = codec
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.RCVHWM, hwm)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_mb * 2**20))
         self.socket.setsockopt(zmq.LINGER, 0)
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"

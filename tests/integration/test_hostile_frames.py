@@ -1,0 +1,146 @@
+"""Hostile frames against the live sockets of a running run: every frame is dropped and counted, no
+worker crashes or grows, and the run computes exactly what it computes unattacked.
+
+The attacker knows the inbox addresses (status.json) but not the run's secret. It sends, round-robin
+to every inbox while the run goes on: frames under another secret (wrong MAC), frames whose header
+claims arrays of terabytes (with a wrong MAC: never parsed), truncated messages, random bytes, and
+messages above `transport.max_message_mb` (ZeroMQ disconnects the sender before buffering them).
+Replayed valid frames need the secret; the unit tests replay them (tests/unit/test_wire.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from tests.conftest import REPO, alive, cli, example, write_config
+from toolkit.transport.wire import MAGIC, NONCE_BYTES, Codec, new_secret
+
+pytestmark = pytest.mark.integration
+STEPS = 6
+
+
+def hostile(kind: str, rng: np.random.Generator) -> list[bytes]:
+    intruder = Codec(new_secret(), "generator:0")
+    if kind == "wrong MAC":
+        return intruder.encode("samples", {"step": 0, "stage": "scorer"}, {"x": np.arange(8, dtype=np.int32)})
+    if kind == "lying header":
+        header = {"kind": "samples", "sender": "generator:0#0", "seq": 1, "meta": {},
+                  "arrays": [["x", "float32", [2**39]]]}  # 2 TB claimed, 4 bytes sent
+        return [MAGIC, bytes(NONCE_BYTES), msgpack.packb(header), b"1234", bytes(16)]
+    if kind == "truncated":
+        frames = [bytes(f) for f in intruder.encode("samples", {"step": 1}, {"x": np.ones(64, np.float32)})]
+        cut = int(rng.integers(1, len(frames)))
+        return frames[:cut] + [frames[cut][: len(frames[cut]) // 2]]
+    if kind == "random bytes":
+        return [rng.bytes(int(rng.integers(1, 4096))) for _ in range(int(rng.integers(1, 6)))]
+    if kind == "oversized":
+        return [MAGIC, rng.bytes(3 * 2**20)]  # (the run allows 2 MB)
+    raise ValueError(kind)
+
+
+KINDS = ["wrong MAC", "lying header", "truncated", "random bytes", "oversized"]
+
+
+class Attacker(threading.Thread):
+    def __init__(self, addresses: list[str]):
+        super().__init__(daemon=True)
+        self.addresses, self.sent, self.stop = addresses, {k: 0 for k in KINDS}, threading.Event()
+
+    def run(self) -> None:
+        ctx, rng = zmq.Context(), np.random.default_rng(0)
+        sockets = []
+        for address in self.addresses:
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.SNDHWM, 4)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(address)
+            sockets.append(s)
+        i = 0
+        while not self.stop.is_set():
+            kind = KINDS[i % len(KINDS)]
+            try:
+                sockets[i % len(sockets)].send_multipart(hostile(kind, rng), zmq.NOBLOCK)
+                self.sent[kind] += 1
+            except zmq.Again:
+                pass
+            i += 1
+            time.sleep(0.002)
+        ctx.destroy(linger=0)
+
+
+def config(tiny, tmp_path: Path, name: str) -> Path:
+    return write_config(tmp_path / name, example("tiny-grpo.yaml", tiny, run={"steps": STEPS, "seed": 3,
+                                                                              "deterministic": True, "name": name},
+                                                 placement={"generator": {"workers": 2}},
+                                                 transport={"max_message_mb": 2}))
+
+
+def test_hostile_frames_are_dropped_counted_and_change_nothing(tiny, tmp_path):
+    import psutil
+
+    result = cli("run", config(tiny, tmp_path, "quiet"), "--run-dir", tmp_path / "quiet")
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "attacked"
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config(tiny, tmp_path, "attacked")),
+                             "--run-dir", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    attacker, peak_rss, pids = None, {}, {}
+    try:
+        deadline = time.monotonic() + 240
+        while attacker is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its inboxes were up"
+            try:
+                workers = json.loads((run_dir / "status.json").read_text())["workers"]
+            except (OSError, ValueError, KeyError):
+                workers = {}
+            inboxes = [w["inbox"] for w in workers.values() if w.get("inbox")]
+            if len(inboxes) == 4:  # two generators, the scorer, the trainer
+                pids = {name: w["pid"] for name, w in workers.items()}
+                attacker = Attacker(inboxes)
+                attacker.start()
+            time.sleep(0.2)
+        while proc.poll() is None:
+            for name, pid in pids.items():
+                try:
+                    peak_rss[name] = max(peak_rss.get(name, 0), psutil.Process(pid).memory_info().rss)
+                except psutil.NoSuchProcess:
+                    pass
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if attacker is not None:
+            attacker.stop.set()
+            attacker.join(10)
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert proc.returncode == 0, out + err
+    assert not alive(pids.values())
+    sent = attacker.sent
+    assert all(n > 0 for n in sent.values()), sent
+    quiet, attacked = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                       for d in ("quiet", "attacked"))
+    for a, b in zip(quiet, attacked, strict=True):  # the same samples, rewards and updates
+        assert (a["reward_mean"], a["loss"], a["kl"]) == (b["reward_mean"], b["loss"], b["kl"])
+    status = json.loads((run_dir / "status.json").read_text())
+    rejected: dict[str, int] = {}
+    for w in status["workers"].values():
+        for reason, n in w.get("rejected_frames", {}).items():
+            rejected[reason] = rejected.get(reason, 0) + n
+    counted = sum(n for kind, n in sent.items() if kind != "oversized")
+    assert set(rejected) <= {"bad-mac", "malformed"} and sum(rejected.values()) >= counted // 2, (rejected, sent)
+    log = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert "dropped a frame (bad-mac" in log and "dropped a frame (malformed" in log
+    assert max(peak_rss.values()) < 4 * 2**30, peak_rss  # (no worker buffered the claimed terabytes)
+    print(f"hostile frames sent: {sent}; dropped and counted by the workers: {rejected}; "
+          f"peak worker RSS {max(peak_rss.values()) / 2**20:.0f} MB")
