@@ -89,16 +89,25 @@ def metric_lines(run_dir: Path) -> int:
 
 
 def run_and_kill(config: Path, run_dir: Path, after_commits: int | None = None, timeout_s: float = 300,
-                 until=None) -> None:
+                 until=None, hold: str | None = None) -> None:
     """Start `slurm-rlhf run CONFIG` and SIGKILL it (its process group and every worker's) right after its
-    `after_commits`-th experience commit (or once `until()` holds), as a crash would."""
+    `after_commits`-th experience commit (or once `until()` holds), as a crash would. With `hold` (a
+    moment of toolkit/hold.py, e.g. `training@7`) the run waits there until it is killed, so the kill
+    lands at that moment however busy the machine is."""
     import json
     import signal
     import time
 
+    from toolkit.hold import ENV
+
     done = until or (lambda: experience_commits(run_dir) >= after_commits)
+    if hold:  # (held there, and what `until` waits for written: the driver may lag behind the workers)
+        held, then = run_dir / f"held-{hold.split('@')[0]}", done if until else (lambda: True)
+        done = lambda: held.exists() and then()  # noqa: E731
+    env = {**os.environ, ENV: hold} if hold else None
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=env)
     try:
         deadline = time.monotonic() + timeout_s
         while not done():

@@ -2,7 +2,8 @@
 
 With SLURM_RLHF_TEST_HOLD=<moment> in the environment of `slurm-rlhf run`, the first process of the run
 that reaches that moment writes `RUN_DIR/held-<moment>` (its pid) and then waits there, as a process
-busy in that phase would, until a signal ends it. Tests use it to stop a run at each moment (start-up,
+busy in that phase would, until a signal ends it. `<moment>@N`: the N-th time a process reaches it
+(`training@7`: in the seventh training step, after six whole ones). Tests use it to stop a run at each moment (start-up,
 registration, model loading, generation, scoring, training, weight sync, checkpoint writing) by
 waiting for the file, never by sleeping a fixed time. Without the variable it does nothing.
 """
@@ -17,9 +18,16 @@ ENV = "SLURM_RLHF_TEST_HOLD"
 MOMENTS = ("start-up", "registered", "loading", "generating", "scoring", "training", "syncing", "checkpointing")
 
 
+_reached: dict[str, int] = {}
+
+
 def hold(moment: str, run_dir) -> None:
     """Wait here for good when SLURM_RLHF_TEST_HOLD is `moment` (see the module docstring)."""
-    if os.environ.get(ENV) != moment:
+    wanted, _, nth = os.environ.get(ENV, "").partition("@")
+    if wanted != moment:
+        return
+    _reached[moment] = _reached.get(moment, 0) + 1
+    if _reached[moment] != int(nth or 1):
         return
     marker = Path(run_dir) / f"held-{moment}"
     try:

@@ -146,7 +146,9 @@ def test_lora_sft_learns(tiny, lora_sft):
 def test_lora_sft_killed_and_resumed_equals_an_uninterrupted_run(tiny, lora_sft, tmp_path):
     config = write_config(tmp_path, stage_config(tiny, "sft", train={"lora": {"rank": RANK}, "lr": 0.01}))
     run_dir = tmp_path / "run"
-    run_and_kill(config, run_dir, until=lambda: metric_lines(run_dir) >= 6)
+    # (in step 7, after six whole steps, whatever the load)
+    run_and_kill(config, run_dir, hold="training@7", until=lambda: metric_lines(run_dir) >= 6)
+    assert metric_lines(run_dir) == 6
     result = cli("resume", run_dir)
     assert result.returncode == 0, result.stdout + result.stderr
     assert max_difference(run_dir, lora_sft) <= 1e-6

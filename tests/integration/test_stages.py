@@ -82,13 +82,12 @@ def test_sft_learns_and_exports_a_causal_lm(sft_run):
 def test_sft_killed_and_resumed_equals_an_uninterrupted_run(tiny, sft_run, tmp_path):
     config = write_config(tmp_path, stage_config(tiny, "sft"))
     run_dir = tmp_path / "run"
-    # after the checkpoint of step 4 and two more steps: those two are trained again
-    run_and_kill(config, run_dir, until=lambda: metric_lines(run_dir) >= 6)
-    assert not (run_dir / "export").exists()
+    # in step 7, after the checkpoint of step 4 and two more steps: those two are trained again
+    run_and_kill(config, run_dir, hold="training@7", until=lambda: metric_lines(run_dir) >= 6)
+    assert metric_lines(run_dir) == 6 and not (run_dir / "export").exists()
     result = cli("resume", run_dir)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "resuming at step 8: checkpoint checkpoints/step-000008 (step 8)" in result.stdout or \
-        "resuming at step 4: checkpoint checkpoints/step-000004 (step 4)" in result.stdout, result.stdout
+    assert "resuming at step 4: checkpoint checkpoints/step-000004 (step 4)" in result.stdout, result.stdout
     assert max_difference(run_dir, sft_run) <= 1e-6
     assert [r["loss"] for r in records(run_dir)] == [r["loss"] for r in records(sft_run)]
     assert [r["step"] for r in records(run_dir)] == list(range(12))  # no step twice in the metrics
@@ -129,7 +128,9 @@ def test_reward_model_killed_and_resumed_equals_an_uninterrupted_run(tiny, rm_ru
     config = write_config(tmp_path, stage_config(tiny, "rm", run={"steps": 20}, train={"eval_every": 5},
                                                  checkpoint={"every_steps": 5}))
     run_dir = tmp_path / "run"
-    run_and_kill(config, run_dir, until=lambda: metric_lines(run_dir) >= 7)
+    # (in step 8: after seven whole steps and the checkpoint of step 5)
+    run_and_kill(config, run_dir, hold="training@8", until=lambda: metric_lines(run_dir) >= 7)
+    assert metric_lines(run_dir) == 7
     result = cli("resume", run_dir)
     assert result.returncode == 0, result.stdout + result.stderr
     assert max_difference(run_dir, rm_run) <= 1e-6

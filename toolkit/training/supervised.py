@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from toolkit.data.dataset import KIND, StageData
+from toolkit.hold import hold
 from toolkit.roles.base import Role
 from toolkit.store import checkpoint
 from toolkit.store.manifest import Manifest
@@ -125,6 +126,7 @@ class SupervisedRole(Role):
         """One optimizer step over this step's rows (this rank's share, in micro-batches)."""
         t = self.cfg.train
         self.status.update(phase="training", step=step)
+        hold("training", self.run_dir)
         started = time.monotonic()
         rows = self.data.next(t.batch_size)[self.ranks.rank * self.per_rank: (self.ranks.rank + 1) * self.per_rank]
         sums: dict[str, float] = {"tokens": 0.0, "positions": 0.0}
