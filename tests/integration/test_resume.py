@@ -43,11 +43,12 @@ def baseline(tiny, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def killed(tiny, tmp_path_factory) -> Path:
-    """A run killed with SIGKILL right after its KILL_AFTER-th experience commit (never resumed)."""
+    """A run killed with SIGKILL in the weight sync after its KILL_AFTER-th step (never resumed): that
+    step's experience is committed and trained on, the checkpoint after it not written yet."""
     tmp = tmp_path_factory.mktemp("killed")
     run_dir = tmp / "run"
-    run_and_kill(config(tiny, tmp), run_dir, KILL_AFTER)
-    assert KILL_AFTER <= commits(run_dir) < STEPS
+    run_and_kill(config(tiny, tmp), run_dir, hold=f"syncing@{KILL_AFTER}")
+    assert commits(run_dir) == KILL_AFTER
     return run_dir
 
 
