@@ -11,12 +11,13 @@ Protocol, all on that group, root 0:
          the probe (float32[len(probe) - 1])
 The layout says what each bucket carries as the generator loads it (see `hf_format`), so no per-sync
 metadata travels. The probe log-probs let the generator check the sync (see `probe`); they go last, so
-the trainer computes them while the last bucket travels.
+the trainer computes them while the last buckets travel.
 
 Each tensor travels as its own asynchronous broadcast, straight from the parameter's memory (no copy
-into a bucket buffer); the receiver takes a bucket's tensors into slices of one new flat tensor. The
-trainer computes the probe while the weights travel. (`tools/bench_sync.py` compares this with one raw
-broadcast of the same bytes.)
+into a bucket buffer); at most two buckets are in flight, so tensors made on the way (merged LoRA
+weights, converted experts) never add up to a copy of the model. The receiver takes a bucket's tensors
+into slices of one new flat tensor. (`tools/bench_sync.py` compares this with one raw broadcast of the
+same bytes.)
 """
 
 from __future__ import annotations
@@ -122,23 +123,25 @@ class WeightSender:
         """Broadcast `version`, each bucket (its source parameters' full tensors, in layout order,
         converted here), then `probe()`, the trainer's log-probs of the probe; return bytes sent.
         `transient`: a bucket's tensors are freed once the next one is taken (ZeRO-3 gathers), so each
-        bucket's transfer ends before the next starts; otherwise everything is in flight at once and
-        the probe runs meanwhile."""
+        bucket's transfer ends before the next starts; otherwise two buckets travel at once, and the
+        probe runs while the last ones do."""
         self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
-        sent, pending = 0, []
+        sent, pending, previous = 0, [], []
         for index, tensors in enumerate(buckets):
             converted = self.layout.converted(index, tensors)
             expected = [tuple(shape) for _, _, shape in self.layout.wire[index]]
             if [tuple(t.shape) for t in converted] != expected:
                 raise RuntimeError(f"weight bucket shapes {[tuple(t.shape) for t in converted]} differ from {expected}")
+            _wait(previous)  # (two buckets in flight at most)
             for t in converted:
                 t = t.detach().to(self.device).contiguous()
                 pending.append((t, self.group.broadcast(t, 0)))  # (t stays referenced until its transfer ends)
                 sent += t.numel() * t.element_size()
             if transient:
                 _wait(pending)
+            previous, pending = pending, []
         logprobs = probe()
-        _wait(pending)
+        _wait(previous)
         self._broadcast(logprobs.to(self.device, torch.float32).contiguous())
         return sent
 
