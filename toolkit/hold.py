@@ -2,8 +2,9 @@
 
 With SLURM_RLHF_TEST_HOLD=<moment> in the environment of `slurm-rlhf run`, the first process of the run
 that reaches that moment writes `RUN_DIR/held-<moment>` (its pid) and then waits there, as a process
-busy in that phase would, until a signal ends it. `<moment>@N`: the N-th time a process reaches it
-(`training@7`: in the seventh training step, after six whole ones). Tests use it to stop a run at each moment (start-up,
+busy in that phase would, until a signal ends it or the test deletes the file (then it goes on).
+`<moment>@N`: the N-th time a process reaches it (`training@7`: in the seventh training step, after
+six whole ones). Tests use it to stop a run at each moment (start-up,
 registration, model loading, generation, scoring, training, weight sync, checkpoint writing) by
 waiting for the file, never by sleeping a fixed time. Without the variable it does nothing.
 """
@@ -15,7 +16,8 @@ import time
 from pathlib import Path
 
 ENV = "SLURM_RLHF_TEST_HOLD"
-MOMENTS = ("start-up", "registered", "loading", "generating", "scoring", "training", "syncing", "checkpointing")
+MOMENTS = ("start-up", "registered", "loading", "generating", "scoring", "training", "syncing", "checkpointing",
+           "boundary")  # (the last: a supervised stage's rank 0 between two steps)
 
 
 _reached: dict[str, int] = {}
@@ -36,5 +38,5 @@ def hold(moment: str, run_dir) -> None:
         return  # (another process holds this moment already)
     with os.fdopen(fd, "w") as f:
         f.write(f"{os.getpid()}\n")
-    while True:
-        time.sleep(0.5)
+    while marker.exists():
+        time.sleep(0.1)

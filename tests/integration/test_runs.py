@@ -279,8 +279,10 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, momen
     from toolkit.store.manifest import plan_resume
 
     assert moment in MOMENTS
+    # (vLLM where the moment is its own; the faster-starting transformers engine elsewhere)
+    backend = "vllm" if moment in ("loading", "generating") else "hf"
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": "stop"},
-                                            checkpoint={"every_steps": 1}))
+                                            checkpoint={"every_steps": 1}, rollout={"backend": backend}))
     run_dir = tmp_path / "run"
     proc = start(config, run_dir, env={ENV: moment})
     try:

@@ -165,17 +165,30 @@ def test_sigusr1_checkpoints_stops_and_resume_finishes_the_same(tiny, sft_run, t
 
     from tests.conftest import REPO
 
+    from toolkit.hold import ENV
+
     config = write_config(tmp_path, stage_config(tiny, "sft", checkpoint={"every_steps": 100}))
     run_dir = tmp_path / "run"
+    # Rank 0 waits before its 4th step until the driver has taken the signal: then the stop cannot lose
+    # a race with the run's end, however busy the machine.
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "sft", str(config), "--run-dir", str(run_dir)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, ENV: "boundary@4"})
     try:
         deadline = time.monotonic() + 240
-        while metric_lines(run_dir) < 3:
+        held = run_dir / "held-boundary"
+        while not held.exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGUSR1)
-        out, err = proc.communicate(timeout=120)
+        out = ""
+        while "stopping after step" not in out:  # (printed once the driver has sent its request)
+            line = proc.stdout.readline()
+            assert line, proc.communicate()
+            out += line
+        held.unlink()  # (rank 0 goes on, and finds the driver's request at its next step boundary)
+        rest, err = proc.communicate(timeout=120)
+        out += rest
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

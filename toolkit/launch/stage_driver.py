@@ -15,19 +15,26 @@ class StageDriver(Supervisor):
         self.echo(f"{self.cfg.stage}: {self.trainer_ready['train_rows']} training rows, "
                   f"{self.trainer_ready['eval_rows']} eval rows; steps {first + 1}..{self.steps} of "
                   f"{self.cfg.train.batch_size} rows")
+        def stop() -> bool:
+            return self.preempt and not self._time_for_a_step(records)
+
         for step in range(first, self.steps):
-            if self.preempt and not self._time_for_a_step(records):
+            if stop():
                 break
             self.running_step = step
-            self._pump(lambda: step in self.trained, self.cfg.transport.step_timeout_s, f"step {step} to finish")
+            # (a stop request is acted on at once: the ranks stop at their next step boundary)
+            self._pump(lambda: step in self.trained or stop(), self.cfg.transport.step_timeout_s,
+                       f"step {step} to finish")
+            if step not in self.trained:
+                break
             records.append(self._record(step))
         self.running_step = None
 
     def _checkpoint_before_stopping(self) -> None:
         """Ask rank 0 to checkpoint at its next step boundary; the steps it finished meanwhile are recorded
         (and if that was the last one, the stage simply finished)."""
-        self.echo(f"stopping after step {self.step + 1} (SIGUSR1): saving a checkpoint")
         self.coordinator.send(self.trainer_id, "checkpoint")
+        self.echo(f"stopping after step {self.step + 1} (SIGUSR1): saving a checkpoint")
         self._pump(lambda: self.checkpointed is not None or self.step + 1 + len(self.trained) >= self.steps,
                    self.cfg.transport.step_timeout_s, "the trainer's checkpoint")
         for step in sorted(self.trained):

@@ -84,6 +84,8 @@ class SupervisedRole(Role):
         """Every rank: train from the current step to the last (or until rank 0 says stop)."""
         cfg = self.cfg
         for step in range(self.step, self.steps):
+            if self.ranks.rank == 0:
+                hold("boundary", self.run_dir)
             code, _ = self.ranks.command(self._next_command() if self.ranks.rank == 0 else GO, step)
             if code == STOP:
                 seconds, size_mb = self._checkpoint()
