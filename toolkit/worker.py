@@ -197,7 +197,7 @@ class Worker:
         return dict(self.control.rejected + (self.inbox.rejected if self.inbox else collections.Counter()))
 
     def rejected_frames(self) -> int:
-        return sum(self.control.rejected.values()) + (sum(self.inbox.rejected.values()) if self.inbox else 0)
+        return sum(self.rejected_by_reason().values())
 
     def _coordinator_lost(self, silent_s: float) -> None:
         log.error("no answer from the coordinator for %.0f s: the driver is gone; exiting", silent_s)

@@ -115,8 +115,8 @@ class GeneratorRole(Role):
             fields=[f for f in fields for _ in range(group_size)],
             timings={"generate_s": generate_s, "generator": self.worker.id})
         log.info("step %d: %d samples, %d tokens in %.2f s", step, len(batch), len(response_tokens), generate_s)
-        if hasattr(self.engine, "sleep") and "trainer" in self.worker.roles:
-            self.engine.sleep()  # (the trainer works next; on GPU vLLM gives its memory back meanwhile)
+        if hasattr(self.engine, "sleep"):  # (vLLM in the trainer's process, on GPU: it gives its memory back
+            self.engine.sleep()            # while the trainer works; a no-op anywhere else)
         self.status["phase"] = "idle"
         return batch
 
