@@ -29,6 +29,9 @@ EXAMPLES = """examples:
   slurm-rlhf validate run.yaml
   slurm-rlhf plan run.yaml --cluster templates/clusters/2x8-h100.yaml --write planned.yaml
   slurm-rlhf tiny models/tiny
+  slurm-rlhf export runs/r1 out/model [--step 40] [--ema]   # a checkpoint as a Hugging Face model directory
+  slurm-rlhf generate runs/r1 --input prompts.jsonl --output samples.jsonl --n 4
+  slurm-rlhf chat runs/r1                       # talk to the newest checkpoint (or any model directory)
 """
 
 
@@ -36,6 +39,25 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="run config (YAML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set rollout.group_size=8 (repeatable)")
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--step", type=int, help="the checkpoint at this step (default: the newest)")
+    p.add_argument("--ema", action="store_true", help="the checkpoint's EMA copy (runs with trainer.ema)")
+
+
+def _add_model_args(p: argparse.ArgumentParser, temperature: float = 1.0) -> None:
+    p.add_argument("model", help="a run directory (its newest checkpoint) or a Hugging Face model directory")
+    _add_checkpoint_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per response at most (default 128)")
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"sampling temperature; 0 is greedy (default {temperature})")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
+    p.add_argument("--seed", type=int, default=0, help="prompt k is sampled with seed + k (default 0)")
+    p.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto",
+                   help="vllm, or transformers generate (hf); auto: vllm where installed")
+    p.add_argument("--max-model-len", type=int, help="the engine's context length (default: generate, the longest "
+                                                     "prompt + --max-new-tokens; chat, the model's, at most 2048)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +123,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=float, help="mean prompt tokens (default: measured on the data file)")
     p.add_argument("--response-tokens", type=float, help="mean response tokens (default: rollout.max_new_tokens)")
     p.add_argument("--write", type=Path, metavar="OUT.yaml", help="write the run config with the best plan")
+
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory (LoRA merged)")
+    p.add_argument("run_dir")
+    p.add_argument("out", help="the model directory to write (new, or empty)")
+    _add_checkpoint_args(p)
+
+    p = sub.add_parser("generate", help="sample responses to a JSON Lines file of prompts, from a run's "
+                                        "checkpoint or any Hugging Face model directory")
+    _add_model_args(p)
+    p.add_argument("--input", required=True, help='JSON Lines, one {"prompt": text or chat messages} per line')
+    p.add_argument("--output", default="-", help="JSON Lines to write, one line per sample (default: standard "
+                                                 "output)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
+    p.add_argument("--chat-template", choices=("auto", "on"), default="auto",
+                   help="auto: chat messages through the tokenizer's chat template, text as it is; on: text too, "
+                        "as a user message")
+
+    p = sub.add_parser("chat", help="talk to a run's checkpoint or any Hugging Face model, one turn per line "
+                                    "('clear' starts over, 'quit' or Ctrl-D ends)")
+    _add_model_args(p, temperature=0.7)
 
     p = sub.add_parser("tiny", help="build a tiny Llama, tokenizer, reward model and prompts offline")
     p.add_argument("out_dir", help="directory to write (model/, reward_model/, prompts.jsonl)")
@@ -351,6 +393,56 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from toolkit.use.export import export
+
+    out = export(args.run_dir, args.out, args.step, args.ema)
+    print(f"wrote {out}")
+    return 0
+
+
+def _sampling(args):
+    from toolkit.use.sampler import Sampling
+
+    for name in ("max_new_tokens", "n"):
+        if getattr(args, name, 1) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError("--temperature must be >= 0 and --top-p in (0, 1]")
+    return Sampling(args.max_new_tokens, args.temperature, args.top_p, getattr(args, "n", 1))
+
+
+def cmd_generate(args) -> int:
+    from toolkit.progress import Progress
+    from toolkit.use.generate import generate
+    from toolkit.use.source import resolve
+
+    params = _sampling(args)
+    source = resolve(args.model, args.step, args.ema)
+    print(f"sampling from {source.describe()}", file=sys.stderr, flush=True)
+    count = generate(source.path, args.input, args.output, params, args.backend, args.seed, args.chat_template,
+                     args.max_model_len, progress=Progress(sys.stderr))
+    print(f"wrote {count} samples to {'standard output' if args.output == '-' else args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from toolkit.use.chat import chat
+    from toolkit.use.sampler import Sampler
+    from toolkit.use.source import resolve
+
+    params = _sampling(args)
+    source = resolve(args.model, args.step, args.ema)
+    print(f"chatting with {source.describe()} ('clear' starts over, 'quit' or Ctrl-D ends)", file=sys.stderr,
+          flush=True)
+    sampler = Sampler(source.path, args.backend, args.max_model_len, args.seed)
+    try:
+        chat(sampler, params)
+    finally:
+        sampler.close()
+    return 0
+
+
 def cmd_tiny(args) -> int:
     from toolkit.tiny import build_tiny
 
@@ -364,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"run": cmd_run, "sft": lambda a: cmd_run(a, "sft"), "rm": lambda a: cmd_run(a, "rm"),
                "resume": cmd_resume, "inspect": cmd_inspect, "submit": cmd_submit, "render": cmd_render,
                "status": cmd_status, "cancel": cmd_cancel, "validate": cmd_validate, "plan": cmd_plan,
-               "tiny": cmd_tiny}[args.command]
+               "tiny": cmd_tiny, "export": cmd_export, "generate": cmd_generate, "chat": cmd_chat}[args.command]
     try:
         return handler(args)
     except ToolkitError as e:

@@ -125,6 +125,12 @@ def test_a_lora_policy_trains_with_vllm_and_exports_merged(tiny, tmp_path):
     with_adapters = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny / "model"),
                                               run_dir / "export" / "adapter")
     assert (plain(input_ids=ids).logits - with_adapters(input_ids=ids).logits).abs().max() < 1e-4
+    # `slurm-rlhf export` gives the same merged model, and says so
+    result = cli("export", run_dir, tmp_path / "exported")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "exported" / "model.safetensors").read_bytes() == (run_dir / "export" / "model.safetensors").read_bytes()
+    assert (tmp_path / "exported" / "adapter").is_dir()
+    assert json.loads((tmp_path / "exported" / "slurm_rlhf.json").read_text())["lora_merged"] is True
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ def run_in_allocation(run_dir: str) -> None:
     from toolkit.launch.slurm import SlurmLauncher
     from toolkit.launch.supervisor import make_driver
     from toolkit.log import setup_logging
+    from toolkit.progress import Progress
     from toolkit.placement.plan import plan
 
     os.umask(0o077)
@@ -45,7 +46,7 @@ def run_in_allocation(run_dir: str) -> None:
     print(f"job {launcher.job_id}: run {cfg.run.name!r} in {rd.path}; node groups: "
           + ", ".join(f"{g} on {','.join(n)}" for g, n in launcher.nodes.items()), flush=True)
     driver = make_driver(cfg, rd, launcher, resolve_bind_host(cfg.transport.bind_host),
-                         echo=lambda line: print(line, flush=True))
+                         echo=Progress(sys.stdout, live=False))
     driver.preempt = bool(early_usr1)
     driver.run()
     if driver.state == "preempted":

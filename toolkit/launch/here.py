@@ -16,15 +16,19 @@ def run_here(cfg, run_dir: RunDir, verbose: bool = False) -> int:
     from toolkit.launch.local import LocalLauncher
     from toolkit.launch.supervisor import make_driver
     from toolkit.log import setup_logging
+    from toolkit.progress import Progress
 
     setup_logging("driver", level=logging.DEBUG if verbose else logging.WARNING, file=str(run_dir.logs / "driver.log"))
     kind = "run" if cfg.stage == "rl" else f"{cfg.stage} run"
     print(f"{kind} {cfg.run.name!r} ({cfg.summary}) in {run_dir.path}", flush=True)
     started = time.monotonic()
     bind_host = resolve_bind_host(cfg.transport.bind_host) if cfg.transport.bind_host else "127.0.0.1"
-    driver = make_driver(cfg, run_dir, LocalLauncher(run_dir, bind_host), bind_host,
-                         echo=lambda line: print(line, flush=True))
-    records = driver.run()
+    progress = Progress()
+    driver = make_driver(cfg, run_dir, LocalLauncher(run_dir, bind_host), bind_host, echo=progress)
+    try:
+        records = driver.run()
+    finally:
+        progress.close()
     if driver.state == "preempted":
         print(f"stopped at step {driver.step + 1}/{driver.steps}; continue with: slurm-rlhf resume "
               f"{shlex.quote(str(run_dir.path))}", flush=True)

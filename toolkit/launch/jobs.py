@@ -96,17 +96,29 @@ def status_text(rd: RunDir) -> str:
 
 def follow(rd: RunDir, job_id: str) -> int:
     """Print the job's output as it grows until the job ends; 0 if the run finished."""
+    from toolkit.progress import Progress
+
     out = rd.path / "slurm" / f"{job_id}_0_log.out"
     shown = 0
-    while True:
-        state = slurm_job(job_id)["state"].split()[0]
-        if out.exists():
-            text = out.read_text(errors="replace")
-            print(text[shown:], end="", flush=True)
-            shown = len(text)
-        if state in ENDED or state == "UNKNOWN":
-            break
-        time.sleep(1)
+    progress = Progress()
+    try:
+        while True:
+            state = slurm_job(job_id)["state"].split()[0]
+            if out.exists():
+                text = out.read_text(errors="replace")
+                for line in text[shown:text.rfind("\n") + 1].splitlines():
+                    progress(line)
+                shown = max(shown, text.rfind("\n") + 1)
+            if state in ENDED or state == "UNKNOWN":
+                break
+            status = rd.read_json(rd.status)
+            last = status.get("last_metrics") or {}
+            if "step" in last and status.get("steps"):
+                key = "reward_mean" if "reward_mean" in last else "loss"
+                progress.advance(last["step"] + 1, status["steps"], f"{key.split('_')[0]} {last.get(key, 0):.3f}")
+            time.sleep(1)
+    finally:
+        progress.close()
     status = rd.read_json(rd.status)
     if status.get("state") == "finished" and state == "COMPLETED":
         return 0

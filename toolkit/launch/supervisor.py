@@ -28,6 +28,7 @@ from toolkit.launch.curves import Curves
 from toolkit.launch.env import node_name
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import group_of, plan
+from toolkit.progress import Progress
 from toolkit.store.manifest import Manifest, plan_resume, set_aside
 
 log = logging.getLogger("toolkit.driver")
@@ -148,9 +149,18 @@ class Supervisor:
         record = {"step": step, **self.trained.pop(step), **extra, "time": time.time()}
         self._write_metrics(record)
         self.step = step
-        self.echo(self.progress_line(record))
+        self._show(record)
         self._write_status(last=record)
         return record
+
+    def _show(self, record: dict) -> None:
+        """A step's line; where `echo` is a Progress, its live line too."""
+        line = self.progress_line(record)
+        if isinstance(self.echo, Progress):
+            key = "reward_mean" if "reward_mean" in record else "loss"
+            self.echo.step(line, record["step"] + 1, self.steps, f"{key.split('_')[0]} {record[key]:.3f}")
+        else:
+            self.echo(line)
 
     def _write_metrics(self, record: dict) -> None:
         """A step's metrics record to metrics.jsonl and to the TensorBoard curves (steps in order)."""

@@ -1,0 +1,146 @@
+"""Using a trained model: `export` (a verified copy of a checkpoint, its EMA, refusals that name what is
+wrong), `generate` (vLLM and transformers agree on greedy samples; seeds; input errors by line) and `chat`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import cli, example, write_config
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory) -> Path:
+    """A 4-step GRPO run with an EMA, a checkpoint after every step, the newest 3 kept (steps 2, 3, 4)."""
+    tmp = tmp_path_factory.mktemp("use")
+    config = write_config(tmp, example("tiny-grpo.yaml", tiny, run={"steps": 4, "name": "use", "seed": 4},
+                                       trainer={"lr": 0.01, "ema": 0.5}, checkpoint={"every_steps": 1, "keep": 3}))
+    result = cli("run", config, "--run-dir", tmp / "run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    rows = [{"id": "a", "prompt": "1 2 3"}, {"id": "b", "prompt": [{"role": "user", "content": "count to 9"}]},
+            {"id": "c", "prompt": "hello", "extra": [1, 2]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def same_files(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir() if p.name != "slurm_rlhf.json")
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_export_copies_the_newest_checkpoint_or_a_chosen_one(trained, tmp_path):
+    result = cli("export", trained, tmp_path / "newest")
+    assert result.returncode == 0, result.stderr
+    same_files(trained / "checkpoints" / "step-000004" / "hf", tmp_path / "newest")
+    same_files(trained / "export", tmp_path / "newest")  # the run's own final export is the same model
+    origin = json.loads((tmp_path / "newest" / "slurm_rlhf.json").read_text())
+    assert origin == {"run_dir": str(trained.resolve()), "step": 4, "ema": False, "lora_merged": False}
+
+    assert cli("export", trained, tmp_path / "ema", "--step", 3, "--ema").returncode == 0
+    same_files(trained / "checkpoints" / "step-000003" / "hf-ema", tmp_path / "ema")
+    a, b = load_file(tmp_path / "ema" / "model.safetensors"), load_file(tmp_path / "newest" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) > 1e-4
+    assert not list(tmp_path.glob(".*"))  # no temporary directory left behind
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--step", 1], "no checkpoint at step 1; it has steps 2, 3, 4"),
+    (["--step", 7], "no checkpoint at step 7"),
+])
+def test_export_names_a_missing_checkpoint(trained, tmp_path, args, message):
+    result = cli("export", trained, tmp_path / "out", *args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_damaged_copy_and_a_used_target(trained, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    weights = copy / "checkpoints" / "step-000004" / "hf" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    result = cli("export", copy, tmp_path / "out")
+    assert result.returncode == 2, result.stderr
+    assert f"{weights}: checksum mismatch" in result.stderr and "--step" in result.stderr
+    assert not (tmp_path / "out").exists()
+    assert cli("export", copy, tmp_path / "out", "--step", 3).returncode == 0  # an older one is whole
+
+    result = cli("export", trained, tmp_path / "out")
+    assert result.returncode == 2 and "exists and is not empty" in result.stderr
+    result = cli("export", trained / "export", tmp_path / "x")
+    assert result.returncode == 2 and "is a model directory already" in result.stderr
+
+
+def samples(result) -> list[dict]:
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_generate_greedy_agrees_between_vllm_and_transformers(trained, prompts):
+    """Greedy samples of the run's newest checkpoint: the same tokens and log-probs from either engine.
+    The samples go to standard output, which stays clean JSON Lines (vLLM's logs go to stderr)."""
+    common = ["generate", trained, "--input", prompts, "--temperature", 0, "--max-new-tokens", 12]
+    vllm, hf = samples(cli(*common, "--backend", "vllm")), samples(cli(*common, "--backend", "hf"))
+    assert [s["id"] for s in vllm] == ["a", "b", "c"] and vllm[2]["extra"] == [1, 2]
+    assert [s["response"] for s in vllm] == [s["response"] for s in hf]
+    for v, h in zip(vllm, hf):
+        assert v["response_tokens"] == h["response_tokens"] and abs(v["logprob"] - h["logprob"]) < 1e-3
+
+
+def test_generate_seeds_each_sample(trained, prompts, tmp_path):
+    out = tmp_path / "out.jsonl"
+    common = ["generate", trained, "--input", prompts, "--n", 3, "--max-new-tokens", 12, "--output", out]
+    assert cli(*common).returncode == 0
+    first = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(s["id"], s["sample"]) for s in first] == [(i, k) for i in "abc" for k in range(3)]
+    assert len({s["response"] for s in first}) == 9  # no two samples share a random stream
+    assert cli(*common).returncode == 0
+    assert [json.loads(line) for line in out.read_text().splitlines()] == first  # the same seed, the same samples
+    # Each row's samples depend on its place in the file, not on the rows beside it.
+    one = tmp_path / "one.jsonl"
+    one.write_text(prompts.read_text().splitlines()[0] + "\n")
+    alone = samples(cli("generate", trained, "--input", one, "--n", 3, "--max-new-tokens", 12))
+    assert [s["response"] for s in alone] == [s["response"] for s in first[:3]]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": 1}', 'bad.jsonl:2: expected "prompt": a string or a list of {"role", "content"} messages'),
+    ('{"prompt": [{"role": "user"}]}', "bad.jsonl:2: expected \"prompt\""),
+    ('{"prompt": "x"', "bad.jsonl:2: not valid JSON"),
+])
+def test_generate_names_the_bad_line(trained, tmp_path, line, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n' + line + "\n")
+    result = cli("generate", trained, "--input", bad, "--output", tmp_path / "out.jsonl", "--backend", "hf")
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not list(tmp_path.glob("*out.jsonl*"))  # nothing half written
+
+
+def test_chat_answers_each_turn_and_starts_over(trained, tmp_path):
+    """Greedy: the first answer is what `generate` gives for the same user message; after `clear` the
+    same question gets the same answer again; `quit` ends."""
+    turns = "count to 9\nand again\nclear\ncount to 9\nquit\nnever read\n"
+    result = cli("chat", trained, "--temperature", 0, "--max-new-tokens", 12, input=turns)
+    assert result.returncode == 0, result.stderr
+    answers = [line.removeprefix("model> ") for line in result.stdout.splitlines() if line.startswith("model> ")]
+    assert len(answers) == 3 and "(new conversation)" in result.stdout
+    assert answers[0] == answers[2]
+    question = tmp_path / "q.jsonl"
+    question.write_text(json.dumps({"prompt": [{"role": "user", "content": "count to 9"}]}) + "\n")
+    greedy = samples(cli("generate", trained, "--input", question, "--temperature", 0, "--max-new-tokens", 12))
+    assert answers[0] == greedy[0]["response"].strip()

@@ -1,0 +1,37 @@
+"""Progress: plain lines with the time left where output is not a terminal, a live tqdm line on one."""
+
+from __future__ import annotations
+
+import io
+import re
+
+from toolkit.progress import Progress, duration
+
+
+def test_plain_lines_end_with_the_time_left_from_the_measured_step_time(monkeypatch):
+    clock = iter([100.0, 102.0, 104.0, 110.0])
+    monkeypatch.setattr("toolkit.progress.time.monotonic", lambda: next(clock))
+    out = io.StringIO()
+    p = Progress(out, live=False)
+    for done in (1, 2, 3, 4):
+        p.step(f"step {done}/4", done, 4, "reward 0.1")
+    lines = out.getvalue().splitlines()
+    # no estimate from one step; then (102-100)/1 * 2 steps left, (104-100)/2 * 1; none after the last
+    assert lines == ["step 1/4", "step 2/4  eta 4s", "step 3/4  eta 2s", "step 4/4"]
+
+
+def test_a_terminal_gets_one_live_line_below_the_step_lines():
+    out = io.StringIO()
+    p = Progress(out, live=True)
+    p.step("step 1/5  reward 0.100", 1, 5, "reward 0.100")
+    p.step("step 2/5  reward 0.200", 2, 5, "reward 0.200")
+    p.advance(3, 5, "reward 0.300")  # (from a status file: no line of its own)
+    p.close()
+    text = out.getvalue()
+    assert "step 1/5  reward 0.100\n" in text and "step 2/5  reward 0.200\n" in text
+    assert "step 3/5" not in text
+    assert re.search(r"3/5 \|.*\| reward 0\.300  eta \d+s", text), text
+
+
+def test_durations_read_as_a_person_writes_them():
+    assert [duration(s) for s in (5, 65, 3725)] == ["5s", "1m05s", "1h02m"]

