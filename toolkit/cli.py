@@ -32,6 +32,7 @@ EXAMPLES = """examples:
   slurm-rlhf export runs/r1 out/model [--step 40] [--ema]   # a checkpoint as a Hugging Face model directory
   slurm-rlhf generate runs/r1 --input prompts.jsonl --output samples.jsonl --n 4
   slurm-rlhf chat runs/r1                       # talk to the newest checkpoint (or any model directory)
+  slurm-rlhf report runs/r1                     # runs/r1/report/index.html: curves, phases, timeline, samples
 """
 
 
@@ -143,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="talk to a run's checkpoint or any Hugging Face model, one turn per line "
                                     "('clear' starts over, 'quit' or Ctrl-D ends)")
     _add_model_args(p, temperature=0.7)
+
+    p = sub.add_parser("report", help="write an HTML page with plots about a run: curves, step time by phase, "
+                                      "a timeline of every worker, samples, config and placement")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="directory to write index.html and the PNGs into (default: RUN_DIR/report)")
+    p.add_argument("--samples-at", metavar="STEP,STEP,...",
+                   help="steps whose samples to show (default: the first, middle and last committed)")
+    p.add_argument("--last-steps", type=int, default=4, help="steps the timeline shows (default 4)")
 
     p = sub.add_parser("tiny", help="build a tiny Llama, tokenizer, reward model and prompts offline")
     p.add_argument("out_dir", help="directory to write (model/, reward_model/, prompts.jsonl)")
@@ -443,6 +452,21 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from toolkit.report.page import write_report
+
+    steps = None
+    if args.samples_at:
+        try:
+            steps = [int(s) for s in args.samples_at.split(",")]
+        except ValueError:
+            raise ConfigError(f"--samples-at {args.samples_at!r}: expected step numbers separated by commas") from None
+    if args.last_steps < 1:
+        raise ConfigError("--last-steps must be at least 1")
+    print(f"wrote {write_report(args.run_dir, args.out, steps, args.last_steps)}")
+    return 0
+
+
 def cmd_tiny(args) -> int:
     from toolkit.tiny import build_tiny
 
@@ -456,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"run": cmd_run, "sft": lambda a: cmd_run(a, "sft"), "rm": lambda a: cmd_run(a, "rm"),
                "resume": cmd_resume, "inspect": cmd_inspect, "submit": cmd_submit, "render": cmd_render,
                "status": cmd_status, "cancel": cmd_cancel, "validate": cmd_validate, "plan": cmd_plan,
-               "tiny": cmd_tiny, "export": cmd_export, "generate": cmd_generate, "chat": cmd_chat}[args.command]
+               "tiny": cmd_tiny, "export": cmd_export, "generate": cmd_generate, "chat": cmd_chat,
+               "report": cmd_report}[args.command]
     try:
         return handler(args)
     except ToolkitError as e:

@@ -30,6 +30,7 @@ class Worker:
         from toolkit.placement.plan import plan
         from toolkit.transport.control import ControlClient, Heartbeat
         from toolkit.transport.sockets import Inbox
+        from toolkit.timeline import PhaseLog, timeline_file
         from toolkit.transport.wire import Codec, read_secret
 
         self.wenv, self.cfg = wenv, cfg
@@ -43,7 +44,8 @@ class Worker:
         self.control = ControlClient(self.ctx, self.codec, wenv.control, self.id, t.max_message_mb)
         self.heartbeat = Heartbeat(self.ctx, secret, wenv.control, self.id, t.heartbeat_interval_s,
                                    t.heartbeat_timeout_s, self._coordinator_lost)
-        self.status = self.heartbeat.status
+        # (each phase change also goes to RUN_DIR/timeline/<worker>.jsonl, for the report)
+        self.status = self.heartbeat.status = PhaseLog(timeline_file(wenv.run_dir, self.id))
         has_inbox = cfg.stage == "rl" and (self.rank == 0 or any(self.group.receives(r) for r in self.group.roles))
         self.inbox = Inbox(self.ctx, self.codec, wenv.bind_host, t.max_inflight_messages,
                            t.max_message_mb) if has_inbox else None
@@ -81,6 +83,7 @@ class Worker:
         self.status["phase"] = "ready"
         self.control.send("ready", **info)
         self.serve()
+        self.status["phase"] = "done"
         for role in self.roles.values():
             role.close()
         self.control.send("bye")

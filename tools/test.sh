@@ -6,9 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 if [ "$(id -u)" = 0 ]; then
-    # h5dump, to check that experience files read with standard HDF5 tools
-    command -v h5dump >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -qq --no-install-recommends hdf5-tools >/dev/null; }
+    # h5dump, to check that experience files read with standard HDF5 tools; a headless Chromium, to
+    # check that the report page renders in a real browser
+    if ! command -v h5dump >/dev/null || ! command -v chromium-headless-shell >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            hdf5-tools chromium-headless-shell >/dev/null
+    fi
     # Stop the cluster afterwards only if this script starts it (files of a cluster that died with its
     # machine do not count: its slurmctld must be alive).
     pidfile=/run/slurm-rlhf/slurmctld.pid

@@ -144,3 +144,65 @@ def test_chat_answers_each_turn_and_starts_over(trained, tmp_path):
     question.write_text(json.dumps({"prompt": [{"role": "user", "content": "count to 9"}]}) + "\n")
     greedy = samples(cli("generate", trained, "--input", question, "--temperature", 0, "--max-new-tokens", 12))
     assert answers[0] == greedy[0]["response"].strip()
+
+
+def test_report_draws_the_run_from_its_files(trained, tmp_path):
+    import base64
+    import html
+    import re
+
+    from toolkit.report import plots
+    from toolkit.store import experience
+    from toolkit.timeline import read_timelines
+
+    result = cli("report", trained, "--out", tmp_path / "report", "--samples-at", "1,3")
+    assert result.returncode == 0, result.stderr
+    page = (tmp_path / "report" / "index.html").read_text()
+    embedded = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,([^"]+)">', page)
+    assert [alt for alt, _ in embedded] == ["curves", "step time by phase", "timeline"]
+    for (_, data), name in zip(embedded, ("curves", "step_time", "timeline")):
+        png = (tmp_path / "report" / f"{name}.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and base64.b64decode(data) == png  # one self-contained page
+    # the samples of the chosen steps: the best response of step 3 with its reward
+    record = experience.read(trained / "experience" / experience.file_name(3))
+    best = int(record["samples"]["reward_total"].argmax())
+    assert "<h3>step 1 " in page and "<h3>step 3 " in page and "<h3>step 2 " not in page
+    assert html.escape(record["meta"]["responses"][best]) in page
+    assert f"{float(record['samples']['reward_total'][best]):.4f}" in page
+    assert "node group" in page and "algorithm: grpo" in page  # the placement table and the config
+
+    # The timeline files hold each step's phases in causal order: generated, then scored, then trained.
+    timelines = read_timelines(trained)
+    assert set(timelines) == {"generator-0", "scorer-0", "trainer-0"}
+
+    def began(worker, phase, step):
+        return min(r["t"] for r in timelines[worker] if r["phase"] == phase and r["step"] == step)
+    for step in range(4):
+        assert began("generator-0", "generating", step) < began("scorer-0", "scoring", step) \
+            < began("trainer-0", "training", step)
+    # the curves are the metrics
+    metrics = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    fig = plots.curves(metrics)
+    assert list(fig.axes[0].lines[0].get_ydata()) == [m["reward_mean"] for m in metrics]
+
+    result = cli("report", trained, "--out", tmp_path / "r2", "--samples-at", "9")
+    assert result.returncode == 2 and "--samples-at 9: no committed experience at that step" in result.stderr
+
+
+def test_the_report_renders_in_a_headless_browser(trained, tmp_path):
+    """Chromium (tools/test.sh installs chromium-headless-shell) shows the page with its figures: the
+    screenshot holds the curves' blue, which only the decoded embedded images can put there."""
+    import subprocess
+
+    import numpy as np
+    from PIL import Image
+
+    assert cli("report", trained, "--out", tmp_path / "report").returncode == 0
+    shot = tmp_path / "shot.png"
+    done = subprocess.run(["chromium-headless-shell", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
+                           "--window-size=1100,1400", (tmp_path / "report" / "index.html").as_uri()],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0 and shot.exists(), done.stderr
+    pixels = np.asarray(Image.open(shot).convert("RGB")).reshape(-1, 3).astype(int)
+    blue = (np.abs(pixels - [31, 119, 180]).sum(axis=1) < 30).sum()  # matplotlib's tab:blue
+    assert blue > 2000, blue

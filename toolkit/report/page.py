@@ -1,0 +1,150 @@
+"""The report page: reads a run directory (metrics.jsonl, timeline/, experience/, config.yaml,
+status.json), draws the figures and writes REPORT_DIR/index.html with every figure embedded (one file
+to copy or mail) and each figure as a PNG beside it. Nothing of the run is changed."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+from pathlib import Path
+
+from toolkit.errors import ConfigError
+
+SAMPLES_SHOWN = 2  # the best and the worst this many samples of each chosen step
+
+STYLE = """body{font-family:sans-serif;max-width:1100px;margin:1em auto;color:#222}
+img{max-width:100%}pre{background:#f6f6f6;padding:.6em;overflow-x:auto;font-size:85%}
+table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;padding:.25em .5em;vertical-align:top}
+td.text{white-space:pre-wrap;font-family:monospace;max-width:420px}h2{border-bottom:1px solid #ddd}"""
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    out = []
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    by_step = {m["step"]: m for m in out}  # (a step written again on a resume: its last record)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _experience_steps(run_dir: Path) -> list[int]:
+    from toolkit.store.manifest import Manifest
+
+    return sorted({r["step"] for r in Manifest(run_dir).records() if r["kind"] == "experience"
+                   and (run_dir / r["file"]).exists()})
+
+
+def _samples_section(run_dir: Path, steps: list[int]) -> str:
+    from toolkit.data.prompts import prompt_text
+    from toolkit.store import experience
+
+    parts = []
+    for step in steps:
+        record = experience.read(run_dir / "experience" / experience.file_name(step))
+        meta, samples = record["meta"], record["samples"]
+        total = samples["reward_total"]
+        order = sorted(range(len(total)), key=lambda i: -float(total[i]))
+        chosen = order if len(order) <= 2 * SAMPLES_SHOWN else order[:SAMPLES_SHOWN] + order[-SAMPLES_SHOWN:]
+        names = meta.get("reward_names", [])
+        rows = ["<tr><th>sample</th><th>prompt</th><th>response</th><th>reward</th>"
+                + "".join(f"<th>{html.escape(n)}</th>" for n in names) + "</tr>"]
+        for i in chosen:
+            components = "".join(f"<td>{float(v):.4f}</td>" for v in samples["rewards"][i])
+            rows.append(f"<tr><td>{i}</td><td class=text>{html.escape(prompt_text(meta['prompts'][i]))}</td>"
+                        f"<td class=text>{html.escape(meta['responses'][i])}</td><td>{float(total[i]):.4f}</td>"
+                        f"{components}</tr>")
+        mean = float(total.mean())
+        parts.append(f"<h3>step {step} (mean reward {mean:.4f} over {len(total)} samples; the best and the worst "
+                     f"{SAMPLES_SHOWN})</h3><table>{''.join(rows)}</table>")
+    return "".join(parts) or "<p>No committed experience.</p>"
+
+
+def _placement(run_dir: Path) -> str:
+    try:
+        from toolkit.config import load_config
+        from toolkit.launch.allocation import placement_table, plan_allocation
+        from toolkit.placement.plan import plan
+
+        cfg = load_config(run_dir / "config.yaml")
+        groups = plan(cfg)
+        return f"{cfg.summary}\n\n{placement_table(groups, plan_allocation(groups, cfg.slurm.heterogeneous))}"
+    except Exception as e:  # (e.g. a file the config names is gone: the report still shows the rest)
+        return f"(the placement could not be drawn: {e})"
+
+
+def _figure(name: str, fig, out: Path, alt: str) -> str:
+    from toolkit.report.plots import save
+
+    if fig is None:
+        return f"<p>{html.escape(alt)}: nothing to draw.</p>"
+    save(fig, out / f"{name}.png")
+    data = base64.b64encode((out / f"{name}.png").read_bytes()).decode()
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | None = None,
+                 last_steps: int = 4) -> Path:
+    """Write the report of `run_dir` into `out` (default RUN_DIR/report); the page's path."""
+    from toolkit.report import plots
+    from toolkit.timeline import read_timelines
+
+    run = Path(run_dir)
+    if not (run / "config.yaml").exists():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+    metrics = _metrics(run)
+    if not metrics:
+        raise ConfigError(f"{run_dir}: no step has finished yet (metrics.jsonl is empty); nothing to report")
+    target = Path(out) if out else run / "report"
+    if not target.exists():
+        target.mkdir(parents=True)
+        os.chmod(target, 0o700)  # (samples and config: for the run's owner, as the run directory is)
+
+    committed = _experience_steps(run)
+    if samples_at is None:
+        samples_at = sorted({committed[0], committed[len(committed) // 2], committed[-1]}) if committed else []
+    missing = [s for s in samples_at if s not in committed]
+    if missing:
+        raise ConfigError(f"--samples-at {','.join(map(str, missing))}: no committed experience at that step; "
+                          f"this run has steps {committed[0]}..{committed[-1]}" if committed else
+                          f"--samples-at: this run has no committed experience")
+
+    window = metrics[-(last_steps + 1):]
+    timelines = read_timelines(run)
+    first_t = min((rows[0]["t"] for rows in timelines.values() if rows), default=window[0]["time"])
+    start = window[0]["time"] if len(window) > last_steps else first_t
+    status = json.loads((run / "status.json").read_text()) if (run / "status.json").exists() else {}
+    last = metrics[-1]
+    facts = [("run", str(run.resolve())), ("state", str(status.get("state", "unknown"))),
+             ("steps", f"{last['step'] + 1} of {status.get('steps') or '?'}"),
+             ("time", f"{(last['time'] - first_t) / 60:.1f} min from the first worker's start to the last step")]
+    if "reward_mean" in last:
+        facts.append(("reward", f"{metrics[0]['reward_mean']:.4f} (step {metrics[0]['step']}) -> "
+                                f"{last['reward_mean']:.4f} (step {last['step']})"))
+    else:
+        facts.append(("loss", f"{metrics[0]['loss']:.4f} -> {last['loss']:.4f}"))
+    head = "".join(f"<tr><th>{k}</th><td>{html.escape(v)}</td></tr>" for k, v in facts)
+    body = f"""<!doctype html><html><head><meta charset="utf-8"><title>slurm-rlhf report: {html.escape(run.name)}</title>
+<style>{STYLE}</style></head><body>
+<h1>slurm-rlhf report: {html.escape(run.name)}</h1><table>{head}</table>
+<h2>Curves</h2>{_figure("curves", plots.curves(metrics), target, "curves")}
+<h2>Step time by phase</h2>{_figure("step_time", plots.step_time(metrics), target, "step time by phase")}
+<h2>Timeline of the last {len(window) - 1 if len(window) > last_steps else len(window)} steps</h2>
+{_figure("timeline", plots.timeline(timelines, start, last["time"]), target, "timeline")}
+<h2>Samples</h2>{_samples_section(run, samples_at)}
+<h2>Placement</h2><pre>{html.escape(_placement(run))}</pre>
+<h2>Config</h2><pre>{html.escape((run / "config.yaml").read_text())}</pre>
+<p>Every metric, step by step: {html.escape(str(run / "metrics.jsonl"))}; curves in TensorBoard:
+<code>tensorboard --logdir {html.escape(str(run / "tensorboard"))}</code></p>
+</body></html>
+"""
+    page = target / "index.html"
+    tmp = target / ".index.html.tmp"
+    tmp.write_text(body)
+    os.replace(tmp, page)
+    return page

@@ -1,0 +1,109 @@
+"""The report's figures (matplotlib, no display needed). Each function takes what the run wrote and
+returns a Figure, or None when the run has nothing to draw for it."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# What a step's seconds are spent on, as the driver records them (RL); a supervised stage has step_s only.
+PHASES = [("generate_s", "generate"), ("score_s", "score"), ("train_s", "train"), ("sync_s", "weight sync"),
+          ("checkpoint_s", "checkpoint"), ("commit_s", "HDF5 commit")]
+COLORS = {"generating": "tab:blue", "scoring": "tab:orange", "training": "tab:green", "syncing": "tab:red",
+          "checkpointing": "tab:purple", "collecting": "tab:olive", "replaying": "tab:brown",
+          "evaluating": "tab:cyan", "setup": "tab:gray", "registering": "lightgray", "ready": "gainsboro"}
+IDLE = ("idle", "done", "ready", "collecting")  # drawn as gaps: the worker waits (the trainer for samples)
+
+
+def curves(metrics: list[dict]):
+    """Reward (total and each component), KL and response length for RL; losses and accuracy for a stage."""
+    steps = [m["step"] for m in metrics]
+    panels = []
+    if any("reward_mean" in m for m in metrics):
+        series = {"reward (total)": "reward_mean"}
+        series.update({f"reward {k.split('/', 1)[1]}": k for k in sorted({k for m in metrics for k in m})
+                       if k.startswith("reward/")})
+        panels += [("reward", series), ("KL to the reference", {"kl": "kl"}),
+                   ("response length (tokens)", {"mean": "response_len_mean"})]
+    else:
+        panels.append(("loss", {"train": "loss", "eval": "eval_loss"}))
+        if any("accuracy" in m for m in metrics):
+            panels.append(("preference accuracy", {"train": "accuracy", "eval": "eval_accuracy"}))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.4), squeeze=False)
+    for ax, (title, series) in zip(axes[0], panels):
+        for label, key in series.items():
+            points = [(m["step"], m[key]) for m in metrics if key in m]
+            if points:
+                ax.plot(*zip(*points), marker="." if len(points) < 40 else None, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_xlim(min(steps) - 0.5, max(steps) + 0.5)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def step_time(metrics: list[dict]):
+    """Each step's seconds stacked by phase (a step trained again on a resume generated nothing)."""
+    phases = [(key, label) for key, label in PHASES if any(key in m for m in metrics)]
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    steps = [m["step"] for m in metrics]
+    if phases:
+        bottom = [0.0] * len(metrics)
+        for key, label in phases:
+            values = [m.get(key, 0.0) for m in metrics]
+            ax.bar(steps, values, bottom=bottom, label=label, width=0.85)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    if any("step_s" in m for m in metrics):
+        points = [(m["step"], m["step_s"]) for m in metrics if "step_s" in m]
+        ax.plot(*zip(*points), color="black", marker=".", linewidth=1, label="step (wall)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.set_title("step time by phase" + (" (phases of different workers overlap)" if phases else ""))
+    ax.legend(fontsize=8, ncol=4)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+def intervals(rows: list[dict], start: float, end: float) -> list[tuple[str, float, float]]:
+    """(phase, from, to) of a worker's phase changes, clipped to [start, end]; waiting phases left out."""
+    out = []
+    for row, after in zip(rows, rows[1:] + [None]):
+        t0, t1 = row["t"], after["t"] if after else end
+        if t1 <= start or t0 >= end or row["phase"] in IDLE:
+            continue
+        out.append((row["phase"], max(t0, start), min(t1, end)))
+    return out
+
+
+def timeline(timelines: dict[str, list[dict]], start: float, end: float):
+    """Every worker's phases between `start` and `end` (unix times): who works while whom waits."""
+    workers = [w for w, rows in timelines.items() if intervals(rows, start, end)]
+    if not workers:
+        return None
+    fig, ax = plt.subplots(figsize=(10, 0.55 * len(workers) + 1.3))
+    seen = {}
+    for y, worker in enumerate(workers):
+        for phase, t0, t1 in intervals(timelines[worker], start, end):
+            bar = ax.broken_barh([(t0 - start, t1 - t0)], (y - 0.35, 0.7), color=COLORS.get(phase, "black"))
+            seen.setdefault(phase, bar)
+    ax.set_yticks(range(len(workers)), workers)
+    ax.invert_yaxis()
+    ax.set_xlim(0, end - start)
+    ax.set_xlabel("seconds (white: waiting)")
+    ax.set_title("what every worker does over the last steps")
+    ax.legend(seen.values(), seen.keys(), fontsize=8, ncol=len(seen), loc="upper center",
+              bbox_to_anchor=(0.5, -0.35 if len(workers) < 4 else -0.15))
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    return fig
+
+
+def save(fig, path) -> None:
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

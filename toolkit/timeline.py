@@ -1,0 +1,59 @@
+"""Every worker's phases over time: RUN_DIR/timeline/<worker>.jsonl, one line per phase change
+({"t": unix time, "phase": ..., "step": ...}), what `slurm-rlhf report` draws as who waits for whom.
+
+`PhaseLog` is the status dict a worker's heartbeat carries (phase, step, ...); setting its phase also
+appends the line. The file is appended to across resumes (times are wall-clock), readable by its owner only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+
+def timeline_file(run_dir: Path, worker_id: str) -> Path:
+    return Path(run_dir) / "timeline" / f"{worker_id.replace(':', '-')}.jsonl"
+
+
+class PhaseLog(dict):
+    def __init__(self, path: Path):
+        super().__init__()
+        path.parent.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._file = os.fdopen(fd, "a", buffering=1)  # (line-buffered: each change is written at once)
+        self._last: tuple | None = None
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        if key == "phase":
+            self._mark()
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        if "phase" in kwargs or (args and "phase" in args[0]):
+            self._mark()
+
+    def _mark(self) -> None:
+        now = (self.get("phase"), self.get("step"))
+        if now != self._last and not self._file.closed:
+            self._last = now
+            self._file.write(json.dumps({"t": round(time.time(), 4), "phase": now[0], "step": now[1]}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_timelines(run_dir: Path) -> dict[str, list[dict]]:
+    """{worker file name: its phase changes in order} (a line cut short by a crash is skipped)."""
+    out = {}
+    for path in sorted((Path(run_dir) / "timeline").glob("*.jsonl")):
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+        out[path.stem] = rows
+    return out
