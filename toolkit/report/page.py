@@ -112,7 +112,7 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
     if missing:
         raise ConfigError(f"--samples-at {','.join(map(str, missing))}: no committed experience at that step; "
                           f"this run has steps {committed[0]}..{committed[-1]}" if committed else
-                          f"--samples-at: this run has no committed experience")
+                          "--samples-at: this run has no committed experience")
 
     window = metrics[-(last_steps + 1):]
     timelines = read_timelines(run)
