@@ -146,3 +146,32 @@ def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
             for value in event.summary.value:
                 scalars.setdefault(value.tag, {})[event.step] = value.simple_value
     return scalars
+
+
+def wandb_history(run_dir: Path) -> list[list[dict]]:
+    """The history rows ({tag: value, "_step": step}) of every offline W&B run file under RUN_DIR/wandb, one
+    list per file in the order written. The files are LevelDB-style logs (a 7-byte ':W&B' header, 32 KiB
+    blocks of records [crc32, length, type] holding protobuf Records), read here as `wandb sync` reads them."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    runs = []
+    for path in sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")):
+        data, pos, pending, rows = path.read_bytes(), 7, b"", []
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+            if kind == 0:  # the padding at a block's end
+                pos += left
+                continue
+            chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            pending = chunk if kind in (1, 2) else pending + chunk  # FULL, FIRST / MIDDLE, LAST
+            if kind in (1, 4):
+                record = pb.Record.FromString(pending)
+                if record.WhichOneof("record_type") == "history":
+                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+        runs.append(rows)
+    return runs

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import cli, example, run_and_kill, tensorboard_scalars, write_config
+from tests.conftest import cli, example, run_and_kill, tensorboard_scalars, wandb_history, write_config
 from tests.conftest import experience_commits as commits
 from toolkit.store import experience
 
@@ -30,7 +30,8 @@ STEPS, KILL_AFTER = 6, 4
 def config(tiny, tmp_path: Path) -> Path:
     return write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": STEPS, "name": "exact", "seed": 5,
                                                                       "deterministic": True},
-                                          checkpoint={"every_steps": 2}, trainer={"ema": 0.9}))
+                                          checkpoint={"every_steps": 2}, trainer={"ema": 0.9},
+                                          wandb={"project": "resume-test", "mode": "offline"}))
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +115,16 @@ def test_resume_after_sigkill_ends_with_the_same_weights(baseline, killed, tmp_p
     for name, tb_tag in (("reward_mean", "reward_mean"), ("loss", "loss"), ("train_s", "time/train_s"),
                          ("reward/digit_ratio", "reward/digit_ratio")):
         assert curves[tb_tag] == pytest.approx({m["step"]: m[name] for m in metrics}, rel=1e-6), tb_tag
+    # (d) and so do the W&B curves (offline), one W&B run continued: W&B holds what it is sent until its
+    # run finishes, so the killed attempt's steps are lost there, and the resume sends them again first
+    attempts = wandb_history(run_dir)
+    assert len(attempts) == 2 and len({p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}) == 1
+    assert [row["_step"] for row in attempts[-1]] == list(range(STEPS))
+    for row in (row for rows in attempts for row in rows):
+        m = metrics[row["_step"]]
+        assert row["reward_mean"] == pytest.approx(m["reward_mean"], rel=1e-6)
+        assert row["time/train_s"] == pytest.approx(m["train_s"], rel=1e-6)
+    assert (run_dir / "wandb" / "last-step").read_text() == str(STEPS - 1)
 
 
 def flip_bytes(path: Path) -> None:

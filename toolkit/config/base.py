@@ -156,6 +156,26 @@ class CheckpointSection(Section):
     """Model checkpoints kept (the newest); experience files are all kept."""
 
 
+class WandbSection(Section):
+    project: str | None = None
+    """Weights & Biases project: set it to send every step's metrics to W&B too (beside TensorBoard and
+    metrics.jsonl, which are always written). None: W&B is not used. Needs `pip install wandb`."""
+    entity: str | None = None
+    """W&B team or user (None: your default entity)."""
+    mode: Literal["offline", "online"] = "offline"
+    """offline: written under RUN_DIR/wandb, for `wandb sync RUN_DIR/wandb/offline-run-*` from a machine
+    with internet access (compute nodes often have none); online: sent while the run goes."""
+    tags: list[str] = []
+    """Tags of the W&B run."""
+
+    @model_validator(mode="after")
+    def _installed(self) -> "WandbSection":
+        if self.project is not None and importlib.util.find_spec("wandb") is None:
+            raise ValueError("wandb.project is set, but the wandb package is not installed: pip install wandb "
+                             "(or remove wandb.project)")
+        return self
+
+
 class GroupSection(Section):
     models: list[Literal[MODELS]] | None = None
     """Strategy `custom` only: the models this node group hosts (generation, reference, reward, actor,

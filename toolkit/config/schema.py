@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSection, GroupSection, ModelDir,
-                                 PositiveInt, Section, SlurmSection, TransportSection, load_function)
+                                 PositiveInt, Section, SlurmSection, TransportSection, WandbSection,
+                                 load_function)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import vllm_cpu_problem
 
@@ -336,6 +337,8 @@ class RunConfig(Section):
     """ZeroMQ, heartbeats and timeouts."""
     checkpoint: CheckpointSection = CheckpointSection()
     """Model checkpoints (experience is committed every step)."""
+    wandb: WandbSection = WandbSection()
+    """Weights & Biases (off unless a project is set)."""
     slurm: SlurmSection = SlurmSection()
     """How `slurm-rlhf submit` and `render` ask Slurm for the allocation."""
     ptx: PtxSection = PtxSection()

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from toolkit.config.base import (Attention, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
-                                 Section, SlurmSection, TransportSection)
+                                 Section, SlurmSection, TransportSection, WandbSection)
 from toolkit.config.data import DataSection
 
 
@@ -84,6 +84,8 @@ class StageConfig(Section):
     """ZeroMQ, heartbeats and timeouts."""
     checkpoint: CheckpointSection = CheckpointSection()
     """Model checkpoints."""
+    wandb: WandbSection = WandbSection()
+    """Weights & Biases (off unless a project is set)."""
     slurm: SlurmSection = SlurmSection()
     """How `slurm-rlhf submit` and `render` ask Slurm for the allocation."""
 

@@ -5,12 +5,22 @@ viewer is not a dependency: `pip install tensorboard` where you look at them). T
 names, phase times (`*_s`) under `time/`, reward components under `reward/`. A resumed run opens a new
 event file that starts with a purge at its first step, so TensorBoard drops what an earlier attempt
 wrote from that step on: the curves go on with no step twice, as metrics.jsonl does.
+
+With `wandb.project` set, the same scalars go to Weights & Biases under the same tags: one W&B run per
+run directory (its id kept in RUN_DIR/wandb/run-id), continued by every resume. W&B keeps what it is sent
+in memory until its run finishes, so an attempt that is killed loses its W&B steps: RUN_DIR/wandb/last-step
+records the last step of a W&B run that finished, and the next attempt first sends the steps after it
+from metrics.jsonl. Offline mode writes under RUN_DIR/wandb for `wandb sync` later.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import secrets
 from pathlib import Path
+
+import yaml
 
 NOT_CURVES = {"step", "time"}
 
@@ -22,12 +32,25 @@ def tag(name: str) -> str:
     return f"time/{name}" if name.endswith("_s") else name
 
 
-class Curves:
-    """Writes the scalars of metrics records, in step order, to one event file per attempt of a run."""
+def scalars(record: dict) -> dict[str, float]:
+    """{tag: value} of the finite numbers of a metrics record."""
+    return {tag(name): value for name, value in record.items()
+            if name not in NOT_CURVES and not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value)}
 
-    def __init__(self, directory: Path):
-        self.directory = Path(directory)
+
+class Curves:
+    """Writes the scalars of metrics records, in step order, to one event file per attempt of a run (and
+    to W&B when the config says so)."""
+
+    def __init__(self, run_dir: Path, cfg=None):
+        self.run_dir = Path(run_dir)
+        self.directory = self.run_dir / "tensorboard"
         self.writer = None
+        self.cfg = cfg
+        self.wandb = cfg.wandb if cfg is not None and cfg.wandb.project else None
+        self.wandb_run = None
+        self.wandb_last = -1
 
     def add(self, record: dict) -> None:
         from tensorboardX import SummaryWriter
@@ -35,14 +58,59 @@ class Curves:
         step = int(record["step"])
         if self.writer is None:  # (purge: this attempt rewrites the curves from its first step on)
             self.writer = SummaryWriter(str(self.directory), purge_step=step, flush_secs=30)
-        for name, value in record.items():
-            if name in NOT_CURVES or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if math.isfinite(value):
-                self.writer.add_scalar(tag(name), value, step, walltime=record.get("time"))
+        values = scalars(record)
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step, walltime=record.get("time"))
         self.writer.flush()
+        if self.wandb is not None:
+            self._to_wandb(step, values)
+
+    def _to_wandb(self, step: int, values: dict) -> None:
+        directory = self.run_dir / "wandb"
+        last_file = directory / "last-step"
+        if self.wandb_run is None:
+            self.wandb_last = int(last_file.read_text()) if last_file.exists() else -1
+            os.environ.setdefault("WANDB_SILENT", "true")  # (its notes would mix with the run's lines)
+            import wandb
+
+            directory.mkdir(mode=0o700, exist_ok=True)
+            id_file = directory / "run-id"
+            if not id_file.exists():
+                id_file.write_text(secrets.token_hex(4))
+            w = self.wandb
+            from toolkit.config import dump_config
+
+            self.wandb_run = wandb.init(project=w.project, entity=w.entity, mode=w.mode, tags=w.tags or None,
+                                        name=self.cfg.run.name, id=id_file.read_text().strip(), resume="allow",
+                                        dir=str(self.run_dir), config=yaml.safe_load(dump_config(self.cfg)),
+                                        settings=wandb.Settings(console="off", x_disable_stats=True,
+                                                                disable_git=True))
+            # what an attempt killed before its W&B run finished had sent (the newest record of each step)
+            missed = {r["step"]: r for r in _read_metrics(self.run_dir / "metrics.jsonl")
+                      if self.wandb_last < r["step"] < step}
+            for s in sorted(missed):
+                self.wandb_run.log(scalars(missed[s]), step=s)
+        if step > self.wandb_last:
+            self.wandb_run.log(values, step=step)
+            self.wandb_last = step
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()  # (W&B writes what it holds)
+            self.wandb_run = None
+            (self.run_dir / "wandb" / "last-step").write_text(str(self.wandb_last))
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    import json
+
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # (a line cut short by a crash)
+    return out

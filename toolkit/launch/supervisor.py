@@ -59,7 +59,7 @@ class Supervisor:
         self._status_written = 0.0
         self.preempt = False
         self.history: list[dict] = []  # metrics of steps run before this attempt (a resume)
-        self.curves = Curves(run_dir.path / "tensorboard")
+        self.curves = Curves(run_dir.path, cfg)
         self.end_time: float | None = None  # when the job will be killed (unix time), once known
         self.trainer_ready: dict = {}
         self.checkpointed: dict | None = None
