@@ -29,6 +29,7 @@ EXAMPLES = """examples:
   slurm-rlhf validate run.yaml
   slurm-rlhf plan run.yaml --cluster templates/clusters/2x8-h100.yaml --write planned.yaml
   slurm-rlhf tiny models/tiny
+  slurm-rlhf init --model models/tiny/model --cluster templates/clusters/2x8-h100.yaml --out run.yaml
   slurm-rlhf export runs/r1 out/model [--step 40] [--ema]   # a checkpoint as a Hugging Face model directory
   slurm-rlhf generate runs/r1 --input prompts.jsonl --output samples.jsonl --n 4
   slurm-rlhf chat runs/r1                       # talk to the newest checkpoint (or any model directory)
@@ -152,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples-at", metavar="STEP,STEP,...",
                    help="steps whose samples to show (default: the first, middle and last committed)")
     p.add_argument("--last-steps", type=int, default=4, help="steps the timeline shows (default 4)")
+
+    p = sub.add_parser("init", help="write a commented starter config for a model, sized for a cluster by the "
+                                    "planner; it validates as written")
+    p.add_argument("--model", required=True, help="the policy to train: a Hugging Face model directory")
+    p.add_argument("--cluster", help="cluster file (see templates/clusters/): plan the placement for it "
+                                     "(default: run on this machine)")
+    p.add_argument("--prompts", help="JSON Lines of prompts (default: example prompts written beside the config)")
+    p.add_argument("--reward-model", help="a reward model directory (default: a placeholder rule-based reward)")
+    p.add_argument("--algorithm", choices=("grpo", "ppo", "rloo", "reinforce_pp"), default="grpo")
+    p.add_argument("--out", default="run.yaml", help="the config to write (default: run.yaml)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
 
     p = sub.add_parser("tiny", help="build a tiny Llama, tokenizer, reward model and prompts offline")
     p.add_argument("out_dir", help="directory to write (model/, reward_model/, prompts.jsonl)")
@@ -467,6 +479,15 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_init(args) -> int:
+    from toolkit.config.starter import write_starter
+
+    for line in write_starter(args.model, args.out, args.cluster, args.prompts, args.reward_model, args.algorithm,
+                              args.force):
+        print(line)
+    return 0
+
+
 def cmd_tiny(args) -> int:
     from toolkit.tiny import build_tiny
 
@@ -481,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                "resume": cmd_resume, "inspect": cmd_inspect, "submit": cmd_submit, "render": cmd_render,
                "status": cmd_status, "cancel": cmd_cancel, "validate": cmd_validate, "plan": cmd_plan,
                "tiny": cmd_tiny, "export": cmd_export, "generate": cmd_generate, "chat": cmd_chat,
-               "report": cmd_report}[args.command]
+               "report": cmd_report, "init": cmd_init}[args.command]
     try:
         return handler(args)
     except ToolkitError as e:

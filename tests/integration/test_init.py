@@ -1,0 +1,81 @@
+"""`slurm-rlhf init`: a commented starter config that validates as written, runs here, and takes the
+planner's plan for a cluster file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, cli
+
+pytestmark = pytest.mark.integration
+
+
+def keys_without_comment(text: str) -> list[str]:
+    """Keys of the YAML text that no comment line explains (node group names are the user's words)."""
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#") or ":" not in stripped:
+            continue
+        key = stripped.lstrip("- ").split(":")[0]
+        if key in ("generator", "scorer", "trainer", "all", "max_chars"):
+            continue
+        if not lines[i - 1].strip().startswith("#"):
+            out.append(key)
+    return out
+
+
+def test_init_writes_a_config_that_runs_here(tiny, tmp_path):
+    result = cli("init", "--model", tiny / "model", "--out", tmp_path / "run.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "example prompts in" in result.stdout and "placeholder" in result.stdout
+    text = (tmp_path / "run.yaml").read_text()
+    assert keys_without_comment(text) == []
+    data = yaml.safe_load(text)
+    assert data["model"]["actor"] == str((tiny / "model").resolve()) and data["run"]["name"] == "tiny"
+    assert data["data"]["prompts"] == "prompts.example.jsonl"
+    prompts = [json.loads(line) for line in (tmp_path / "prompts.example.jsonl").read_text().splitlines()]
+    assert len(prompts) >= 8 and all(isinstance(p["prompt"], str) for p in prompts)
+    assert cli("validate", tmp_path / "run.yaml").returncode == 0
+    result = cli("run", tmp_path / "run.yaml", "--run-dir", tmp_path / "run", "--set", "run.steps=2",
+                 "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=2",
+                 "--set", "rollout.max_new_tokens=8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+    again = cli("init", "--model", tiny / "model", "--out", tmp_path / "run.yaml")
+    assert again.returncode == 2 and "exists; choose another name, or --force" in again.stderr
+    assert cli("init", "--model", tiny / "model", "--out", tmp_path / "run.yaml", "--force").returncode == 0
+
+
+def test_init_takes_the_planners_plan_for_a_cluster(tiny, tmp_path):
+    result = cli("init", "--model", tiny / "model", "--cluster", REPO / "templates" / "clusters" / "2x8-h100.yaml",
+                 "--reward-model", tiny / "reward_model", "--algorithm", "ppo", "--out", tmp_path / "h100.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "Planned for 2 nodes of 8x H100-80GB" in result.stdout and "s per step" in result.stdout
+    data = yaml.safe_load((tmp_path / "h100.yaml").read_text())
+    groups = {k: v for k, v in data["placement"].items() if k != "strategy"}
+    assert groups and all(g["gpus_per_worker"] >= 1 for g in groups.values())
+    assert sum(g["nodes"] for g in groups.values()) <= 2
+    assert data["model"]["dtype"] == "bfloat16" and data["rollout"]["backend"] == "vllm"
+    assert data["reward"] == {"models": [{"path": str((tiny / "reward_model").resolve())}]}
+    assert data["model"]["critic"] == str((tiny / "reward_model").resolve())
+    dry = cli("submit", tmp_path / "h100.yaml", "--dry-run", "--run-dir", tmp_path / "r")
+    assert dry.returncode == 0 and "#SBATCH" in dry.stdout, dry.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent"], "--model /nonexistent: no config.json there"),
+    (["--model", "{tiny}/model", "--reward-model", "{tiny}"], "no config.json there"),
+    (["--model", "{tiny}/model", "--cluster", "/nonexistent.yaml"], "/nonexistent.yaml"),
+])
+def test_init_names_what_is_wrong(tiny, tmp_path, args, message):
+    args = [a.format(tiny=tiny) for a in args]
+    result = cli("init", *args, "--out", tmp_path / "x.yaml")
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "x.yaml").exists()
