@@ -4,7 +4,6 @@ planner's plan for a cluster file."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
