@@ -16,6 +16,7 @@ import time
 from toolkit.errors import ConfigError, RunError
 from toolkit.launch.env import node_name
 from toolkit.launch.rundir import RunDir
+from toolkit.store.manifest import Manifest
 from toolkit.table import text_table
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -72,6 +73,10 @@ def status_text(rd: RunDir) -> str:
         return "\n".join(lines)
     step = status.get("step", -1)
     lines.append(f"run state: {status['state']}, steps done: {max(step + 1, 0)}/{status.get('steps') or '?'}")
+    resumes = sum(1 for r in Manifest(rd.path).records() if r["kind"] == "resume")
+    if resumes or job.get("requeues"):
+        lines.append(f"restarts: resumed {resumes} time(s) from its checkpoint and experience"
+                     + (f", {job['requeues']} of them after a Slurm requeue" if job.get("requeues") else ""))
     if status.get("error"):
         lines.append("error: " + status["error"])
     last = status.get("last_metrics")
