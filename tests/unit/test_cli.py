@@ -79,6 +79,17 @@ def test_a_non_editable_install_renders_the_batch_script(tiny, tmp_path):
     probe = subprocess.run([sys.executable, "-c", "import toolkit; print(toolkit.__file__)"], capture_output=True,
                            text=True, cwd=elsewhere, env={**os.environ, "PYTHONPATH": str(target)})
     assert probe.stdout.startswith(str(target))  # (the installed copy ran, not the source tree)
+    # the console entry point, the version, and the optional extras a user picks from
+    import tomllib
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    shown = subprocess.run([str(target / "bin" / "slurm-rlhf"), "--version"], capture_output=True, text=True,
+                           timeout=60, cwd=elsewhere, env={**os.environ, "PYTHONPATH": str(target)})
+    assert shown.returncode == 0 and shown.stdout.strip() == f"slurm-rlhf {version}", shown.stdout + shown.stderr
+    metadata = next(target.glob("slurm_rlhf-*.dist-info")) / "METADATA"
+    extras = {line.split(":", 1)[1].strip() for line in metadata.read_text().splitlines()
+              if line.startswith("Provides-Extra:")}
+    assert {"cpu", "gpu", "dev", "wandb"} <= extras, extras
 
 
 def test_every_dependency_in_pyproject_is_installed():
