@@ -98,6 +98,14 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
 
 
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of the next-token distribution at each position at `temperature`, [B, T-1] (a metric: no
+    gradient)."""
+    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    return -(logprobs.exp() * logprobs).sum(-1)
+
+
 def by_length(lengths, batch_size: int) -> list[torch.Tensor]:
     """Indices of forward passes of at most `batch_size` samples, the longest samples together: each pass
     is padded only to its own longest sample, so samples of very different lengths waste little. The

@@ -125,7 +125,8 @@ def test_resume_after_sigkill_ends_with_the_same_weights(baseline, killed, tmp_p
         assert row["reward_mean"] == pytest.approx(m["reward_mean"], rel=1e-6)
         assert row["time/train_s"] == pytest.approx(m["train_s"], rel=1e-6)
     assert (run_dir / "wandb" / "last-step").read_text() == str(STEPS - 1)
-    # (e) status counts the restart
+    # (e) the metrics and status count the restart
+    assert metrics[0]["restarts"] == 0 and metrics[-1]["restarts"] == 1 and curves["restarts"][STEPS - 1] == 1
     assert "restarts: resumed 1 time(s) from its checkpoint and experience" in cli("status", run_dir).stdout
 
 

@@ -12,10 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO, alive, cli, example, write_config
 from toolkit.config import load_config
+from toolkit.store import experience
 
 pytestmark = pytest.mark.integration
 
@@ -93,6 +95,13 @@ def test_ppo_run_zero3_two_trainer_ranks(tiny, tmp_path):
         # the total is the weighted sum of the components (weights 1.0 and 0.05 in tiny-ppo.yaml)
         assert abs(r["reward_mean"] - (r["reward/digit_ratio"] + 0.05 * r["reward/tiny_rm"])) < 1e-5
         assert r["behaviour_logprob_diff"] < 1e-4  # ZeRO-3 weights gathered and synced every step
+        # advantage and value statistics over both ranks' samples: those of the committed batch
+        rec = experience.read(run_dir / "experience" / experience.file_name(r["step"]))["experience"]
+        adv = rec["advantages"].astype(np.float64)
+        assert abs(r["advantage_mean"] - adv.mean()) < 1e-4 and abs(r["advantage_std"] - adv.std()) < 1e-4
+        assert abs(r["value_mean"] - rec["values"].mean()) < 1e-4 and abs(r["return_mean"] - rec["returns"].mean()) < 1e-4
+        vocab = json.loads((tiny / "model" / "config.json").read_text())["vocab_size"]
+        assert 0 < r["entropy"] <= np.log(vocab) + 1e-4 and r["restarts"] == 0
     assert (run_dir / "logs" / "trainer-1.log").stat().st_size > 0
     assert_no_workers_left(run_dir)
 

@@ -63,6 +63,7 @@ class Supervisor:
         self.end_time: float | None = None  # when the job will be killed (unix time), once known
         self.trainer_ready: dict = {}
         self.checkpointed: dict | None = None
+        self.restarts = 0  # times this run was resumed (from the manifest)
 
     # ----- the run --------------------------------------------------------------------------------
 
@@ -146,7 +147,7 @@ class Supervisor:
 
     def _record(self, step: int, **extra) -> dict:
         """Write the metrics of trained `step` (what the trainer reported, plus `extra`) and show them."""
-        record = {"step": step, **self.trained.pop(step), **extra, "time": time.time()}
+        record = {"step": step, **self.trained.pop(step), **extra, "restarts": self.restarts, "time": time.time()}
         self._write_metrics(record)
         self.step = step
         self._show(record)
@@ -184,6 +185,7 @@ class Supervisor:
                 "kind": "resume", "checkpoint": plan.checkpoint["dir"] if plan.checkpoint else None,
                 "replay": [str(p.relative_to(self.run_dir.path)) for p in plan.replay], "next_step": plan.next_step,
                 "set_aside": [str(p.relative_to(self.run_dir.path)) for p in moved], "problems": plan.problems})
+        self.restarts = sum(1 for r in Manifest(self.run_dir.path).records() if r["kind"] == "resume")
         self._keep_metrics_before(plan.next_step)
         self.step = plan.next_step - 1
         return {"checkpoint": plan.checkpoint["dir"] if plan.checkpoint else None,

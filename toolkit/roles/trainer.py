@@ -297,12 +297,20 @@ class TrainerRole(Role):
         stats = train_on(exp, self.actor, self.critic, cfg, self.shuffle_rng, ptx, self.ranks.max)
         mask = exp.mask
         k1 = (exp.old_logprobs - exp.ref_logprobs) * mask
+        advantages = exp.advantages * mask
+        ppo = exp.values is not None
         totals = self.ranks.sum(torch.tensor([
             k1.sum(), mask.sum(), float(len(shard)),
             ((exp.behaviour_logprobs - exp.old_logprobs).abs() * mask).sum(),
+            advantages.sum(), (advantages ** 2).sum(),
+            (exp.values * mask).sum() if ppo else 0.0, (exp.returns * mask).sum() if ppo else 0.0,
             *[stats[k] for k in sorted(stats)]], dtype=torch.float64))
-        kl_sum, tokens, samples, diff_sum = totals[:4].tolist()
-        metrics = {k: v / self.world for k, v in zip(sorted(stats), totals[4:].tolist())}
+        kl_sum, tokens, samples, diff_sum, adv_sum, adv_sq, value_sum, return_sum = totals[:8].tolist()
+        metrics = {k: v / self.world for k, v in zip(sorted(stats), totals[8:].tolist())}
+        adv_mean = adv_sum / tokens  # (per response token, over every rank's samples)
+        metrics.update(advantage_mean=adv_mean, advantage_std=max(adv_sq / tokens - adv_mean ** 2, 0.0) ** 0.5)
+        if ppo:
+            metrics.update(value_mean=value_sum / tokens, return_mean=return_sum / tokens)
         metrics.update(kl=kl_sum / tokens, kl_seq=kl_sum / samples, behaviour_logprob_diff=diff_sum / tokens,
                        kl_coef=self.kl.coef, grad_norm=_float(self.actor.get_global_grad_norm()), commit_s=commit_s,
                        lr=float(self.actor.get_lr()[0]))

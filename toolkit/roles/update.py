@@ -33,7 +33,7 @@ from toolkit.algorithms.advantages import (gae, grpo_advantages, kl_penalized_re
 from toolkit.algorithms.losses import behaviour_weights, kl_estimate, masked_mean, policy_loss, value_loss
 from toolkit.algorithms.supervised import response_lm_loss
 from toolkit.modeling import (Padded, critic_values, pad_samples, scatter_responses, sequence_logprobs,
-                                    token_logprobs)
+                                    token_entropy, token_logprobs)
 
 
 @dataclass
@@ -249,6 +249,7 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
             _backward(actor, loss, share if by_tokens else None)
             actor.step()
             add("loss", loss.item())
+            add("entropy", masked_mean(token_entropy(logits, cfg.rollout.temperature), mask).item())
             add("clip_frac", stats["clip_frac"])
             add("approx_kl", stats["approx_kl"])
             if critic is not None:
