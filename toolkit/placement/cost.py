@@ -17,6 +17,8 @@ Time (seconds per step, phases one after the other):
   sync      broadcast P*b over the link + reload P*b/B (a generator in the trainer's worker: nothing,
             or the ZeRO-3 gather and a copy)
   transport one message per generator worker per hop between groups
+P counts every parameter for memory and bytes, and a mixture of experts' active ones for FLOPs.
+
 Where this is a guess: activations (no recomputation, no flash-attention savings), TP communication in
 vLLM (ignored), overlap of communication with compute (none assumed), response length (assumed to be
 `max_new_tokens` unless given).
@@ -41,21 +43,22 @@ class ModelShape:
     vocab: int
     kv_heads: int
     head_dim: int
+    active_params: float | None = None  # a mixture of experts: what one token passes through (None: all)
+
+    @property
+    def active(self) -> float:
+        """Parameters each token computes with (FLOPs); `params` is what memory holds."""
+        return self.active_params if self.active_params is not None else self.params
 
     @classmethod
     def from_config(cls, path: str | Path) -> "ModelShape":
-        """From a Hugging Face `config.json` (or its directory); parameters counted for a Llama-like model."""
+        """From a Hugging Face `config.json` (or its directory), counted for its family (shapes.py)."""
+        from toolkit.placement.shapes import count
+
         path = Path(path)
-        c = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
-        heads = c.get("num_attention_heads", 1)
-        kv_heads = c.get("num_key_value_heads", heads)
-        head_dim = c.get("head_dim") or h // heads
-        ffn = c.get("intermediate_size", 4 * h)
-        attention = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
-        per_layer = attention + 3 * h * ffn + 2 * h
-        embeddings = vocab * h * (1 if c.get("tie_word_embeddings") else 2)
-        return cls(float(layers * per_layer + embeddings + h), layers, h, vocab, kv_heads, head_dim)
+        file = path / "config.json" if path.is_dir() else path
+        n = count(json.loads(file.read_text()), str(file))
+        return cls(float(n.total), n.layers, n.hidden, n.vocab, n.kv_heads, n.head_dim, float(n.active))
 
     @classmethod
     def from_params(cls, params: float, vocab: int = 32000) -> "ModelShape":
@@ -192,9 +195,9 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
     tp = s.tensor_parallel if own_engine else 1
     per = math.ceil(w.samples / g_workers)
     f, bw = dev.flops * share(g_workers), dev.memory_bandwidth * share(g_workers)
-    P = w.actor.params
+    P = w.actor.active  # (FLOPs; the weights read per decode step are all of them: w.actor.params)
     kv = per * (w.prompt_tokens + w.response_tokens / 2) * w.actor.kv_bytes_per_token(b)
-    decode_step = max(2 * P * per / (tp * f), (P * b + kv) / (tp * bw))
+    decode_step = max(2 * P * per / (tp * f), (w.actor.params * b + kv) / (tp * bw))
     if own_engine and s.generation_engine == "vllm":
         c_decode, c_sequence = o.decode_step_vllm, o.decode_per_sequence_vllm
     else:
@@ -205,7 +208,7 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
     # Scoring: each scoring model on the workers that run it (see placement.plan.stages).
     def forward_s(m: ModelShape, n: int, workers: int) -> float:
         calls = math.ceil(n / w.forward_batch_size)
-        return 2 * m.params * n * w.tokens / (dev.flops * share(workers)) + calls * o.forward_call
+        return 2 * m.active * n * w.tokens / (dev.flops * share(workers)) + calls * o.forward_call
 
     score = 0.0
     for model, shapes in (("reference", [w.reference]), ("reward", list(w.reward_models))):
@@ -229,7 +232,7 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
     micro_batches = math.ceil(n / s.micro_batch) * w.epochs
     train = sum(forward_s(m, math.ceil(n), t_workers) for m in trained)
     for m in trained:
-        train += 6 * m.params * n * w.tokens * w.epochs / f + micro_batches * o.train_micro_batch
+        train += 6 * m.active * n * w.tokens * w.epochs / f + micro_batches * o.train_micro_batch
         state = trainer_memory(m, w, t_workers, s.zero_stage, 0)
         train += updates * (o.optimizer_step + state / bw)
         if t_workers > 1:
@@ -241,11 +244,12 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
     e.phases["train"] = train
 
     # Weight sync.
-    gather = P * b * (t_workers - 1) / t_workers / link(t_nodes) if s.zero_stage == 3 and t_workers > 1 else 0.0
+    sent = w.actor.params * b
+    gather = sent * (t_workers - 1) / t_workers / link(t_nodes) if s.zero_stage == 3 and t_workers > 1 else 0.0
     if not own_engine:
-        e.phases["sync"] = gather + (P * b / bw if s.zero_stage == 3 else 0.0)
+        e.phases["sync"] = gather + (sent / bw if s.zero_stage == 3 else 0.0)
     else:
-        e.phases["sync"] = gather + P * b / link(max(g_nodes, 2)) + links.latency_s + P * b / dev.memory_bandwidth
+        e.phases["sync"] = gather + sent / link(max(g_nodes, 2)) + links.latency_s + sent / dev.memory_bandwidth
 
     # Transport: one message per generator worker over each hop between groups, and the driver's work.
     hops = _hops(s)

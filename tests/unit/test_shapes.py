@@ -1,0 +1,70 @@
+"""Parameter counts from config.json (placement/shapes.py) against the model transformers builds on the
+meta device: every family, with config.json files of public models (tests/fixtures/model_configs, their
+sources in SOURCES.md) and the tiny random models of the architecture tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from toolkit.errors import ConfigError
+from toolkit.placement.cost import ModelShape
+from toolkit.placement.shapes import FAMILIES, count
+from toolkit.tiny import FAMILIES as TINY
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "model_configs").glob("*.json"))
+
+
+def built(config: dict) -> tuple[int, int]:
+    """(total, active) parameters of the model transformers builds from `config` on the meta device;
+    active: the experts of each mixture-of-experts layer counted top-k / number of experts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    c = dict(config)
+    cfg = AutoConfig.for_model(c.pop("model_type"), **{k: v for k, v in c.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    n = config.get("num_local_experts") or config.get("num_experts")
+    active = total - experts * (1 - config["num_experts_per_tok"] / n) if experts else total
+    return total, active
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_counts_of_public_models_match_transformers(path):
+    config = json.loads(path.read_text())
+    ours = count(config, str(path))
+    total, active = built(config)
+    assert abs(ours.total - total) / total < 0.01, (ours.total, total)
+    assert abs(ours.active - active) / active < 0.01, (ours.active, active)
+
+
+def test_every_family_has_a_public_config():
+    families = {json.loads(p.read_text())["model_type"] for p in CONFIGS}
+    assert {"llama", "mistral", "qwen2", "opt", "gpt2", "gpt_neox"} <= families, families
+    assert families & {"gemma", "gemma2"} and families & {"mixtral", "qwen2_moe", "qwen3_moe"}, families
+
+
+@pytest.mark.parametrize("family", sorted(TINY), ids=sorted(TINY))
+def test_counts_of_the_tiny_families_match_transformers(family):
+    """The configs of the tiny random models the architecture tests run, exactly."""
+    import transformers
+
+    class_name, args = TINY[family]
+    config = getattr(transformers, class_name)(**args).to_dict()
+    ours = count(config)
+    total, active = built(config)
+    assert ours.total == total and abs(ours.active - active) < 1
+
+
+def test_an_unknown_architecture_says_what_to_pass(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "bloom", "architectures": ["BloomForCausalLM"], "hidden_size": 64}))
+    with pytest.raises(ConfigError, match=r"model_type 'bloom' \(BloomForCausalLM\) is not one the planner counts.*"
+                                          r"--params actor=7e9"):
+        ModelShape.from_config(tmp_path)
+    assert "llama" in FAMILIES and "opt" in FAMILIES

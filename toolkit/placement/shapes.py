@@ -1,0 +1,143 @@
+"""Parameter counts of a model from its Hugging Face `config.json`, family by family, without building it.
+
+The planner needs a model's size (weights, gradients, optimizer states, FLOPs) and its attention shape
+(KV cache). Counting a Llama formula for every architecture made OPT-13B 17.3B parameters (+35%) and
+OPT-350M +53%. Each family here counts what transformers builds: embeddings (tied or not), learned
+positions, biases, norms, projections, and a mixture of experts' routers, experts and shared experts;
+`active` is what one token passes through (the top-k experts), which is what costs FLOPs. The tests
+check every family against the model transformers builds on the meta device, with config.json files of
+public models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Count:
+    total: float
+    active: float
+    layers: int
+    hidden: int
+    vocab: int
+    kv_heads: int
+    head_dim: int
+
+
+def _attention(c: dict, h: int, heads: int, kv: int, hd: int, qkv_bias: bool, o_bias: bool) -> int:
+    return (h * heads * hd + 2 * h * kv * hd + heads * hd * h
+            + (heads * hd + 2 * kv * hd if qkv_bias else 0) + (h if o_bias else 0))
+
+
+def _heads(c: dict) -> tuple[int, int, int, int]:
+    h = c["hidden_size"]
+    heads = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    hd = c.get("head_dim") or h // heads
+    return h, heads, kv, hd
+
+
+def _moe_layer(c: dict, i: int) -> bool:
+    """Whether decoder layer `i` of a Qwen-style MoE config has experts (else a dense MLP)."""
+    if i in (c.get("mlp_only_layers") or []):
+        return False
+    step = c.get("decoder_sparse_step") or 1
+    return (i + 1) % step == 0
+
+
+def _decoder(c: dict, family: str) -> Count:
+    """Llama-like decoders: RMSNorm, rotary positions, gated MLP (Llama, Mistral, Qwen2/3, Gemma, and the
+    mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    h, heads, kv, hd = _heads(c)
+    layers, vocab = c["num_hidden_layers"], c["vocab_size"]
+    qkv_bias = family in ("qwen2", "qwen2_moe") or bool(c.get("attention_bias"))
+    o_bias = family in ("llama", "mistral", "qwen3", "qwen3_moe", "gemma", "gemma2") and bool(c.get("attention_bias"))
+    norms = 4 * h if family == "gemma2" else 2 * h
+    if family in ("qwen3", "qwen3_moe"):
+        norms += 2 * hd  # q_norm and k_norm over each head
+    attention = _attention(c, h, heads, kv, hd, qkv_bias, o_bias)
+    dense_mlp = 3 * h * c.get("intermediate_size", 4 * h) + (
+        2 * c.get("intermediate_size", 4 * h) + h if c.get("mlp_bias") else 0)
+    total = active = 0.0
+    for i in range(layers):
+        total += attention + norms
+        active += attention + norms
+        if family == "mixtral":
+            experts, top = c["num_local_experts"], c["num_experts_per_tok"]
+            expert = 3 * h * c["intermediate_size"]
+            total += h * experts + experts * expert
+            active += h * experts + top * expert
+        elif family in ("qwen2_moe", "qwen3_moe") and _moe_layer(c, i):
+            experts, top = c["num_experts"], c["num_experts_per_tok"]
+            expert = 3 * h * c["moe_intermediate_size"]
+            shared = 0
+            if family == "qwen2_moe" and c.get("shared_expert_intermediate_size"):
+                shared = 3 * h * c["shared_expert_intermediate_size"] + h  # and its one-output gate
+            total += h * experts + experts * expert + shared
+            active += h * experts + top * expert + shared
+        else:
+            total += dense_mlp
+            active += dense_mlp
+    tied = c.get("tie_word_embeddings", family in ("gemma", "gemma2"))
+    rest = vocab * h * (1 if tied else 2) + h  # embeddings (and LM head), final norm
+    return Count(total + rest, active + rest, layers, h, vocab, kv, hd)
+
+
+def _opt(c: dict) -> Count:
+    h, layers, vocab, ffn = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["ffn_dim"]
+    proj = c.get("word_embed_proj_dim") or h
+    bias = c.get("enable_bias", True)
+    ln = 2 * h if c.get("layer_norm_elementwise_affine", True) else 0
+    per_layer = 4 * (h * h + (h if bias else 0)) + h * ffn + h * ffn + ((ffn + h) if bias else 0) + 2 * ln
+    positions = (c.get("max_position_embeddings", 2048) + 2) * h  # (OPT's learned positions start at offset 2)
+    projections = 2 * h * proj if proj != h else 0
+    final = ln if c.get("do_layer_norm_before", True) and not c.get("_remove_final_layer_norm", False) else 0
+    tied = c.get("tie_word_embeddings", True)
+    total = layers * per_layer + vocab * proj * (1 if tied else 2) + positions + projections + final
+    heads = c["num_attention_heads"]
+    return Count(total, total, layers, h, vocab, heads, h // heads)
+
+
+def _gpt2(c: dict) -> Count:
+    h, layers, vocab = c["n_embd"], c["n_layer"], c["vocab_size"]
+    inner = c.get("n_inner") or 4 * h
+    per_layer = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (h * inner + inner) + (inner * h + h)
+    tied = c.get("tie_word_embeddings", True)
+    total = layers * per_layer + vocab * h * (1 if tied else 2) + c["n_positions"] * h + 2 * h
+    heads = c["n_head"]
+    return Count(total, total, layers, h, vocab, heads, h // heads)
+
+
+def _gpt_neox(c: dict) -> Count:
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    ffn = c.get("intermediate_size") or 4 * h
+    bias = c.get("attention_bias", True)
+    attention = 3 * h * h + h * h + (4 * h if bias else 0)  # query_key_value and dense
+    per_layer = 4 * h + attention + (h * ffn + ffn) + (ffn * h + h)  # two layer norms, the MLP
+    tied = c.get("tie_word_embeddings", False)
+    total = layers * per_layer + vocab * h * (1 if tied else 2) + 2 * h
+    heads = c["num_attention_heads"]
+    return Count(total, total, layers, h, vocab, heads, h // heads)
+
+
+FAMILIES = {"llama": _decoder, "mistral": _decoder, "qwen2": _decoder, "qwen3": _decoder, "gemma": _decoder,
+            "gemma2": _decoder, "mixtral": _decoder, "qwen2_moe": _decoder, "qwen3_moe": _decoder,
+            "opt": _opt, "gpt2": _gpt2, "gpt_neox": _gpt_neox}
+
+
+def count(config: dict, source: str = "config.json") -> Count:
+    """The parameter count and attention shape of the model a config.json describes (ConfigError for an
+    architecture this does not know, saying what to pass instead)."""
+    family = config.get("model_type")
+    counter = FAMILIES.get(family)
+    if counter is None:
+        raise ConfigError(f"{source}: model_type {family!r} ({', '.join(config.get('architectures') or ['?'])}) "
+                          f"is not one the planner counts ({', '.join(sorted(FAMILIES))}); give the model's size "
+                          "instead, e.g. --params actor=7e9 (and reference=, critic=, reward=)")
+    try:
+        return counter(config, family) if counter is _decoder else counter(config)
+    except KeyError as e:
+        raise ConfigError(f"{source}: a {family} config needs {e.args[0]!r}, and this one has none") from None
