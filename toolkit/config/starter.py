@@ -48,8 +48,8 @@ def starter_data(model: Path, prompts: Path, out_dir: Path, reward_model: Path |
         "model": {"actor": rel(model), "dtype": "bfloat16" if gpus else "float32"},
         "rollout": {"prompts_per_step": 32, "group_size": 8 if algorithm == "grpo" else 4, "max_new_tokens": 256,
                     "backend": "vllm" if gpus else "auto"},
-        "reward": ({"models": [{"path": rel(reward_model)}]} if reward_model else
-                   {"functions": [{"function": "toolkit.rewards.examples:length_penalty", "args": {"max_chars": 800}}]}),
+        "reward": ({"models": [{"path": rel(reward_model)}]} if reward_model else {"functions": [
+            {"function": "toolkit.rewards.examples:length_penalty", "args": {"max_chars": 800}}]}),
         "algorithm": {"kl": {"coef": 0.04 if algorithm == "grpo" else 0.05}},
         "trainer": {"lr": 1e-6 if params >= 1e8 else 1e-5, "zero_stage": 2, "micro_batch_size": 4,
                     "gradient_checkpointing": big},

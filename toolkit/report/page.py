@@ -129,9 +129,10 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
     else:
         facts.append(("loss", f"{metrics[0]['loss']:.4f} -> {last['loss']:.4f}"))
     head = "".join(f"<tr><th>{k}</th><td>{html.escape(v)}</td></tr>" for k, v in facts)
-    body = f"""<!doctype html><html><head><meta charset="utf-8"><title>slurm-rlhf report: {html.escape(run.name)}</title>
+    title = f"slurm-rlhf report: {html.escape(run.name)}"
+    body = f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
 <style>{STYLE}</style></head><body>
-<h1>slurm-rlhf report: {html.escape(run.name)}</h1><table>{head}</table>
+<h1>{title}</h1><table>{head}</table>
 <h2>Curves</h2>{_figure("curves", plots.curves(metrics), target, "curves")}
 <h2>Step time by phase</h2>{_figure("step_time", plots.step_time(metrics), target, "step time by phase")}
 <h2>Timeline of the last {len(window) - 1 if len(window) > last_steps else len(window)} steps</h2>
