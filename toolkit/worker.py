@@ -28,9 +28,9 @@ class Worker:
         import zmq
 
         from toolkit.placement.plan import plan
+        from toolkit.timeline import PhaseLog, timeline_file
         from toolkit.transport.control import ControlClient, Heartbeat
         from toolkit.transport.sockets import Inbox
-        from toolkit.timeline import PhaseLog, timeline_file
         from toolkit.transport.wire import Codec, read_secret
 
         self.wenv, self.cfg = wenv, cfg

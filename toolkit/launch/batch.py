@@ -23,8 +23,8 @@ def run_in_allocation(run_dir: str) -> None:
     from toolkit.launch.slurm import SlurmLauncher
     from toolkit.launch.supervisor import make_driver
     from toolkit.log import setup_logging
-    from toolkit.progress import Progress
     from toolkit.placement.plan import plan
+    from toolkit.progress import Progress
 
     os.umask(0o077)
     # SIGUSR1 (the time limit is near) would end the process before the driver is listening for it.
