@@ -8,7 +8,7 @@ import yaml
 from tests.conftest import REPO, cli, example, write_config
 from toolkit.config import load_config
 from toolkit.placement.cluster import Cluster, load_cluster
-from toolkit.placement.cost import ModelShape, Setting, Workload, estimate, trainer_memory
+from toolkit.placement.cost import ModelShape, Setting, Switches, Workload, estimate, remedy, trainer_memory
 from toolkit.placement.planner import candidates, rank, setting_of, workload_of
 
 CLUSTERS = REPO / "templates" / "clusters"
@@ -118,3 +118,60 @@ def test_plan_writes_a_config_that_loads(tiny, tmp_path):
     assert yaml.safe_load(out.read_text())["placement"]["strategy"] == best[1]
     # the setting read back from the written config is the one the planner chose
     assert setting_of(cfg).strategy == best[1]
+
+
+def test_trainer_memory_switches_by_hand():
+    w = workload()  # fp32; the MLP is 4 x hidden = 4000 wide
+    # ZeRO-Offload: no Adam states on the device (ZeRO-2 over 4 ranks: weights 4e9 + grads 4e9 / 4)
+    assert trainer_memory(w.actor, w, 4, 2, 0, Switches(offload_optimizer=True)) == pytest.approx(4e9 + 1e9)
+    # ZeRO-3 with the parameters offloaded too: only the gradient shard is left
+    assert trainer_memory(w.actor, w, 4, 3, 0, Switches(offload_optimizer=True, offload_params=True)) == \
+        pytest.approx(1e9)
+    # checkpointing: each layer's input (2 x 200 tokens x 1000 x 4 bytes x 10 layers) + one layer's 17x
+    plain = trainer_memory(w.actor, w, 1, 0, 2)
+    checkpointed = trainer_memory(w.actor, w, 1, 0, 2, Switches(checkpointing=True))
+    assert plain - checkpointed == pytest.approx(2 * 200 * 1000 * 4 * (17 * 10 - 10 - 17))
+    # LoRA rank 8 on the 7 projections: 8 x 10 layers x (q, o: 2 x 2000; k, v: 2 x 1100; MLP: 3 x 5000)
+    adapters = 8 * 10 * (2 * 2000 + 2 * 1100 + 3 * 5000)
+    assert w.actor.lora_params(8) == adapters
+    assert trainer_memory(w.actor, w, 1, 0, 0, Switches(lora_rank=8)) == pytest.approx(4e9 + adapters * (4 + 8))
+
+
+def test_lora_count_equals_peft_on_the_tiny_model(tiny):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny / "model"),
+                           LoraConfig(r=8, target_modules="all-linear"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert ModelShape.from_config(tiny / "model").lora_params(8) == trainable
+
+
+def test_a_trainer_that_does_not_fit_is_told_which_switch_would_fit():
+    w = workload()
+    plain = trainer_memory(w.actor, w, 1, 2, 8)
+    with_checkpointing = trainer_memory(w.actor, w, 1, 2, 8, Switches(checkpointing=True))
+    both = trainer_memory(w.actor, w, 1, 2, 8, Switches(checkpointing=True, offload_optimizer=True))
+    assert both < with_checkpointing < plain
+    hint = remedy([w.actor], w, 1, 2, 8, 0.0, with_checkpointing + 1)
+    assert hint == f"; fits with trainer.gradient_checkpointing: true ({with_checkpointing / 1e9:.1f} GB)"
+    hint = remedy([w.actor], w, 1, 2, 8, 0.0, both + 1)
+    assert "trainer.gradient_checkpointing: true, trainer.offload_optimizer: true" in hint
+    on = workload(switches=Switches(checkpointing=True))  # a switch already on is not suggested again
+    assert remedy([on.actor], on, 1, 2, 8, 0.0, both + 1) == f"; fits with trainer.offload_optimizer: true ({both / 1e9:.1f} GB)"
+    assert "no trainer memory switch is enough" in remedy([w.actor], w, 1, 2, 8, 0.0, 1e9)
+
+
+def test_deepspeed_chats_opt13b_ppo_fits_one_a100_node_with_the_switches_it_names(tiny, tmp_path):
+    """DeepSpeed-Chat's OPT-13B PPO with an OPT-350M reward model on one node of 8 A100-80G: without
+    switches nothing fits and the planner names the switches; with them a plan fits."""
+    config = write_config(tmp_path, example("tiny-ppo.yaml", tiny, model={"dtype": "bfloat16"}))
+    args = ["plan", config, "--cluster", CLUSTERS / "1x8-a100-80g.yaml", "--params", "actor=13e9", "--params",
+            "reference=13e9", "--params", "critic=350e6", "--params", "reward=350e6", "--prompt-tokens", "256",
+            "--response-tokens", "256"]
+    result = cli(*args, timeout=120)
+    assert result.returncode == 1 and "no placement fits this cluster." in result.stdout
+    assert "fits with trainer.gradient_checkpointing: true, trainer.offload_optimizer: true" in result.stdout
+    result = cli(*args, "--set", "trainer.gradient_checkpointing=true", "--set", "trainer.offload_optimizer=true",
+                 timeout=120)
+    assert result.returncode == 0 and "plan(s) fit" in result.stdout, result.stdout

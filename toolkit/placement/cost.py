@@ -2,9 +2,12 @@
 
 Pure arithmetic on shapes, counts and the cluster's rates; every term is one line below, so a case can
 be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
-  trainer model   weights P*b / (W if ZeRO-3), gradients P*b / (W if ZeRO>=2),
-                  Adam states P*(8 + 4 if b<4 for fp32 master weights) / (W if ZeRO>=1),
-                  activations mb*L*layers*hidden*17*b, logits mb*L*vocab*4*3
+  trainer model   weights P*b / (W if ZeRO-3; 0 with offload_params), gradients T*b / (W if ZeRO>=2),
+                  Adam states T*(8 + 4 if b<4 for fp32 master weights) / (W if ZeRO>=1; 0 with
+                  offload_optimizer), T = P or, with LoRA, the adapters' parameters;
+                  activations mb*L*layers*hidden*17*b, or with checkpointing mb*L*hidden*b*layers
+                  + one layer's mb*L*hidden*17*b; logits mb*L*vocab*4*3.
+                  A trainer that does not fit is told the fewest switches under which it would.
   vLLM generator  P*b/TP + KV cache for its samples (b_w * L * kv_bytes_per_token / TP)
   generation in a trainer's worker  KV cache + the scores generate() keeps (b_w * Lr * vocab * 4)
   scorer model    P*b + forward logits fbs*L*vocab*4*2
@@ -19,7 +22,7 @@ Time (seconds per step, phases one after the other):
   transport one message per generator worker per hop between groups
 P counts every parameter for memory and bytes, and a mixture of experts' active ones for FLOPs.
 
-Where this is a guess: activations (no recomputation, no flash-attention savings), TP communication in
+Where this is a guess: activations (no flash-attention savings), TP communication in
 vLLM (ignored), overlap of communication with compute (none assumed), response length (assumed to be
 `max_new_tokens` unless given).
 """
@@ -44,6 +47,7 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     active_params: float | None = None  # a mixture of experts: what one token passes through (None: all)
+    ffn: int | None = None              # the MLP's inner width (None: 4 x hidden)
 
     @property
     def active(self) -> float:
@@ -58,7 +62,7 @@ class ModelShape:
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         n = count(json.loads(file.read_text()), str(file))
-        return cls(float(n.total), n.layers, n.hidden, n.vocab, n.kv_heads, n.head_dim, float(n.active))
+        return cls(float(n.total), n.layers, n.hidden, n.vocab, n.kv_heads, n.head_dim, float(n.active), n.ffn)
 
     @classmethod
     def from_params(cls, params: float, vocab: int = 32000) -> "ModelShape":
@@ -69,6 +73,30 @@ class ModelShape:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def lora_params(self, rank: int) -> float:
+        """Adapter parameters of LoRA on every linear layer of the blocks (peft's "all-linear"): rank x
+        (inputs + outputs) of the query, key, value and output projections and the gated MLP's three."""
+        ffn = self.ffn or 4 * self.hidden
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        return float(rank * self.layers * (2 * (h + h) + 2 * (h + kv) + 3 * (h + ffn)))
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The trainer's memory switches (`trainer.*`), as the planner counts them."""
+
+    checkpointing: bool = False         # gradient_checkpointing
+    offload_optimizer: bool = False     # Adam states and master weights in host memory
+    offload_params: bool = False        # ZeRO-3: the parameters too
+    lora_rank: int | None = None        # only adapters train
+
+    def config(self) -> list[str]:
+        """The config settings that turn these switches on."""
+        return (["trainer.gradient_checkpointing: true"] * self.checkpointing
+                + ["trainer.offload_optimizer: true"] * self.offload_optimizer
+                + ["trainer.offload_params: true"] * self.offload_params
+                + ([f"trainer.lora.rank: {self.lora_rank}"] if self.lora_rank else []))
 
 
 @dataclass(frozen=True)
@@ -85,6 +113,7 @@ class Workload:
     forward_batch_size: int = 16
     updates_per_step: int = 1
     epochs: int = 1
+    switches: Switches = Switches()
 
     @property
     def tokens(self) -> float:
@@ -127,14 +156,42 @@ class Estimate:
         return not self.short
 
 
-def trainer_memory(m: ModelShape, w: Workload, world: int, zero: int, micro_batch: int) -> float:
+def trainer_memory(m: ModelShape, w: Workload, world: int, zero: int, micro_batch: int,
+                   switches: Switches | None = None) -> float:
+    sw = switches if switches is not None else w.switches
     b = w.dtype_bytes
-    weights = m.params * b / (world if zero == 3 else 1)
-    grads = m.params * b / (world if zero >= 2 else 1)
-    adam = m.params * (8 + (4 if b < 4 else 0)) / (world if zero >= 1 else 1)
-    activations = micro_batch * w.tokens * m.layers * m.hidden * 17 * b
+    trained = m.lora_params(sw.lora_rank) if sw.lora_rank else m.params
+    weights = 0.0 if sw.offload_params and zero == 3 else m.params * b / (world if zero == 3 else 1)
+    grads = trained * b / (world if zero >= 2 else 1)
+    adam = trained * (8 + (4 if b < 4 else 0)) / (world if zero >= 1 else 1)  # (+ fp32 master weights)
+    if sw.offload_optimizer and zero >= 1:
+        adam = 0.0
+    layer = micro_batch * w.tokens * m.hidden * 17 * b  # what one layer keeps for its backward pass
+    # checkpointing keeps each layer's input, and one layer's activations while it is recomputed
+    activations = micro_batch * w.tokens * m.hidden * b * m.layers + layer if sw.checkpointing else layer * m.layers
     logits = micro_batch * w.tokens * m.vocab * 4 * 3
     return weights + grads + adam + activations + logits
+
+
+# Tried in this order on a trainer that does not fit, each with those before it: what to suggest.
+REMEDIES = (Switches(checkpointing=True), Switches(checkpointing=True, offload_optimizer=True),
+            Switches(checkpointing=True, offload_optimizer=True, lora_rank=16))
+
+
+def remedy(models: list[ModelShape], w: Workload, world: int, zero: int, micro_batch: int, others: float,
+           usable: float) -> str:
+    """The fewest trainer switches (beyond those already on) under which `models` fit next to `others`."""
+    on = w.switches
+    for r in REMEDIES:
+        sw = Switches(r.checkpointing or on.checkpointing, (r.offload_optimizer and zero >= 1) or on.offload_optimizer,
+                      on.offload_params, on.lora_rank or r.lora_rank)
+        if sw == on:
+            continue
+        need = others + sum(trainer_memory(m, w, world, zero, micro_batch, sw) for m in models)
+        if need <= usable:
+            new = [c for c in sw.config() if c not in on.config()]
+            return f"; fits with {', '.join(new)} ({need / GB:.1f} GB)"
+    return "; no trainer memory switch is enough: more devices per group, a smaller micro-batch or a smaller model"
 
 
 def forward_memory(m: ModelShape, w: Workload) -> float:
@@ -156,12 +213,13 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
     ppo = w.critic is not None
 
     # Memory per device, group by group (a group's models share its devices).
+    trained = {}  # group name: (the models it trains, what the rest of the group needs)
     for name, models, _, workers, _ in s.groups:
         need = 0.0
         if "actor" in models:
-            need += trainer_memory(w.actor, w, workers, s.zero_stage, s.micro_batch)
-            if ppo:
-                need += trainer_memory(w.critic, w, workers, s.zero_stage, s.micro_batch)
+            shapes = [w.actor] + ([w.critic] if ppo else [])
+            need += sum(trainer_memory(m, w, workers, s.zero_stage, s.micro_batch) for m in shapes)
+            trained[name] = (shapes, -need)
         if "generation" in models:
             own = "actor" not in models or s.zero_stage == 3
             need += generation_memory(w, math.ceil(w.samples / workers), s.tensor_parallel if own else 1, own)
@@ -170,17 +228,29 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
         if "reward" in models:
             need += sum(forward_memory(m, w) for m in w.reward_models)
         e.memory[name] = need
+        if name in trained:
+            trained[name] = (trained[name][0], need + trained[name][1])
+
+    def fix(name: str, usable_here: float, others_extra: float = 0.0) -> str:
+        if name not in trained:
+            return ""
+        shapes, others = trained[name]
+        workers = next(g[3] for g in s.groups if g[0] == name)
+        return remedy(shapes, w, workers, s.zero_stage, s.micro_batch, others + others_extra, usable_here)
+
     usable = dev.memory_gb * GB
     if cluster.shared:  # every group on the same machine: their memory adds up
         total = sum(e.memory.values())
         if total > usable * cluster.nodes:
+            hint = next((fix(n, usable, total - e.memory[n]) for n in trained), "")
             e.short.append(f"all groups need {total / GB:.1f} GB on a machine of {dev.memory_gb:g} GB "
-                           f"({(total - usable) / GB:.1f} GB short)")
+                           f"({(total - usable) / GB:.1f} GB short){hint}")
     else:
         for name, models, *_ in s.groups:
             if e.memory[name] > usable:
                 e.short.append(f"{name} ({', '.join(models)}) needs {e.memory[name] / GB:.1f} GB per device, has "
-                               f"{dev.memory_gb:g} GB ({(e.memory[name] - usable) / GB:.1f} GB short)")
+                               f"{dev.memory_gb:g} GB ({(e.memory[name] - usable) / GB:.1f} GB short)"
+                               + fix(name, usable))
 
     def share(workers: int) -> float:
         """The fraction of a device one worker of a phase gets (on a shared machine, workers split it)."""

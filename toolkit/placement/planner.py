@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.config.schema import PRESETS
-from toolkit.placement.cost import DTYPE_BYTES, GB, Estimate, ModelShape, Setting, Workload, estimate
+from toolkit.placement.cost import DTYPE_BYTES, GB, Estimate, ModelShape, Setting, Switches, Workload, estimate
 from toolkit.table import text_table
 
 STRATEGIES = tuple(PRESETS)
@@ -36,6 +36,7 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
 
     if prompt_tokens is None:
         prompt_tokens = mean_prompt_tokens(cfg)
+    t = cfg.trainer
     return Workload(
         actor=shape("actor", cfg.model.actor), reference=shape("reference", cfg.reference_path),
         critic=shape("critic", cfg.critic_path) if cfg.run.algorithm == "ppo" else None,
@@ -43,7 +44,9 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
         samples=cfg.samples_per_step, prompts=cfg.rollout.prompts_per_step, prompt_tokens=prompt_tokens,
         response_tokens=response_tokens if response_tokens is not None else cfg.rollout.max_new_tokens,
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], forward_batch_size=cfg.model.forward_batch_size,
-        updates_per_step=cfg.trainer.updates_per_step, epochs=cfg.algorithm.epochs)
+        updates_per_step=cfg.trainer.updates_per_step, epochs=cfg.algorithm.epochs,
+        switches=Switches(t.gradient_checkpointing, t.offload_optimizer, t.offload_params,
+                          t.lora.rank if t.lora is not None else None))
 
 
 def mean_prompt_tokens(cfg, limit: int = 256) -> float:

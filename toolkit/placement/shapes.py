@@ -25,6 +25,7 @@ class Count:
     vocab: int
     kv_heads: int
     head_dim: int
+    ffn: int  # the MLP's inner width (a mixture of experts: one expert's)
 
 
 def _attention(c: dict, h: int, heads: int, kv: int, hd: int, qkv_bias: bool, o_bias: bool) -> int:
@@ -83,7 +84,8 @@ def _decoder(c: dict, family: str) -> Count:
             active += dense_mlp
     tied = c.get("tie_word_embeddings", family in ("gemma", "gemma2"))
     rest = vocab * h * (1 if tied else 2) + h  # embeddings (and LM head), final norm
-    return Count(total + rest, active + rest, layers, h, vocab, kv, hd)
+    ffn = c.get("moe_intermediate_size") or c.get("intermediate_size", 4 * h)
+    return Count(total + rest, active + rest, layers, h, vocab, kv, hd, ffn)
 
 
 def _opt(c: dict) -> Count:
@@ -98,7 +100,7 @@ def _opt(c: dict) -> Count:
     tied = c.get("tie_word_embeddings", True)
     total = layers * per_layer + vocab * proj * (1 if tied else 2) + positions + projections + final
     heads = c["num_attention_heads"]
-    return Count(total, total, layers, h, vocab, heads, h // heads)
+    return Count(total, total, layers, h, vocab, heads, h // heads, ffn)
 
 
 def _gpt2(c: dict) -> Count:
@@ -108,7 +110,7 @@ def _gpt2(c: dict) -> Count:
     tied = c.get("tie_word_embeddings", True)
     total = layers * per_layer + vocab * h * (1 if tied else 2) + c["n_positions"] * h + 2 * h
     heads = c["n_head"]
-    return Count(total, total, layers, h, vocab, heads, h // heads)
+    return Count(total, total, layers, h, vocab, heads, h // heads, inner)
 
 
 def _gpt_neox(c: dict) -> Count:
@@ -120,7 +122,7 @@ def _gpt_neox(c: dict) -> Count:
     tied = c.get("tie_word_embeddings", False)
     total = layers * per_layer + vocab * h * (1 if tied else 2) + 2 * h
     heads = c["num_attention_heads"]
-    return Count(total, total, layers, h, vocab, heads, h // heads)
+    return Count(total, total, layers, h, vocab, heads, h // heads, ffn)
 
 
 FAMILIES = {"llama": _decoder, "mistral": _decoder, "qwen2": _decoder, "qwen3": _decoder, "gemma": _decoder,
