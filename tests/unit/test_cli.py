@@ -108,3 +108,17 @@ def test_every_dependency_in_pyproject_is_installed():
         except importlib.metadata.PackageNotFoundError:
             missing.append(name)
     assert not missing, f"in pyproject.toml but not installed (add them to tools/setup.sh): {missing}"
+
+
+@pytest.mark.parametrize("command", [["report"], ["export", "OUT"], ["generate", "--input", "x.jsonl"]])
+def test_a_pipeline_directory_is_named_with_its_stages(tmp_path, command):
+    """`report`, `export` and `generate` take one stage's run directory; given a pipeline's, they list its stages."""
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "pipeline.json").write_text("{}")
+    for stage in ("sft", "rm", "rl"):
+        (tmp_path / "p" / stage).mkdir()
+        (tmp_path / "p" / stage / "config.yaml").write_text("stage: rl\n")
+    args = [command[0], tmp_path / "p", *[tmp_path / a if a == "OUT" else a for a in command[1:]]]
+    result = cli(*args, timeout=60)
+    assert result.returncode == 2 and "is a pipeline directory" in result.stderr, result.stderr
+    assert all(str(tmp_path / "p" / s) in result.stderr for s in ("sft", "rm", "rl"))

@@ -94,7 +94,12 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
     from toolkit.report import plots
     from toolkit.timeline import read_timelines
 
+    from toolkit.launch.pipeline import is_pipeline_dir
+
     run = Path(run_dir)
+    if is_pipeline_dir(run):
+        stages = sorted(str(p) for p in run.iterdir() if (p / "config.yaml").exists())
+        raise ConfigError(f"{run_dir} is a pipeline directory; report one of its stages: {', '.join(stages)}")
     if not (run / "config.yaml").exists():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
     metrics = _metrics(run)
