@@ -63,7 +63,7 @@ class Sampler:
             max_model_len = min(limit or 2048, 2048)
         elif limit is not None and max_model_len > limit:
             raise ConfigError(f"{max_model_len} tokens of context (prompt + new tokens) are more than the model "
-                              f"takes ({limit}, {model / 'config.json'}); shorten the prompts or --max-new-tokens")
+                              f"takes ({limit}, {Path(model) / 'config.json'}); shorten the prompts or --max-new-tokens")
         self.max_model_len = max_model_len
         if dtype == "auto":  # (the model's own dtype: vLLM's "auto" would turn float32 into bfloat16 on CPU)
             dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
