@@ -47,13 +47,6 @@ class PhaseLog(dict):
 
 def read_timelines(run_dir: Path) -> dict[str, list[dict]]:
     """{worker file name: its phase changes in order} (a line cut short by a crash is skipped)."""
-    out = {}
-    for path in sorted((Path(run_dir) / "timeline").glob("*.jsonl")):
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-        out[path.stem] = rows
-    return out
+    from toolkit.store.manifest import read_jsonl
+
+    return {path.stem: read_jsonl(path) for path in sorted((Path(run_dir) / "timeline").glob("*.jsonl"))}

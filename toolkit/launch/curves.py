@@ -73,6 +73,8 @@ class Curves:
             os.environ.setdefault("WANDB_SILENT", "true")  # (its notes would mix with the run's lines)
             import wandb
 
+            from toolkit.store.manifest import read_jsonl
+
             directory.mkdir(mode=0o700, exist_ok=True)
             id_file = directory / "run-id"
             if not id_file.exists():
@@ -86,7 +88,7 @@ class Curves:
                                         settings=wandb.Settings(console="off", x_disable_stats=True,
                                                                 disable_git=True))
             # what an attempt killed before its W&B run finished had sent (the newest record of each step)
-            missed = {r["step"]: r for r in _read_metrics(self.run_dir / "metrics.jsonl")
+            missed = {r["step"]: r for r in read_jsonl(self.run_dir / "metrics.jsonl")
                       if self.wandb_last < r["step"] < step}
             for s in sorted(missed):
                 self.wandb_run.log(scalars(missed[s]), step=s)
@@ -103,14 +105,3 @@ class Curves:
             self.wandb_run = None
             (self.run_dir / "wandb" / "last-step").write_text(str(self.wandb_last))
 
-
-def _read_metrics(path: Path) -> list[dict]:
-    import json
-
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # (a line cut short by a crash)
-    return out

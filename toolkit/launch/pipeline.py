@@ -51,6 +51,11 @@ def is_pipeline_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / "pipeline.json").exists()
 
 
+def stage_dirs(path: str | os.PathLike) -> list[Path]:
+    """The run directories of a pipeline directory's stages."""
+    return sorted(p for p in Path(path).iterdir() if (p / "config.yaml").exists())
+
+
 def finished(rd: RunDir) -> bool:
     """The stage ran to its end and wrote its export."""
     return rd.read_json(rd.status).get("state") == "finished" and (rd.path / "export").is_dir()

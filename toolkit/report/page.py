@@ -21,15 +21,9 @@ td.text{white-space:pre-wrap;font-family:monospace;max-width:420px}h2{border-bot
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    out = []
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    by_step = {m["step"]: m for m in out}  # (a step written again on a resume: its last record)
+    from toolkit.store.manifest import read_jsonl
+
+    by_step = {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}  # (a step written again on a resume: its last record)
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -94,12 +88,12 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
     from toolkit.report import plots
     from toolkit.timeline import read_timelines
 
-    from toolkit.launch.pipeline import is_pipeline_dir
+    from toolkit.launch.pipeline import is_pipeline_dir, stage_dirs
 
     run = Path(run_dir)
     if is_pipeline_dir(run):
-        stages = sorted(str(p) for p in run.iterdir() if (p / "config.yaml").exists())
-        raise ConfigError(f"{run_dir} is a pipeline directory; report one of its stages: {', '.join(stages)}")
+        raise ConfigError(f"{run_dir} is a pipeline directory; report one of its stages: "
+                          + ", ".join(map(str, stage_dirs(run))))
     if not (run / "config.yaml").exists():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
     metrics = _metrics(run)

@@ -38,17 +38,23 @@ class Manifest:
             os.fsync(f.fileno())
 
     def records(self) -> list[dict]:
+        return read_jsonl(self.path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of an append-only JSON Lines file of the run (none if it is missing); a line cut short
+    by a crash is skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
         try:
-            lines = self.path.read_text().splitlines()
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line cut short by a crash
-        return out
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line cut short by a crash
+    return out
 
 
 def verify(path: Path, sha256: str, size: int) -> str | None:
