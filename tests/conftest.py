@@ -16,6 +16,29 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 EXAMPLES = REPO / "templates" / "examples"
 
 
+_CONFIG = None  # (pytest's config, for the hook below)
+
+
+def pytest_configure(config) -> None:
+    global _CONFIG
+    _CONFIG = config
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Print a failure's last lines the moment it happens, not only in the summary at the end: a CI run
+    cut off by its time limit still says why its tests failed, and how long each took."""
+    if not report.failed:
+        return
+    reporter = _CONFIG and _CONFIG.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    tail = report.longreprtext.splitlines()[-25:]
+    reporter.write_line("")
+    reporter.write_line(f"--- {report.when} of {report.nodeid} failed after {report.duration:.0f} s:")
+    for line in tail:
+        reporter.write_line(f"    {line}")
+
+
 @pytest.fixture(scope="session")
 def tiny() -> Path:
     """models/tiny: tiny Llama, tokenizer, reward model and prompts (seeded, built once)."""

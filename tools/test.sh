@@ -43,4 +43,4 @@ for _ in $(seq 1 "$BUSY"); do
     HOGS+=("$!")
 done
 [ "$BUSY" = 0 ] || echo "test: $BUSY CPU hogs beside the suite (pids ${HOGS[*]})"
-.venv/bin/python -m pytest -ra "$@"
+.venv/bin/python -m pytest -ra --durations=25 "$@"
