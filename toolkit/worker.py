@@ -48,10 +48,11 @@ class Worker:
         self.status = self.heartbeat.status = PhaseLog(timeline_file(wenv.run_dir, self.id))
         has_inbox = cfg.stage == "rl" and (self.rank == 0 or any(self.group.receives(r) for r in self.group.roles))
         self.inbox = Inbox(self.ctx, self.codec, wenv.bind_host, t.max_inflight_messages,
-                           t.max_message_mb) if has_inbox else None
+                           t.max_message_mb, wenv.inbox_port) if has_inbox else None
         self.outboxes: dict = {}
         self.book: dict = {}
         self.resume: dict | None = None
+        self.generation = 0
         self.roles: dict = {}
 
     def run(self) -> None:
@@ -74,6 +75,7 @@ class Worker:
         start = self.wait_command("start", self.cfg.transport.startup_timeout_s)
         self.book = start.meta["book"]
         self.resume = start.meta.get("resume")
+        self.generation = start.meta.get("generation", 0)  # times this worker was started again in this run
         self.status["phase"] = "setup"
         for role in self.roles.values():
             role.setup()
@@ -121,7 +123,7 @@ class Worker:
                     for role in self.roles.values():
                         role.on_shutdown()
                     return
-                target = {"sync": "generator", "checkpoint": "trainer"}.get(msg.kind)
+                target = {"sync": "generator", "checkpoint": "trainer", "join_sync": "trainer"}.get(msg.kind)
                 if target in self.roles:
                     self.roles[target].on_command(msg)
                 else:
@@ -161,14 +163,14 @@ class Worker:
                                         self.cfg.transport.max_inflight_messages)
         return self.outboxes[key]
 
-    def wait_command(self, kind: str, timeout_s: float):
-        """Block until the coordinator sends `kind` (a `shutdown` instead ends the worker)."""
+    def wait_command(self, kind: str, timeout_s: float, wanted=lambda meta: True):
+        """Block until the coordinator sends `kind` with `wanted(meta)` (a `shutdown` instead ends the worker)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msg = self.control.recv(min(1.0, max(0.0, deadline - time.monotonic())))
             if msg is None:
                 continue
-            if msg.kind == kind:
+            if msg.kind == kind and wanted(msg.meta):
                 return msg
             if msg.kind == "shutdown":
                 raise SystemExit(0)

@@ -65,7 +65,8 @@ def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int) -> Non
         model = build(*shape)
         params = list(model.named_parameters())
         layout = plan_layout(params, BUCKET_MB * 2**20, probe_tokens(shape[-1], 0), checkpoint_converter(model))
-        sender = WeightSender(group, layout, device)
+        sender = WeightSender(layout, device)
+        sender.add("0", group)
         flat = torch.cat([p.detach().reshape(-1) for _, p in params])
     else:
         receiver = WeightReceiver(group, device)

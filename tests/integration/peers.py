@@ -101,7 +101,8 @@ def zero3(rank, config, directory) -> None:
         return model_logprobs(engine.module, layout.probe)
 
     if rank == 0:
-        sender = WeightSender(form_group(store, 0, 2, 120, torch.device("cpu")), layout, torch.device("cpu"))
+        sender = WeightSender(layout, torch.device("cpu"))
+        sender.add("0", form_group(store, 0, 2, 120, torch.device("cpu")))
         sender.send(1, gathered_buckets([p for _, p in params], layout.sources, zero3=True), probe, transient=True)
     else:
         for _ in gathered_buckets([p for _, p in params], layout.sources, zero3=True):

@@ -3,14 +3,19 @@
 A deterministic run of 2N = 6 steps (checkpoint every 2) is the baseline. The same run is killed with
 SIGKILL (its whole process group and every worker's) once N + 1 = 4 experience batches are committed;
 copies of that killed run are then resumed as they are, with a corrupted last experience file, and with a
-damaged checkpoint. Each must end with the baseline's weights and per-step rewards.
+damaged checkpoint. Each must end with the baseline's weights and per-step rewards; so must the same run
+when one of its generator or scorer workers dies or hangs and is started again alone.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import h5py
@@ -19,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import cli, example, run_and_kill, tensorboard_scalars, wandb_history, write_config
+from tests.conftest import REPO, alive, cli, example, run_and_kill, tensorboard_scalars, wandb_history, write_config
 from tests.conftest import experience_commits as commits
 from toolkit.store import experience
 
@@ -27,11 +32,11 @@ pytestmark = pytest.mark.integration
 STEPS, KILL_AFTER = 6, 4
 
 
-def config(tiny, tmp_path: Path) -> Path:
+def config(tiny, tmp_path: Path, **sections) -> Path:
     return write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": STEPS, "name": "exact", "seed": 5,
                                                                       "deterministic": True},
                                           checkpoint={"every_steps": 2}, trainer={"ema": 0.9},
-                                          wandb={"project": "resume-test", "mode": "offline"}))
+                                          wandb={"project": "resume-test", "mode": "offline"}, **sections))
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +201,53 @@ def test_a_long_replay_is_not_taken_for_a_slow_start(tiny, tmp_path):
     assert log.count("trained again on") == replays
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(6))
+
+
+@pytest.mark.parametrize("role, moment, how", [("generator", "generating@3", signal.SIGKILL),
+                                               ("scorer", "scoring@4", signal.SIGSTOP)])
+def test_a_dead_or_hung_worker_is_started_again_alone_and_the_run_ends_as_if_not(baseline, tiny, tmp_path, role,
+                                                                                   moment, how):
+    """kill -9 of the vLLM generator while it generates step 2, or SIGSTOP of the scorer while it scores
+    step 3 (found by its missed heartbeats): the driver starts that worker again alone (the trainer
+    keeps running), it rejoins, and the run ends as the uninterrupted baseline: the same weights,
+    rewards and samples, every sample group once in the committed HDF5 files."""
+    from toolkit.hold import ENV
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run",
+                             str(config(tiny, tmp_path, transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4})),
+                             "--run-dir", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env={**os.environ, ENV: moment})
+    try:
+        marker = run_dir / f"held-{moment.split('@')[0]}"
+        deadline = time.monotonic() + 300
+        while not marker.exists() or not marker.read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the fault"
+            time.sleep(0.1)
+        victim = int(marker.read_text())
+        trainer = json.loads((run_dir / "status.json").read_text())["workers"]["trainer:0"]["pid"]
+        os.kill(victim, how)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    why = "exited with signal SIGKILL" if how == signal.SIGKILL else "sent no heartbeat for"
+    assert f"{role} worker rank 0 ({role}:0, pid {victim} on node" in out and why in out, out
+    assert "starting it again alone (restart 1 of run.max_worker_restarts 3)" in out
+    assert f"{role} worker rank 0 ({role}:0, pid " in out.split("starting it again alone")[1] and "is back" in out
+    assert not alive([victim])
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["workers"]["trainer:0"]["pid"] == trainer  # the trainer was never started again
+    assert status["workers"][f"{role}:0"]["pid"] != victim and status["worker_restarts"] == {f"{role}:0": 1}
+    assert f"restarts: {role}:0 started again 1 time(s)" in cli("status", run_dir).stdout
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    counts = [m["worker_restarts"] for m in metrics]
+    assert counts[0] == 0 and counts[-1] == 1 and counts == sorted(counts)
+    assert sum(m["duplicate_samples"] for m in metrics) % 4 == 0  # (whole groups, if any)
+    assert_same_as_baseline(run_dir, baseline)
+    for step in range(STEPS):  # 0 samples lost, 0 twice
+        s = experience.read(run_dir / "experience" / experience.file_name(step))["samples"]
+        pairs = set(zip(s["group_index"].tolist(), s["sample_index"].tolist()))
+        assert len(pairs) == len(s["prompt_ids"]) == 64
+    print(f"{role} {how.name}: duplicate samples dropped {sum(m['duplicate_samples'] for m in metrics)}")

@@ -162,8 +162,9 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str, float
     return proc.returncode, out, err, time.monotonic() - started
 
 
-def long_run(tiny, tmp_path, **sections):
-    return write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 500, "name": "long"}, **sections))
+def long_run(tiny, tmp_path, run: dict | None = None, **sections):
+    return write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 500, "name": "long", **(run or {})},
+                                          **sections))
 
 
 @contextlib.contextmanager
@@ -180,13 +181,15 @@ def running(tiny, tmp_path, **sections):
 
 
 def test_killed_generator_stops_the_run_with_a_named_error(tiny, tmp_path):
-    with running(tiny, tmp_path) as (proc, run_dir):
+    """... once its restarts are used up (run.max_worker_restarts; test_resume.py starts one again)."""
+    with running(tiny, tmp_path, run={"max_worker_restarts": 0}) as (proc, run_dir):
         pids = worker_pids(run_dir)
         os.kill(pids["generator:0"], signal.SIGKILL)
         code, out, err, took = finish(proc, timeout=60)
     assert code == 1, err
     assert f"generator worker rank 0 (generator:0, pid {pids['generator:0']} on node" in err
     assert "exited with signal SIGKILL" in err
+    assert "it was not started again: 0 restart(s) of run.max_worker_restarts 0 used (raise it to allow more)" in err
     assert f"log: {run_dir / 'logs' / 'generator-0.log'}" in err
     assert "Traceback" not in err.split("error:")[-1].split("log:")[0]
     assert took < 30
@@ -195,7 +198,8 @@ def test_killed_generator_stops_the_run_with_a_named_error(tiny, tmp_path):
 
 
 def test_hung_worker_is_detected_by_heartbeat(tiny, tmp_path):
-    with running(tiny, tmp_path, transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4}) as (proc, run_dir):
+    with running(tiny, tmp_path, transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4},
+                 run={"max_worker_restarts": 0}) as (proc, run_dir):
         pids = worker_pids(run_dir)
         os.kill(pids["scorer:0"], signal.SIGSTOP)  # alive but silent
         code, out, err, took = finish(proc, timeout=60)

@@ -57,7 +57,8 @@ def sync_once(config, model_dir, backend: str, tmp_path, refresh: str = "refresh
         params = list(model.named_parameters())
         convert = checkpoint_converter(model) if backend == "vllm" else identity
         layout = plan_layout(params, 64 * 1024, probe_tokens(500, 0), convert)
-        sender = WeightSender(form_group(store, 0, 2, 120, torch.device("cpu")), layout, torch.device("cpu"))
+        sender = WeightSender(layout, torch.device("cpu"))
+        sender.add("0", form_group(store, 0, 2, 120, torch.device("cpu")))
         assert len(layout.sources) > 5
         sent = sender.send(1, gathered_buckets([p for _, p in params], layout.sources, zero3=False),
                            lambda: model_logprobs(model, layout.probe))

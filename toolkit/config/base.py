@@ -253,8 +253,9 @@ class SlurmSection(Section):
 class TransportSection(Section):
     heartbeat_interval_s: float = Field(default=1.0, gt=0)
     """Workers and the coordinator exchange heartbeats this often."""
-    heartbeat_timeout_s: float = Field(default=60.0, gt=0)
-    """A worker silent this long is declared dead and the run stops."""
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    """A worker silent this long is declared hung: it is started again (run.max_worker_restarts) or the
+    run stops."""
     startup_timeout_s: float = Field(default=600.0, gt=0)
     """Most time for every worker to register and load its models, without progress: a resume that
     replays many committed batches in the trainer's start-up reports each one, and each restarts the count."""

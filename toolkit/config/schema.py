@@ -32,6 +32,13 @@ class RunSection(Section):
     """Number of steps (experience batches, each followed by one policy update and weight sync)."""
     seed: int = 0
     """Seed for prompt order, sampling and model initialisation."""
+    max_worker_restarts: int = Field(default=3, ge=0)
+    """A generator or scorer worker that dies or hangs (no heartbeat for transport.heartbeat_timeout_s)
+    is started again alone, at most this many times per attempt of the run (0: the run stops instead).
+    It listens where its predecessor did, rejoins the weight sync and gets the current weights; the
+    prompts of unfinished steps are generated again with the same seeds, and the trainer keeps the first
+    copy of each sample group. A worker that reports an error of its own is not started again: the run
+    stops and names the error. Local runs only for now; under Slurm a dead worker stops the run."""
     deterministic: bool = False
     """Bitwise-repeatable runs: deterministic torch algorithms, fixed thread counts (cpus_per_worker, else
     1), no vLLM prefix cache. A resumed run then ends with the same weights as an uninterrupted one."""

@@ -25,6 +25,8 @@ class Coordinator:
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_mb * 2**20))
+        # A worker started again connects with the identity of the one it replaces: the new connection wins.
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.last_seen: dict[str, float] = {}
@@ -64,6 +66,11 @@ class Coordinator:
         now = time.monotonic()
         return [(w, now - self.last_seen[w]) for w in worker_ids
                 if w in self.last_seen and now - self.last_seen[w] > timeout_s]
+
+    def forget(self, worker_id: str) -> None:
+        """A worker replaced by a new process: what its heartbeats said no longer holds."""
+        self.last_seen.pop(worker_id, None)
+        self.status.pop(worker_id, None)
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -129,6 +129,13 @@ class Driver(Supervisor):
             step, slots = self.regenerate.pop(0)
             self._send_prompts(step, slots)
 
+    def _restarted(self, worker_id: str) -> None:
+        """A generator or scorer started again: the work it held is lost, so the prompts of every step not
+        finished go out again (the same seeds give the same samples; the trainer keeps the first copy)."""
+        for step, prompts in sorted(self.in_flight.items()):
+            self.regenerate.append((step, list(range(len(prompts)))))
+        self.echo(f"sending the prompts of step(s) {', '.join(map(str, sorted(self.in_flight))) or 'none'} again")
+
     def _record_replayed(self) -> None:
         """Metrics of steps trained again on a resume, for steps whose metrics were never written."""
         done = {r["step"] for r in read_metrics(self.run_dir.metrics)} if self.run_dir.metrics.exists() else set()
@@ -141,8 +148,12 @@ class Driver(Supervisor):
     def _handle_stage(self, worker_id: str, msg) -> bool:
         m = msg.meta
         if msg.kind == "weights_ready":
-            for g in self.sync_ids:
-                self.coordinator.send(g, "sync", version=m["version"])
+            # (to the generators the trainer sends to; a generator started again only once it rejoined)
+            for g in m.get("to", self.sync_ids):
+                if m.get("rejoin") or g not in self.restarting:
+                    self.coordinator.send(g, "sync", version=m["version"], rejoin=bool(m.get("rejoin")))
+        elif msg.kind == "joining_sync":  # a generator started again: the trainer forms a new group with it
+            self.coordinator.send(self.trainer_id, "join_sync", worker=worker_id, generation=m["generation"])
         elif msg.kind == "synced":
             self.synced[worker_id] = m["version"]
             if m.get("check_diff") is not None:  # the worst generator's probe difference after this sync

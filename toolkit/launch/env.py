@@ -16,6 +16,8 @@ GROUP = "SLURM_RLHF_GROUP"              # worker group (node group) name
 RANK = "SLURM_RLHF_RANK"                # rank in the group (default: SLURM_PROCID)
 BIND_HOST = "SLURM_RLHF_BIND_HOST"      # transport.bind_host as given (address, interface or network),
                                         # resolved on each node (default: this node's address)
+INBOX_PORT = "SLURM_RLHF_INBOX_PORT"    # a worker started again listens where the one it replaces did,
+                                        # so its peers' sockets reconnect to it by themselves
 
 
 @dataclass
@@ -26,6 +28,7 @@ class WorkerEnv:
     group: str
     rank: int
     bind_host: str
+    inbox_port: int | None = None
 
     @property
     def worker_id(self) -> str:
@@ -39,8 +42,9 @@ class WorkerEnv:
         rank = environ.get(RANK, environ.get("SLURM_PROCID"))
         if rank is None:
             raise RuntimeError(f"{RANK} and SLURM_PROCID are both unset")
+        port = environ.get(INBOX_PORT)
         return cls(environ[RUN_DIR], environ[CONTROL], environ[SECRET_FILE], environ[GROUP], int(rank),
-                   resolve_bind_host(environ.get(BIND_HOST)))
+                   resolve_bind_host(environ.get(BIND_HOST)), int(port) if port else None)
 
 
 def resolve_bind_host(spec: str | None) -> str:

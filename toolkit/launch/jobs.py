@@ -77,6 +77,9 @@ def status_text(rd: RunDir) -> str:
     if resumes or job.get("requeues"):
         lines.append(f"restarts: resumed {resumes} time(s) from its checkpoint and experience"
                      + (f", {job['requeues']} of them after a Slurm requeue" if job.get("requeues") else ""))
+    if status.get("worker_restarts"):
+        lines.append("restarts: " + ", ".join(f"{w} started again {n} time(s)"
+                                              for w, n in sorted(status["worker_restarts"].items())))
     if status.get("error"):
         lines.append("error: " + status["error"])
     last = status.get("last_metrics")

@@ -35,6 +35,7 @@ class LocalLauncher:
     def __init__(self, run_dir: RunDir, bind_host: str = "127.0.0.1"):
         self.run_dir, self.bind_host = run_dir, bind_host
         self.procs: dict[str, subprocess.Popen] = {}
+        self.envs: dict[str, dict[str, str]] = {}  # each worker's environment, to start it again
         self._reported: set[str] = set()
 
     def start(self, groups: list[WorkerGroup], env: dict[str, str]) -> None:
@@ -50,10 +51,29 @@ class LocalLauncher:
                     gpus = range(next_gpu, next_gpu + group.gpus_per_worker)
                     child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
                     next_gpu += group.gpus_per_worker
-                with open(self.run_dir.log_file(worker_id), "ab") as log:
-                    self.procs[worker_id] = subprocess.Popen(
-                        [sys.executable, "-m", "toolkit.worker"], env=child_env, stdin=subprocess.DEVNULL,
-                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+                self.envs[worker_id] = child_env
+                self._spawn(worker_id, child_env)
+
+    def _spawn(self, worker_id: str, env: dict[str, str]) -> None:
+        with open(self.run_dir.log_file(worker_id), "ab") as log:
+            self.procs[worker_id] = subprocess.Popen(
+                [sys.executable, "-m", "toolkit.worker"], env=env, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def restart(self, worker_id: str, env: dict[str, str]) -> None:
+        """Start worker `worker_id` again alone (with `env` added), after killing what is left of it (a hung
+        worker, and whatever it started)."""
+        old = self.procs[worker_id]
+        _signal_group(old.pid, signal.SIGKILL)
+        try:
+            old.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 10
+        while _members([old.pid]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._reported.discard(worker_id)
+        self._spawn(worker_id, {**self.envs[worker_id], **env})
 
     def step_id(self, group: str) -> None:
         return None  # no Slurm steps here

@@ -64,6 +64,10 @@ class Supervisor:
         self.trainer_ready: dict = {}
         self.checkpointed: dict | None = None
         self.restarts = 0  # times this run was resumed (from the manifest)
+        self.resume: dict = {}  # the resume plan the workers got (a worker started again gets it too)
+        self.worker_restarts = 0  # workers started again alone in this attempt (run.max_worker_restarts)
+        self.generation: dict[str, int] = {}  # times each worker was started again
+        self.restarting: dict[str, float] = {}  # workers started again and not ready yet -> since when
 
     # ----- the run --------------------------------------------------------------------------------
 
@@ -132,6 +136,7 @@ class Supervisor:
                   f"; logs in {self.run_dir.logs}")
         started = time.monotonic()
         self._pump(lambda: len(self.book) == len(self.worker_ids), t.startup_timeout_s, "every worker to register")
+        self.resume = resume
         for worker_id in self.worker_ids:
             self.coordinator.send(worker_id, "start", book=self.book, resume=resume)
         # (a resume replays its committed batches in the trainer's setup, for as long as that takes: what
@@ -147,7 +152,8 @@ class Supervisor:
 
     def _record(self, step: int, **extra) -> dict:
         """Write the metrics of trained `step` (what the trainer reported, plus `extra`) and show them."""
-        record = {"step": step, **self.trained.pop(step), **extra, "restarts": self.restarts, "time": time.time()}
+        record = {"step": step, **self.trained.pop(step), **extra, "restarts": self.restarts,
+                  "worker_restarts": self.worker_restarts, "time": time.time()}
         self._write_metrics(record)
         self.step = step
         self._show(record)
@@ -286,11 +292,17 @@ class Supervisor:
             # The launcher knows the step's real id (in a heterogeneous job, the component's job id).
             self.book[worker_id]["slurm_step"] = self.launcher.step_id(m.get("group", "")) or m.get("slurm_step")
             log.info("registered %s (pid %s on %s)", worker_id, m.get("pid"), m.get("node"))
+            if worker_id in self.restarting:
+                self.coordinator.send(worker_id, "start", book=self.book, resume=self.resume,
+                                      generation=self.generation[worker_id])
         elif msg.kind == "ready":
             self.ready.add(worker_id)
             if worker_id == self.trainer_id:
                 self.trainer_ready = m
             log.info("%s ready", worker_id)
+            if self.restarting.pop(worker_id, None) is not None:
+                self.echo(f"{self._describe(worker_id)} is back; the run goes on")
+                self._restarted(worker_id)
         elif msg.kind == "failed":
             dead = self._dead_peer(worker_id, REPORT_GRACE_S)
             if dead is not None:  # its peers fail in their collectives: the dead worker is the cause
@@ -350,12 +362,61 @@ class Supervisor:
             report = self._last_report(ended.worker_id, REPORT_GRACE_S)  # says more than an exit code
             if report is not None:
                 raise RunError(self._failed(ended.worker_id, report))
-            raise RunError(self._exited(ended))
+            if self._may_restart(ended.worker_id):
+                self._restart(ended.worker_id, f"exited with {ended.describe()}")
+                continue
+            raise RunError(self._exited(ended) + self._no_restart_left(ended.worker_id))
         limit = self.cfg.transport.heartbeat_timeout_s
         for worker_id, silent_s in self.coordinator.silent(self.worker_ids, limit):
+            if self._may_restart(worker_id):
+                self._restart(worker_id, f"sent no heartbeat for {silent_s:.0f} s (hung?)")
+                continue
             raise RunError(f"{self._describe(worker_id)} sent no heartbeat for {silent_s:.0f} s "
                            f"(limit transport.heartbeat_timeout_s = {limit:g}); it is hung or its node is lost\n"
-                           f"{self._log_hint(worker_id)}")
+                           f"{self._log_hint(worker_id)}{self._no_restart_left(worker_id)}")
+        limit = self.cfg.transport.startup_timeout_s
+        for worker_id, since in self.restarting.items():
+            if time.monotonic() - since > limit:
+                raise RunError(f"{self._describe(worker_id)}, started again, was not ready within {limit:g} s "
+                               f"(transport.startup_timeout_s)\n{self._log_hint(worker_id)}")
+
+    # ----- starting one worker again --------------------------------------------------------------
+
+    def _restartable(self, worker_id: str) -> bool:
+        """A worker of an RL run that hosts no trainer (generators, scorers), where the launcher can start
+        one worker again (locally)."""
+        group = next(g for g in self.groups if g.name == worker_id.split(":")[0])
+        return self.cfg.stage == "rl" and "trainer" not in group.roles and hasattr(self.launcher, "restart")
+
+    def _may_restart(self, worker_id: str) -> bool:
+        """A restartable worker that died or hung is started again alone while the run is running and
+        restarts are left."""
+        return (self.state == "running" and not self.stopping and self._restartable(worker_id)
+                and self.worker_restarts < self.cfg.run.max_worker_restarts)
+
+    def _no_restart_left(self, worker_id: str) -> str:
+        """Why a restartable worker was not started again: its restarts are used up."""
+        if not self._restartable(worker_id) or self.worker_restarts < self.cfg.run.max_worker_restarts:
+            return ""
+        return (f"\nit was not started again: {self.worker_restarts} restart(s) of run.max_worker_restarts "
+                f"{self.cfg.run.max_worker_restarts} used (raise it to allow more)")
+
+    def _restart(self, worker_id: str, why: str) -> None:
+        """Kill what is left of `worker_id` and start it again, listening where it did; its start, its
+        catching up and the work it lost follow as events (`_restarted`)."""
+        self.worker_restarts += 1
+        self.generation[worker_id] = self.generation.get(worker_id, 0) + 1
+        self.echo(f"{self._describe(worker_id)} {why}; starting it again alone (restart {self.worker_restarts} "
+                  f"of run.max_worker_restarts {self.cfg.run.max_worker_restarts})\n{self._log_hint(worker_id)}")
+        inbox = (self.book.get(worker_id) or {}).get("inbox")
+        self.launcher.restart(worker_id, {E.INBOX_PORT: inbox.rsplit(":", 1)[1]} if inbox else {})
+        self.book.pop(worker_id, None)
+        self.ready.discard(worker_id)
+        self.coordinator.forget(worker_id)
+        self.restarting[worker_id] = time.monotonic()
+
+    def _restarted(self, worker_id: str) -> None:
+        """A worker started again is ready (the stage redoes the work it lost)."""
 
     def _describe(self, worker_id: str) -> str:
         group, rank = worker_id.split(":")
@@ -403,7 +464,7 @@ class Supervisor:
         status = {"state": self.state, "stage": self.cfg.stage, "step": self.step, "running_step": self.running_step,
                   "steps": self.steps, "launcher": self.launcher.name, "error": self.error,
                   "driver": {"pid": os.getpid(), "node": node_name(), "started": _started()}, "workers": workers,
-                  "last_metrics": self.last_metrics}
+                  "last_metrics": self.last_metrics, "worker_restarts": self.generation}
         self.run_dir.write_status(status)
         self._status_written = time.monotonic()
 

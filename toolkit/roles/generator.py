@@ -19,6 +19,7 @@ from toolkit.hold import hold
 from toolkit.roles.base import Role
 from toolkit.samples import SampleBatch, ragged
 from toolkit.weights import probe
+from toolkit.weights.sync import sync_group_name
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +70,18 @@ class GeneratorRole(Role):
         log.info("engine ready in %.1f s", time.monotonic() - started)
         self.version = 0
         self.status["policy_version"] = 0
-        # Join the weight-sync group hosted by trainer rank 0: ranks 1.. are generator engine ranks.
+        # Join this worker's weight-sync group, hosted by trainer rank 0: the engine's ranks are 1.. in it.
         host, port = self.worker.book[group_of(self.worker.groups, "trainer").worker_ids()[0]]["store"].rsplit(":", 1)
-        n_workers = self.worker.group.workers
-        first_rank = 1 + self.worker.rank * self.engine.ranks
-        joined = self.engine.join_weight_sync(host, int(port), first_rank, 1 + n_workers * self.engine.ranks,
-                                              cfg.transport.step_timeout_s)
+        if self.worker.generation:  # (the driver then asks the trainer to form the new group with us)
+            self.worker.control.send("joining_sync", generation=self.worker.generation)
+        joined = self.engine.join_weight_sync(host, int(port), 1, 1 + self.engine.ranks, cfg.transport.step_timeout_s,
+                                              sync_group_name(self.worker.id, self.worker.generation))
         self.probe = joined["probe"]
-        log.info("joined the weight-sync group as rank %d (%d weights)", first_rank, joined["weights"])
+        log.info("joined the weight-sync group (%d weights)", joined["weights"])
+        if self.worker.generation:
+            # Started again in place of a worker that failed: the trainer sends the current weights into
+            # the new group first, and no prompt is taken before they are in.
+            self.on_command(self.worker.wait_command("sync", cfg.transport.step_timeout_s, lambda m: m.get("rejoin")))
 
     def holds(self, version: int, sync_s: float = 0.0, check_diff: float | None = None) -> None:
         """Now generating with `version` of the weights: tell the driver (and how well the sync checked)."""

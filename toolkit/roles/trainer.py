@@ -38,7 +38,7 @@ from toolkit.store.manifest import Manifest
 from toolkit.training.ranks import Ranks
 from toolkit.weights.hf_format import checkpoint_converter, identity
 from toolkit.weights.probe import model_logprobs, probe_tokens
-from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, plan_layout
+from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, plan_layout, sync_group_name
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +103,11 @@ class TrainerRole(Role):
         self.generator = None  # the generator role, when this worker hosts one (it sets itself here)
         self.sender = None
         if self.rank == 0 and not colocated(self.worker.groups, "generator", "trainer"):
-            generators = group_of(self.worker.groups, "generator")
-            ranks_each = cfg.rollout.vllm.tensor_parallel_size if cfg.generation_backend == "vllm" else 1
-            log.info("forming the weight-sync group with %d generator rank(s)", generators.workers * ranks_each)
-            group = form_group(self.ranks.store, 0, 1 + generators.workers * ranks_each, timeout_s, self.device)
-            self.sender = WeightSender(group, self.layout, self.device)
+            generators = group_of(self.worker.groups, "generator").worker_ids()
+            log.info("forming a weight-sync group with each of %d generator worker(s)", len(generators))
+            self.sender = WeightSender(self.layout, self.device)
+            for worker_id in generators:
+                self._join_sync(worker_id, 0, timeout_s)
         self.status["trainable_parameters"] = parameter_counts(self.actor.module)[0]
         log.info("trainer rank %d/%d ready (ZeRO-%d, %d actor weights, policy_version %d)", self.rank, self.world,
                  t.zero_stage, len(self.params), self.version)
@@ -175,26 +175,43 @@ class TrainerRole(Role):
             self.generator.holds(self.version, check_diff=self.load_generator())
         elif self.rank == 0 and self.version > 0:
             self.ranks.command(SYNC)
-            self.worker.control.send("weights_ready", step=-1, version=self.version)
+            self.worker.control.send("weights_ready", step=-1, version=self.version, to=self.sender.names)
             self._sync(fold_ema=False)
         self.pending: dict[int, list[SampleBatch]] = {}  # samples by step (later steps arrive early when async)
         self.dropped: dict[int, int] = {}
+        self.received: dict[int, set[int]] = {}  # sample groups in by step: a second copy is a duplicate
+        self.duplicates: dict[int, int] = {}
         self.expected_step = (self.worker.resume or {}).get("next_step", 0)
 
     def handle(self, part: SampleBatch) -> None:
         """Rank 0: collect samples until the next step's experience batch is complete, then train on it
         (and on the following steps' batches, if they are complete too)."""
         ahead = self.cfg.rollout.max_policy_lag + 1
-        if not self.expected_step <= part.step <= self.expected_step + ahead:
+        if part.step > self.expected_step + ahead:
             raise RuntimeError(f"got samples of step {part.step} while collecting step {self.expected_step} "
                                f"(rollout.max_policy_lag {ahead - 1} allows steps up to {self.expected_step + ahead})")
-        part = self._drop_stale(part)
+        part = self._drop_stale(self._drop_duplicates(part))
         if len(part):
+            self.received.setdefault(part.step, set()).update(int(i) for i in np.unique(part.group_index))
             self.pending.setdefault(part.step, []).append(part)
         while self._collected(self.expected_step) >= self.cfg.samples_per_step:
             self._step(self.pending.pop(self.expected_step))
             self.expected_step += 1
         self.status.update(phase="collecting", step=self.expected_step, samples=self._collected(self.expected_step))
+
+    def _drop_duplicates(self, part: SampleBatch) -> SampleBatch:
+        """Keep the first copy of each sample group: after a generator or scorer was started again, the
+        driver has the prompts of unfinished steps generated again (with the same seeds, so any copy is
+        the same samples), and some of them had already come in."""
+        if part.step < self.expected_step:  # (a step trained already)
+            duplicate = np.ones(len(part), bool)
+        else:
+            duplicate = np.isin(part.group_index, list(self.received.get(part.step, ())))
+        if duplicate.any():
+            at = max(part.step, self.expected_step)  # (counted in the metrics of a step still to come)
+            self.duplicates[at] = self.duplicates.get(at, 0) + int(duplicate.sum())
+            log.info("step %d: dropped %d sample(s) that came in before", part.step, int(duplicate.sum()))
+        return part.select(np.flatnonzero(~duplicate))
 
     def _collected(self, step: int) -> int:
         return sum(len(p) for p in self.pending.get(step, []))
@@ -217,7 +234,29 @@ class TrainerRole(Role):
         self.worker.control.send("regenerate", step=part.step, group_index=[int(i) for i in stale])
         return part.select(np.flatnonzero(~dropped))
 
+    def _join_sync(self, worker_id: str, generation: int, timeout_s: float) -> None:
+        """Rank 0: form the weight-sync group with generator worker `worker_id` (started `generation`
+        times again) and send it the layout; blocks until that worker's engine ranks join."""
+        ranks = self.cfg.rollout.vllm.tensor_parallel_size if self.cfg.generation_backend == "vllm" else 1
+        name = sync_group_name(worker_id, generation)
+        self.sender.add(worker_id, form_group(self.ranks.store, 0, 1 + ranks, timeout_s, self.device, name))
+
+    def _rejoin(self, worker_id: str, generation: int) -> None:
+        """Rank 0: a generator worker started again in place of one that failed: a new group with it, and
+        the current weights sent into it alone (every rank gathers them under ZeRO-3)."""
+        log.info("generator %s was started again: forming a new weight-sync group with it", worker_id)
+        try:
+            self._join_sync(worker_id, generation, self.cfg.transport.startup_timeout_s)
+        except RuntimeError as e:  # (it failed again while loading: the driver starts another)
+            log.warning("generator %s did not join its new weight-sync group: %s", worker_id, e)
+            return
+        self.ranks.command(SYNC)
+        self.worker.control.send("weights_ready", step=-1, version=self.version, to=[worker_id], rejoin=True)
+        self._sync(fold_ema=False, to=[worker_id])
+
     def on_command(self, msg) -> None:
+        if msg.kind == "join_sync":
+            return self._rejoin(msg.meta["worker"], msg.meta["generation"])
         if msg.kind != "checkpoint":  # the driver asks before stopping (e.g. the job's time is nearly up)
             return super().on_command(msg)
         if self.rank > 0:  # a rank that also generates: rank 0 is about to broadcast CHECKPOINT
@@ -241,7 +280,9 @@ class TrainerRole(Role):
         batch = batch.select(np.lexsort((batch.sample_index, batch.group_index)))
         lag = self.version - batch.policy_version
         lags = {"policy_lag_mean": float(lag.mean()), "policy_lag_max": int(lag.max()),
-                "dropped_samples": self.dropped.pop(batch.step, 0)}
+                "dropped_samples": self.dropped.pop(batch.step, 0),
+                "duplicate_samples": self.duplicates.pop(batch.step, 0)}
+        self.received.pop(batch.step, None)
         self.ranks.command(TRAIN, batch.step)
         self.ranks.share(*batch.parts())
         metrics = self._train_step(batch)
@@ -257,7 +298,7 @@ class TrainerRole(Role):
         """Every rank: commit and train, send the weights on, and save a checkpoint when one is due."""
         metrics = self._learn(batch, commit=True)
         if self.rank == 0 and self.sender is not None:
-            self.worker.control.send("weights_ready", step=batch.step, version=self.version)
+            self.worker.control.send("weights_ready", step=batch.step, version=self.version, to=self.sender.names)
         metrics["sync_s"], metrics["sync_mb"] = self._sync()
         last = batch.step + 1 == self.cfg.run.steps
         if (batch.step + 1) % self.cfg.checkpoint.every_steps == 0 or last:
@@ -384,7 +425,7 @@ class TrainerRole(Role):
             publish(self.run_dir, directory / "hf-ema", "export-ema")
         Manifest(self.run_dir).append({"kind": "export", "step": self.version, "dir": "export"})
 
-    def _sync(self, fold_ema: bool = True) -> tuple[float, float]:
+    def _sync(self, fold_ema: bool = True, to: list[str] | None = None) -> tuple[float, float]:
         """Bring the generators the new weights: rank 0 broadcasts them to generators of their own, a
         generator in this worker takes them in memory. Every rank gathers under ZeRO-3; the EMA reads
         the same gathered buckets. (seconds, MB sent)"""
@@ -407,7 +448,7 @@ class TrainerRole(Role):
             return model_logprobs(self.actor.module, self.layout.probe)
 
         if self.sender is not None:
-            sent = self.sender.send(self.version, buckets, probe, transient=zero3)
+            sent = self.sender.send(self.version, buckets, probe, transient=zero3, to=to)
         else:
             for _ in buckets:
                 pass

@@ -20,15 +20,24 @@ log = logging.getLogger(__name__)
 
 
 class Inbox:
-    """Receives authenticated messages on a socket bound to `host` (a free port is chosen)."""
+    """Receives authenticated messages on a socket bound to `host` (at `port`, or a free port)."""
 
-    def __init__(self, ctx: zmq.Context, codec: Codec, host: str, hwm: int, max_message_mb: float = 1024):
+    def __init__(self, ctx: zmq.Context, codec: Codec, host: str, hwm: int, max_message_mb: float = 1024,
+                 port: int | None = None):
         self.codec = codec
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.RCVHWM, hwm)
         self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_mb * 2**20))
         self.socket.setsockopt(zmq.LINGER, 0)
-        port = self.socket.bind_to_random_port(f"tcp://{host}")
+        if port is None:
+            port = self.socket.bind_to_random_port(f"tcp://{host}")
+        else:
+            try:
+                self.socket.bind(f"tcp://{host}:{port}")
+            except zmq.ZMQError as e:
+                self.socket.close(linger=0)
+                raise RuntimeError(f"cannot listen at tcp://{host}:{port}, where the worker this one replaces "
+                                   f"listened ({e}); another process took the port") from None
         self.address = f"tcp://{host}:{port}"
         self.rejected: collections.Counter = collections.Counter()
 

@@ -1,10 +1,14 @@
 """Weight sync: trainer rank 0 broadcasts full actor weights to every generator worker, in buckets.
 
-The group is a dedicated torch.distributed process group (gloo on CPU, NCCL on GPU), formed by
-rendezvous on the TCPStore that trainer rank 0 hosts: rank 0 is the trainer, ranks 1..N the generator
-workers (or their vLLM workers). It is separate from the trainer's own data-parallel group.
+Each generator worker has a group of its own, a dedicated torch.distributed process group (gloo on
+CPU, NCCL on GPU) formed by rendezvous on the TCPStore that trainer rank 0 hosts: rank 0 is the trainer,
+ranks 1..N that worker's engine ranks (its vLLM workers). A generator that dies breaks only its own
+group: the trainer drops that group and goes on with the others, and the worker started in its place
+joins a new group (a new name, so no key of the old rendezvous is read again), where the trainer first
+sends it the current weights. The groups are separate from the trainer's own data-parallel group.
+The trainer sends each tensor on every group at once (asynchronous broadcasts).
 
-Protocol, all on that group, root 0:
+Protocol, on each group, root 0:
   join:  layout length (int64[1]), layout (uint8 JSON: {"buckets": [[[name, dtype, shape], ...], ...],
          "probe": [token ids]})
   sync:  version (int64[1]), one flat tensor per bucket of the layout, then the trainer's log-probs of
@@ -38,9 +42,15 @@ log = logging.getLogger(__name__)
 STORE_PREFIX = "weight-sync"
 
 
-def form_group(store: dist.Store, rank: int, world_size: int, timeout_s: float, device: torch.device):
-    """The weight-sync process group over `store` (gloo for CPU tensors, NCCL for CUDA ones)."""
-    prefixed = dist.PrefixStore(STORE_PREFIX, store)
+def sync_group_name(worker_id: str, generation: int) -> str:
+    """The name of a generator worker's weight-sync group; a worker started again joins a new one."""
+    return f"{worker_id}#{generation}"
+
+
+def form_group(store: dist.Store, rank: int, world_size: int, timeout_s: float, device: torch.device,
+               name: str = "0"):
+    """The weight-sync process group `name` over `store` (gloo for CPU tensors, NCCL for CUDA ones)."""
+    prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{name}/", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":  # not exercised on CPU-only machines
         options = dist.ProcessGroupNCCL.Options()
@@ -109,44 +119,83 @@ def plan_layout(named_parameters: list[tuple[str, torch.nn.Parameter]], bucket_b
 
 
 class WeightSender:
-    """Trainer rank 0's side of the group."""
+    """Trainer rank 0's side: one group per generator worker (`add`), each sent the same tensors."""
 
-    def __init__(self, group, layout: SyncLayout, device: torch.device):
-        self.group, self.layout, self.device = group, layout, device
-        payload = json.dumps({"buckets": layout.wire, "probe": layout.probe}).encode()
-        payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-        self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64, device=device))
-        self._broadcast(payload)
+    def __init__(self, layout: SyncLayout, device: torch.device):
+        self.layout, self.device = layout, device
+        self.groups: dict[str, object] = {}  # receiver name -> its group
+        self.lost: list[str] = []  # receivers whose group failed (a dead generator), in order
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.groups)
+
+    def add(self, name: str, group) -> None:
+        """Start sending to `group` (a receiver's new group replaces its old one): the layout first."""
+        self.groups[name] = group
+        payload = json.dumps({"buckets": self.layout.wire, "probe": self.layout.probe}).encode()
+        payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device), [name])
+        self._broadcast(payload, [name])
 
     def send(self, version: int, buckets: Iterable[list[torch.Tensor]], probe: Callable[[], torch.Tensor],
-             transient: bool = False) -> int:
+             transient: bool = False, to: list[str] | None = None) -> int:
         """Broadcast `version`, each bucket (its source parameters' full tensors, in layout order,
-        converted here), then `probe()`, the trainer's log-probs of the probe; return bytes sent.
-        `transient`: a bucket's tensors are freed once the next one is taken (ZeRO-3 gathers), so each
-        bucket's transfer ends before the next starts; otherwise two buckets travel at once, and the
-        probe runs while the last ones do."""
-        self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
+        converted here), then `probe()`, the trainer's log-probs of the probe, to the receivers `to`
+        (default: all); return bytes sent to each. `transient`: a bucket's tensors are freed once the
+        next one is taken (ZeRO-3 gathers), so each bucket's transfer ends before the next starts;
+        otherwise two buckets travel at once, and the probe runs while the last ones do. A receiver
+        whose group fails is dropped (named in `lost`) and the others go on."""
+        to = self.names if to is None else to
+        self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device), to)
         sent, pending, previous = 0, [], []
         for index, tensors in enumerate(buckets):
             converted = self.layout.converted(index, tensors)
             expected = [tuple(shape) for _, _, shape in self.layout.wire[index]]
             if [tuple(t.shape) for t in converted] != expected:
                 raise RuntimeError(f"weight bucket shapes {[tuple(t.shape) for t in converted]} differ from {expected}")
-            _wait(previous)  # (two buckets in flight at most)
+            self._wait(previous)  # (two buckets in flight at most)
             for t in converted:
                 t = t.detach().to(self.device).contiguous()
-                pending.append((t, self.group.broadcast(t, 0)))  # (t stays referenced until its transfer ends)
+                pending.append((t, self._start(t, to)))  # (t stays referenced until its transfers end)
                 sent += t.numel() * t.element_size()
             if transient:
-                _wait(pending)
+                self._wait(pending)
             previous, pending = pending, []
         logprobs = probe()
-        _wait(previous)
-        self._broadcast(logprobs.to(self.device, torch.float32).contiguous())
+        self._wait(previous)
+        self._broadcast(logprobs.to(self.device, torch.float32).contiguous(), to)
         return sent
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        self.group.broadcast(tensor, 0).wait()
+    def _broadcast(self, tensor: torch.Tensor, to: list[str]) -> None:
+        self._wait([(tensor, self._start(tensor, to))])
+
+    def _start(self, tensor: torch.Tensor, to: list[str]) -> list:
+        """Start broadcasting `tensor` on the groups of `to` that still work; [(name, work)]."""
+        works = []
+        for name in to:
+            if name in self.groups:
+                try:
+                    works.append((name, self.groups[name].broadcast(tensor, 0)))
+                except RuntimeError as e:
+                    self._lose(name, e)
+        return works
+
+    def _wait(self, pending: list) -> None:
+        for _, works in pending:
+            for name, work in works:
+                if name in self.groups:
+                    try:
+                        work.wait()
+                    except RuntimeError as e:
+                        self._lose(name, e)
+        pending.clear()
+
+    def _lose(self, name: str, error: Exception) -> None:
+        del self.groups[name]
+        self.lost.append(name)
+        log.warning("weight sync to %s failed, so it is left out from now on (%s: %s); a generator started "
+                    "in its place joins a new group", name, type(error).__name__, str(error).splitlines()[0][:200])
 
 
 def _wait(pending: list) -> None:

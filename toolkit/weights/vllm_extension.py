@@ -45,10 +45,11 @@ logging.getLogger(RELOAD_LOGGER).addFilter(ExpectedReloadWarnings())
 
 
 class WeightSyncExtension:
-    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float) -> dict:
-        """Join as rank `first_rank + <this worker's rank>`; return the number of weights and the probe."""
+    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float,
+                         name: str = "0") -> dict:
+        """Join group `name` as rank `first_rank + <this worker's rank>`; return the number of weights and the probe."""
         store = connect_store(host, port, timeout_s)
-        group = form_group(store, first_rank + self.rank, world_size, timeout_s, self.device)
+        group = form_group(store, first_rank + self.rank, world_size, timeout_s, self.device, name)
         self._weight_receiver = WeightReceiver(group, self.device)
         return {"weights": self._weight_receiver.weights, "probe": self._weight_receiver.probe}
 

@@ -79,10 +79,11 @@ class HFEngine:
             out.append({i: float(logprobs[position, i]) for i in ids})
         return out
 
-    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float) -> dict:
-        """Join the trainer's weight-sync group; {weights, probe}."""
+    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float,
+                         name: str = "0") -> dict:
+        """Join the trainer's weight-sync group `name`; {weights, probe}."""
         store = connect_store(host, port, timeout_s)
-        group = form_group(store, first_rank, world_size, timeout_s, self.device)
+        group = form_group(store, first_rank, world_size, timeout_s, self.device, name)
         self._receiver = WeightReceiver(group, self.device)
         return {"weights": self._receiver.weights, "probe": self._receiver.probe}
 

@@ -72,9 +72,10 @@ class VllmEngine:
                                 SamplingParams(max_tokens=1, prompt_logprobs=top), use_tqdm=False)[0]
         return [{t: lp.logprob for t, lp in step.items()} for step in out.prompt_logprobs[1:]]
 
-    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float) -> dict:
-        """Join the trainer's weight-sync group (every vLLM worker of this engine); {weights, probe}."""
-        return self.llm.collective_rpc("join_weight_sync", args=(host, port, first_rank, world_size, timeout_s))[0]
+    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float,
+                         name: str = "0") -> dict:
+        """Join the trainer's weight-sync group `name` (every vLLM worker of this engine); {weights, probe}."""
+        return self.llm.collective_rpc("join_weight_sync", args=(host, port, first_rank, world_size, timeout_s, name))[0]
 
     def receive_weights(self) -> tuple[int, torch.Tensor]:
         """Load the next version of the weights; (that version, the trainer's probe log-probs)."""
