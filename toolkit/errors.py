@@ -19,6 +19,11 @@ class RunError(ToolkitError):
     exit_code = 1
 
 
+class TrainerLost(RunError):
+    """A worker that hosts trainer ranks died or hung without an error of its own: the run can go on from
+    its last checkpoint (`run.max_trainer_restarts`)."""
+
+
 class Interrupted(ToolkitError):
     """The user pressed Ctrl-C (or the driver got SIGTERM); the run was stopped cleanly. The exit code is
     128 + the signal's number, as a shell reports it: 130 for SIGINT, 143 for SIGTERM."""

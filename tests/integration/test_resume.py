@@ -203,14 +203,10 @@ def test_a_long_replay_is_not_taken_for_a_slow_start(tiny, tmp_path):
     assert [m["step"] for m in metrics] == list(range(6))
 
 
-@pytest.mark.parametrize("role, moment, how", [("generator", "generating@3", signal.SIGKILL),
-                                               ("scorer", "scoring@4", signal.SIGSTOP)])
-def test_a_dead_or_hung_worker_is_started_again_alone_and_the_run_ends_as_if_not(baseline, tiny, tmp_path, role,
-                                                                                   moment, how):
-    """kill -9 of the vLLM generator while it generates step 2, or SIGSTOP of the scorer while it scores
-    step 3 (found by its missed heartbeats): the driver starts that worker again alone (the trainer
-    keeps running), it rejoins, and the run ends as the uninterrupted baseline: the same weights,
-    rewards and samples, every sample group once in the committed HDF5 files."""
+def run_with_a_fault(baseline: Path, tiny, tmp_path: Path, moment: str,
+                     how: signal.Signals) -> tuple[Path, str, int, dict]:
+    """The baseline's run, with the process that reaches `moment` (of toolkit/hold.py) sent `how` there:
+    (run dir, the run's output, the pid signalled, the worker pids before)."""
     from toolkit.hold import ENV
 
     run_dir = tmp_path / "run"
@@ -225,29 +221,57 @@ def test_a_dead_or_hung_worker_is_started_again_alone_and_the_run_ends_as_if_not
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the fault"
             time.sleep(0.1)
         victim = int(marker.read_text())
-        trainer = json.loads((run_dir / "status.json").read_text())["workers"]["trainer:0"]["pid"]
+        pids = {w: e["pid"] for w, e in json.loads((run_dir / "status.json").read_text())["workers"].items()}
         os.kill(victim, how)
         out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
-    why = "exited with signal SIGKILL" if how == signal.SIGKILL else "sent no heartbeat for"
-    assert f"{role} worker rank 0 ({role}:0, pid {victim} on node" in out and why in out, out
-    assert "starting it again alone (restart 1 of run.max_worker_restarts 3)" in out
-    assert f"{role} worker rank 0 ({role}:0, pid " in out.split("starting it again alone")[1] and "is back" in out
     assert not alive([victim])
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["workers"]["trainer:0"]["pid"] == trainer  # the trainer was never started again
-    assert status["workers"][f"{role}:0"]["pid"] != victim and status["worker_restarts"] == {f"{role}:0": 1}
-    assert f"restarts: {role}:0 started again 1 time(s)" in cli("status", run_dir).stdout
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    counts = [m["worker_restarts"] for m in metrics]
-    assert counts[0] == 0 and counts[-1] == 1 and counts == sorted(counts)
-    assert sum(m["duplicate_samples"] for m in metrics) % 4 == 0  # (whole groups, if any)
     assert_same_as_baseline(run_dir, baseline)
     for step in range(STEPS):  # 0 samples lost, 0 twice
         s = experience.read(run_dir / "experience" / experience.file_name(step))["samples"]
         pairs = set(zip(s["group_index"].tolist(), s["sample_index"].tolist()))
         assert len(pairs) == len(s["prompt_ids"]) == 64
+    return run_dir, out, victim, pids
+
+
+@pytest.mark.parametrize("role, moment, how", [("generator", "generating@3", signal.SIGKILL),
+                                               ("scorer", "scoring@4", signal.SIGSTOP)])
+def test_a_dead_or_hung_worker_is_started_again_alone_and_the_run_ends_as_if_not(baseline, tiny, tmp_path, role,
+                                                                                   moment, how):
+    """kill -9 of the vLLM generator while it generates step 2, or SIGSTOP of the scorer while it scores
+    (found by its missed heartbeats): the driver starts that worker again alone (the trainer keeps
+    running), it rejoins, and the run ends as the uninterrupted baseline: the same weights, rewards and
+    samples, every sample group once in the committed HDF5 files."""
+    run_dir, out, victim, pids = run_with_a_fault(baseline, tiny, tmp_path, moment, how)
+    why = "exited with signal SIGKILL" if how == signal.SIGKILL else "sent no heartbeat for"
+    assert f"{role} worker rank 0 ({role}:0, pid {victim} on node" in out and why in out, out
+    assert "starting it again alone (restart 1 of run.max_worker_restarts 3)" in out
+    assert f"{role} worker rank 0 ({role}:0, pid " in out.split("starting it again alone")[1] and "is back" in out
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["workers"]["trainer:0"]["pid"] == pids["trainer:0"]  # the trainer was never started again
+    assert status["workers"][f"{role}:0"]["pid"] != victim and status["worker_restarts"] == {f"{role}:0": 1}
+    assert f"restarts: {role}:0 started again 1 time(s)" in cli("status", run_dir).stdout
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    counts = [m["worker_restarts"] for m in metrics]
+    assert counts[0] == 0 and counts[-1] == 1 and counts == sorted(counts)
+    assert all(m["restarts"] == 0 for m in metrics)  # (no resume)
+    assert sum(m["duplicate_samples"] for m in metrics) % 4 == 0  # (whole groups, if any)
     print(f"{role} {how.name}: duplicate samples dropped {sum(m['duplicate_samples'] for m in metrics)}")
+
+
+def test_a_dead_trainer_restarts_every_worker_from_the_checkpoint_in_the_same_run(baseline, tiny, tmp_path):
+    """kill -9 of the trainer in its fourth step: every worker is stopped and started again by the same
+    driver process, which resumes from the last checkpoint (step 2) and the committed experience after
+    it; the run ends as the uninterrupted baseline."""
+    run_dir, out, victim, pids = run_with_a_fault(baseline, tiny, tmp_path, "training@4", signal.SIGKILL)
+    assert victim == pids["trainer:0"]
+    assert f"trainer worker rank 0 (trainer:0, pid {victim} on node" in out and "exited with signal SIGKILL" in out
+    assert "starting every worker again from the last checkpoint (restart 1 of run.max_trainer_restarts 2)" in out
+    assert "checkpoint checkpoints/step-000002 (policy_version 2)" in out.split("starting every worker again")[1], out
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished" and not set(pids.values()) & {e["pid"] for e in status["workers"].values()}
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["restarts"] == 0 and metrics[-1]["restarts"] == 1

@@ -33,11 +33,11 @@ def cluster():
                     "run: bash slurm/up.sh 4")
 
 
-def run_config(tiny, tmp_path, steps=3, **sections) -> Path:
+def run_config(tiny, tmp_path, steps=3, run: dict | None = None, **sections) -> Path:
     sections.setdefault("trainer", {})
     sections["trainer"] = {"micro_batch_size": 8, **sections["trainer"]}
-    return write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": steps, "name": "slurm-test"},
-                                          **sections))
+    return write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": steps, "name": "slurm-test",
+                                                                      **(run or {})}, **sections))
 
 
 class StepWatcher(threading.Thread):
@@ -196,28 +196,49 @@ def test_failing_role_ends_the_job_with_a_named_error(tiny, tmp_path):
     assert_nothing_left(run_dir, job_id)
 
 
-def submit_long_run(tiny, tmp_path, name: str) -> tuple[Path, str]:
+def submit_long_run(tiny, tmp_path, name: str, **sections) -> tuple[Path, str]:
     """A long run submitted (without waiting) and past its first step: (run dir, job id)."""
     run_dir = tmp_path / name
-    result = cli("submit", run_config(tiny, tmp_path, steps=500), "--run-dir", run_dir, timeout=120)
+    result = cli("submit", run_config(tiny, tmp_path, steps=500, **sections), "--run-dir", run_dir, timeout=120)
     assert result.returncode == 0, result.stderr
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
     wait_for_step(run_dir)
     return run_dir, job_id
 
 
-def test_killed_worker_names_its_step_and_node(tiny, tmp_path):
-    run_dir, job_id = submit_long_run(tiny, tmp_path, "kill")
-    trainer = json.loads((run_dir / "status.json").read_text())["workers"]["trainer:0"]
-    os.kill(trainer["pid"], 9)
+def test_a_killed_trainer_goes_on_from_its_checkpoint_in_the_same_allocation(tiny, tmp_path):
+    """kill -9 of the trainer: the driver starts every worker again, as new srun steps of the same job,
+    from the last checkpoint. Killed again, with run.max_trainer_restarts (1) used, the run fails with
+    an error that names the trainer's step and node."""
+    run_dir, job_id = submit_long_run(tiny, tmp_path, "kill", run={"max_trainer_restarts": 1},
+                                      checkpoint={"every_steps": 1})
+    status = lambda: json.loads((run_dir / "status.json").read_text())  # noqa: E731
+    first, killed_at = status()["workers"]["trainer:0"], status()["step"]
+    os.kill(first["pid"], 9)
+    deadline = time.monotonic() + 300
+    while True:
+        now = status()
+        second = now["workers"]["trainer:0"]
+        if second.get("pid") not in (None, first["pid"]) and now["state"] == "running" and now["step"] > killed_at:
+            break
+        assert time.monotonic() < deadline, f"the run did not go on after the trainer was killed: {now}"
+        time.sleep(0.5)
+    assert squeue(job_id), "the job ended"
+    assert second["slurm_step"].split(".")[0] == first["slurm_step"].split(".")[0]  # the same job ...
+    assert second["slurm_step"] != first["slurm_step"]  # ... a new step
+    output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
+    assert f"trainer worker rank 0 (trainer:0, pid {first['pid']} on node {first['node']}" in output
+    assert "starting every worker again from the last checkpoint (restart 1 of run.max_trainer_restarts 1)" in output
+    os.kill(second["pid"], 9)
     deadline = time.monotonic() + 60
     while squeue(job_id) and time.monotonic() < deadline:
         time.sleep(0.5)
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["state"] == "failed"
-    assert (f"trainer worker rank 0 (trainer:0, pid {trainer['pid']} on node {trainer['node']}, Slurm step "
-            f"{trainer['slurm_step']}) exited with") in status["error"]
-    assert f"srun: step {trainer['slurm_step']}, node {trainer['node']}: Killed" in status["error"]
+    end = status()
+    assert end["state"] == "failed"
+    assert (f"trainer worker rank 0 (trainer:0, pid {second['pid']} on node {second['node']}, Slurm step "
+            f"{second['slurm_step']}) exited with") in end["error"]
+    assert f"srun: step {second['slurm_step']}, node {second['node']}: Killed" in end["error"]
+    assert "the run was not started again: 1 restart(s) of run.max_trainer_restarts 1 used" in end["error"]
     assert_nothing_left(run_dir, job_id)
 
 

@@ -39,6 +39,10 @@ class RunSection(Section):
     prompts of unfinished steps are generated again with the same seeds, and the trainer keeps the first
     copy of each sample group. A worker that reports an error of its own is not started again: the run
     stops and names the error. Local runs only for now; under Slurm a dead worker stops the run."""
+    max_trainer_restarts: int = Field(default=2, ge=0)
+    """A trainer rank that dies or hangs (no error of its own) stops every worker, and the run goes on from
+    its last checkpoint at once, in the same process and (under Slurm) the same allocation: at most this
+    many times per attempt of the run (0: the run stops instead)."""
     deterministic: bool = False
     """Bitwise-repeatable runs: deterministic torch algorithms, fixed thread counts (cpus_per_worker, else
     1), no vLLM prefix cache. A resumed run then ends with the same weights as an uninterrupted one."""

@@ -24,6 +24,10 @@ class StageRunSection(Section):
     """Seed for row order, dropout and new weights (a reward model's score head)."""
     deterministic: bool = False
     """Bitwise-repeatable training: deterministic torch algorithms, fixed thread counts."""
+    max_trainer_restarts: int = Field(default=2, ge=0)
+    """A trainer rank that dies or hangs (no error of its own) stops every worker, and the run goes on from
+    its last checkpoint at once, in the same process and (under Slurm) the same allocation: at most this
+    many times per attempt of the run (0: the run stops instead)."""
 
 
 class StageModelSection(Section):

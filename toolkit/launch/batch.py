@@ -21,7 +21,7 @@ def run_in_allocation(run_dir: str) -> None:
     from toolkit.launch.env import node_name, resolve_bind_host
     from toolkit.launch.rundir import RunDir
     from toolkit.launch.slurm import SlurmLauncher
-    from toolkit.launch.supervisor import make_driver
+    from toolkit.launch.supervisor import make_driver, run_attempts
     from toolkit.log import setup_logging
     from toolkit.placement.plan import plan
     from toolkit.progress import Progress
@@ -41,14 +41,18 @@ def run_in_allocation(run_dir: str) -> None:
         rd.write_status({"state": "failed", "error": f"the run's config no longer loads: {e}"})
         raise
     rd.update_job(job_id=os.environ.get("SLURM_JOB_ID"), batch_node=node_name(), driver_pid=os.getpid())
-    launcher = SlurmLauncher(rd, plan_allocation(plan(cfg), cfg.slurm.heterogeneous), cfg.slurm.python or sys.executable,
-                             cfg.transport.bind_host)
-    print(f"job {launcher.job_id}: run {cfg.run.name!r} in {rd.path}; node groups: "
-          + ", ".join(f"{g} on {','.join(n)}" for g, n in launcher.nodes.items()), flush=True)
-    driver = make_driver(cfg, rd, launcher, resolve_bind_host(cfg.transport.bind_host),
-                         echo=Progress(sys.stdout, live=False))
-    driver.preempt = bool(early_usr1)
-    driver.run()
+    allocation = plan_allocation(plan(cfg), cfg.slurm.heterogeneous)
+    echo = Progress(sys.stdout, live=False)
+
+    def make():  # (a new driver and launcher for each attempt: new srun steps in this allocation)
+        launcher = SlurmLauncher(rd, allocation, cfg.slurm.python or sys.executable, cfg.transport.bind_host)
+        print(f"job {launcher.job_id}: run {cfg.run.name!r} in {rd.path}; node groups: "
+              + ", ".join(f"{g} on {','.join(n)}" for g, n in launcher.nodes.items()), flush=True)
+        driver = make_driver(cfg, rd, launcher, resolve_bind_host(cfg.transport.bind_host), echo=echo)
+        driver.preempt = bool(early_usr1)
+        return driver
+
+    driver, _ = run_attempts(cfg, make, echo)
     if driver.state == "preempted":
         try:
             requeue(rd, cfg.slurm.max_requeues)

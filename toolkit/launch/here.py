@@ -14,7 +14,7 @@ def run_here(cfg, run_dir: RunDir, verbose: bool = False) -> int:
     """Run (or resume) `run_dir` with local worker processes; the exit code."""
     from toolkit.launch.env import resolve_bind_host
     from toolkit.launch.local import LocalLauncher
-    from toolkit.launch.supervisor import make_driver
+    from toolkit.launch.supervisor import make_driver, run_attempts
     from toolkit.log import setup_logging
     from toolkit.progress import Progress
 
@@ -24,9 +24,9 @@ def run_here(cfg, run_dir: RunDir, verbose: bool = False) -> int:
     started = time.monotonic()
     bind_host = resolve_bind_host(cfg.transport.bind_host) if cfg.transport.bind_host else "127.0.0.1"
     progress = Progress()
-    driver = make_driver(cfg, run_dir, LocalLauncher(run_dir, bind_host), bind_host, echo=progress)
     try:
-        records = driver.run()
+        driver, records = run_attempts(
+            cfg, lambda: make_driver(cfg, run_dir, LocalLauncher(run_dir, bind_host), bind_host, echo=progress), progress)
     finally:
         progress.close()
     if driver.state == "preempted":

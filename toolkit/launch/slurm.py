@@ -64,6 +64,7 @@ class SlurmLauncher:
         self.steps: dict[str, subprocess.Popen] = {}
         self.groups: dict[str, WorkerGroup] = {}
         self._reported: set[str] = set()
+        self._log_from: dict[str, int] = {}  # where this launcher's part of each srun log starts
 
     def srun_log(self, group: str):
         return self.run_dir.logs / f"srun-{group}.log"
@@ -76,7 +77,8 @@ class SlurmLauncher:
             child_env.pop(E.RANK, None)  # each task's rank is its SLURM_PROCID
             if self.bind_host:  # (transport.bind_host: each worker resolves it on its own node)
                 child_env[E.BIND_HOST] = self.bind_host
-            with open(self.srun_log(group.name), "ab") as log:
+            with open(self.srun_log(group.name), "ab") as log:  # (a run started again appends to it)
+                self._log_from[group.name] = log.tell()
                 log.write(f"$ {' '.join(cmd)}\n".encode())
                 log.flush()
                 self.steps[group.name] = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=log,
@@ -139,8 +141,11 @@ class SlurmLauncher:
             self.wait(10)
 
     def _srun_text(self, group: str) -> str:
+        """What srun wrote for this launcher's step of `group`."""
         try:
-            return self.srun_log(group).read_text(errors="replace")
+            with open(self.srun_log(group), "rb") as f:
+                f.seek(self._log_from.get(group, 0))
+                return f.read().decode(errors="replace")
         except OSError:
             return ""
 

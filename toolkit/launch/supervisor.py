@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from toolkit.errors import Interrupted, RunError
+from toolkit.errors import Interrupted, RunError, TrainerLost
 from toolkit.launch import env as E
 from toolkit.hold import hold
 from toolkit.launch.curves import Curves
@@ -68,6 +68,7 @@ class Supervisor:
         self.worker_restarts = 0  # workers started again alone in this attempt (run.max_worker_restarts)
         self.generation: dict[str, int] = {}  # times each worker was started again
         self.restarting: dict[str, float] = {}  # workers started again and not ready yet -> since when
+        self.trainer_restarts = 0  # times the run was started again after its trainer was lost (run_attempts)
 
     # ----- the run --------------------------------------------------------------------------------
 
@@ -306,7 +307,8 @@ class Supervisor:
         elif msg.kind == "failed":
             dead = self._dead_peer(worker_id, REPORT_GRACE_S)
             if dead is not None:  # its peers fail in their collectives: the dead worker is the cause
-                raise RunError(f"{self._exited(dead)}\n(then {self._describe(worker_id)} failed: {m.get('error')})")
+                raise self._lost(dead.worker_id, f"{self._exited(dead)}\n(then {self._describe(worker_id)} failed: "
+                                                 f"{m.get('error')})")
             raise RunError(self._failed(worker_id, m))
         elif msg.kind == "trained":
             self.trained[m["step"]] = m["metrics"]
@@ -365,13 +367,13 @@ class Supervisor:
             if self._may_restart(ended.worker_id):
                 self._restart(ended.worker_id, f"exited with {ended.describe()}")
                 continue
-            raise RunError(self._exited(ended) + self._no_restart_left(ended.worker_id))
+            raise self._lost(ended.worker_id, self._exited(ended) + self._no_restart_left(ended.worker_id))
         limit = self.cfg.transport.heartbeat_timeout_s
         for worker_id, silent_s in self.coordinator.silent(self.worker_ids, limit):
             if self._may_restart(worker_id):
                 self._restart(worker_id, f"sent no heartbeat for {silent_s:.0f} s (hung?)")
                 continue
-            raise RunError(f"{self._describe(worker_id)} sent no heartbeat for {silent_s:.0f} s "
+            raise self._lost(worker_id, f"{self._describe(worker_id)} sent no heartbeat for {silent_s:.0f} s "
                            f"(limit transport.heartbeat_timeout_s = {limit:g}); it is hung or its node is lost\n"
                            f"{self._log_hint(worker_id)}{self._no_restart_left(worker_id)}")
         limit = self.cfg.transport.startup_timeout_s
@@ -381,6 +383,18 @@ class Supervisor:
                                f"(transport.startup_timeout_s)\n{self._log_hint(worker_id)}")
 
     # ----- starting one worker again --------------------------------------------------------------
+
+    def _lost(self, worker_id: str, message: str) -> RunError:
+        """The error for a worker that died or hung without a word: a worker with trainer ranks can be
+        started again with all the others from the last checkpoint (`run_attempts`)."""
+        roles = next(g for g in self.groups if g.name == worker_id.split(":")[0]).roles
+        if not any(r == "trainer" or r == self.cfg.stage for r in roles):
+            return RunError(message)
+        limit = self.cfg.run.max_trainer_restarts
+        if self.trainer_restarts < limit:
+            return TrainerLost(message)
+        return RunError(f"{message}\nthe run was not started again: {self.trainer_restarts} restart(s) of "
+                        f"run.max_trainer_restarts {limit} used (raise it to allow more)")
 
     def _restartable(self, worker_id: str) -> bool:
         """A worker of an RL run that hosts no trainer (generators, scorers), where the launcher can start
@@ -484,6 +498,24 @@ def _raise_interrupt(signum, frame):
 def read_metrics(path: Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def run_attempts(cfg, make: Callable[[], Supervisor], echo: Callable = print) -> tuple[Supervisor, list[dict]]:
+    """Run the stage with the driver `make()` builds; when a trainer rank dies or hangs, stop every worker
+    and go on from the last checkpoint with a new driver, here (in the same allocation), up to
+    run.max_trainer_restarts times. (The last driver, the metrics of the steps it ran.)"""
+    driver, attempt = None, 0
+    while True:
+        preempt = driver is not None and driver.preempt  # (SIGUSR1 came before: the time is still short)
+        driver = make()
+        driver.preempt = driver.preempt or preempt
+        driver.trainer_restarts = attempt  # (the driver raises TrainerLost only while restarts are left)
+        try:
+            return driver, driver.run()
+        except TrainerLost as e:
+            attempt += 1
+            echo(f"{e}\nstarting every worker again from the last checkpoint (restart {attempt} of "
+                 f"run.max_trainer_restarts {cfg.run.max_trainer_restarts})")
 
 
 def make_driver(cfg, run_dir: RunDir, launcher, bind_host: str, echo: Callable = print) -> Supervisor:
