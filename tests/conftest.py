@@ -24,6 +24,36 @@ def pytest_configure(config) -> None:
     _CONFIG = config
 
 
+@pytest.fixture(autouse=True)
+def no_process_left_behind(request):
+    """After each test, end every process of a run under its tmp_path that is still alive (a driver, by its
+    command line; a worker or what it started, by SLURM_RLHF_RUN_DIR): a test that fails half-way must not
+    leave processes that slow down or break the tests after it. Each is named on stderr."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path")
+    if tmp is None:
+        return
+    import signal
+
+    import psutil
+
+    mine, marker = os.getpgrp(), str(tmp)
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == os.getpid() or not (marker in " ".join(proc.cmdline())
+                                               or marker in proc.environ().get("SLURM_RLHF_RUN_DIR", "")):
+                continue
+            group = os.getpgid(proc.pid)
+            print(f"\n{request.node.nodeid}: left process {proc.pid} ({' '.join(proc.cmdline())[:120]}); killed",
+                  file=sys.stderr)
+            if group != mine:
+                os.killpg(group, signal.SIGKILL)
+            else:
+                proc.kill()
+        except (psutil.Error, ProcessLookupError, PermissionError):
+            pass
+
+
 def pytest_runtest_logreport(report) -> None:
     """Print a failure's last lines the moment it happens, not only in the summary at the end: a CI run
     cut off by its time limit still says why its tests failed, and how long each took."""

@@ -210,8 +210,7 @@ def test_a_killed_trainer_goes_on_from_its_checkpoint_in_the_same_allocation(tin
     """kill -9 of the trainer: the driver starts every worker again, as new srun steps of the same job,
     from the last checkpoint. Killed again, with run.max_trainer_restarts (1) used, the run fails with
     an error that names the trainer's step and node."""
-    run_dir, job_id = submit_long_run(tiny, tmp_path, "kill", run={"max_trainer_restarts": 1},
-                                      checkpoint={"every_steps": 1})
+    run_dir, job_id = submit_long_run(tiny, tmp_path, "kill", run={"max_trainer_restarts": 1}, checkpoint={"every_steps": 1})
     status = lambda: json.loads((run_dir / "status.json").read_text())  # noqa: E731
     first, killed_at = status()["workers"]["trainer:0"], status()["step"]
     os.kill(first["pid"], 9)
