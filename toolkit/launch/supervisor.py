@@ -384,11 +384,14 @@ class Supervisor:
 
     # ----- starting one worker again --------------------------------------------------------------
 
+    def _roles_of(self, worker_id: str) -> list[str]:
+        return next(g for g in self.groups if g.name == worker_id.split(":")[0]).roles
+
     def _lost(self, worker_id: str, message: str) -> RunError:
         """The error for a worker that died or hung without a word: a worker with trainer ranks can be
         started again with all the others from the last checkpoint (`run_attempts`)."""
-        roles = next(g for g in self.groups if g.name == worker_id.split(":")[0]).roles
-        if not any(r == "trainer" or r == self.cfg.stage for r in roles):
+        roles = self._roles_of(worker_id)
+        if "trainer" not in roles and self.cfg.stage not in roles:
             return RunError(message)
         limit = self.cfg.run.max_trainer_restarts
         if self.trainer_restarts < limit:
@@ -399,8 +402,7 @@ class Supervisor:
     def _restartable(self, worker_id: str) -> bool:
         """A worker of an RL run that hosts no trainer (generators, scorers), where the launcher can start
         one worker again (locally)."""
-        group = next(g for g in self.groups if g.name == worker_id.split(":")[0])
-        return self.cfg.stage == "rl" and "trainer" not in group.roles and hasattr(self.launcher, "restart")
+        return self.cfg.stage == "rl" and "trainer" not in self._roles_of(worker_id) and hasattr(self.launcher, "restart")
 
     def _may_restart(self, worker_id: str) -> bool:
         """A restartable worker that died or hung is started again alone while the run is running and
