@@ -237,12 +237,18 @@ def _end_children() -> None:
 
 
 def _report_failure(worker, worker_id: str, error: BaseException) -> None:
-    """Log the failure and tell the coordinator, with the end of the traceback."""
+    """Log the failure and tell the coordinator, with the end of the traceback (none for an error that
+    says what happened and what to do: the log keeps it)."""
+    from toolkit.errors import ToolkitError
+    from toolkit.store.space import DiskFull
+
     lines = traceback.format_exception(error)
     log.error("worker %s failed:\n%s", worker_id, "".join(lines))
+    told = isinstance(error, (ToolkitError, DiskFull))
     if worker is not None:
         try:
-            worker.control.send("failed", error=f"{type(error).__name__}: {error}", traceback="".join(lines[-6:]))
+            worker.control.send("failed", error=f"{type(error).__name__}: {error}",
+                                traceback="" if told else "".join(lines[-6:]))
         except Exception:
             pass
 

@@ -275,3 +275,63 @@ def test_a_dead_trainer_restarts_every_worker_from_the_checkpoint_in_the_same_ru
     assert status["state"] == "finished" and not set(pids.values()) & {e["pid"] for e in status["workers"].values()}
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["restarts"] == 0 and metrics[-1]["restarts"] == 1
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 MB tmpfs mounted under tmp_path (root only), unmounted after the test."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=0700", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        if subprocess.run(["umount", str(disk)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_full_disk_is_named_and_the_last_checkpoint_is_left_untouched(tiny, tmp_path, small_disk):
+    """The run directory on a small tmpfs, filled up while step 3 trains (room left for its experience
+    file, not for the checkpoint after it): the run fails with an error that names the checkpoint's path
+    and the free space, leaves no half-written checkpoint, and the last good one is intact (every file's
+    SHA-256 as the manifest recorded it)."""
+    from toolkit.hold import ENV
+    from toolkit.store.manifest import Manifest, checkpoint_files
+
+    run_dir = small_disk / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config(tiny, tmp_path)), "--run-dir",
+                             str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, ENV: "training@4"})
+    try:
+        marker = run_dir / "held-training"
+        deadline = time.monotonic() + 300
+        while not marker.exists() or not marker.read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 3"
+            time.sleep(0.1)
+        used = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
+        experience_bytes = max(r["bytes"] for r in Manifest(run_dir).records() if r["kind"] == "experience")
+        filler = small_disk / "filler"
+        with open(filler, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(small_disk).free - 3 * experience_bytes - (256 << 10))
+        marker.unlink()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    print(f"run directory {used / 2**20:.1f} MB at step 3; experience file {experience_bytes / 2**10:.0f} KB\n{out}")
+    assert proc.returncode == 1, out
+    path = run_dir / "checkpoints" / "step-000004"
+    assert f"no space left to write the checkpoint {path} (" in out and " MB free there" in out, out
+    assert f"then `slurm-rlhf resume {run_dir}` goes on from the last checkpoint\nlog: " in out
+    assert not path.exists() and not list((run_dir / "checkpoints").glob(".*"))  # nothing half-written
+    records = Manifest(run_dir).records()
+    assert [r["step"] for r in records if r["kind"] == "experience"] == [0, 1, 2, 3]  # (step 3's fitted)
+    last = [r for r in records if r["kind"] == "checkpoint"]
+    assert [r["dir"] for r in last] == ["checkpoints/step-000002"]
+    assert checkpoint_files(run_dir / last[0]["dir"]) == last[0]["files"]  # untouched, byte for byte
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and f"no space left to write the checkpoint {path}" in status["error"]

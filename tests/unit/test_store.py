@@ -111,3 +111,23 @@ def test_resume_plan(tmp_path):
 def test_a_new_run_resumes_from_nothing(tmp_path):
     plan = plan_resume(tmp_path)
     assert plan.checkpoint is None and plan.replay == [] and plan.next_step == 0 and plan.problems == []
+
+
+def test_a_write_that_found_no_space_is_explained_and_other_errors_are_not(tmp_path):
+    import errno
+
+    from toolkit.store import space
+
+    target = tmp_path / "checkpoints" / "step-000004"  # (not made yet: its parent's file system counts)
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as low:
+            raise RuntimeError("unexpected pos 576 vs 534") from low  # (as torch's writer wraps it)
+    except RuntimeError as e:
+        error = space.explain("checkpoint", target, e, tmp_path)
+    assert isinstance(error, space.DiskFull) and error.errno == errno.ENOSPC
+    assert f"no space left to write the checkpoint {target} (" in str(error) and "MB free there" in str(error)
+    assert f"`slurm-rlhf resume {tmp_path}`" in str(error) and "unexpected pos 576 vs 534" in str(error)
+    other = ValueError("not about space")  # on a disk with room: left as it is
+    assert space.explain("checkpoint", target, other, tmp_path) is other

@@ -351,8 +351,9 @@ class Supervisor:
         return None
 
     def _failed(self, worker_id: str, report: dict) -> str:
-        return (f"{self._describe(worker_id)} failed: {report.get('error')}\n"
-                f"{report.get('traceback', '').rstrip()}\n{self._log_hint(worker_id)}")
+        trace = report.get("traceback", "").rstrip()
+        return (f"{self._describe(worker_id)} failed: {report.get('error')}\n" + (f"{trace}\n" if trace else "")
+                + self._log_hint(worker_id))
 
     def _exited(self, ended) -> str:
         return f"{self._describe(ended.worker_id)} exited with {ended.describe()}\n{self._log_hint(ended.worker_id)}"

@@ -24,6 +24,7 @@ import torch
 
 from toolkit.hold import hold
 from toolkit.store.experience import fsync_dir
+from toolkit.store import space
 from toolkit.store.manifest import Manifest, checkpoint_files
 
 TAG = "ds"
@@ -56,30 +57,39 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     barrier()
-    for name, engine in engines.items():
-        engine.save_checkpoint(str(tmp / name), tag=TAG)
-    rng = {"torch": rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
-    (tmp / "rng" / f"rank-{rank}.json").write_text(json.dumps(rng))
-    write_copies(tmp)
-    hold("checkpointing", run_dir)  # (tests: a checkpoint half written)
-    barrier()
-    size_mb = 0.0
+    try:
+        for name, engine in engines.items():
+            engine.save_checkpoint(str(tmp / name), tag=TAG)
+        rng = {"torch": rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+        (tmp / "rng" / f"rank-{rank}.json").write_text(json.dumps(rng))
+        write_copies(tmp)
+        hold("checkpointing", run_dir)  # (tests: a checkpoint half written)
+        barrier()
+        size_mb = 0.0
+        if rank == 0:
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
+            for path in tmp.rglob("*"):
+                if path.is_file():
+                    with open(path, "rb") as f:
+                        os.fsync(f.fileno())
+            files = checkpoint_files(tmp)
+            size_mb = sum(size for _, size in files.values()) / 2**20
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
+            manifest = Manifest(run_dir)
+            manifest.append({"kind": "checkpoint", "step": step, "dir": str(final.relative_to(run_dir)),
+                             "files": files})
+    except Exception as e:  # (a full disk, mostly: say so, and leave no half-written checkpoint)
+        error = space.explain("checkpoint", final, e, run_dir)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is not e:
+            raise error from e
+        raise
     if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
-        for path in tmp.rglob("*"):
-            if path.is_file():
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
-        files = checkpoint_files(tmp)
-        size_mb = sum(size for _, size in files.values()) / 2**20
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-        manifest = Manifest(run_dir)
-        manifest.append({"kind": "checkpoint", "step": step, "dir": str(final.relative_to(run_dir)),
-                         "files": files})
         _remove_old(run_dir, manifest, keep)
     barrier()
     return size_mb

@@ -32,6 +32,7 @@ import numpy as np
 import orjson
 
 from toolkit.samples import SampleBatch
+from toolkit.store import space
 
 SCHEMA_VERSION = 2
 # (as json.dumps: keys that are not strings become strings; numpy scalars are numbers)
@@ -103,8 +104,11 @@ def commit(directory: Path, step: int, record: dict) -> tuple[Path, str, int]:
             hasher.join()
         if not digest:
             raise OSError(f"{tmp}: could not read the file back for its SHA-256")
-    except BaseException:
+    except BaseException as e:
+        error = space.explain("experience file", final, e, directory.parent)
         tmp.unlink(missing_ok=True)
+        if error is not e:
+            raise error from e
         raise
     size = tmp.stat().st_size
     os.replace(tmp, final)
