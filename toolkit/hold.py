@@ -4,9 +4,10 @@ With SLURM_RLHF_TEST_HOLD=<moment> in the environment of `slurm-rlhf run`, the f
 that reaches that moment writes `RUN_DIR/held-<moment>` (its pid) and then waits there, as a process
 busy in that phase would, until a signal ends it or the test deletes the file (then it goes on).
 `<moment>@N`: the N-th time a process reaches it (`training@7`: in the seventh training step, after
-six whole ones). Tests use it to stop a run at each moment (start-up,
-registration, model loading, generation, scoring, training, weight sync, checkpoint writing) by
-waiting for the file, never by sleeping a fixed time. Without the variable it does nothing.
+six whole ones). Different moments, comma-separated (`generating@3,scoring@5`), are each held once.
+Tests use it to stop a run at each moment (start-up, registration, model loading, generation, scoring,
+training, weight sync, checkpoint writing) by waiting for the file, never by sleeping a fixed time.
+Without the variable it does nothing.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ _reached: dict[str, int] = {}
 
 
 def hold(moment: str, run_dir) -> None:
-    """Wait here for good when SLURM_RLHF_TEST_HOLD is `moment` (see the module docstring)."""
-    wanted, _, nth = os.environ.get(ENV, "").partition("@")
-    if wanted != moment:
+    """Wait here for good when SLURM_RLHF_TEST_HOLD names `moment` (see the module docstring)."""
+    nths = [int(nth or 1) for wanted, _, nth in (entry.partition("@") for entry in os.environ.get(ENV, "").split(","))
+            if wanted == moment]
+    if not nths:
         return
     _reached[moment] = _reached.get(moment, 0) + 1
-    if _reached[moment] != int(nth or 1):
+    if _reached[moment] not in nths:
         return
     marker = Path(run_dir) / f"held-{moment}"
     try:

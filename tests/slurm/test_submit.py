@@ -241,6 +241,48 @@ def test_a_killed_trainer_goes_on_from_its_checkpoint_in_the_same_allocation(tin
     assert_nothing_left(run_dir, job_id)
 
 
+def test_a_cancelled_generator_step_is_started_again_alone_in_the_same_allocation(tiny, tmp_path):
+    """scancel of the generator's job step while it generates step 2: the driver starts the generator again
+    alone, as a new step of the same job on the same node; the trainer's step goes on, and the run
+    finishes with every step's experience whole."""
+    from toolkit.hold import ENV
+    from toolkit.store import experience
+
+    run_dir = tmp_path / "gen"
+    result = cli("submit", run_config(tiny, tmp_path, steps=4), "--run-dir", run_dir, env={ENV: "generating@3"},
+                 timeout=120)
+    assert result.returncode == 0, result.stderr
+    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+    marker, deadline = run_dir / "held-generating", time.monotonic() + 300
+    while not marker.exists() or not marker.read_text().strip():
+        assert squeue(job_id) and time.monotonic() < deadline, "the job ended or stalled before step 2"
+        time.sleep(0.2)
+    before = json.loads((run_dir / "status.json").read_text())["workers"]
+    step = before["generator:0"]["slurm_step"]
+    subprocess.run(["scancel", step], check=True, timeout=30)
+    deadline = time.monotonic() + 300
+    while squeue(job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished", status.get("error")
+    after = status["workers"]
+    assert after["trainer:0"]["pid"] == before["trainer:0"]["pid"]  # the trainer's step went on
+    assert after["trainer:0"]["slurm_step"] == before["trainer:0"]["slurm_step"]
+    new = after["generator:0"]["slurm_step"]
+    assert new.split(".")[0] == step.split(".")[0] and new != step  # the same job, a new step ...
+    assert after["generator:0"]["node"] == before["generator:0"]["node"]  # ... on the same node
+    assert status["worker_restarts"] == {"generator:0": 1}
+    output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
+    assert f"generator worker rank 0 (generator:0, pid {before['generator:0']['pid']} on node" in output
+    assert f"Slurm step {step}) exited with" in output
+    assert "starting it again alone (restart 1 of run.max_worker_restarts 3)" in output
+    assert f"Slurm step {new}) is back; the run goes on" in output
+    for n in range(4):  # every step's experience whole: each sample group once
+        s = experience.read(run_dir / "experience" / experience.file_name(n))["samples"]
+        assert len(set(zip(s["group_index"].tolist(), s["sample_index"].tolist()))) == len(s["prompt_ids"]) == 64
+    assert_nothing_left(run_dir, job_id)
+
+
 def wait_for_step(run_dir: Path, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -60,6 +60,9 @@ class LocalLauncher:
                 [sys.executable, "-m", "toolkit.worker"], env=env, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
 
+    def can_restart(self, worker_id: str) -> bool:
+        return True  # (each worker is its own process)
+
     def restart(self, worker_id: str, env: dict[str, str]) -> None:
         """Start worker `worker_id` again alone (with `env` added), after killing what is left of it (a hung
         worker, and whatever it started)."""

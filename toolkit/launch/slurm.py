@@ -63,6 +63,7 @@ class SlurmLauncher:
         self.nodes = assign_nodes(allocation, component_nodes(allocation))
         self.steps: dict[str, subprocess.Popen] = {}
         self.groups: dict[str, WorkerGroup] = {}
+        self.env: dict[str, str] = {}  # the run's environment for the workers, to start a step again
         self._reported: set[str] = set()
         self._log_from: dict[str, int] = {}  # where this launcher's part of each srun log starts
 
@@ -70,20 +71,43 @@ class SlurmLauncher:
         return self.run_dir.logs / f"srun-{group}.log"
 
     def start(self, groups: list[WorkerGroup], env: dict[str, str]) -> None:
+        self.env = env
         for group in groups:
-            het = self.allocation.component_of(group) if self.allocation.heterogeneous else None
-            cmd = srun_command(group, self.nodes[group.name], het, self.python, str(self.run_dir.logs))
-            child_env = {**os.environ, **env, **group.env, E.GROUP: group.name}
-            child_env.pop(E.RANK, None)  # each task's rank is its SLURM_PROCID
-            if self.bind_host:  # (transport.bind_host: each worker resolves it on its own node)
-                child_env[E.BIND_HOST] = self.bind_host
-            with open(self.srun_log(group.name), "ab") as log:  # (a run started again appends to it)
-                self._log_from[group.name] = log.tell()
-                log.write(f"$ {' '.join(cmd)}\n".encode())
-                log.flush()
-                self.steps[group.name] = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=log,
-                                                          stderr=subprocess.STDOUT, start_new_session=True)
-            self.groups[group.name] = group
+            self._start_step(group, env)
+
+    def _start_step(self, group: WorkerGroup, env: dict[str, str]) -> None:
+        het = self.allocation.component_of(group) if self.allocation.heterogeneous else None
+        cmd = srun_command(group, self.nodes[group.name], het, self.python, str(self.run_dir.logs))
+        child_env = {**os.environ, **env, **group.env, E.GROUP: group.name}
+        child_env.pop(E.RANK, None)  # each task's rank is its SLURM_PROCID
+        if self.bind_host:  # (transport.bind_host: each worker resolves it on its own node)
+            child_env[E.BIND_HOST] = self.bind_host
+        with open(self.srun_log(group.name), "ab") as log:  # (a step started again appends to it)
+            self._log_from[group.name] = log.tell()
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.flush()
+            self.steps[group.name] = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=log,
+                                                      stderr=subprocess.STDOUT, start_new_session=True)
+        self.groups[group.name] = group
+
+    def can_restart(self, worker_id: str) -> bool:
+        """A worker can be started again alone when it is its step's only task."""
+        group = self.groups.get(worker_id.split(":")[0])
+        return group is not None and group.workers == 1
+
+    def restart(self, worker_id: str, env: dict[str, str]) -> None:
+        """Start worker `worker_id` again alone (with `env` added) as a new step on the same nodes, after
+        ending what is left of its step (a hung worker: scancel -s KILL)."""
+        name = worker_id.split(":")[0]
+        old, step = self.steps[name], self.step_id(name)
+        if old.poll() is None and step:
+            subprocess.run(["scancel", "--signal=KILL", step], capture_output=True, timeout=30)
+        if not wait_all([old], 30):
+            _signal(old, signal.SIGKILL)
+            wait_all([old], 10)
+        self._reported.discard(name)
+        self.start([self.groups[name]], {**self.env, **env})
+        self.env = {k: v for k, v in self.env.items()}  # (the added variables were for this step only)
 
     def step_id(self, group: str) -> str | None:
         """`<job>.<step>` of a group's step, as srun reported it."""

@@ -182,7 +182,7 @@ class Supervisor:
         for problem in plan.problems:
             self.echo(f"resume: {problem}")
         moved = set_aside(self.run_dir.path, plan)
-        if plan.checkpoint or plan.replay or moved:
+        if plan.checkpoint or plan.replay or moved or self.trainer_restarts:  # (restarted before a commit too)
             where = f"checkpoint {plan.checkpoint['dir']}" if plan.checkpoint else "the initial weights"
             replay = f", then training again on {len(plan.replay)} committed experience batch(es)" \
                 if self.cfg.stage == "rl" else ""
@@ -401,9 +401,10 @@ class Supervisor:
                         f"run.max_trainer_restarts {limit} used (raise it to allow more)")
 
     def _restartable(self, worker_id: str) -> bool:
-        """A worker of an RL run that hosts no trainer (generators, scorers), where the launcher can start
-        one worker again (locally)."""
-        return self.cfg.stage == "rl" and "trainer" not in self._roles_of(worker_id) and hasattr(self.launcher, "restart")
+        """A worker of an RL run that hosts no trainer (generators, scorers), which the launcher can start
+        again alone (locally any; on Slurm the only task of its step)."""
+        return (self.cfg.stage == "rl" and "trainer" not in self._roles_of(worker_id)
+                and self.launcher.can_restart(worker_id))
 
     def _may_restart(self, worker_id: str) -> bool:
         """A restartable worker that died or hung is started again alone while the run is running and
