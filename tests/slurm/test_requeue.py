@@ -153,3 +153,40 @@ def test_an_sft_stage_survives_its_time_limit_by_requeueing(tiny, tmp_path):
     assert checkpoints[0] < steps and checkpoints[-1] == steps  # the stop's own checkpoint, then the last
     assert (run_dir / "export" / "model.safetensors").exists()
     assert_nothing_left(run_dir, job_id)
+
+
+def test_a_lost_node_requeues_the_job_and_it_finishes_on_the_nodes_left(tiny, tmp_path):
+    """The generator's node set DOWN with scontrol (as Slurm does with a node that stops answering) and
+    kept out (drained): Slurm cancels the job for the node failure and requeues it; the requeued job
+    runs on the three nodes left and resumes from the checkpoint, every step once."""
+    steps = 40
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": steps, "name": "node-lost"},
+                                            checkpoint={"every_steps": 5}, trainer={"micro_batch_size": 8}))
+    run_dir = tmp_path / "run"
+    result = cli("submit", config, "--run-dir", run_dir, timeout=120)
+    assert result.returncode == 0, result.stderr
+    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+    wait_for_step(run_dir)
+    node = json.loads((run_dir / "status.json").read_text())["workers"]["generator:0"]["node"]
+    try:
+        for state in ("DOWN", "DRAIN"):
+            subprocess.run(["scontrol", "update", f"NodeName={node}", f"State={state}", "Reason=slurm-rlhf-test"],
+                           check=True, timeout=30, capture_output=True)
+        wait_until(lambda: not squeue(job_id), "the requeued job to finish")
+    finally:  # (the node back for the tests after this one: idle, and answering again)
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], timeout=30, capture_output=True)
+        wait_until(lambda: subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True,
+                                          timeout=30).stdout.strip() in ("idle", "mix"), f"node {node} back", 180)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished", status.get("error")
+    assert node not in {w["node"] for w in status["workers"].values()}  # (the nodes left)
+    slurm = run_dir / "slurm"
+    assert "DUE TO NODE FAILURE" in (slurm / f"{job_id}_0_log.err").read_text()
+    output = (slurm / f"{job_id}_0_log.out").read_text()
+    assert f"job {job_id}: started again by Slurm (SLURM_RESTART_COUNT 1)" in output
+    assert output.count("resuming at step") == 1
+    records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in records if r["kind"] == "experience") == list(range(steps))
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(steps))
+    assert_nothing_left(run_dir, job_id)

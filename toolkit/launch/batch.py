@@ -41,6 +41,10 @@ def run_in_allocation(run_dir: str) -> None:
         rd.write_status({"state": "failed", "error": f"the run's config no longer loads: {e}"})
         raise
     rd.update_job(job_id=os.environ.get("SLURM_JOB_ID"), batch_node=node_name(), driver_pid=os.getpid())
+    started_again = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if started_again:  # (the cause is in the job's error file: slurmstepd's "CANCELLED ... DUE TO ...")
+        print(f"job {os.environ['SLURM_JOB_ID']}: started again by Slurm (SLURM_RESTART_COUNT {started_again}): "
+              "requeued after a lost node, a preemption or its time limit; the run resumes", flush=True)
     allocation = plan_allocation(plan(cfg), cfg.slurm.heterogeneous)
     echo = Progress(sys.stdout, live=False)
 
