@@ -39,7 +39,7 @@ class Worker:
         self.group = next(g for g in self.groups if g.name == wenv.group)
         self.ctx = zmq.Context()
         secret = read_secret(wenv.secret_file)
-        self.codec = Codec(secret, self.id)
+        self.codec = Codec(secret, self.id, accepts={self.id, self.group.name})  # (its group: PUSH spreads)
         t = cfg.transport
         self.control = ControlClient(self.ctx, self.codec, wenv.control, self.id, t.max_message_mb)
         self.heartbeat = Heartbeat(self.ctx, secret, wenv.control, self.id, t.heartbeat_interval_s,
@@ -160,7 +160,7 @@ class Worker:
         key = tuple(ids)
         if key not in self.outboxes:
             self.outboxes[key] = Outbox(self.ctx, self.codec, [self.book[w]["inbox"] for w in ids],
-                                        self.cfg.transport.max_inflight_messages)
+                                        self.cfg.transport.max_inflight_messages, to=target.name)
         return self.outboxes[key]
 
     def wait_command(self, kind: str, timeout_s: float, wanted=lambda meta: True):

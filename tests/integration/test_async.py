@@ -52,8 +52,11 @@ def test_wait_mode_overlaps_generation_within_the_lag(tiny, tmp_path):
         assert m["dropped_samples"] == 0
         # The correction is on (auto in async mode): weights near 1, the policy moves little per step.
         assert 0.8 < m["behaviour_weight"] < 1.2
-    # Step 0 is generated before any update; every later step was sent while the one before trained.
-    assert [int(lags(r).max()) for r in records] == [0] + [1] * 5
+    # Step 0 is generated before any update; later steps are sent while the one before trains, so they
+    # are generated at lag 1 unless the new weights reach the generator first (a race that load decides:
+    # one step in six came out at lag 0 here once), so the test asks for overlap, not for it in each step.
+    step_lags = [int(lags(r).max()) for r in records]
+    assert step_lags[0] == 0 and max(step_lags[1:]) == 1, step_lags
     assert metrics[0]["behaviour_weight"] == pytest.approx(1.0, abs=1e-6)
     assert max(m["behaviour_logprob_diff"] for m in metrics[1:]) > 1e-3  # (lag 1: behaviour != update policy)
 

@@ -4,8 +4,10 @@ worker crashes or grows, and the run computes exactly what it computes unattacke
 The attacker knows the inbox addresses (status.json) but not the run's secret. It sends, round-robin
 to every inbox while the run goes on: frames under another secret (wrong MAC), frames whose header
 claims arrays of terabytes (with a wrong MAC: never parsed), truncated messages, random bytes, and
-messages above `transport.max_message_mb` (ZeroMQ disconnects the sender before buffering them).
-Replayed valid frames need the secret; the unit tests replay them (tests/unit/test_wire.py).
+messages above `transport.max_message_mb` (ZeroMQ disconnects the sender before buffering them). As one
+who captured valid frames on the network, it also sends frames under the run's own secret addressed to
+another worker (misdirected: the recipient is under the MAC). Replays of a frame to the receiver it was
+meant for are tested at the codec (tests/unit/test_wire.py).
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ pytestmark = pytest.mark.integration
 STEPS = 6
 
 
-def hostile(kind: str, rng: np.random.Generator) -> list[bytes]:
+def hostile(kind: str, rng: np.random.Generator, secret: bytes, elsewhere: str) -> list[bytes]:
+    """A frame of `kind`; `elsewhere`: a worker other than the one the frame is sent to."""
     intruder = Codec(new_secret(), "generator:0")
+    if kind == "misdirected":  # (a valid frame, as if captured on its way to `elsewhere`)
+        return Codec(secret, "generator:0").encode("samples", {"step": 0, "stage": "scorer"},
+                                                  {"x": np.arange(8, dtype=np.int32)}, to=elsewhere)
     if kind == "wrong MAC":
         return intruder.encode("samples", {"step": 0, "stage": "scorer"}, {"x": np.arange(8, dtype=np.int32)})
     if kind == "lying header":
@@ -49,18 +55,19 @@ def hostile(kind: str, rng: np.random.Generator) -> list[bytes]:
     raise ValueError(kind)
 
 
-KINDS = ["wrong MAC", "lying header", "truncated", "random bytes", "oversized"]
+KINDS = ["wrong MAC", "lying header", "truncated", "random bytes", "oversized", "misdirected"]
 
 
 class Attacker(threading.Thread):
-    def __init__(self, addresses: list[str]):
+    def __init__(self, inboxes: dict[str, str], secret: bytes):
         super().__init__(daemon=True)
-        self.addresses, self.sent, self.stop = addresses, {k: 0 for k in KINDS}, threading.Event()
+        self.inboxes, self.secret, self.sent, self.stop = inboxes, secret, {k: 0 for k in KINDS}, threading.Event()
 
     def run(self) -> None:
         ctx, rng = zmq.Context(), np.random.default_rng(0)
-        sockets = []
-        for address in self.addresses:
+        sockets, others = [], []
+        for worker, address in self.inboxes.items():
+            others.append(next(w for w in self.inboxes if w.split(":")[0] != worker.split(":")[0]))
             s = ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.SNDHWM, 4)
             s.setsockopt(zmq.LINGER, 0)
@@ -70,7 +77,8 @@ class Attacker(threading.Thread):
         while not self.stop.is_set():
             kind = KINDS[i % len(KINDS)]
             try:
-                sockets[i % len(sockets)].send_multipart(hostile(kind, rng), zmq.NOBLOCK)
+                target = i % len(sockets)
+                sockets[target].send_multipart(hostile(kind, rng, self.secret, others[target]), zmq.NOBLOCK)
                 self.sent[kind] += 1
             except zmq.Again:
                 pass
@@ -104,10 +112,10 @@ def test_hostile_frames_are_dropped_counted_and_change_nothing(tiny, tmp_path):
                 workers = json.loads((run_dir / "status.json").read_text())["workers"]
             except (OSError, ValueError, KeyError):
                 workers = {}
-            inboxes = [w["inbox"] for w in workers.values() if w.get("inbox")]
+            inboxes = {name: w["inbox"] for name, w in workers.items() if w.get("inbox")}
             if len(inboxes) == 4:  # two generators, the scorer, the trainer
                 pids = {name: w["pid"] for name, w in workers.items()}
-                attacker = Attacker(inboxes)
+                attacker = Attacker(inboxes, (run_dir / "secret").read_bytes())
                 attacker.start()
             time.sleep(0.2)
         while proc.poll() is None:
@@ -138,9 +146,11 @@ def test_hostile_frames_are_dropped_counted_and_change_nothing(tiny, tmp_path):
         for reason, n in w.get("rejected_frames", {}).items():
             rejected[reason] = rejected.get(reason, 0) + n
     counted = sum(n for kind, n in sent.items() if kind != "oversized")
-    assert set(rejected) <= {"bad-mac", "malformed"} and sum(rejected.values()) >= counted // 2, (rejected, sent)
+    assert set(rejected) <= {"bad-mac", "malformed", "misdirected"}, rejected
+    assert sum(rejected.values()) >= counted // 2 and rejected.get("misdirected", 0) > 0, (rejected, sent)
     log = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
     assert "dropped a frame (bad-mac" in log and "dropped a frame (malformed" in log
+    assert "dropped a frame (misdirected: a frame for 'generator:0' from generator:0#" in log
     assert max(peak_rss.values()) < 4 * 2**30, peak_rss  # (no worker buffered the claimed terabytes)
     print(f"hostile frames sent: {sent}; dropped and counted by the workers: {rejected}; "
           f"peak worker RSS {max(peak_rss.values()) / 2**20:.0f} MB")

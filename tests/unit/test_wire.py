@@ -71,6 +71,23 @@ def test_replay_is_rejected():
     assert info.value.reason == "replay"
 
 
+def test_a_valid_frame_reaches_only_the_receiver_it_was_sent_to():
+    """The recipient is under the MAC: a frame for the scorers, replayed to the trainer (or a command for
+    one worker replayed to another), is refused; a frame for a group is taken by any of its workers."""
+    tx = Codec(SECRET, "generator:0")
+    trainer = Codec(SECRET, "trainer:0", accepts={"trainer:0", "trainer"})
+    for scorer in ("scorer:0", "scorer:1"):
+        Codec(SECRET, scorer, accepts={scorer, "scorer"}).decode(tx.encode("samples", {}, {}, to="scorer"))
+    with pytest.raises(FrameError, match="a frame for 'scorer' from generator:0#[0-9a-f]+ reached trainer/trainer:0") as info:
+        trainer.decode(tx.encode("samples", {}, {}, to="scorer"))
+    assert info.value.reason == "misdirected"
+    command = Codec(SECRET, "coordinator").encode("start", {}, to="scorer:1")
+    with pytest.raises(FrameError, match="misdirected"):
+        Codec(SECRET, "scorer:0", accepts={"scorer:0", "scorer"}).decode(command)
+    with pytest.raises(FrameError, match="a send-only socket"):  # (the driver's codec takes nothing)
+        Codec(SECRET, "driver", accepts=()).decode(tx.encode("x", to=""))
+
+
 def forged(header: dict, buffers: list[bytes]) -> list:
     """Frames with a valid MAC around an arbitrary header (as from a buggy peer that knows the secret)."""
     codec = Codec(SECRET, "x")
@@ -79,12 +96,13 @@ def forged(header: dict, buffers: list[bytes]) -> list:
 
 
 @pytest.mark.parametrize("header,buffers,detail", [
-    ({"kind": "k", "sender": "a", "seq": 1, "meta": {}, "arrays": [["x", "object", [1]]]}, [b"12345678"], "dtype"),
-    ({"kind": "k", "sender": "a", "seq": 1, "meta": {}, "arrays": [["x", "int32", [3]]]}, [b"1234"], "needs 12 bytes"),
-    ({"kind": "k", "sender": "a", "seq": 1, "meta": {}, "arrays": [["x", "int32", [-1]]]}, [b""], "bad shape"),
-    ({"kind": "k", "sender": "a", "seq": 1, "meta": {}, "arrays": []}, [b"extra"], "0 arrays but 1 buffers"),
-    ({"kind": 5, "sender": "a", "seq": 1, "meta": {}, "arrays": []}, [], "strings"),
-    ({"kind": "k", "sender": "a", "seq": "1", "meta": {}, "arrays": []}, [], "seq"),
+    ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": [["x", "object", [1]]]}, [b"12345678"], "dtype"),
+    ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": [["x", "int32", [3]]]}, [b"1234"], "needs 12 bytes"),
+    ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": [["x", "int32", [-1]]]}, [b""], "bad shape"),
+    ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": []}, [b"extra"], "0 arrays but 1 buffers"),
+    ({"kind": 5, "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": []}, [], "strings"),
+    ({"kind": "k", "sender": "a", "to": 3, "seq": 1, "meta": {}, "arrays": []}, [], "strings"),
+    ({"kind": "k", "sender": "a", "to": "", "seq": "1", "meta": {}, "arrays": []}, [], "seq"),
     ({"kind": "k", "sender": "a"}, [], "header keys"),
 ])
 def test_malformed_header_is_rejected(header, buffers, detail):
@@ -198,8 +216,8 @@ def test_the_coordinator_takes_a_workers_identity_from_the_authenticated_sender(
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(coordinator.address)
     try:
-        dealer.send_multipart(Codec(SECRET, "generator:0").encode("failed", {"error": "framed"}))
-        dealer.send_multipart(Codec(SECRET, "trainer:0").encode("ready", {}))
+        dealer.send_multipart(Codec(SECRET, "generator:0").encode("failed", {"error": "framed"}, to="coordinator"))
+        dealer.send_multipart(Codec(SECRET, "trainer:0").encode("ready", {}, to="coordinator"))
         got = coordinator.recv(10)
         assert got is not None and got[0] == "trainer:0" and got[1].kind == "ready"
         assert coordinator.rejected == {"identity": 1}

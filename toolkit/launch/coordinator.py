@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 class Coordinator:
     def __init__(self, ctx: zmq.Context, secret: bytes, host: str, max_message_mb: float = 64):
-        self.codec = Codec(secret, "coordinator")
+        self.codec = Codec(secret, "coordinator", accepts={"coordinator"})
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_mb * 2**20))
@@ -54,12 +54,12 @@ class Coordinator:
             self.last_seen[worker_id] = time.monotonic()
             if msg.kind == "heartbeat":
                 self.status[worker_id] = msg.meta.get("status", {})
-                self.socket.send_multipart([identity, *self.codec.encode("pong")])
+                self.socket.send_multipart([identity, *self.codec.encode("pong", to=name)])
                 continue
             return worker_id, msg
 
     def send(self, worker_id: str, kind: str, **meta) -> None:
-        self.socket.send_multipart([worker_id.encode(), *self.codec.encode(kind, meta)])
+        self.socket.send_multipart([worker_id.encode(), *self.codec.encode(kind, meta, to=worker_id)])
 
     def silent(self, worker_ids, timeout_s: float) -> list[tuple[str, float]]:
         """Workers among `worker_ids` (that have registered) not heard from for more than `timeout_s`."""

@@ -31,6 +31,7 @@ class Driver(Supervisor):
 
     def __init__(self, cfg, run_dir, launcher, bind_host: str, echo=print):
         super().__init__(cfg, run_dir, launcher, bind_host, echo)
+        self.generator_group = group_of(self.groups, "generator").name
         self.generator_ids = group_of(self.groups, "generator").worker_ids()
         # Generators with workers of their own get weights by broadcast when told to `sync`; a generator
         # in a trainer's worker gets them in memory and reports `synced` by itself.
@@ -55,7 +56,8 @@ class Driver(Supervisor):
             self._pump(lambda: all(self.synced.get(g) == version for g in self.generator_ids),
                        self.cfg.transport.step_timeout_s, "the resumed weights to reach the generators")
         inboxes = [self.book[w]["inbox"] for w in self.generator_ids]
-        self.outbox = Outbox(self.ctx, Codec(secret, "driver"), inboxes, self.cfg.transport.max_inflight_messages)
+        self.outbox = Outbox(self.ctx, Codec(secret, "driver", accepts=()), inboxes,
+                             self.cfg.transport.max_inflight_messages, to=self.generator_group)
         self.next_dispatch = resume["next_step"]
         for step in range(resume["next_step"], self.cfg.run.steps):
             if self.preempt and not self._time_for_a_step(records):

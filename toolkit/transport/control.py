@@ -35,7 +35,7 @@ class ControlClient:
         self.rejected = collections.Counter()
 
     def send(self, kind: str, **meta) -> None:
-        self.socket.send_multipart(self.codec.encode(kind, meta))
+        self.socket.send_multipart(self.codec.encode(kind, meta, to="coordinator"))
 
     def recv(self, timeout_s: float) -> Message | None:
         """The next valid command, or None after `timeout_s`."""
@@ -60,7 +60,7 @@ class Heartbeat(threading.Thread):
                  timeout_s: float, on_lost: Callable[[float], None]):
         super().__init__(name=f"heartbeat-{worker_id}", daemon=True)
         self._ctx, self._address, self._worker_id = ctx, address, worker_id
-        self._codec = Codec(secret, f"{worker_id}/hb")
+        self._codec = Codec(secret, f"{worker_id}/hb", accepts={f"{worker_id}/hb"})
         self._interval_s, self._timeout_s, self._on_lost = interval_s, timeout_s, on_lost
         self._stop_event = threading.Event()
         self.status: dict = {}
@@ -74,7 +74,8 @@ class Heartbeat(threading.Thread):
         rejected = collections.Counter()
         try:
             while not self._stop_event.is_set():
-                sock.send_multipart(self._codec.encode("heartbeat", {"status": dict(self.status)}))
+                sock.send_multipart(self._codec.encode("heartbeat", {"status": dict(self.status)},
+                                                       to="coordinator"))
                 deadline = time.monotonic() + self._interval_s
                 while (left := deadline - time.monotonic()) > 0 and not self._stop_event.is_set():
                     if sock.poll(int(min(left, STOP_POLL_S) * 1000) + 1):  # (short polls: `stop` acts at once)

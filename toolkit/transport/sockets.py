@@ -56,8 +56,9 @@ class Outbox:
     connected peers), so the first messages are shared fairly too.
     """
 
-    def __init__(self, ctx: zmq.Context, codec: Codec, addresses: list[str], hwm: int, connect_timeout_s: float = 60):
-        self.codec = codec
+    def __init__(self, ctx: zmq.Context, codec: Codec, addresses: list[str], hwm: int, connect_timeout_s: float = 60,
+                 to: str = ""):
+        self.codec, self.to = codec, to  # (`to`: the consumers' name, bound into every message's MAC)
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.SNDHWM, hwm)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -95,7 +96,7 @@ class Outbox:
         `while_blocked` is called between tries (every 0.2 s) while consumers are full; it may raise
         to give up early (the driver checks its workers' health there).
         """
-        frames = self.codec.encode(kind, meta, arrays)
+        frames = self.codec.encode(kind, meta, arrays, to=self.to)
         deadline = time.monotonic() + timeout_s
         while True:
             try:

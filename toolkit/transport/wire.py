@@ -5,7 +5,9 @@ A message travels as ZeroMQ multipart frames:
     [MAGIC, nonce, header, buffer_0, ..., buffer_n-1, tag]
 
 - nonce: 16 random bytes, new for every message.
-- header: msgpack map {kind, sender, seq, meta, arrays: [[name, dtype, shape], ...]}; never pickle.
+- header: msgpack map {kind, sender, to, seq, meta, arrays: [[name, dtype, shape], ...]}; never pickle.
+  `to` names the recipient: a worker (`trainer:0`), the workers of a group (`scorer`: a PUSH socket
+  spreads over them), or `coordinator`.
 - buffers: the arrays' bytes, C order, sent without copying.
 - tag: Poly1305 over the lengths of every preceding frame (8 bytes each), then the frames, with the
   one-time key HMAC-SHA256(run secret, nonce), as in ChaCha20-Poly1305, where the key of each message is
@@ -13,8 +15,10 @@ A message travels as ZeroMQ multipart frames:
   HMAC-SHA256 over the whole message halved the throughput of rollout streaming).
 
 `Codec.decode` checks the MAC before it parses anything, then the header's shape, then that every buffer
-has exactly the bytes its dtype and shape need, and that `seq` grows per sender (no replays). A frame that
-fails raises `FrameError` with the reason; receivers log it, count it and drop it.
+has exactly the bytes its dtype and shape need, that `seq` grows per sender (no replays), and that the
+frame is addressed to this receiver (`to`, covered by the MAC: a valid frame replayed to a receiver it was
+not meant for is refused). A frame that fails raises `FrameError` with the reason; receivers log it,
+count it and drop it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-MAGIC = b"SRLHF2"
+MAGIC = b"SRLHF3"
 NONCE_BYTES = 16
 MAC_BYTES = 16
 # Only plain numeric dtypes cross the wire (no object arrays, no structured dtypes).
@@ -82,17 +86,20 @@ def read_secret(path: str | os.PathLike) -> bytes:
 
 
 class Codec:
-    """Encodes messages of one sender and decodes (and authenticates) messages of any sender."""
+    """Encodes messages of one sender and decodes (and authenticates) messages of any sender addressed to
+    one of the names in `accepts` (None: any recipient, for tools and tests)."""
 
-    def __init__(self, secret: bytes, sender: str):
+    def __init__(self, secret: bytes, sender: str, accepts=None):
         self._secret = secret
+        self._accepts = None if accepts is None else frozenset(accepts)
         # A random suffix tells two incarnations of the same worker apart (their seqs restart at 0).
         self.sender = f"{sender}#{secrets.token_hex(4)}"
         self._seq = itertools.count(1)
         self._last_seq: dict[str, int] = {}
 
-    def encode(self, kind: str, meta: dict | None = None, arrays: dict[str, np.ndarray] | None = None) -> list:
-        """Frames for one message (buffers are views of the arrays, not copies)."""
+    def encode(self, kind: str, meta: dict | None = None, arrays: dict[str, np.ndarray] | None = None,
+               to: str = "") -> list:
+        """Frames for one message to `to` (buffers are views of the arrays, not copies)."""
         specs, buffers = [], []
         for name, arr in (arrays or {}).items():
             arr = np.asarray(arr)
@@ -104,7 +111,8 @@ class Codec:
             specs.append([name, dtype, list(arr.shape)])
             buffers.append(memoryview(arr.reshape(-1).view(np.uint8)))
         header = msgpack.packb(
-            {"kind": kind, "sender": self.sender, "seq": next(self._seq), "meta": meta or {}, "arrays": specs},
+            {"kind": kind, "sender": self.sender, "to": to, "seq": next(self._seq), "meta": meta or {},
+             "arrays": specs},
             use_bin_type=True,
         )
         frames = [MAGIC, secrets.token_bytes(NONCE_BYTES), header, *buffers]
@@ -122,6 +130,9 @@ class Codec:
                 or not hmac.compare_digest(self._mac(body), bytes(mac))):
             raise FrameError("bad-mac", "authentication failed (wrong run secret, or the frame was altered)")
         header = self._parse_header(body[2])
+        if self._accepts is not None and header["to"] not in self._accepts:
+            raise FrameError("misdirected", f"a frame for {header['to']!r} from {header['sender']} reached "
+                                            f"{'/'.join(sorted(self._accepts)) or 'a send-only socket'}")
         buffers = body[3:]
         specs = header["arrays"]
         if len(specs) != len(buffers):
@@ -165,10 +176,10 @@ class Codec:
             header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
         except Exception as e:  # msgpack raises several types for bad input
             raise FrameError("malformed", f"header is not msgpack ({type(e).__name__})") from None
-        if not isinstance(header, dict) or set(header) != {"kind", "sender", "seq", "meta", "arrays"}:
+        if not isinstance(header, dict) or set(header) != {"kind", "sender", "to", "seq", "meta", "arrays"}:
             raise FrameError("malformed", "header keys")
-        if not isinstance(header["kind"], str) or not isinstance(header["sender"], str):
-            raise FrameError("malformed", "kind and sender must be strings")
+        if not all(isinstance(header[key], str) for key in ("kind", "sender", "to")):
+            raise FrameError("malformed", "kind, sender and to must be strings")
         if not isinstance(header["seq"], int) or isinstance(header["seq"], bool):
             raise FrameError("malformed", "seq must be an integer")
         if not isinstance(header["meta"], dict) or not isinstance(header["arrays"], list):
