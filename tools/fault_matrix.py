@@ -85,7 +85,8 @@ def compare(run_dir: Path, baseline: Path, steps: int) -> tuple[float, float, in
     rewards = [[json.loads(line)["reward_mean"] for line in (d / "metrics.jsonl").read_text().splitlines()]
                for d in (run_dir, baseline)]
     reward_diff = max(abs(a - b) for a, b in zip(*rewards)) if len(rewards[0]) == len(rewards[1]) else float("inf")
-    a, b = (load_file(d / "checkpoints" / f"step-{steps:06d}" / "hf" / "model.safetensors") for d in (run_dir, baseline))
+    final = Path("checkpoints") / f"step-{steps:06d}" / "hf" / "model.safetensors"
+    a, b = (load_file(d / final) for d in (run_dir, baseline))
     weight_diff = max((a[k] - b[k]).abs().max().item() for k in b)
     lost = twice = 0
     for step in range(steps):

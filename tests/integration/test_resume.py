@@ -232,13 +232,15 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
     try:
         deadline = time.monotonic() + 300
         while left:
-            held = [m for m in left if (marker := run_dir / f"held-{m.split('@')[0]}").exists() and marker.read_text().strip()]
+            markers = {m: run_dir / f"held-{m.split('@')[0]}" for m in left}
+            held = [m for m, marker in markers.items() if marker.exists() and marker.read_text().strip()]
             if not held:
                 assert proc.poll() is None and time.monotonic() < deadline, f"the run ended or stalled before {left}"
                 time.sleep(0.1)
                 continue
-            victim = int((run_dir / f"held-{held[0].split('@')[0]}").read_text())
-            pids = pids or {w: e["pid"] for w, e in json.loads((run_dir / "status.json").read_text())["workers"].items()}
+            victim = int(markers[held[0]].read_text())
+            workers = json.loads((run_dir / "status.json").read_text())["workers"]
+            pids = pids or {w: e["pid"] for w, e in workers.items()}
             os.kill(victim, left.pop(held[0]))
             victims.append(victim)
         out, _ = proc.communicate(timeout=600)
@@ -276,7 +278,8 @@ def test_dead_or_hung_workers_are_started_again_alone_and_the_run_ends_as_if_not
     assert status["workers"]["trainer:0"]["pid"] == pids["trainer:0"]  # the trainer was never started again
     assert {status["workers"][f"{r}:0"]["pid"] for r in roles}.isdisjoint(victims)
     assert status["worker_restarts"] == {"generator:0": 1, "scorer:0": 1}
-    assert "restarts: generator:0 started again 1 time(s), scorer:0 started again 1 time(s)" in cli("status", run_dir).stdout
+    restarts = "restarts: generator:0 started again 1 time(s), scorer:0 started again 1 time(s)"
+    assert restarts in cli("status", run_dir).stdout
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     counts = [m["worker_restarts"] for m in metrics]
     assert counts[0] <= counts[-1] == 2 and counts == sorted(counts)

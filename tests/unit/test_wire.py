@@ -78,7 +78,8 @@ def test_a_valid_frame_reaches_only_the_receiver_it_was_sent_to():
     trainer = Codec(SECRET, "trainer:0", accepts={"trainer:0", "trainer"})
     for scorer in ("scorer:0", "scorer:1"):
         Codec(SECRET, scorer, accepts={scorer, "scorer"}).decode(tx.encode("samples", {}, {}, to="scorer"))
-    with pytest.raises(FrameError, match="a frame for 'scorer' from generator:0#[0-9a-f]+ reached trainer/trainer:0") as info:
+    refused = "a frame for 'scorer' from generator:0#[0-9a-f]+ reached trainer/trainer:0"
+    with pytest.raises(FrameError, match=refused) as info:
         trainer.decode(tx.encode("samples", {}, {}, to="scorer"))
     assert info.value.reason == "misdirected"
     command = Codec(SECRET, "coordinator").encode("start", {}, to="scorer:1")

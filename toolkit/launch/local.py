@@ -106,6 +106,7 @@ class LocalLauncher:
         groups = [p.pid for p in self.procs.values()]
         for pgid in groups:
             _signal_group(pgid, signal.SIGTERM)
+            _signal_group(pgid, signal.SIGCONT)  # (a stopped worker acts on SIGTERM only once continued)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and _members(groups):
             for p in self.procs.values():
