@@ -4,6 +4,7 @@ so `--help` is instant."""
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import shutil
 import sys
@@ -118,7 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--cluster", required=True, help="cluster file (see templates/clusters/)")
     p.add_argument("--strategy", action="append", default=None, help="only this strategy (repeatable)")
-    p.add_argument("--top", type=int, default=10, help="plans shown (default 10)")
+    p.add_argument("--top", type=int, default=None,
+                   help="plans shown (default 10; with --json: every plan unless given)")
+    p.add_argument("--json", action="store_true",
+                   help="print every plan as JSON for scripts: strategy, groups, settings, seconds per phase, "
+                        "memory per group, and whether it fits or why not")
     p.add_argument("--params", action="append", default=[], metavar="MODEL=COUNT",
                    help="a model by its parameter count instead of its config.json, e.g. actor=7e9 "
                         "(actor, reference, critic, reward)")
@@ -387,7 +392,7 @@ def cmd_validate(args) -> int:
 def cmd_plan(args) -> int:
     from toolkit.config import load_config
     from toolkit.placement.cluster import load_cluster
-    from toolkit.placement.planner import STRATEGIES, candidates, rank, report, workload_of, write_config
+    from toolkit.placement.planner import STRATEGIES, as_json, candidates, rank, report, workload_of, write_config
 
     cfg = load_config(args.config, args.overrides, "rl")
     cluster = load_cluster(args.cluster)
@@ -405,12 +410,15 @@ def cmd_plan(args) -> int:
             raise ConfigError(f"--strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
     w = workload_of(cfg, args.prompt_tokens, args.response_tokens, params)
     fit, rejected = rank(candidates(cluster, w, cfg.trainer, tuple(args.strategy or STRATEGIES)))
-    print(report(cluster, w, fit, rejected, args.top))
+    if args.json:
+        print(json.dumps(as_json(cluster, w, fit, rejected, args.top), indent=1))
+    else:
+        print(report(cluster, w, fit, rejected, 10 if args.top is None else args.top))
     if not fit:
         return 1
     if args.write:
         write_config(cfg, fit[0].setting, args.write)
-        print(f"wrote the best plan into {args.write}")
+        print(f"wrote the best plan into {args.write}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -175,3 +177,30 @@ def test_deepspeed_chats_opt13b_ppo_fits_one_a100_node_with_the_switches_it_name
     result = cli(*args, "--set", "trainer.gradient_checkpointing=true", "--set", "trainer.offload_optimizer=true",
                  timeout=120)
     assert result.returncode == 0 and "plan(s) fit" in result.stdout, result.stdout
+
+
+def test_plan_json_lists_every_plan_with_its_phases_memory_and_why_not(tiny, tmp_path):
+    config = write_config(tmp_path, example("tiny-ppo.yaml", tiny))
+    result = cli("plan", config, "--cluster", CLUSTERS / "2x8-h100.yaml", "--json", timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)  # (nothing else on stdout)
+    plans = out["plans"]
+    assert out["fitting"] == len(plans) > 10 and out["not_fitting"] == 0  # every plan, not the table's 10
+    assert [p["rank"] for p in plans] == list(range(1, len(plans) + 1))
+    assert [p["step_s"] for p in plans] == sorted(p["step_s"] for p in plans)
+    for p in plans:
+        assert p["fits"] and not p["why_not"]
+        assert p["step_s"] == pytest.approx(sum(p["phases_s"].values()))
+        assert set(p["phases_s"]) == {"generate", "score", "train", "sync", "transport"}
+        assert set(p["memory_gb_per_device"]) == {g["name"] for g in p["groups"]}
+        assert {"critic", "actor"} <= {m for g in p["groups"] for m in g["models"]}  # (PPO)
+    table = cli("plan", config, "--cluster", CLUSTERS / "2x8-h100.yaml", timeout=120).stdout
+    best = table.splitlines()[4].split()
+    assert best[1] == plans[0]["strategy"] and f"{plans[0]['step_s']:.3f}" in best
+    # none fits: each plan says why, exit 1
+    result = cli("plan", config, "--cluster", CLUSTERS / "1x8-a100-80g.yaml", "--params", "actor=2e12", "--json",
+                 "--top", "3", timeout=120)
+    assert result.returncode == 1
+    out = json.loads(result.stdout)
+    assert out["fitting"] == 0 and out["not_fitting"] > 3 and len(out["plans"]) == 3
+    assert all(not p["fits"] and p["rank"] is None and any("GB short" in w for w in p["why_not"]) for p in out["plans"])

@@ -154,6 +154,29 @@ def report(cluster, w: Workload, fit: list[Candidate], rejected: list[Candidate]
     return "\n".join(lines)
 
 
+def as_json(cluster, w: Workload, fit: list[Candidate], rejected: list[Candidate], top: int | None = None) -> dict:
+    """`plan --json`: the cluster, the workload and every plan (the fitting ones fastest first, then the
+    others closest to fitting first; `top` of each, or all), each with its groups, settings, seconds per
+    phase, memory per device of each group, and whether it fits or why not."""
+    def plan(c: Candidate, rank: int | None) -> dict:
+        s, e = c.setting, c.estimate
+        return {"rank": rank, "strategy": s.strategy, "fits": e.fits, "why_not": list(e.short),
+                "groups": [{"name": name, "models": list(models), "nodes": nodes, "workers": workers,
+                            "gpus_per_worker": gpus} for name, models, nodes, workers, gpus in s.groups],
+                "tensor_parallel": s.tensor_parallel, "zero_stage": s.zero_stage, "micro_batch": s.micro_batch,
+                "generation_engine": s.generation_engine, "step_s": e.step_s, "phases_s": dict(e.phases),
+                "memory_gb_per_device": {name: need / GB for name, need in e.memory.items()}}
+
+    closest = sorted(rejected, key=lambda c: max(c.estimate.memory.values(), default=0.0))
+    return {"cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
+                        "device_memory_gb": cluster.device.memory_gb, "shared": cluster.shared},
+            "workload": {"samples": w.samples, "prompts": w.prompts, "prompt_tokens": w.prompt_tokens,
+                         "response_tokens": w.response_tokens, "actor_params": w.actor.params,
+                         "critic_params": w.critic.params if w.critic else None},
+            "fitting": len(fit), "not_fitting": len(rejected),
+            "plans": [plan(c, i) for i, c in enumerate(fit[:top], 1)] + [plan(c, None) for c in closest[:top]]}
+
+
 def as_config(cfg, s: Setting) -> dict:
     """`cfg` (resolved) with the placement and parallel settings of `s`, as a config mapping."""
     data = cfg.model_dump(mode="json", exclude_none=True)
