@@ -106,8 +106,7 @@ class SlurmLauncher:
             _signal(old, signal.SIGKILL)
             wait_all([old], 10)
         self._reported.discard(name)
-        self.start([self.groups[name]], {**self.env, **env})
-        self.env = {k: v for k, v in self.env.items()}  # (the added variables were for this step only)
+        self._start_step(self.groups[name], {**self.env, **env})  # (`env` for this step only)
 
     def step_id(self, group: str) -> str | None:
         """`<job>.<step>` of a group's step, as srun reported it."""

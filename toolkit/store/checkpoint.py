@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 
 from toolkit.hold import hold
-from toolkit.store.experience import fsync_dir
 from toolkit.store import space
+from toolkit.store.experience import fsync_dir
 from toolkit.store.manifest import Manifest, checkpoint_files
 
 TAG = "ds"

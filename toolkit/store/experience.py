@@ -105,7 +105,7 @@ def commit(directory: Path, step: int, record: dict) -> tuple[Path, str, int]:
         if not digest:
             raise OSError(f"{tmp}: could not read the file back for its SHA-256")
     except BaseException as e:
-        error = space.explain("experience file", final, e, directory.parent)
+        error = space.explain("experience file", final, e, directory.parent) if isinstance(e, Exception) else e
         tmp.unlink(missing_ok=True)
         if error is not e:
             raise error from e
