@@ -392,7 +392,7 @@ def cmd_validate(args) -> int:
 def cmd_plan(args) -> int:
     from toolkit.config import load_config
     from toolkit.placement.cluster import load_cluster
-    from toolkit.placement.planner import STRATEGIES, as_json, candidates, rank, report, workload_of, write_config
+    from toolkit.placement.planner import STRATEGIES, as_json, report, search, workload_of, write_config
 
     cfg = load_config(args.config, args.overrides, "rl")
     cluster = load_cluster(args.cluster)
@@ -409,15 +409,15 @@ def cmd_plan(args) -> int:
         if strategy not in STRATEGIES:
             raise ConfigError(f"--strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
     w = workload_of(cfg, args.prompt_tokens, args.response_tokens, params)
-    fit, rejected = rank(candidates(cluster, w, cfg.trainer, tuple(args.strategy or STRATEGIES)))
+    found = search(cluster, w, cfg.trainer.zero_stage, tuple(args.strategy or STRATEGIES))
     if args.json:
-        print(json.dumps(as_json(cluster, w, fit, rejected, args.top), indent=1))
+        print(json.dumps(as_json(cluster, w, found, args.top), indent=1))
     else:
-        print(report(cluster, w, fit, rejected, 10 if args.top is None else args.top))
-    if not fit:
+        print(report(cluster, w, found, 10 if args.top is None else args.top))
+    if not found.fit:
         return 1
     if args.write:
-        write_config(cfg, fit[0].setting, args.write)
+        write_config(cfg, found.fit[0].setting, args.write)
         print(f"wrote the best plan into {args.write}", file=sys.stderr if args.json else sys.stdout)
     return 0
 

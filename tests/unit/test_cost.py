@@ -11,7 +11,7 @@ from tests.conftest import REPO, cli, example, write_config
 from toolkit.config import load_config
 from toolkit.placement.cluster import Cluster, load_cluster
 from toolkit.placement.cost import ModelShape, Setting, Switches, Workload, estimate, remedy, trainer_memory
-from toolkit.placement.planner import candidates, rank, setting_of, workload_of
+from toolkit.placement.planner import node_counts, search, setting_of, workload_of
 
 CLUSTERS = REPO / "templates" / "clusters"
 
@@ -102,7 +102,7 @@ def test_a_larger_cluster_never_gets_a_slower_plan(tiny, tmp_path):
     base = load_cluster(CLUSTERS / "2x8-h100.yaml")
     best = []
     for nodes in (1, 2, 3, 4):
-        fit, _ = rank(candidates(base.model_copy(update={"nodes": nodes}), w, cfg.trainer))
+        fit = search(base.model_copy(update={"nodes": nodes}), w, cfg.trainer.zero_stage).fit
         best.append(fit[0].estimate.step_s if fit else float("inf"))
     assert best[0] >= best[1] >= best[2] >= best[3]
     assert best[3] < best[0]  # and more nodes did help
@@ -204,3 +204,44 @@ def test_plan_json_lists_every_plan_with_its_phases_memory_and_why_not(tiny, tmp
     out = json.loads(result.stdout)
     assert out["fitting"] == 0 and out["not_fitting"] > 3 and len(out["plans"]) == 3
     assert all(not p["fits"] and p["rank"] is None and any("GB short" in w for w in p["why_not"]) for p in out["plans"])
+
+
+def test_node_counts_are_every_count_up_to_16_then_powers_of_two_and_half_again():
+    assert node_counts(5) == [1, 2, 3, 4, 5]
+    assert node_counts(100) == [*range(1, 17), 24, 32, 48, 64, 96, 100]
+
+
+def llama_ppo(config: str) -> Workload:
+    shape = ModelShape.from_config(REPO / "tests" / "fixtures" / "model_configs" / config)
+    return Workload(actor=shape, reference=shape, critic=shape, reward_models=(shape,), samples=1024, prompts=1024,
+                    prompt_tokens=1024, response_tokens=1024, dtype_bytes=2, switches=Switches(checkpointing=True))
+
+
+def test_a_large_search_picks_the_trainers_settings_first_and_finds_the_same_best_plan():
+    """Past `keep` layouts a strategy, each trainer size keeps only its fastest (ZeRO, micro-batch) that
+    fits: far fewer plans are estimated, and the best plan is the one that trying every setting finds."""
+    cluster = load_cluster(CLUSTERS / "2x8-h100.yaml").model_copy(update={"nodes": 6})
+    w = llama_ppo("meta-llama--Llama-2-7b-hf.json")
+    every = search(cluster, w, 3, keep=10**6)
+    pruned = search(cluster, w, 3, keep=20)
+    assert pruned.estimated < every.estimated / 3
+    assert len(pruned.fit) == 20 and pruned.fitting < every.fitting
+    assert pruned.fit[0].setting == every.fit[0].setting
+    assert pruned.fit[0].estimate.step_s == every.fit[0].estimate.step_s
+    steps = [c.estimate.step_s for c in pruned.fit]
+    assert steps == sorted(steps)
+
+
+def test_128_nodes_are_searched_without_keeping_every_plan():
+    """128 nodes x 8 H100 (tools/bench_planner.py times it): a bounded number of estimates, the fastest
+    kept plans in order, and the 70B PPO told why nothing fits (each scorer worker holds whole models)."""
+    cluster = load_cluster(CLUSTERS / "2x8-h100.yaml").model_copy(update={"nodes": 128})
+    found = search(cluster, llama_ppo("meta-llama--Llama-2-7b-hf.json"), 3)
+    assert found.estimated < 50_000 and found.fitting > 30_000 and len(found.fit) == 200
+    best = found.fit[0]
+    assert best.setting.strategy == "separation" and sum(g[2] for g in best.setting.groups) <= 128
+    steps = [c.estimate.step_s for c in found.fit]
+    assert steps == sorted(steps)
+    big = search(cluster, llama_ppo("meta-llama--Llama-2-70b-hf.json"), 3, strategies=("separation",))
+    assert not big.fit and big.not_fitting == big.estimated
+    assert any("scorer (reference, reward) needs 2" in why for c in big.rejected for why in c.estimate.short)

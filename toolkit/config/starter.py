@@ -116,9 +116,10 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
 
 def _plan_into(data: dict, cfg, cluster, notes: list[str]) -> str:
     """Put the planner's best plan for `cluster` into `data`; a line that says what it is."""
-    from toolkit.placement.planner import candidates, describe_groups, rank, workload_of
+    from toolkit.placement.planner import describe_groups, search, workload_of
 
-    fit, rejected = rank(candidates(cluster, workload_of(cfg), cfg.trainer))
+    found = search(cluster, workload_of(cfg), cfg.trainer.zero_stage)
+    fit, rejected = found.fit, found.rejected
     if not fit:
         closest = min(rejected, key=lambda c: c.estimate.step_s, default=None)
         why = "; ".join(closest.estimate.short) if closest is not None else "no layout of its nodes hosts every model"

@@ -8,6 +8,7 @@ plan. On a `shared` cluster (the local launcher) every group runs on the same ma
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,18 @@ STRATEGIES = tuple(PRESETS)
 class Candidate:
     setting: Setting
     estimate: Estimate
+
+
+@dataclass
+class Found:
+    """What a search found: the fitting plans kept (fastest first) and the others kept (closest to
+    fitting first, and the closest of each strategy), with how many plans were estimated and fit."""
+
+    fit: list[Candidate]
+    rejected: list[Candidate]
+    fitting: int = 0
+    not_fitting: int = 0
+    estimated: int = 0
 
 
 def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float | None = None,
@@ -63,42 +76,106 @@ def mean_prompt_tokens(cfg, limit: int = 256) -> float:
     return sum(lengths) / max(len(lengths), 1)
 
 
-def candidates(cluster, w: Workload, trainer_cfg, strategies=STRATEGIES) -> list[Candidate]:
-    out = []
-    per_node = cluster.devices_per_node
+def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: int = 200) -> Found:
+    """The `keep` fastest plans that fit, and the `keep` closest to fitting of the others.
+
+    Node counts per group come from `node_counts` (every count up to 16, then 1 and 1.5 times powers of
+    two, and whatever is left of the cluster); a generator never has more workers than prompts. ZeRO
+    stage and micro-batch change only the trainer group's memory and its train and sync seconds, so on a
+    large search (more than `keep` layouts of a strategy) each trainer size takes the fastest of them that
+    fits (or, when none fits, the smallest) instead of every one: the best plan is the same, and 128 nodes
+    are searched in seconds instead of minutes. Small searches list every setting."""
+    heap: list = []  # (-step_s, n, Candidate): the `keep` fastest that fit
+    closest: list = []  # (-peak, n, Candidate): the `keep` closest to fitting
+    of_strategy: dict[str, tuple[float, Candidate]] = {}
+    found = Found([], [])
     tps = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node and cluster.gpus_per_node % t == 0] or [1]
+    usable = cluster.device.memory_gb * GB
+
+    def add(c: Candidate) -> None:
+        found.estimated += 1
+        if c.estimate.fits:
+            found.fitting += 1
+            item = (-c.estimate.step_s, found.estimated, c)
+            heapq.heappush(heap, item) if len(heap) < keep else heapq.heappushpop(heap, item)
+            return
+        found.not_fitting += 1
+        peak = max(c.estimate.memory.values())
+        item = (-peak, found.estimated, c)
+        heapq.heappush(closest, item) if len(closest) < keep else heapq.heappushpop(closest, item)
+        if c.setting.strategy not in of_strategy or peak < of_strategy[c.setting.strategy][0]:
+            of_strategy[c.setting.strategy] = (peak, c)
+
     for strategy in strategies:
         layout = [(name, tuple(m for m in models if m != "critic" or w.critic is not None))  # GRPO: no critic
                   for name, models in PRESETS[strategy].items()]
-        if cluster.shared:
-            splits = [(1,) * len(layout)]
-        else:
-            splits = [split for n in range(len(layout), cluster.nodes + 1) for split in _compositions(n, len(layout))]
         own_generator = not any("generation" in m and "actor" in m for _, m in layout)
-        for split, tp in itertools.product(splits, tps if own_generator else [1]):
-            groups = []
-            for (name, models), nodes in zip(layout, split):
-                devices = 1 if cluster.shared else nodes * per_node
-                width = tp if "generation" in models and "actor" not in models else 1
-                if devices % width:
-                    break
-                groups.append((name, models, nodes, devices // width, width if cluster.gpus_per_node else 0))
-            else:
-                if next(g[3] for g in groups if "generation" in g[1]) > w.prompts:
-                    continue
-                trainers = next(g[3] for g in groups if "actor" in g[1])
-                zeros = (1, 2, 3) if trainers > 1 else (trainer_cfg.zero_stage,)
-                for zero, mb in itertools.product(zeros, _micro_batches(w, trainers)):
-                    s = Setting(strategy, tuple(groups), zero, mb, tp)
-                    out.append(Candidate(s, estimate(s, w, cluster)))
-    return out
+        layouts = []
+        for split, tp in itertools.product(_splits(cluster, len(layout)), tps if own_generator else [1]):
+            groups = _groups(cluster, layout, split, tp)
+            if groups is not None and next(g[3] for g in groups if "generation" in g[1]) <= w.prompts:
+                layouts.append((groups, tp))
+        pick = {} if len(layouts) > keep and not cluster.shared else None  # trainer group: its (zero, mb)
+        for groups, tp in layouts:
+            trainer = next(g for g in groups if "actor" in g[1])
+            zeros = (1, 2, 3) if trainer[3] > 1 else (zero_stage,)
+            options = [(z, mb) for z, mb in itertools.product(zeros, _micro_batches(w, trainer[3]))]
+            if pick is not None and options:
+                if trainer not in pick:
+                    pick[trainer] = _fastest_trainer(options, strategy, groups, tp, trainer[0], w, cluster, usable)
+                options = [pick[trainer]]
+            for zero, mb in options:
+                s = Setting(strategy, groups, zero, mb, tp)
+                add(Candidate(s, estimate(s, w, cluster)))
+    found.fit = [c for _, _, c in sorted(heap, key=lambda item: (-item[0], item[1]))]
+    kept = [c for _, _, c in sorted(closest, key=lambda item: (-item[0], item[1]))]
+    found.rejected = kept + [c for _, c in of_strategy.values() if c not in kept]
+    return found
 
 
-def _compositions(n: int, k: int):
-    """Ways to cut n nodes into k groups of at least one node each."""
-    for cuts in itertools.combinations(range(1, n), k - 1):
-        bounds = (0, *cuts, n)
-        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+def node_counts(nodes: int) -> list[int]:
+    """The node counts a group may have on a cluster of `nodes`: all up to 16, then 1 and 1.5 times
+    powers of two (24, 32, 48, 64, ...), and `nodes` itself."""
+    counts = set(range(1, min(nodes, 16) + 1)) | {nodes}
+    power = 16
+    while power <= nodes:
+        counts |= {c for c in (power, power * 3 // 2) if c <= nodes}
+        power *= 2
+    return sorted(counts)
+
+
+def _splits(cluster, k: int):
+    """Node counts of k groups: from `node_counts`, or, for one group at a time, what the others leave
+    (plans may leave nodes unused). On a `shared` cluster every group is on the same machine."""
+    if cluster.shared:
+        yield (1,) * k
+        return
+    n = cluster.nodes
+    counts = node_counts(n)
+    seen = set()
+    for others in itertools.product(counts, repeat=k - 1):
+        left = n - sum(others)
+        if left < 1:
+            continue
+        for i in range(k):  # the group given what is left, then every count that fits in it
+            for last in (left, *(c for c in counts if c < left)) if i == k - 1 else (left,):
+                split = (*others[:i], last, *others[i:])
+                if split not in seen:
+                    seen.add(split)
+                    yield split
+
+
+def _groups(cluster, layout, split, tp) -> tuple | None:
+    """((name, models, nodes, workers, gpus per worker), ...) for node counts `split`; None when a
+    generator's TP size does not divide its devices."""
+    groups = []
+    for (name, models), nodes in zip(layout, split):
+        devices = 1 if cluster.shared else nodes * cluster.devices_per_node
+        width = tp if "generation" in models and "actor" not in models else 1
+        if devices % width:
+            return None
+        groups.append((name, models, nodes, devices // width, width if cluster.gpus_per_node else 0))
+    return tuple(groups)
 
 
 def _micro_batches(w: Workload, trainers: int) -> list[int]:
@@ -108,10 +185,15 @@ def _micro_batches(w: Workload, trainers: int) -> list[int]:
     return [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= per_update and per_update % m == 0]
 
 
-def rank(found: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
-    """(fitting candidates, fastest first; the others)."""
-    fit = sorted((c for c in found if c.estimate.fits), key=lambda c: c.estimate.step_s)
-    return fit, [c for c in found if not c.estimate.fits]
+def _fastest_trainer(options, strategy, groups, tp, name, w, cluster, usable) -> tuple[int, int]:
+    """Of (zero, micro-batch) `options`, the one with the fewest train + sync seconds under which the
+    trainer group `name` fits its devices; when none fits, the one that needs the least memory."""
+    def rate(option):
+        e = estimate(Setting(strategy, groups, *option, tp), w, cluster)
+        need = e.memory[name]
+        return (need > usable, need if need > usable else e.phases["train"] + e.phases["sync"])
+
+    return min(options, key=rate)
 
 
 def describe_groups(s: Setting) -> str:
@@ -119,8 +201,9 @@ def describe_groups(s: Setting) -> str:
                       for name, models, nodes, workers, _ in s.groups)
 
 
-def report(cluster, w: Workload, fit: list[Candidate], rejected: list[Candidate], top: int = 10) -> str:
-    """The ranked table of `fit` (fastest first) and why the closest of `rejected` do not fit."""
+def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
+    """The ranked table of the fitting plans (fastest first) and why the closest others do not fit."""
+    fit, rejected = found.fit, found.rejected
     lines = [f"cluster: {cluster.name} ({cluster.nodes} node(s), "
              + (f"{cluster.gpus_per_node} GPU(s) of {cluster.device.memory_gb:g} GB each" if cluster.gpus_per_node
                 else f"CPU, {cluster.device.memory_gb:g} GB") + ")",
@@ -136,12 +219,13 @@ def report(cluster, w: Workload, fit: list[Candidate], rejected: list[Candidate]
                                                                    ("generate", "score", "train", "sync", "transport")),
                          f"{max(e.memory.values()) / GB:.2f}"))
         lines.append(text_table(rows))
-        lines.append(f"{len(fit)} plan(s) fit; {len(fit) - min(top, len(fit))} more not shown")
+        lines.append(f"{found.fitting} plan(s) fit; {found.fitting - min(top, len(fit))} more not shown "
+                     f"({found.estimated} estimated)")
     else:
         lines.append("no placement fits this cluster.")
     if rejected:
         lines.append("")
-        lines.append(f"rejected: {len(rejected)} plan(s) do not fit; the closest of each strategy:")
+        lines.append(f"rejected: {found.not_fitting} plan(s) do not fit; the closest of each strategy:")
         for strategy in dict.fromkeys(c.setting.strategy for c in rejected):
             closest = min((c for c in rejected if c.setting.strategy == strategy),
                           key=lambda c: max(c.estimate.memory.values()))
@@ -154,10 +238,11 @@ def report(cluster, w: Workload, fit: list[Candidate], rejected: list[Candidate]
     return "\n".join(lines)
 
 
-def as_json(cluster, w: Workload, fit: list[Candidate], rejected: list[Candidate], top: int | None = None) -> dict:
-    """`plan --json`: the cluster, the workload and every plan (the fitting ones fastest first, then the
-    others closest to fitting first; `top` of each, or all), each with its groups, settings, seconds per
-    phase, memory per device of each group, and whether it fits or why not."""
+def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
+    """`plan --json`: the cluster, the workload and the plans kept (the fitting ones fastest first, then
+    the others closest to fitting first; `top` of each, or all kept), each with its groups, settings,
+    seconds per phase, memory per device of each group, and whether it fits or why not."""
+    fit, rejected = found.fit, found.rejected
     def plan(c: Candidate, rank: int | None) -> dict:
         s, e = c.setting, c.estimate
         return {"rank": rank, "strategy": s.strategy, "fits": e.fits, "why_not": list(e.short),
@@ -173,7 +258,7 @@ def as_json(cluster, w: Workload, fit: list[Candidate], rejected: list[Candidate
             "workload": {"samples": w.samples, "prompts": w.prompts, "prompt_tokens": w.prompt_tokens,
                          "response_tokens": w.response_tokens, "actor_params": w.actor.params,
                          "critic_params": w.critic.params if w.critic else None},
-            "fitting": len(fit), "not_fitting": len(rejected),
+            "fitting": found.fitting, "not_fitting": found.not_fitting, "estimated": found.estimated,
             "plans": [plan(c, i) for i, c in enumerate(fit[:top], 1)] + [plan(c, None) for c in closest[:top]]}
 
 
