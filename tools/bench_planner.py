@@ -27,7 +27,7 @@ MODELS = {"70b": "meta-llama--Llama-2-70b-hf.json", "7b": "meta-llama--Llama-2-7
 def one(nodes: int, model: str) -> dict:
     from toolkit.placement.cluster import load_cluster
     from toolkit.placement.cost import ModelShape, Switches, Workload
-    from toolkit.placement.planner import describe_groups, search
+    from toolkit.placement.planner import search
 
     shape = ModelShape.from_config(REPO / "tests/fixtures/model_configs" / MODELS[model])
     w = Workload(actor=shape, reference=shape, critic=shape, reward_models=(shape,), samples=1024, prompts=1024,
@@ -37,11 +37,14 @@ def one(nodes: int, model: str) -> dict:
     found = search(cluster, w, zero_stage=3)
     seconds = time.perf_counter() - started
     best = found.fit[0] if found.fit else None
+    closest = found.rejected[0].estimate if found.rejected else None
+    over = ", ".join(f"{name} {need / 1e9:.0f} GB" for name, need in closest.memory.items()
+                     if need > cluster.device.memory_gb * 1e9) if closest else ""
     return {"seconds": seconds, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "estimated": found.estimated, "fitting": found.fitting,
-            "best": (f"{best.setting.strategy} {describe_groups(best.setting)} TP{best.setting.tensor_parallel} "
+            "best": (f"{best.setting.strategy} {best.setting.describe()} TP{best.setting.tensor_parallel} "
                      f"ZeRO-{best.setting.zero_stage} mb {best.setting.micro_batch}: {best.estimate.step_s:.1f} s"
-                     if best else "none fits: " + "; ".join(found.rejected[0].estimate.short)[:90])}
+                     if best else f"none fits (closest: {over} per device of {cluster.device.memory_gb:g} GB)")}
 
 
 def main() -> int:

@@ -10,7 +10,8 @@ import yaml
 from tests.conftest import REPO, cli, example, write_config
 from toolkit.config import load_config
 from toolkit.placement.cluster import Cluster, load_cluster
-from toolkit.placement.cost import ModelShape, Setting, Switches, Workload, estimate, remedy, trainer_memory
+from toolkit.placement.cost import ModelShape, Switches, Workload, estimate, remedy, trainer_memory
+from toolkit.placement.layout import PRESETS, Group, Layout
 from toolkit.placement.planner import node_counts, search, setting_of, workload_of
 
 CLUSTERS = REPO / "templates" / "clusters"
@@ -58,7 +59,7 @@ def simple_cluster(**kw) -> Cluster:
 
 def test_step_time_of_flattening_by_hand():
     w, c = workload(), simple_cluster()
-    s = Setting("flattening", (("all", ("generation", "reference", "reward", "actor"), 1, 1, 0),), 2, 8)
+    s = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8)
     e = estimate(s, w, c)
     # generate: prefill 2*1e9*8*100/1e12 = 1.6; per token max(2*1e9*8/1e12 = 0.016, (4e9 + kv)/1e11 = 0.04+)
     kv = 8 * 150 * (2 * 10 * 1 * 100 * 4)
@@ -74,15 +75,14 @@ def test_step_time_of_flattening_by_hand():
 
 def test_separation_pays_for_sync_and_hops():
     w, c = workload(), simple_cluster()
-    s = Setting("separation", (("generator", ("generation",), 1, 1, 0), ("scorer", ("reference", "reward"), 1, 1, 0),
-                               ("trainer", ("actor",), 1, 1, 0)), 2, 8)
+    s = Layout("separation", (Group("generator", ("generation",)), Group("scorer", ("reference", "reward")),
+                              Group("trainer", ("actor",))), 2, 8)
     e = estimate(s, w, c)
     # broadcast 4e9 bytes over 1e10 B/s + reload 4e9 / 1e11; two hops of 8*200*12 bytes
     assert e.phases["sync"] == pytest.approx(0.4 + 0.04)
     assert e.phases["transport"] == pytest.approx(2 * 8 * 200 * 12 / 1e10)
-    assert e.phases["generate"] < estimate(Setting("flattening", (("all", ("generation", "reference", "reward",
-                                                                              "actor"), 1, 1, 0),), 2, 8), w,
-                                           c).phases["generate"]  # vLLM's decode step is cheaper here
+    flattening = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8)
+    assert e.phases["generate"] < estimate(flattening, w, c).phases["generate"]  # vLLM's decode step is cheaper here
 
 
 def test_a_model_too_big_for_any_placement(tiny, tmp_path):
@@ -239,9 +239,23 @@ def test_128_nodes_are_searched_without_keeping_every_plan():
     found = search(cluster, llama_ppo("meta-llama--Llama-2-7b-hf.json"), 3)
     assert found.estimated < 50_000 and found.fitting > 30_000 and len(found.fit) == 200
     best = found.fit[0]
-    assert best.setting.strategy == "separation" and sum(g[2] for g in best.setting.groups) <= 128
+    assert best.setting.strategy == "separation" and sum(g.nodes for g in best.setting.groups) <= 128
     steps = [c.estimate.step_s for c in found.fit]
     assert steps == sorted(steps)
     big = search(cluster, llama_ppo("meta-llama--Llama-2-70b-hf.json"), 3, strategies=("separation",))
     assert not big.fit and big.not_fitting == big.estimated
     assert any("scorer (reference, reward) needs 2" in why for c in big.rejected for why in c.estimate.short)
+
+
+@pytest.mark.parametrize("strategy", list(PRESETS))
+def test_every_preset_means_the_same_to_config_planner_and_cost_model(strategy, tiny, tmp_path):
+    """Whether generation shares the actor's workers is decided in placement/layout.py only: the config,
+    the planner's layout of a config and the cost model (no weight sync there) agree for every preset."""
+    cfg = load_config(write_config(tmp_path, example("tiny-ppo.yaml", tiny, placement={"strategy": strategy})))
+    layout = setting_of(cfg)
+    with_actor = strategy in ("flattening", "interleaving")
+    assert cfg.placement.generation_with_actor() == layout.generation_with_actor == with_actor
+    assert layout.group("generation").own_engine != with_actor
+    assert [g.name for g in layout.groups] == list(PRESETS[strategy])
+    sync = estimate(layout, workload(), simple_cluster()).phases["sync"]
+    assert (sync == 0.0) == with_actor

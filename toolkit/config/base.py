@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
+from toolkit.placement.layout import MODELS
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
@@ -141,11 +143,6 @@ class EngineSection(Section):
             raise ValueError("lora with zero_stage 3 is not supported: the adapters are small, so use zero_stage 2 "
                              "(and offload_optimizer) instead")
         return self
-
-
-MODELS = ("generation", "reference", "reward", "actor", "critic")
-"""The models a placement puts somewhere: the generation engine, the reference model, the rewards
-(functions and reward models), the actor and the critic (PPO)."""
 
 
 class CheckpointSection(Section):

@@ -16,6 +16,7 @@ from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSec
                                  load_function)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import vllm_cpu_problem
+from toolkit.placement.layout import PRESETS, generation_with_actor
 
 SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 
@@ -243,19 +244,6 @@ class PtxSection(Section):
         return self
 
 
-# Node groups of each preset placement (the order is the order of the node groups in the allocation).
-PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
-    "separation": {"generator": ("generation",), "scorer": ("reference", "reward"), "trainer": ("actor", "critic")},
-    "flattening": {"all": MODELS},
-    "interleaving": {"trainer": ("actor", "critic", "generation"), "scorer": ("reference", "reward")},
-    "colocate_actor_ref": {"generator": ("generation",), "reward": ("reward",),
-                           "trainer": ("actor", "critic", "reference")},
-    "colocate_critic_reward": {"generator": ("generation",), "reference": ("reference",),
-                               "trainer": ("actor", "critic", "reward")},
-    "colocate_all_models": {"generator": ("generation",), "trainer": ("actor", "critic", "reference", "reward")},
-}
-
-
 class PlacementSection(Section):
     """Which node group hosts which model. Resources of each node group go under its name, e.g.
     `placement: {strategy: interleaving, trainer: {workers: 2}}`."""
@@ -322,7 +310,7 @@ class PlacementSection(Section):
 
     def generation_with_actor(self) -> bool:
         """Whether generation shares the actor's workers (it then generates with the actor itself)."""
-        return any("generation" in models and "actor" in models for _, models, _ in self.layout())
+        return generation_with_actor(models for _, models, _ in self.layout())
 
 
 class RunConfig(Section):

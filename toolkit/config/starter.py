@@ -116,7 +116,7 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
 
 def _plan_into(data: dict, cfg, cluster, notes: list[str]) -> str:
     """Put the planner's best plan for `cluster` into `data`; a line that says what it is."""
-    from toolkit.placement.planner import describe_groups, search, workload_of
+    from toolkit.placement.planner import search, workload_of
 
     found = search(cluster, workload_of(cfg), cfg.trainer.zero_stage)
     fit, rejected = found.fit, found.rejected
@@ -128,10 +128,10 @@ def _plan_into(data: dict, cfg, cluster, notes: list[str]) -> str:
         return f"No plan fits {cluster.name} by the planner's estimate; the default placement is written."
     s = fit[0].setting
     placement = {"strategy": s.strategy}
-    for name, _models, nodes, workers, gpus in s.groups:
-        placement[name] = {"nodes": nodes, "workers": workers, "gpus_per_worker": gpus}
+    for g in s.groups:
+        placement[g.name] = {"nodes": g.nodes, "workers": g.workers, "gpus_per_worker": g.gpus_per_worker}
     data["placement"] = placement
     data["trainer"].update(zero_stage=s.zero_stage, micro_batch_size=s.micro_batch)
     data["rollout"]["vllm"] = {"tensor_parallel_size": s.tensor_parallel}
-    return (f"Planned for {cluster.name}: {s.strategy}, {describe_groups(s)}, ZeRO-{s.zero_stage}, micro-batch "
+    return (f"Planned for {cluster.name}: {s.strategy}, {s.describe()}, ZeRO-{s.zero_stage}, micro-batch "
             f"{s.micro_batch}; estimated {fit[0].estimate.step_s:.1f} s per step")

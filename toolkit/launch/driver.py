@@ -23,7 +23,7 @@ import numpy as np
 
 from toolkit.data.prompts import PromptFeeder, read_prompts
 from toolkit.launch.supervisor import Supervisor, read_metrics
-from toolkit.placement.plan import colocated, group_of
+from toolkit.placement.plan import group_of
 
 
 class Driver(Supervisor):
@@ -35,7 +35,7 @@ class Driver(Supervisor):
         self.generator_ids = group_of(self.groups, "generator").worker_ids()
         # Generators with workers of their own get weights by broadcast when told to `sync`; a generator
         # in a trainer's worker gets them in memory and reports `synced` by itself.
-        self.sync_ids = [] if colocated(self.groups, "generator", "trainer") else self.generator_ids
+        self.sync_ids = [] if cfg.placement.generation_with_actor() else self.generator_ids
         self.feeder = PromptFeeder(read_prompts(cfg.data, cfg.run.seed))
         self.synced: dict[str, int] = {}
         self.sync_checks: dict[int, float] = {}  # policy_version -> largest probe difference after its sync

@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit.placement.layout import Layout
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
 
@@ -120,27 +122,6 @@ class Workload:
         return self.prompt_tokens + self.response_tokens
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One candidate: where each model runs and how it is parallelised."""
-
-    strategy: str
-    groups: tuple                      # ((name, models, nodes, workers, gpus_per_worker), ...)
-    zero_stage: int
-    micro_batch: int
-    tensor_parallel: int = 1
-    generation_engine: str = "vllm"    # of a generator with workers of its own
-
-    def group(self, model: str) -> tuple:
-        return next(g for g in self.groups if model in g[1])
-
-    def workers(self, model: str) -> int:
-        return self.group(model)[3]
-
-    def together(self, a: str, b: str) -> bool:
-        return self.group(a) == self.group(b)
-
-
 @dataclass
 class Estimate:
     memory: dict[str, float] = field(default_factory=dict)    # bytes per device, per group
@@ -205,7 +186,7 @@ def generation_memory(w: Workload, per_worker: int, tp: int, own_weights: bool) 
     return kv + per_worker * w.response_tokens * w.actor.vocab * 4  # generate() keeps every step's scores
 
 
-def estimate(s: Setting, w: Workload, cluster) -> Estimate:
+def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     """Memory per device of each group, and seconds of each phase of one step, for setting `s`."""
     e = Estimate()
     dev, links, o = cluster.device, cluster.links, cluster.overheads
@@ -214,14 +195,15 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
 
     # Memory per device, group by group (a group's models share its devices).
     trained = {}  # group name: (the models it trains, what the rest of the group needs)
-    for name, models, _, workers, _ in s.groups:
+    for g in s.groups:
+        name, models, workers = g.name, g.models, g.workers
         need = 0.0
         if "actor" in models:
             shapes = [w.actor] + ([w.critic] if ppo else [])
             need += sum(trainer_memory(m, w, workers, s.zero_stage, s.micro_batch) for m in shapes)
             trained[name] = (shapes, -need)
         if "generation" in models:
-            own = "actor" not in models or s.zero_stage == 3
+            own = g.own_engine or s.zero_stage == 3
             need += generation_memory(w, math.ceil(w.samples / workers), s.tensor_parallel if own else 1, own)
         if "reference" in models:
             need += forward_memory(w.reference, w)
@@ -235,7 +217,7 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
         if name not in trained:
             return ""
         shapes, others = trained[name]
-        workers = next(g[3] for g in s.groups if g[0] == name)
+        workers = next(g.workers for g in s.groups if g.name == name)
         return remedy(shapes, w, workers, s.zero_stage, s.micro_batch, others + others_extra, usable_here)
 
     usable = dev.memory_gb * GB
@@ -246,11 +228,11 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
             e.short.append(f"all groups need {total / GB:.1f} GB on a machine of {dev.memory_gb:g} GB "
                            f"({(total - usable) / GB:.1f} GB short){hint}")
     else:
-        for name, models, *_ in s.groups:
-            if e.memory[name] > usable:
-                e.short.append(f"{name} ({', '.join(models)}) needs {e.memory[name] / GB:.1f} GB per device, has "
-                               f"{dev.memory_gb:g} GB ({(e.memory[name] - usable) / GB:.1f} GB short)"
-                               + fix(name, usable))
+        for g in s.groups:
+            if e.memory[g.name] > usable:
+                e.short.append(f"{g.name} ({', '.join(g.models)}) needs {e.memory[g.name] / GB:.1f} GB per device, "
+                               f"has {dev.memory_gb:g} GB ({(e.memory[g.name] - usable) / GB:.1f} GB short)"
+                               + fix(g.name, usable))
 
     def share(workers: int) -> float:
         """The fraction of a device one worker of a phase gets (on a shared machine, workers split it)."""
@@ -260,8 +242,9 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
         return links.intra_node if nodes == 1 or cluster.shared else links.inter_node
 
     # Generation.
-    _, _, g_nodes, g_workers, _ = s.group("generation")
-    own_engine = not s.together("generation", "actor")
+    generator = s.group("generation")
+    g_nodes, g_workers = generator.nodes, generator.workers
+    own_engine = generator.own_engine
     tp = s.tensor_parallel if own_engine else 1
     per = math.ceil(w.samples / g_workers)
     f, bw = dev.flops * share(g_workers), dev.memory_bandwidth * share(g_workers)
@@ -293,7 +276,7 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
     e.phases["score"] = score
 
     # Training.
-    _, _, t_nodes, t_workers, _ = s.group("actor")
+    t_nodes, t_workers = s.group("actor").nodes, s.group("actor").workers
     n = w.samples / t_workers
     f = dev.flops * share(t_workers)
     bw = dev.memory_bandwidth * share(t_workers)
@@ -328,11 +311,10 @@ def estimate(s: Setting, w: Workload, cluster) -> Estimate:
     return e
 
 
-def _hops(s: Setting) -> int:
+def _hops(s: Layout) -> int:
     """Times the step's samples change group between generation and the trainer (placement.plan.stages)."""
     from toolkit.placement.plan import ROLE_OF, WorkerGroup, stages
 
-    groups = [WorkerGroup(name, tuple(dict.fromkeys(ROLE_OF[m] for m in models)), workers)
-              for name, models, _, workers, _ in s.groups]
+    groups = [WorkerGroup(g.name, tuple(dict.fromkeys(ROLE_OF[m] for m in g.models)), g.workers) for g in s.groups]
     hosts = [next(g.name for g in groups if role in g.roles) for role in stages(groups)]
     return sum(a != b for a, b in zip(hosts, hosts[1:]))

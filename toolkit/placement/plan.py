@@ -84,6 +84,3 @@ def next_stage(groups: list[WorkerGroup], role: str) -> str | None:
     i = order.index(role)
     return order[i + 1] if i + 1 < len(order) else None
 
-
-def colocated(groups: list[WorkerGroup], a: str, b: str) -> bool:
-    return group_of(groups, a) == group_of(groups, b)

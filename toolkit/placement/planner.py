@@ -1,9 +1,10 @@
-"""The placement planner: every strategy, node split, TP size, ZeRO stage and micro-batch, estimated by
-`cost.estimate`, ranked by step time; the ones that do not fit are kept with the reason.
+"""The placement planner: strategies, node splits, TP sizes, ZeRO stages and micro-batches, estimated by
+`cost.estimate`, ranked by step time; the ones that do not fit are kept with the reason (see `search`
+for how a large cluster is searched in seconds).
 
 Node groups own whole nodes under Slurm (each is one job step on its own nodes), so a strategy with k
-groups needs at least k nodes; plans may leave nodes unused, so a larger cluster never gets a slower
-plan. On a `shared` cluster (the local launcher) every group runs on the same machine, one worker each.
+groups needs at least k nodes; plans may leave nodes unused. On a `shared` cluster (the local launcher)
+every group runs on the same machine, one worker each.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.config.schema import PRESETS
-from toolkit.placement.cost import DTYPE_BYTES, GB, Estimate, ModelShape, Setting, Switches, Workload, estimate
+from toolkit.placement.cost import DTYPE_BYTES, GB, Estimate, ModelShape, Switches, Workload, estimate
+from toolkit.placement.layout import PRESETS, Group, Layout, generation_with_actor
 from toolkit.table import text_table
 
 STRATEGIES = tuple(PRESETS)
@@ -22,7 +23,7 @@ STRATEGIES = tuple(PRESETS)
 
 @dataclass
 class Candidate:
-    setting: Setting
+    setting: Layout
     estimate: Estimate
 
 
@@ -109,23 +110,23 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     for strategy in strategies:
         layout = [(name, tuple(m for m in models if m != "critic" or w.critic is not None))  # GRPO: no critic
                   for name, models in PRESETS[strategy].items()]
-        own_generator = not any("generation" in m and "actor" in m for _, m in layout)
+        own_generator = not generation_with_actor(models for _, models in layout)
         layouts = []
         for split, tp in itertools.product(_splits(cluster, len(layout)), tps if own_generator else [1]):
             groups = _groups(cluster, layout, split, tp)
-            if groups is not None and next(g[3] for g in groups if "generation" in g[1]) <= w.prompts:
+            if groups is not None and next(g.workers for g in groups if "generation" in g.models) <= w.prompts:
                 layouts.append((groups, tp))
         pick = {} if len(layouts) > keep and not cluster.shared else None  # trainer group: its (zero, mb)
         for groups, tp in layouts:
-            trainer = next(g for g in groups if "actor" in g[1])
-            zeros = (1, 2, 3) if trainer[3] > 1 else (zero_stage,)
-            options = [(z, mb) for z, mb in itertools.product(zeros, _micro_batches(w, trainer[3]))]
+            trainer = next(g for g in groups if "actor" in g.models)
+            zeros = (1, 2, 3) if trainer.workers > 1 else (zero_stage,)
+            options = list(itertools.product(zeros, _micro_batches(w, trainer.workers)))
             if pick is not None and options:
                 if trainer not in pick:
-                    pick[trainer] = _fastest_trainer(options, strategy, groups, tp, trainer[0], w, cluster, usable)
+                    pick[trainer] = _fastest_trainer(options, strategy, groups, tp, trainer.name, w, cluster, usable)
                 options = [pick[trainer]]
             for zero, mb in options:
-                s = Setting(strategy, groups, zero, mb, tp)
+                s = Layout(strategy, groups, zero, mb, tp)
                 add(Candidate(s, estimate(s, w, cluster)))
     found.fit = [c for _, _, c in sorted(heap, key=lambda item: (-item[0], item[1]))]
     kept = [c for _, _, c in sorted(closest, key=lambda item: (-item[0], item[1]))]
@@ -165,16 +166,17 @@ def _splits(cluster, k: int):
                     yield split
 
 
-def _groups(cluster, layout, split, tp) -> tuple | None:
-    """((name, models, nodes, workers, gpus per worker), ...) for node counts `split`; None when a
-    generator's TP size does not divide its devices."""
+def _groups(cluster, layout, split, tp) -> tuple[Group, ...] | None:
+    """The groups of `layout` ((name, models), ...) on node counts `split`; None when a generator's TP
+    size does not divide its devices."""
     groups = []
     for (name, models), nodes in zip(layout, split):
+        group = Group(name, models, nodes)
         devices = 1 if cluster.shared else nodes * cluster.devices_per_node
-        width = tp if "generation" in models and "actor" not in models else 1
+        width = tp if group.own_engine else 1
         if devices % width:
             return None
-        groups.append((name, models, nodes, devices // width, width if cluster.gpus_per_node else 0))
+        groups.append(Group(name, models, nodes, devices // width, width if cluster.gpus_per_node else 0))
     return tuple(groups)
 
 
@@ -189,16 +191,11 @@ def _fastest_trainer(options, strategy, groups, tp, name, w, cluster, usable) ->
     """Of (zero, micro-batch) `options`, the one with the fewest train + sync seconds under which the
     trainer group `name` fits its devices; when none fits, the one that needs the least memory."""
     def rate(option):
-        e = estimate(Setting(strategy, groups, *option, tp), w, cluster)
+        e = estimate(Layout(strategy, groups, *option, tp), w, cluster)
         need = e.memory[name]
         return (need > usable, need if need > usable else e.phases["train"] + e.phases["sync"])
 
     return min(options, key=rate)
-
-
-def describe_groups(s: Setting) -> str:
-    return " | ".join(f"{name}[{','.join(m for m in models)}] {nodes}n x{workers}"
-                      for name, models, nodes, workers, _ in s.groups)
 
 
 def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
@@ -214,7 +211,7 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
                  "train", "sync", "other", "peak GB")]
         for i, c in enumerate(fit[:top], 1):
             s, e = c.setting, c.estimate
-            rows.append((str(i), s.strategy, describe_groups(s), str(s.tensor_parallel), str(s.zero_stage),
+            rows.append((str(i), s.strategy, s.describe(), str(s.tensor_parallel), str(s.zero_stage),
                          str(s.micro_batch), f"{e.step_s:.3f}", *(f"{e.phases[k]:.3f}" for k in
                                                                    ("generate", "score", "train", "sync", "transport")),
                          f"{max(e.memory.values()) / GB:.2f}"))
@@ -229,7 +226,7 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
         for strategy in dict.fromkeys(c.setting.strategy for c in rejected):
             closest = min((c for c in rejected if c.setting.strategy == strategy),
                           key=lambda c: max(c.estimate.memory.values()))
-            lines.append(f"  {strategy} ({describe_groups(closest.setting)}, ZeRO-{closest.setting.zero_stage}, "
+            lines.append(f"  {strategy} ({closest.setting.describe()}, ZeRO-{closest.setting.zero_stage}, "
                          f"mb {closest.setting.micro_batch}): {'; '.join(closest.estimate.short)}")
     missing = [s for s in STRATEGIES if s not in {c.setting.strategy for c in [*fit, *rejected]}]
     if missing and not cluster.shared:
@@ -246,8 +243,8 @@ def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
     def plan(c: Candidate, rank: int | None) -> dict:
         s, e = c.setting, c.estimate
         return {"rank": rank, "strategy": s.strategy, "fits": e.fits, "why_not": list(e.short),
-                "groups": [{"name": name, "models": list(models), "nodes": nodes, "workers": workers,
-                            "gpus_per_worker": gpus} for name, models, nodes, workers, gpus in s.groups],
+                "groups": [{"name": g.name, "models": list(g.models), "nodes": g.nodes, "workers": g.workers,
+                            "gpus_per_worker": g.gpus_per_worker} for g in s.groups],
                 "tensor_parallel": s.tensor_parallel, "zero_stage": s.zero_stage, "micro_batch": s.micro_batch,
                 "generation_engine": s.generation_engine, "step_s": e.step_s, "phases_s": dict(e.phases),
                 "memory_gb_per_device": {name: need / GB for name, need in e.memory.items()}}
@@ -262,35 +259,35 @@ def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
             "plans": [plan(c, i) for i, c in enumerate(fit[:top], 1)] + [plan(c, None) for c in closest[:top]]}
 
 
-def as_config(cfg, s: Setting) -> dict:
+def as_config(cfg, s: Layout) -> dict:
     """`cfg` (resolved) with the placement and parallel settings of `s`, as a config mapping."""
     data = cfg.model_dump(mode="json", exclude_none=True)
     placement = {"strategy": s.strategy, "offload": cfg.placement.offload}
-    for name, models, nodes, workers, gpus in s.groups:
-        old = dict(data.get("placement", {}).get(name, {}))
+    for g in s.groups:
+        old = dict(data.get("placement", {}).get(g.name, {}))
         old.pop("models", None)
-        placement[name] = {**old, "nodes": nodes, "workers": workers, "gpus_per_worker": gpus}
+        placement[g.name] = {**old, "nodes": g.nodes, "workers": g.workers, "gpus_per_worker": g.gpus_per_worker}
     data["placement"] = placement
     data["trainer"].update(zero_stage=s.zero_stage, micro_batch_size=s.micro_batch)
     data["rollout"].setdefault("vllm", {})["tensor_parallel_size"] = s.tensor_parallel
     return data
 
 
-def write_config(cfg, s: Setting, path: Path) -> None:
+def write_config(cfg, s: Layout, path: Path) -> None:
     import yaml
 
     from toolkit.config.load import validate
 
     data = as_config(cfg, s)
     validate(data, base_dir=path.resolve().parent, source=path)  # refuse to write what would not load
-    path.write_text(f"# written by slurm-rlhf plan: {s.strategy}, {describe_groups(s)}\n"
+    path.write_text(f"# written by slurm-rlhf plan: {s.strategy}, {s.describe()}\n"
                     + yaml.safe_dump(data, sort_keys=False))
 
 
-def setting_of(cfg) -> Setting:
+def setting_of(cfg) -> Layout:
     """The setting a run config already asks for (to predict its step time)."""
     from toolkit.placement.plan import plan
 
-    groups = tuple((g.name, g.models, g.nodes, g.workers, g.gpus_per_worker) for g in plan(cfg))
-    return Setting(cfg.placement.strategy, groups, cfg.trainer.zero_stage, cfg.trainer.micro_batch_size,
+    groups = tuple(Group(g.name, g.models, g.nodes, g.workers, g.gpus_per_worker) for g in plan(cfg))
+    return Layout(cfg.placement.strategy, groups, cfg.trainer.zero_stage, cfg.trainer.micro_batch_size,
                    cfg.rollout.vllm.tensor_parallel_size, cfg.generation_backend)

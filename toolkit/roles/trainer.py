@@ -29,7 +29,7 @@ import torch
 from toolkit.algorithms.kl_controller import make_kl_controller
 from toolkit.hold import hold
 from toolkit.modeling import gather_responses
-from toolkit.placement.plan import colocated, group_of
+from toolkit.placement.plan import group_of
 from toolkit.roles.base import Role
 from toolkit.roles.update import experience_from_record, make_experience, train_on
 from toolkit.samples import SampleBatch
@@ -102,7 +102,7 @@ class TrainerRole(Role):
         self.status["policy_version"] = self.version
         self.generator = None  # the generator role, when this worker hosts one (it sets itself here)
         self.sender = None
-        if self.rank == 0 and not colocated(self.worker.groups, "generator", "trainer"):
+        if self.rank == 0 and not self.cfg.placement.generation_with_actor():
             generators = group_of(self.worker.groups, "generator").worker_ids()
             log.info("forming a weight-sync group with each of %d generator worker(s)", len(generators))
             self.sender = WeightSender(self.layout, self.device)

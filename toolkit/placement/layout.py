@@ -1,0 +1,86 @@
+"""A layout: which node group hosts which models, on how many nodes and workers, and how the trainer and
+the generator are parallelised. The config (placement presets, the checks of what a layout allows), the
+planner, the cost model and the launcher all read it from here: this is the one place that says what a
+layout means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+# What a placement puts somewhere: the generation engine, the reference model, the rewards (functions
+# and reward models), the actor and the critic (PPO).
+MODELS = ("generation", "reference", "reward", "actor", "critic")
+
+# Node groups of each preset placement (the order is the order of the node groups in the allocation).
+PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "separation": {"generator": ("generation",), "scorer": ("reference", "reward"), "trainer": ("actor", "critic")},
+    "flattening": {"all": MODELS},
+    "interleaving": {"trainer": ("actor", "critic", "generation"), "scorer": ("reference", "reward")},
+    "colocate_actor_ref": {"generator": ("generation",), "reward": ("reward",),
+                           "trainer": ("actor", "critic", "reference")},
+    "colocate_critic_reward": {"generator": ("generation",), "reference": ("reference",),
+                               "trainer": ("actor", "critic", "reward")},
+    "colocate_all_models": {"generator": ("generation",), "trainer": ("actor", "critic", "reference", "reward")},
+}
+
+
+def generates_with_actor(models: Iterable[str]) -> bool:
+    """Whether a group hosting `models` generates with the actor itself (the trainer's own weights, no
+    engine of its own and no weight sync), rather than with an engine (vLLM) of its own."""
+    models = tuple(models)
+    return "generation" in models and "actor" in models
+
+
+def generation_with_actor(groups: Iterable[Iterable[str]]) -> bool:
+    """Whether, of groups hosting these models each, the one that generates is the actor's."""
+    return any(generates_with_actor(models) for models in groups)
+
+
+@dataclass(frozen=True)
+class Group:
+    """One node group: its models, nodes, workers and GPUs per worker (a vLLM engine's TP size)."""
+
+    name: str
+    models: tuple[str, ...]
+    nodes: int = 1
+    workers: int = 1
+    gpus_per_worker: int = 0
+
+    @property
+    def own_engine(self) -> bool:
+        """Whether this group generates with an engine of its own."""
+        return "generation" in self.models and not generates_with_actor(self.models)
+
+    def describe(self) -> str:
+        return f"{self.name}[{','.join(self.models)}] {self.nodes}n x{self.workers}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A whole layout as the planner weighs it: the groups, the trainer's ZeRO stage and micro-batch,
+    and the generator's TP size and engine."""
+
+    strategy: str
+    groups: tuple[Group, ...]
+    zero_stage: int
+    micro_batch: int
+    tensor_parallel: int = 1
+    generation_engine: str = "vllm"    # of a generator with workers of its own
+
+    def group(self, model: str) -> Group:
+        return next(g for g in self.groups if model in g.models)
+
+    def workers(self, model: str) -> int:
+        return self.group(model).workers
+
+    def together(self, a: str, b: str) -> bool:
+        return self.group(a) == self.group(b)
+
+    @property
+    def generation_with_actor(self) -> bool:
+        return generation_with_actor(g.models for g in self.groups)
+
+    def describe(self) -> str:
+        return " | ".join(g.describe() for g in self.groups)
