@@ -118,12 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="rank placements and parallel settings for a cluster by estimated step time")
     _add_config_args(p)
     p.add_argument("--cluster", required=True, help="cluster file (see templates/clusters/)")
+    p.add_argument("--nodes", type=int, default=None, help="plan for this many nodes of the cluster file's kind")
     p.add_argument("--strategy", action="append", default=None, help="only this strategy (repeatable)")
     p.add_argument("--top", type=int, default=None,
-                   help="plans shown (default 10; with --json: every plan unless given)")
+                   help="plans shown (default 10; with --json: every plan kept unless given)")
     p.add_argument("--json", action="store_true",
-                   help="print every plan as JSON for scripts: strategy, groups, settings, seconds per phase, "
-                        "memory per group, and whether it fits or why not")
+                   help="print the plans kept (the 200 fastest, the 200 closest to fitting) as JSON for scripts: "
+                        "strategy, groups, settings, seconds per phase, memory per group, and whether it fits or why not")
     p.add_argument("--params", action="append", default=[], metavar="MODEL=COUNT",
                    help="a model by its parameter count instead of its config.json, e.g. actor=7e9 "
                         "(actor, reference, critic, reward)")
@@ -396,6 +397,10 @@ def cmd_plan(args) -> int:
 
     cfg = load_config(args.config, args.overrides, "rl")
     cluster = load_cluster(args.cluster)
+    if args.nodes is not None:
+        if args.nodes < 1:
+            raise ConfigError(f"--nodes {args.nodes}: at least 1")
+        cluster = cluster.model_copy(update={"nodes": args.nodes})
     params = {}
     for item in args.params:
         name, _, count = item.partition("=")

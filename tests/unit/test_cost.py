@@ -259,3 +259,16 @@ def test_every_preset_means_the_same_to_config_planner_and_cost_model(strategy, 
     assert [g.name for g in layout.groups] == list(PRESETS[strategy])
     sync = estimate(layout, workload(), simple_cluster()).phases["sync"]
     assert (sync == 0.0) == with_actor
+
+
+def test_every_cluster_file_loads_and_plan_takes_a_node_count(tiny, tmp_path):
+    names = {load_cluster(path).name for path in CLUSTERS.glob("*.yaml")}
+    assert {"1 node of 8x A100-40GB", "1 node of 8x A800-80GB", "1 node of 8x H200-141GB"} <= names
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    result = cli("plan", config, "--cluster", CLUSTERS / "1x8-h200.yaml", "--nodes", "3", "--json", timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["cluster"]["nodes"] == 3 and out["cluster"]["device_memory_gb"] == 141
+    assert "separation" in {p["strategy"] for p in out["plans"]}  # (3 groups: possible on 3 nodes, not on 1)
+    result = cli("plan", config, "--cluster", CLUSTERS / "1x8-h200.yaml", "--nodes", "0", timeout=120)
+    assert result.returncode != 0 and "--nodes 0: at least 1" in result.stderr
