@@ -59,7 +59,7 @@ def simple_cluster(**kw) -> Cluster:
 
 def test_step_time_of_flattening_by_hand():
     w, c = workload(), simple_cluster()
-    s = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8)
+    s = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8, 1, "hf")
     e = estimate(s, w, c)
     # generate: prefill 2*1e9*8*100/1e12 = 1.6; per token max(2*1e9*8/1e12 = 0.016, (4e9 + kv)/1e11 = 0.04+)
     kv = 8 * 150 * (2 * 10 * 1 * 100 * 4)
@@ -81,7 +81,7 @@ def test_separation_pays_for_sync_and_hops():
     # broadcast 4e9 bytes over 1e10 B/s + reload 4e9 / 1e11; two hops of 8*200*12 bytes
     assert e.phases["sync"] == pytest.approx(0.4 + 0.04)
     assert e.phases["transport"] == pytest.approx(2 * 8 * 200 * 12 / 1e10)
-    flattening = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8)
+    flattening = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8, 1, "hf")
     assert e.phases["generate"] < estimate(flattening, w, c).phases["generate"]  # vLLM's decode step is cheaper here
 
 

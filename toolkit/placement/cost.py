@@ -251,7 +251,7 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     P = w.actor.active  # (FLOPs; the weights read per decode step are all of them: w.actor.params)
     kv = per * (w.prompt_tokens + w.response_tokens / 2) * w.actor.kv_bytes_per_token(b)
     decode_step = max(2 * P * per / (tp * f), (w.actor.params * b + kv) / (tp * bw))
-    if own_engine and s.generation_engine == "vllm":
+    if s.generation_engine == "vllm":  # (its own worker's, or in the trainer's process: rollout.backend vllm)
         c_decode, c_sequence = o.decode_step_vllm, o.decode_per_sequence_vllm
     else:
         c_decode, c_sequence = o.decode_step_hf, o.decode_per_sequence_hf

@@ -67,7 +67,7 @@ class Layout:
     zero_stage: int
     micro_batch: int
     tensor_parallel: int = 1
-    generation_engine: str = "vllm"    # of a generator with workers of its own
+    generation_engine: str = "vllm"    # vllm, or hf (transformers `generate`, as where generation shares the actor)
 
     def group(self, model: str) -> Group:
         return next(g for g in self.groups if model in g.models)

@@ -126,7 +126,7 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
                     pick[trainer] = _fastest_trainer(options, strategy, groups, tp, trainer.name, w, cluster, usable)
                 options = [pick[trainer]]
             for zero, mb in options:
-                s = Layout(strategy, groups, zero, mb, tp)
+                s = Layout(strategy, groups, zero, mb, tp, "vllm" if own_generator else "hf")
                 add(Candidate(s, estimate(s, w, cluster)))
     found.fit = [c for _, _, c in sorted(heap, key=lambda item: (-item[0], item[1]))]
     kept = [c for _, _, c in sorted(closest, key=lambda item: (-item[0], item[1]))]
@@ -191,7 +191,7 @@ def _fastest_trainer(options, strategy, groups, tp, name, w, cluster, usable) ->
     """Of (zero, micro-batch) `options`, the one with the fewest train + sync seconds under which the
     trainer group `name` fits its devices; when none fits, the one that needs the least memory."""
     def rate(option):
-        e = estimate(Layout(strategy, groups, *option, tp), w, cluster)
+        e = estimate(Layout(strategy, groups, *option, tp, "hf"), w, cluster)
         need = e.memory[name]
         return (need > usable, need if need > usable else e.phases["train"] + e.phases["sync"])
 

@@ -1,0 +1,42 @@
+"""The published runs the planner is checked against (tests/fixtures/published_runs.yaml): each names
+its source by commit and path, quotes the text that gives its figure, and is set up for the planner."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import yaml
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+RUNS = yaml.safe_load((REPO / "tests" / "fixtures" / "published_runs.yaml").read_text())
+
+
+def test_each_published_run_has_a_source_a_quote_and_what_the_planner_needs():
+    assert len(RUNS) >= 8 and len({r["id"] for r in RUNS}) == len(RUNS)
+    for run in RUNS:
+        assert re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}:\S+.*", run["source"]), run["id"]
+        assert run["step_s"] > 0 and run["quote"].strip(), run["id"]
+        for name in run["models"].values():
+            assert (REPO / "tests" / "fixtures" / "model_configs" / name).is_file(), name
+        assert (REPO / "templates" / "clusters" / run["cluster"]).is_file()
+    # the quoted text carries the figure: the step time itself, or the whole run's hours or minutes
+    orl = [r for r in RUNS if r["id"].startswith("ORL")]
+    assert all(f"{r['step_s']:.2f}" in r["quote"] for r in orl)
+    nrl = [r for r in RUNS if r["id"].startswith("NRL")]
+    assert all(r["quote"].rstrip("|").rstrip().endswith(f"{r['step_s']:g}") for r in nrl)
+
+
+def test_the_planner_answers_for_every_published_run():
+    """A prediction or the reason there is none (tools/published_runs.py prints them beside the figures)."""
+    from published_runs import predict
+
+    for run in RUNS:
+        best, found = predict(run)
+        if best is None:
+            assert found.rejected and found.rejected[0].estimate.short, run["id"]
+        else:
+            assert best.setting.strategy == run["layout"]["strategy"]
+            assert best.setting.generation_engine == run["layout"]["engine"] and best.estimate.step_s > 0

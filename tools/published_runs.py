@@ -1,0 +1,92 @@
+"""The planner against published RLHF runs: its step time beside the published one, run by run.
+
+    python tools/published_runs.py [--runs tests/fixtures/published_runs.yaml]
+
+Each run of the file (a published figure with its source and the text that gives it) is set up for the
+planner: its models' config.json files (tests/fixtures/model_configs), the cluster file with the run's
+node count, its workload, and the layout the source describes (`layout.strategy`, with the generation
+engine it used). The prediction is the fastest plan of that layout that fits (the planner chooses ZeRO
+stage, micro-batch and TP size, as the publishers tuned theirs). Pairs of runs of one workload on the
+same hardware are ranked both ways. The last line: how many runs are predicted within 25%, and the
+largest error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+CONFIGS = REPO / "tests" / "fixtures" / "model_configs"
+CLUSTERS = REPO / "templates" / "clusters"
+
+
+def predict(run: dict):
+    """(the best plan of the run's layout as the planner estimates it, or None, the search)."""
+    from toolkit.placement.cluster import load_cluster
+    from toolkit.placement.cost import ModelShape, Switches, Workload, estimate
+    from toolkit.placement.planner import search
+
+    models = {role: ModelShape.from_config(CONFIGS / name) for role, name in run["models"].items()}
+    load = run["workload"]
+    w = Workload(actor=models["actor"], reference=models.get("reference", models["actor"]),
+                 critic=models.get("critic"), reward_models=(models["reward"],) if "reward" in models else (),
+                 samples=load["prompts"] * load["group_size"], prompts=load["prompts"],
+                 prompt_tokens=load["prompt_tokens"], response_tokens=load["response_tokens"],
+                 dtype_bytes=load["dtype_bytes"], updates_per_step=load.get("updates_per_step", 1),
+                 switches=Switches(**run.get("switches", {})))
+    cluster = load_cluster(CLUSTERS / run["cluster"]).model_copy(update={"nodes": run["nodes"]})
+    found = search(cluster, w, 3, strategies=(run["layout"]["strategy"],))
+    if not found.fit:
+        return None, found
+    best = found.fit[0]
+    layout = dataclasses.replace(best.setting, generation_engine=run["layout"]["engine"])
+    return dataclasses.replace(best, setting=layout, estimate=estimate(layout, w, cluster)), found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default=str(REPO / "tests" / "fixtures" / "published_runs.yaml"))
+    args = parser.parse_args()
+
+    from toolkit.table import text_table
+
+    runs = yaml.safe_load(Path(args.runs).read_text())
+    rows = [("run", "published s", "predicted s", "error", "generate", "score", "train", "sync", "plan")]
+    errors, predicted = [], {}
+    for run in runs:
+        best, found = predict(run)
+        if best is None:
+            rows.append((run["id"], f"{run['step_s']:.1f}", "no fit", "", "", "", "", "",
+                         "; ".join(found.rejected[0].estimate.short)[:80] if found.rejected else ""))
+            errors.append(float("inf"))
+            continue
+        e, s = best.estimate, best.setting
+        predicted[run["id"]] = e.step_s
+        error = e.step_s / run["step_s"] - 1
+        errors.append(abs(error))
+        rows.append((run["id"], f"{run['step_s']:.1f}", f"{e.step_s:.1f}", f"{error:+.0%}",
+                     *(f"{e.phases[k]:.1f}" for k in ("generate", "score", "train", "sync")),
+                     f"{s.describe()} TP{s.tensor_parallel} ZeRO-{s.zero_stage} mb {s.micro_batch}"
+                     + (" (lag 1: not overlapped by the model)" if run["layout"].get("max_policy_lag") else "")))
+    print(text_table(rows))
+    pairs = [(a, b) for i, a in enumerate(runs) for b in runs[i + 1:] if a["id"].split("-")[:2] == b["id"].split("-")[:2]
+             and a["cluster"] == b["cluster"] and a["nodes"] == b["nodes"] and a["workload"]["prompts"] ==
+             b["workload"]["prompts"] and a["layout"] != b["layout"] and a["id"] in predicted and b["id"] in predicted]
+    for a, b in pairs:
+        faster = min((a, b), key=lambda r: r["step_s"])["id"]
+        ranked = min((a, b), key=lambda r: predicted[r["id"]])["id"]
+        print(f"pair {a['id']} / {b['id']}: published faster {faster}; predicted faster {ranked} "
+              f"({'right' if faster == ranked else 'wrong'})")
+    within = sum(e <= 0.25 for e in errors)
+    print(f"within 25%: {within} of {len(runs)}; largest error {max(errors):.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
