@@ -422,7 +422,7 @@ def cmd_plan(args) -> int:
     if not found.fit:
         return 1
     if args.write:
-        write_config(cfg, found.fit[0].setting, args.write)
+        write_config(cfg, found.fit[0], args.write)
         print(f"wrote the best plan into {args.write}", file=sys.stderr if args.json else sys.stdout)
     return 0
 

@@ -272,3 +272,28 @@ def test_every_cluster_file_loads_and_plan_takes_a_node_count(tiny, tmp_path):
     assert "separation" in {p["strategy"] for p in out["plans"]}  # (3 groups: possible on 3 nodes, not on 1)
     result = cli("plan", config, "--cluster", CLUSTERS / "1x8-h200.yaml", "--nodes", "0", timeout=120)
     assert result.returncode != 0 and "--nodes 0: at least 1" in result.stderr
+
+
+def test_a_vllm_generator_holds_what_its_kv_cache_budget_allows_and_generates_in_waves():
+    """KV cache: 2 x 10 layers x 1 head x 100 x 4 bytes = 8,000 bytes a token, 1.6 MB a 200-token sequence:
+    a 5 MB budget holds 3 sequences, so 8 samples take 3 waves of 3."""
+    separation = Layout("separation", (Group("generator", ("generation",)), Group("scorer", ("reference", "reward")),
+                                       Group("trainer", ("actor",))), 2, 8)
+    e = estimate(separation, workload(kv_cache_gb=0.005), simple_cluster())
+    assert e.memory["generator"] == pytest.approx(4e9 + 5e6) and e.kv_cache_gb == pytest.approx(0.005)
+    # a wave: prefill 2 x 1e9 x 3 x 100 / 1e12; 100 decode steps of max(2e9 x 3 / 1e12, (4e9 + KV of 3 x 150
+    # tokens) / 1e11) + vLLM's 0.01
+    wave = 2e9 * 3 * 100 / 1e12 + 100 * ((4e9 + 3 * 150 * 8000) / 1e11 + 0.01)
+    assert e.phases["generate"] == pytest.approx(3 * wave)
+    small = estimate(separation, workload(kv_cache_gb=0.001), simple_cluster())
+    assert not small.fits and "holds no whole sequence of 200 tokens" in small.short[0]
+
+
+def test_a_plan_for_gpus_sizes_the_kv_cache_and_writes_it(tiny, tmp_path):
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    out = tmp_path / "planned.yaml"
+    result = cli("plan", config, "--cluster", CLUSTERS / "1x8-h200.yaml", "--nodes", "3", "--strategy", "separation",
+                 "--write", out, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    written = load_config(out)
+    assert 0.9 * 141 - 1 < written.rollout.vllm.kv_cache_gb <= 0.9 * 141  # (the tiny model's weights are nothing)

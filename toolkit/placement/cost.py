@@ -8,11 +8,15 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
                   activations mb*L*layers*hidden*17*b, or with checkpointing mb*L*hidden*b*layers
                   + one layer's mb*L*hidden*17*b; logits mb*L*vocab*4*3.
                   A trainer that does not fit is told the fewest switches under which it would.
-  vLLM generator  P*b/TP + KV cache for its samples (b_w * L * kv_bytes_per_token / TP)
-  generation in a trainer's worker  KV cache + the scores generate() keeps (b_w * Lr * vocab * 4)
+  vLLM generator  P*b/TP + its KV budget: rollout.vllm.kv_cache_gb, or (planned) 90% of the device
+                  less the weights and the rest of its group; it holds floor(budget*TP / (L *
+                  kv_bytes_per_token)) sequences at once, and generates a worker's samples in waves
+  transformers generate() (in a trainer's worker)  every sample of the worker at once: KV cache + the
+                  scores it keeps (b_w * Lr * vocab * 4)
   scorer model    P*b + forward logits fbs*L*vocab*4*2
 Time (seconds per step, phases one after the other):
-  generate  2*P*b_w*Lp/(TP*F) + Lr * (max(2*P*b_w/(TP*F), (P*b/TP + KV)/B) + c_decode + c_seq*b_w)
+  generate  waves * (2*P*n*Lp/(TP*F) + Lr * (max(2*P*n/(TP*F), (P*b/TP + KV)/B) + c_decode + c_seq*n)),
+            n = the sequences of a wave (vLLM: what its KV cache holds; transformers: b_w)
   score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker)
   train     old log-probs (and values): 2*P*n*L/F + calls * c_forward;
             forward+backward 6*P*n*L*epochs/F + micro-batches * c_micro;
@@ -116,6 +120,7 @@ class Workload:
     updates_per_step: int = 1
     epochs: int = 1
     switches: Switches = Switches()
+    kv_cache_gb: float | None = None   # vLLM's KV-cache budget per device; None: what the weights leave
 
     @property
     def tokens(self) -> float:
@@ -127,6 +132,7 @@ class Estimate:
     memory: dict[str, float] = field(default_factory=dict)    # bytes per device, per group
     phases: dict[str, float] = field(default_factory=dict)    # seconds per step
     short: list[str] = field(default_factory=list)            # why it does not fit
+    kv_cache_gb: float = 0.0                                  # a vLLM engine's KV cache per device
 
     @property
     def step_s(self) -> float:
@@ -179,11 +185,28 @@ def forward_memory(m: ModelShape, w: Workload) -> float:
     return m.params * w.dtype_bytes + w.forward_batch_size * w.tokens * m.vocab * 4 * 2
 
 
-def generation_memory(w: Workload, per_worker: int, tp: int, own_weights: bool) -> float:
+def kv_budget(w: Workload, device_gb: float, tp: int) -> float:
+    """Bytes of KV cache a vLLM engine has per device: `rollout.vllm.kv_cache_gb`, or, when the planner
+    sets it (None), 90% of the device less the engine's share of the weights."""
+    if w.kv_cache_gb is not None:
+        return w.kv_cache_gb * GB
+    return max(0.0, 0.9 * device_gb * GB - w.actor.params * w.dtype_bytes / tp)
+
+
+def concurrency(w: Workload, budget: float, tp: int) -> int:
+    """Sequences a vLLM engine generates at once: as many whole sequences as its KV budget holds."""
+    return int(budget * tp // (w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes)))
+
+
+def generation_memory(w: Workload, per_worker: int, tp: int, own_weights: bool, budget: float | None = None) -> float:
+    """A vLLM engine (`budget` given): its weights over TP plus its KV budget. Transformers' generate()
+    with every sample of the worker at once: their KV cache and every step's scores, plus a copy of the
+    weights when it has one of its own (ZeRO-3 gathers them)."""
+    if budget is not None:
+        return w.actor.params * w.dtype_bytes / tp + budget
     kv = per_worker * w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes) / tp
-    if own_weights:  # vLLM (or transformers) with a copy of the weights of its own
-        return w.actor.params * w.dtype_bytes / tp + kv
-    return kv + per_worker * w.response_tokens * w.actor.vocab * 4  # generate() keeps every step's scores
+    weights = w.actor.params * w.dtype_bytes / tp if own_weights else 0.0
+    return weights + kv + per_worker * w.response_tokens * w.actor.vocab * 4
 
 
 def estimate(s: Layout, w: Workload, cluster) -> Estimate:
@@ -202,13 +225,22 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
             shapes = [w.actor] + ([w.critic] if ppo else [])
             need += sum(trainer_memory(m, w, workers, s.zero_stage, s.micro_batch) for m in shapes)
             trained[name] = (shapes, -need)
-        if "generation" in models:
-            own = g.own_engine or s.zero_stage == 3
-            need += generation_memory(w, math.ceil(w.samples / workers), s.tensor_parallel if own else 1, own)
         if "reference" in models:
             need += forward_memory(w.reference, w)
         if "reward" in models:
             need += sum(forward_memory(m, w) for m in w.reward_models)
+        if "generation" in models:  # (last: a vLLM engine's KV cache gets what the rest of the group leaves)
+            own = g.own_engine or s.zero_stage == 3
+            tp = s.tensor_parallel if g.own_engine else 1
+            if s.generation_engine == "vllm":
+                budget = kv_budget(w, cluster.device.memory_gb - need / GB, tp)
+                e.kv_cache_gb = budget / GB
+                if concurrency(w, budget, tp) < 1:
+                    e.short.append(f"{name}: vLLM's KV cache of {budget / GB:.1f} GB per device holds no whole "
+                                   f"sequence of {w.tokens:.0f} tokens; raise rollout.vllm.kv_cache_gb or the TP size")
+            else:
+                budget = None
+            need += generation_memory(w, math.ceil(w.samples / workers), tp, own, budget)
         e.memory[name] = need
         if name in trained:
             trained[name] = (trained[name][0], need + trained[name][1])
@@ -249,14 +281,16 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     per = math.ceil(w.samples / g_workers)
     f, bw = dev.flops * share(g_workers), dev.memory_bandwidth * share(g_workers)
     P = w.actor.active  # (FLOPs; the weights read per decode step are all of them: w.actor.params)
-    kv = per * (w.prompt_tokens + w.response_tokens / 2) * w.actor.kv_bytes_per_token(b)
-    decode_step = max(2 * P * per / (tp * f), (w.actor.params * b + kv) / (tp * bw))
     if s.generation_engine == "vllm":  # (its own worker's, or in the trainer's process: rollout.backend vllm)
         c_decode, c_sequence = o.decode_step_vllm, o.decode_per_sequence_vllm
+        batch = max(1, min(per, concurrency(w, e.kv_cache_gb * GB, tp)))  # in waves of what its KV cache holds
     else:
         c_decode, c_sequence = o.decode_step_hf, o.decode_per_sequence_hf
-    e.phases["generate"] = (2 * P * per * w.prompt_tokens / (tp * f)
-                            + w.response_tokens * (decode_step + c_decode + c_sequence * per))
+        batch = per  # (transformers: every sample of the worker at once)
+    kv = batch * (w.prompt_tokens + w.response_tokens / 2) * w.actor.kv_bytes_per_token(b)
+    decode_step = max(2 * P * batch / (tp * f), (w.actor.params * b + kv) / (tp * bw))
+    e.phases["generate"] = math.ceil(per / batch) * (2 * P * batch * w.prompt_tokens / (tp * f)
+                                                     + w.response_tokens * (decode_step + c_decode + c_sequence * batch))
 
     # Scoring: each scoring model on the workers that run it (see placement.plan.stages).
     def forward_s(m: ModelShape, n: int, workers: int) -> float:

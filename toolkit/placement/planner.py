@@ -9,8 +9,10 @@ every group runs on the same machine, one worker each.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +60,7 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
         samples=cfg.samples_per_step, prompts=cfg.rollout.prompts_per_step, prompt_tokens=prompt_tokens,
         response_tokens=response_tokens if response_tokens is not None else cfg.rollout.max_new_tokens,
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], forward_batch_size=cfg.model.forward_batch_size,
+        kv_cache_gb=cfg.rollout.vllm.kv_cache_gb,
         updates_per_step=cfg.trainer.updates_per_step, epochs=cfg.algorithm.epochs,
         switches=Switches(t.gradient_checkpointing, t.offload_optimizer, t.offload_params,
                           t.lora.rank if t.lora is not None else None))
@@ -86,6 +89,8 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     large search (more than `keep` layouts of a strategy) each trainer size takes the fastest of them that
     fits (or, when none fits, the smallest) instead of every one: the best plan is the same, and 128 nodes
     are searched in seconds instead of minutes. Small searches list every setting."""
+    if cluster.gpus_per_node:  # each plan sizes vLLM's KV cache for its devices (written with --write)
+        w = dataclasses.replace(w, kv_cache_gb=None)
     heap: list = []  # (-step_s, n, Candidate): the `keep` fastest that fit
     closest: list = []  # (-peak, n, Candidate): the `keep` closest to fitting
     of_strategy: dict[str, tuple[float, Candidate]] = {}
@@ -259,8 +264,14 @@ def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
             "plans": [plan(c, i) for i, c in enumerate(fit[:top], 1)] + [plan(c, None) for c in closest[:top]]}
 
 
-def as_config(cfg, s: Layout) -> dict:
-    """`cfg` (resolved) with the placement and parallel settings of `s`, as a config mapping."""
+def kv_cache_gb(c: Candidate) -> float:
+    """The KV cache per device a plan gives a vLLM engine, as `rollout.vllm.kv_cache_gb` (0.1 GB steps)."""
+    return max(0.1, math.floor(c.estimate.kv_cache_gb * 10) / 10)
+
+
+def as_config(cfg, c: Candidate) -> dict:
+    """`cfg` (resolved) with the placement and parallel settings of plan `c`, as a config mapping."""
+    s = c.setting
     data = cfg.model_dump(mode="json", exclude_none=True)
     placement = {"strategy": s.strategy, "offload": cfg.placement.offload}
     for g in s.groups:
@@ -269,16 +280,20 @@ def as_config(cfg, s: Layout) -> dict:
         placement[g.name] = {**old, "nodes": g.nodes, "workers": g.workers, "gpus_per_worker": g.gpus_per_worker}
     data["placement"] = placement
     data["trainer"].update(zero_stage=s.zero_stage, micro_batch_size=s.micro_batch)
-    data["rollout"].setdefault("vllm", {})["tensor_parallel_size"] = s.tensor_parallel
+    vllm = data["rollout"].setdefault("vllm", {})
+    vllm["tensor_parallel_size"] = s.tensor_parallel
+    if s.generation_engine == "vllm":
+        vllm["kv_cache_gb"] = kv_cache_gb(c)
     return data
 
 
-def write_config(cfg, s: Layout, path: Path) -> None:
+def write_config(cfg, c: Candidate, path: Path) -> None:
     import yaml
 
     from toolkit.config.load import validate
 
-    data = as_config(cfg, s)
+    data = as_config(cfg, c)
+    s = c.setting
     validate(data, base_dir=path.resolve().parent, source=path)  # refuse to write what would not load
     path.write_text(f"# written by slurm-rlhf plan: {s.strategy}, {s.describe()}\n"
                     + yaml.safe_dump(data, sort_keys=False))
