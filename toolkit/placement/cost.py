@@ -11,6 +11,8 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
   vLLM generator  P*b/TP + its KV budget: rollout.vllm.kv_cache_gb, or (planned) 90% of the device
                   less the weights and the rest of its group; it holds floor(budget*TP / (L *
                   kv_bytes_per_token)) sequences at once, and generates a worker's samples in waves
+                  (vLLM in a trainer's process sleeps while the trainer works, on a GPU: its group
+                  needs the trainer's state plus the larger of activations and weights + KV budget)
   transformers generate() (in a trainer's worker)  every sample of the worker at once: KV cache + the
                   scores it keeps (b_w * Lr * vocab * 4)
   scorer model    P*b + forward logits fbs*L*vocab*4*2
@@ -220,10 +222,11 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     trained = {}  # group name: (the models it trains, what the rest of the group needs)
     for g in s.groups:
         name, models, workers = g.name, g.models, g.workers
-        need = 0.0
+        need = idle = 0.0  # idle: what the trainer keeps between updates (no activations)
         if "actor" in models:
             shapes = [w.actor] + ([w.critic] if ppo else [])
             need += sum(trainer_memory(m, w, workers, s.zero_stage, s.micro_batch) for m in shapes)
+            idle = sum(trainer_memory(m, w, workers, s.zero_stage, 0) for m in shapes) - need
             trained[name] = (shapes, -need)
         if "reference" in models:
             need += forward_memory(w.reference, w)
@@ -232,15 +235,20 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
         if "generation" in models:  # (last: a vLLM engine's KV cache gets what the rest of the group leaves)
             own = g.own_engine or s.zero_stage == 3
             tp = s.tensor_parallel if g.own_engine else 1
+            # vLLM in the trainer's process sleeps (gives back weights and KV cache) while the trainer
+            # works, on a GPU: it shares the device with the trainer's state between updates only.
+            asleep = s.generation_engine == "vllm" and not g.own_engine and not cluster.shared
+            beside = need + idle if asleep else need
             if s.generation_engine == "vllm":
-                budget = kv_budget(w, cluster.device.memory_gb - need / GB, tp)
+                budget = kv_budget(w, cluster.device.memory_gb - beside / GB, tp)
                 e.kv_cache_gb = budget / GB
                 if concurrency(w, budget, tp) < 1:
                     e.short.append(f"{name}: vLLM's KV cache of {budget / GB:.1f} GB per device holds no whole "
                                    f"sequence of {w.tokens:.0f} tokens; raise rollout.vllm.kv_cache_gb or the TP size")
             else:
                 budget = None
-            need += generation_memory(w, math.ceil(w.samples / workers), tp, own, budget)
+            generating = beside + generation_memory(w, math.ceil(w.samples / workers), tp, own, budget)
+            need = max(need, generating) if asleep else generating
         e.memory[name] = need
         if name in trained:
             trained[name] = (trained[name][0], need + trained[name][1])
