@@ -297,3 +297,21 @@ def test_a_plan_for_gpus_sizes_the_kv_cache_and_writes_it(tiny, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     written = load_config(out)
     assert 0.9 * 141 - 1 < written.rollout.vllm.kv_cache_gb <= 0.9 * 141  # (the tiny model's weights are nothing)
+    # generation in the trainer's workers (transformers): the batch that fits is written
+    result = cli("plan", config, "--cluster", CLUSTERS / "1x8-h200.yaml", "--strategy", "flattening", "--write", out,
+                 timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    written = load_config(out)
+    assert written.rollout.generate_batch_size == written.samples_per_step // 8  # (all of a worker's fit)
+
+
+def test_transformers_generates_its_batch_at_once_in_waves():
+    """rollout.generate_batch_size 3 of 8 samples: 3 waves of 3; memory for 3 samples' KV cache (1.6 MB
+    each) and scores (100 steps x 1,000 vocabulary x 4 bytes each)."""
+    flattening = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8, 1, "hf")
+    every = estimate(flattening, workload(), simple_cluster())
+    three = estimate(flattening, workload(generate_batch=3), simple_cluster())
+    assert every.generate_batch == 8 and three.generate_batch == 3
+    assert every.memory["all"] - three.memory["all"] == pytest.approx(5 * (1.6e6 + 100 * 1000 * 4))
+    wave = 2e9 * 3 * 100 / 1e12 + 100 * ((4e9 + 3 * 150 * 8000) / 1e11 + 0.02)
+    assert three.phases["generate"] == pytest.approx(3 * wave)

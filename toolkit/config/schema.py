@@ -101,6 +101,10 @@ class RolloutSection(Section):
     (gives back its KV cache and weights) while the trainer works."""
     vllm: VllmSection = VllmSection()
     """Settings of the vLLM engine."""
+    generate_batch_size: PositiveInt | None = None
+    """Transformers engine (`hf`): samples a worker generates at once (None: all of its samples). Smaller
+    batches need less memory (their KV cache, and the scores kept for log-probs) and take more decode
+    steps. vLLM batches by its KV cache (`vllm.kv_cache_gb`) instead."""
     max_policy_lag: Annotated[int, Field(ge=0)] = 0
     """0: synchronous, on-policy (a step generates with the weights of the step before). N > 0: asynchronous;
     generation of the next N steps overlaps training, so a sample may come from weights up to N updates

@@ -13,12 +13,13 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
                   kv_bytes_per_token)) sequences at once, and generates a worker's samples in waves
                   (vLLM in a trainer's process sleeps while the trainer works, on a GPU: its group
                   needs the trainer's state plus the larger of activations and weights + KV budget)
-  transformers generate() (in a trainer's worker)  every sample of the worker at once: KV cache + the
-                  scores it keeps (b_w * Lr * vocab * 4)
+  transformers generate()  rollout.generate_batch_size samples at once, or (planned) as many as 90% of
+                  the device has room for beside the rest of its group: their KV cache + the scores it
+                  keeps (Lr * vocab * 4 each)
   scorer model    P*b + forward logits fbs*L*vocab*4*2
 Time (seconds per step, phases one after the other):
   generate  waves * (2*P*n*Lp/(TP*F) + Lr * (max(2*P*n/(TP*F), (P*b/TP + KV)/B) + c_decode + c_seq*n)),
-            n = the sequences of a wave (vLLM: what its KV cache holds; transformers: b_w)
+            n = the sequences of a wave (vLLM: what its KV cache holds; transformers: its batch)
   score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker)
   train     old log-probs (and values): 2*P*n*L/F + calls * c_forward;
             forward+backward 6*P*n*L*epochs/F + micro-batches * c_micro;
@@ -123,6 +124,7 @@ class Workload:
     epochs: int = 1
     switches: Switches = Switches()
     kv_cache_gb: float | None = None   # vLLM's KV-cache budget per device; None: what the weights leave
+    generate_batch: int | None = 0     # transformers: samples generated at once (0: all; None: what fits)
 
     @property
     def tokens(self) -> float:
@@ -135,6 +137,7 @@ class Estimate:
     phases: dict[str, float] = field(default_factory=dict)    # seconds per step
     short: list[str] = field(default_factory=list)            # why it does not fit
     kv_cache_gb: float = 0.0                                  # a vLLM engine's KV cache per device
+    generate_batch: int = 0                                   # transformers: samples generated at once
 
     @property
     def step_s(self) -> float:
@@ -200,15 +203,19 @@ def concurrency(w: Workload, budget: float, tp: int) -> int:
     return int(budget * tp // (w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes)))
 
 
-def generation_memory(w: Workload, per_worker: int, tp: int, own_weights: bool, budget: float | None = None) -> float:
+def hf_sample_bytes(w: Workload, tp: int) -> float:
+    """What transformers' generate() holds per sample of a batch: its KV cache and every step's scores."""
+    return w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes) / tp + w.response_tokens * w.actor.vocab * 4
+
+
+def generation_memory(w: Workload, batch: int, tp: int, own_weights: bool, budget: float | None = None) -> float:
     """A vLLM engine (`budget` given): its weights over TP plus its KV budget. Transformers' generate()
-    with every sample of the worker at once: their KV cache and every step's scores, plus a copy of the
-    weights when it has one of its own (ZeRO-3 gathers them)."""
+    with `batch` samples at once, plus a copy of the weights when it has one of its own (ZeRO-3
+    gathers them)."""
     if budget is not None:
         return w.actor.params * w.dtype_bytes / tp + budget
-    kv = per_worker * w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes) / tp
     weights = w.actor.params * w.dtype_bytes / tp if own_weights else 0.0
-    return weights + kv + per_worker * w.response_tokens * w.actor.vocab * 4
+    return weights + batch * hf_sample_bytes(w, tp)
 
 
 def estimate(s: Layout, w: Workload, cluster) -> Estimate:
@@ -245,9 +252,14 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
                 if concurrency(w, budget, tp) < 1:
                     e.short.append(f"{name}: vLLM's KV cache of {budget / GB:.1f} GB per device holds no whole "
                                    f"sequence of {w.tokens:.0f} tokens; raise rollout.vllm.kv_cache_gb or the TP size")
-            else:
-                budget = None
-            generating = beside + generation_memory(w, math.ceil(w.samples / workers), tp, own, budget)
+                batch = 0
+            else:  # transformers: rollout.generate_batch_size, or (planned) as many as the device has room for
+                budget, per = None, math.ceil(w.samples / workers)
+                room = 0.9 * cluster.device.memory_gb * GB - beside - (w.actor.params * w.dtype_bytes / tp if own else 0)
+                fits = max(1, int(room // hf_sample_bytes(w, tp)))
+                batch = min(per, fits if w.generate_batch is None else w.generate_batch or per)
+                e.generate_batch = batch
+            generating = beside + generation_memory(w, batch, tp, own, budget)
             need = max(need, generating) if asleep else generating
         e.memory[name] = need
         if name in trained:
@@ -294,7 +306,7 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
         batch = max(1, min(per, concurrency(w, e.kv_cache_gb * GB, tp)))  # in waves of what its KV cache holds
     else:
         c_decode, c_sequence = o.decode_step_hf, o.decode_per_sequence_hf
-        batch = per  # (transformers: every sample of the worker at once)
+        batch = max(1, e.generate_batch)  # (transformers: rollout.generate_batch_size at once)
     kv = batch * (w.prompt_tokens + w.response_tokens / 2) * w.actor.kv_bytes_per_token(b)
     decode_step = max(2 * P * batch / (tp * f), (w.actor.params * b + kv) / (tp * bw))
     e.phases["generate"] = math.ceil(per / batch) * (2 * P * batch * w.prompt_tokens / (tp * f)

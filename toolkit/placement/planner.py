@@ -60,7 +60,7 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
         samples=cfg.samples_per_step, prompts=cfg.rollout.prompts_per_step, prompt_tokens=prompt_tokens,
         response_tokens=response_tokens if response_tokens is not None else cfg.rollout.max_new_tokens,
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], forward_batch_size=cfg.model.forward_batch_size,
-        kv_cache_gb=cfg.rollout.vllm.kv_cache_gb,
+        kv_cache_gb=cfg.rollout.vllm.kv_cache_gb, generate_batch=cfg.rollout.generate_batch_size or 0,
         updates_per_step=cfg.trainer.updates_per_step, epochs=cfg.algorithm.epochs,
         switches=Switches(t.gradient_checkpointing, t.offload_optimizer, t.offload_params,
                           t.lora.rank if t.lora is not None else None))
@@ -89,8 +89,8 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     large search (more than `keep` layouts of a strategy) each trainer size takes the fastest of them that
     fits (or, when none fits, the smallest) instead of every one: the best plan is the same, and 128 nodes
     are searched in seconds instead of minutes. Small searches list every setting."""
-    if cluster.gpus_per_node:  # each plan sizes vLLM's KV cache for its devices (written with --write)
-        w = dataclasses.replace(w, kv_cache_gb=None)
+    if cluster.gpus_per_node:  # each plan sizes vLLM's KV cache or the generate() batch (--write writes it)
+        w = dataclasses.replace(w, kv_cache_gb=None, generate_batch=None)
     heap: list = []  # (-step_s, n, Candidate): the `keep` fastest that fit
     closest: list = []  # (-peak, n, Candidate): the `keep` closest to fitting
     of_strategy: dict[str, tuple[float, Candidate]] = {}
@@ -284,6 +284,8 @@ def as_config(cfg, c: Candidate) -> dict:
     vllm["tensor_parallel_size"] = s.tensor_parallel
     if s.generation_engine == "vllm":
         vllm["kv_cache_gb"] = kv_cache_gb(c)
+    else:
+        data["rollout"]["generate_batch_size"] = c.estimate.generate_batch
     return data
 
 

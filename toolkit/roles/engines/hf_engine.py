@@ -34,13 +34,18 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
-        # One seed per call: reproducible for the same batch of prompts. The global RNG is put back
-        # afterwards, so a trainer in the same process draws the same numbers as in its own process.
+        # In batches of rollout.generate_batch_size prompts (all at once when unset), each seeded with its
+        # first sample's seed: reproducible for the same prompts. The global RNG is put back afterwards, so
+        # a trainer in the same process draws the same numbers as in its own process.
+        size = self.cfg.rollout.generate_batch_size or len(prompts)
         rng, training = torch.get_rng_state(), self.model.training
-        torch.manual_seed(seeds[0])
         self.model.eval()
         try:
-            return self._generate(prompts)
+            completions = []
+            for start in range(0, len(prompts), size):
+                torch.manual_seed(seeds[start])
+                completions += self._generate(prompts[start:start + size])
+            return completions
         finally:
             torch.set_rng_state(rng)
             self.model.train(training)
