@@ -39,7 +39,7 @@ def predict(run: dict):
                  samples=load["prompts"] * load["group_size"], prompts=load["prompts"],
                  prompt_tokens=load["prompt_tokens"], response_tokens=load["response_tokens"],
                  dtype_bytes=load["dtype_bytes"], updates_per_step=load.get("updates_per_step", 1),
-                 switches=Switches(**run.get("switches", {})))
+                 switches=Switches(**run.get("switches", {})), max_policy_lag=run["layout"].get("max_policy_lag", 0))
     cluster = load_cluster(CLUSTERS / run["cluster"]).model_copy(update={"nodes": run["nodes"]})
     found = search(cluster, w, 3, strategies=(run["layout"]["strategy"],))
     if not found.fit:
@@ -73,7 +73,7 @@ def main() -> int:
         rows.append((run["id"], f"{run['step_s']:.1f}", f"{e.step_s:.1f}", f"{error:+.0%}",
                      *(f"{e.phases[k]:.1f}" for k in ("generate", "score", "train", "sync")),
                      f"{s.describe()} TP{s.tensor_parallel} ZeRO-{s.zero_stage} mb {s.micro_batch}"
-                     + (" (lag 1: not overlapped by the model)" if run["layout"].get("max_policy_lag") else "")))
+                     + (f" lag {run['layout']['max_policy_lag']}" if run["layout"].get("max_policy_lag") else "")))
     print(text_table(rows))
     pairs = [(a, b) for i, a in enumerate(runs) for b in runs[i + 1:] if a["id"].split("-")[:2] == b["id"].split("-")[:2]
              and a["cluster"] == b["cluster"] and a["nodes"] == b["nodes"] and a["workload"]["prompts"] ==

@@ -315,3 +315,20 @@ def test_transformers_generates_its_batch_at_once_in_waves():
     assert every.memory["all"] - three.memory["all"] == pytest.approx(5 * (1.6e6 + 100 * 1000 * 4))
     wave = 2e9 * 3 * 100 / 1e12 + 100 * ((4e9 + 3 * 150 * 8000) / 1e11 + 0.02)
     assert three.phases["generate"] == pytest.approx(3 * wave)
+
+
+def test_asynchronous_mode_takes_the_busiest_group_not_the_sum():
+    """max_policy_lag 1 with generators of their own, on nodes of their own: generation (and its weight
+    sync) overlaps scoring and training, so a step takes the busiest group plus transport."""
+    separation = Layout("separation", (Group("generator", ("generation",)), Group("scorer", ("reference", "reward")),
+                                       Group("trainer", ("actor",))), 2, 8)
+    cluster = simple_cluster(shared=False, nodes=3)
+    sync, lagged = (estimate(separation, workload(max_policy_lag=lag), cluster) for lag in (0, 1))
+    p = sync.phases
+    assert lagged.phases == p and sync.step_s == pytest.approx(sum(p.values()))
+    assert lagged.step_s == pytest.approx(max(p["generate"] + p["sync"], p["score"], p["train"] + p["sync"])
+                                          + p["transport"])
+    assert lagged.step_s < sync.step_s
+    flattening = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8, 1, "hf")
+    shared = estimate(flattening, workload(max_policy_lag=1), cluster)  # (no generators of its own: no overlap)
+    assert shared.step_s == pytest.approx(sum(shared.phases.values()))

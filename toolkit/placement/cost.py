@@ -17,7 +17,8 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
                   the device has room for beside the rest of its group: their KV cache + the scores it
                   keeps (Lr * vocab * 4 each)
   scorer model    P*b + forward logits fbs*L*vocab*4*2
-Time (seconds per step, phases one after the other):
+Time (seconds per step, phases one after the other; with max_policy_lag >= 1 and generators of their
+own, the busiest group's seconds, as generation of the next steps overlaps training):
   generate  waves * (2*P*n*Lp/(TP*F) + Lr * (max(2*P*n/(TP*F), (P*b/TP + KV)/B) + c_decode + c_seq*n)),
             n = the sequences of a wave (vLLM: what its KV cache holds; transformers: its batch)
   score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker)
@@ -125,6 +126,7 @@ class Workload:
     switches: Switches = Switches()
     kv_cache_gb: float | None = None   # vLLM's KV-cache budget per device; None: what the weights leave
     generate_batch: int | None = 0     # transformers: samples generated at once (0: all; None: what fits)
+    max_policy_lag: int = 0            # >= 1: generation of the next steps overlaps training (async)
 
     @property
     def tokens(self) -> float:
@@ -138,10 +140,13 @@ class Estimate:
     short: list[str] = field(default_factory=list)            # why it does not fit
     kv_cache_gb: float = 0.0                                  # a vLLM engine's KV cache per device
     generate_batch: int = 0                                   # transformers: samples generated at once
+    overlapped_s: float | None = None                         # async: the busiest group's seconds a step
 
     @property
     def step_s(self) -> float:
-        return sum(self.phases.values())
+        """The phases one after the other, or, when generation overlaps training (max_policy_lag >= 1),
+        the busiest group's share of them."""
+        return self.overlapped_s if self.overlapped_s is not None else sum(self.phases.values())
 
     @property
     def fits(self) -> bool:
@@ -317,7 +322,7 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
         calls = math.ceil(n / w.forward_batch_size)
         return 2 * m.active * n * w.tokens / (dev.flops * share(workers)) + calls * o.forward_call
 
-    score = 0.0
+    busy = {g.name: 0.0 for g in s.groups}  # seconds each group works a step (for the overlap of async mode)
     for model, shapes in (("reference", [w.reference]), ("reward", list(w.reward_models))):
         if s.together(model, "generation"):
             n, workers = per, g_workers                    # right after generation, on each worker
@@ -326,8 +331,8 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
         else:
             workers = s.workers(model)
             n = math.ceil(g_workers / workers) * per       # messages shared round-robin
-        score += sum(forward_s(m, n, workers) for m in shapes)
-    e.phases["score"] = score
+        busy[s.group(model).name] += sum(forward_s(m, n, workers) for m in shapes)
+    e.phases["score"] = sum(busy.values())
 
     # Training.
     t_nodes, t_workers = s.group("actor").nodes, s.group("actor").workers
@@ -362,6 +367,14 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     hops = _hops(s)
     sample_bytes = w.samples * w.tokens * 12
     e.phases["transport"] = hops * (g_workers * o.message + sample_bytes / links.intra_node) + o.step
+
+    # Asynchronous mode (its own generators, max_policy_lag >= 1): the next steps' generation and scoring
+    # run while the trainer trains, so a step takes what its busiest group does (the weight sync holds
+    # both the generator and the trainer).
+    if w.max_policy_lag >= 1 and own_engine and not cluster.shared:
+        busy[generator.name] += e.phases["generate"] + e.phases["sync"]
+        busy[s.group("actor").name] += e.phases["train"] + e.phases["sync"]
+        e.overlapped_s = max(busy.values()) + e.phases["transport"]
     return e
 
 
