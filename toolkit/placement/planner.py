@@ -86,10 +86,11 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
 
     Node counts per group come from `node_counts` (every count up to 16, then 1 and 1.5 times powers of
     two, and whatever is left of the cluster); a generator never has more workers than prompts. ZeRO
-    stage and micro-batch change only the trainer group's memory and its train and sync seconds, so on a
-    large search (more than `keep` layouts of a strategy) each trainer size takes the fastest of them that
-    fits (or, when none fits, the smallest) instead of every one: the best plan is the same, and 128 nodes
-    are searched in seconds instead of minutes. Small searches list every setting."""
+    stage and micro-batch change only the trainer group: its memory, its train and sync seconds and,
+    where it generates too, the generation batch that fits beside them. So on a large search (more than
+    `keep` layouts of a strategy) each trainer size takes the fastest of them that fits (or, when none
+    fits, the smallest) instead of every one: the best plan is the same, and 128 nodes are searched in
+    seconds instead of minutes. Small searches list every setting."""
     if cluster.gpus_per_node:  # each plan sizes vLLM's KV cache or the generate() batch (--write writes it)
         w = dataclasses.replace(w, kv_cache_gb=None, generate_batch=None)
     heap: list = []  # (-step_s, n, Candidate): the `keep` fastest that fit
@@ -117,6 +118,7 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
         layout = [(name, tuple(m for m in models if m != "critic" or w.critic is not None))  # GRPO: no critic
                   for name, models in PRESETS[strategy].items()]
         own_generator = not generation_with_actor(models for _, models in layout)
+        engine = "vllm" if own_generator else "hf"
         layouts = []
         for split, tp in itertools.product(_splits(cluster, len(layout)), tps if own_generator else [1]):
             groups = _groups(cluster, layout, split, tp)
@@ -129,10 +131,10 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
             options = list(itertools.product(zeros, _micro_batches(w, trainer.workers)))
             if pick is not None and options:
                 if trainer not in pick:
-                    pick[trainer] = _fastest_trainer(options, strategy, groups, tp, trainer.name, w, cluster, usable)
+                    pick[trainer] = _fastest_trainer(options, strategy, groups, tp, engine, w, cluster, usable)
                 options = [pick[trainer]]
             for zero, mb in options:
-                s = Layout(strategy, groups, zero, mb, tp, "vllm" if own_generator else "hf")
+                s = Layout(strategy, groups, zero, mb, tp, engine)
                 add(Candidate(s, estimate(s, w, cluster)))
     found.fit = [c for _, _, c in sorted(heap, key=lambda item: (-item[0], item[1]))]
     kept = [c for _, _, c in sorted(closest, key=lambda item: (-item[0], item[1]))]
@@ -193,13 +195,16 @@ def _micro_batches(w: Workload, trainers: int) -> list[int]:
     return [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= per_update and per_update % m == 0]
 
 
-def _fastest_trainer(options, strategy, groups, tp, name, w, cluster, usable) -> tuple[int, int]:
-    """Of (zero, micro-batch) `options`, the one with the fewest train + sync seconds under which the
-    trainer group `name` fits its devices; when none fits, the one that needs the least memory."""
+def _fastest_trainer(options, strategy, groups, tp, engine, w, cluster, usable) -> tuple[int, int]:
+    """Of (zero, micro-batch) `options`, the one with the fewest generate + train + sync seconds (only
+    the trainer group's part of them changes) under which the trainer group fits its devices; when none
+    fits, the one that needs the least memory."""
+    name = next(g.name for g in groups if "actor" in g.models)
+
     def rate(option):
-        e = estimate(Layout(strategy, groups, *option, tp, "hf"), w, cluster)
+        e = estimate(Layout(strategy, groups, *option, tp, engine), w, cluster)
         need = e.memory[name]
-        return (need > usable, need if need > usable else e.phases["train"] + e.phases["sync"])
+        return (need > usable, need if need > usable else e.phases["generate"] + e.phases["train"] + e.phases["sync"])
 
     return min(options, key=rate)
 
