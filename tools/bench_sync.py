@@ -4,10 +4,11 @@
 
 Two processes on this machine form a gloo group over a TCPStore on 127.0.0.1, as trainer rank 0 and one
 generator rank do (NCCL takes gloo's place on GPU). Per model:
-- slurm-rlhf: what the trainer does at every sync: the probe's log-probs (one forward pass of 32 tokens,
+- slurm-rlhf: what the trainer does at every sync: the probe's log-probs (one forward pass of 8 tokens,
   the check that the generator loaded every weight), then `WeightSender.send`: the weights in buckets of
   `trainer.weight_sync_bucket_mb` (64), converted to the checkpoint format vLLM loads, one broadcast per
   bucket; the receiver takes them with `WeightReceiver.receive` (views of each bucket, as vLLM's loader gets them);
+  and the same with `rollout.sync_check: false` (no probe: nothing is computed, only the weights travel);
 - raw: one `broadcast` of a flat tensor of the same number of bytes, into a new tensor on the receiver
   (as a loader needs each version: vLLM keeps the tensors it is given until a layer is whole), and, for
   the link's bound, into one tensor reused every time.
@@ -60,18 +61,24 @@ def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int) -> Non
         store = connect_store("127.0.0.1", port_queue.get(timeout=TIMEOUT_S), TIMEOUT_S)
     device = torch.device("cpu")
     group = form_group(store, rank, 2, TIMEOUT_S, device)
+    unchecked_group = form_group(store, rank, 2, TIMEOUT_S, device, "unchecked")
     raw_group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, datetime.timedelta(seconds=TIMEOUT_S))
     if rank == 0:
         model = build(*shape)
         params = list(model.named_parameters())
         layout = plan_layout(params, BUCKET_MB * 2**20, probe_tokens(shape[-1], 0), checkpoint_converter(model))
+        receiver = unchecked_receiver = None
         sender = WeightSender(layout, device)
         sender.add("0", group)
+        unchecked = WeightSender(plan_layout(params, BUCKET_MB * 2**20, [], checkpoint_converter(model)), device)
+        unchecked.add("0", unchecked_group)
         flat = torch.cat([p.detach().reshape(-1) for _, p in params])
     else:
+        sender = unchecked = None
         receiver = WeightReceiver(group, device)
+        unchecked_receiver = WeightReceiver(unchecked_group, device)
         flat = torch.empty(sum(p.numel() for p in build(*shape).parameters()))
-    ours, probe_s, fresh, reused, sent = [], [], [], [], 0
+    ours, off, probe_s, fresh, reused, sent = [], [], [], [], [], 0
 
     def probe():
         started = time.perf_counter()
@@ -80,18 +87,19 @@ def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int) -> Non
         return out
 
     for version in range(1, repeats + 1):
-        group.barrier().wait()
-        started = time.perf_counter()
-        if rank == 0:
-            sent = sender.send(version, gathered_buckets([p for _, p in params], layout.sources, False), probe)
-        else:
-            got, tensors = receiver.receive()
-            assert got == version
-            for _ in tensors:
-                pass
-            receiver.probe_logprobs()
-        group.barrier().wait()
-        ours.append(time.perf_counter() - started)
+        for times, send, recv, g in ((ours, sender, receiver, group), (off, unchecked, unchecked_receiver, unchecked_group)):
+            g.barrier().wait()
+            started = time.perf_counter()
+            if rank == 0:
+                sent = send.send(version, gathered_buckets([p for _, p in params], layout.sources, False), probe)
+            else:
+                got, tensors = recv.receive()
+                assert got == version
+                for _ in tensors:
+                    pass
+                recv.probe_logprobs()
+            g.barrier().wait()
+            times.append(time.perf_counter() - started)
         for times, target in ((fresh, None), (reused, flat)):
             raw_group.barrier().wait()
             started = time.perf_counter()
@@ -99,7 +107,7 @@ def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int) -> Non
             raw_group.barrier().wait()
             times.append(time.perf_counter() - started)
     if rank == 0:
-        results.put({"ours": statistics.median(ours), "probe": statistics.median(probe_s),
+        results.put({"ours": statistics.median(ours), "off": statistics.median(off), "probe": statistics.median(probe_s),
                      "fresh": statistics.median(fresh), "reused": statistics.median(reused), "sent": sent,
                      "raw_bytes": flat.numel() * flat.element_size(), "buckets": len(layout.wire),
                      "params": flat.numel()})
@@ -113,9 +121,9 @@ def main() -> None:
     print("Weight sync between two processes over gloo (localhost): slurm-rlhf's bucketed broadcast vs one raw "
           "broadcast of the same bytes")
     header = (f"{'model':<26}{'MB':>7}{'buckets':>8}{'ours s':>8}{'probe s':>9}{'ours MB/s':>10}"
-              f"{'raw s':>8}{'raw MB/s':>9}{'ratio':>7}{'raw reused s':>14}")
+              f"{'raw s':>8}{'raw MB/s':>9}{'ratio':>7}{'no check s':>11}{'ratio':>7}{'raw reused s':>14}")
     print(header + "\n" + "-" * len(header))
-    ratios = []
+    ratios, unchecked = [], []
     for label, *shape in MODELS:
         port_queue, results = ctx.Queue(), ctx.Queue()
         procs = [ctx.Process(target=rank_main, args=(rank, port_queue, results, tuple(shape), args.repeats))
@@ -132,13 +140,17 @@ def main() -> None:
         assert r["sent"] == r["raw_bytes"], r
         mb = r["sent"] / 2**20
         ratios.append(r["fresh"] / r["ours"])
+        unchecked.append(r["fresh"] / r["off"])
         label = f"{label} {r['params'] / 1e6:.0f}M"
         print(f"{label:<26}{mb:>7.1f}{r['buckets']:>8}{r['ours']:>8.3f}{r['probe']:>9.3f}{mb / r['ours']:>10.1f}"
-              f"{r['fresh']:>8.3f}{mb / r['fresh']:>9.1f}{r['fresh'] / r['ours']:>7.2f}{r['reused']:>14.3f}")
+              f"{r['fresh']:>8.3f}{mb / r['fresh']:>9.1f}{r['fresh'] / r['ours']:>7.2f}{r['off']:>11.3f}"
+              f"{r['fresh'] / r['off']:>7.2f}{r['reused']:>14.3f}")
     print(f"(median of {args.repeats}; ours includes the probe's forward pass, run while the weights travel;\n"
+          " no check: rollout.sync_check false, the weights only;\n"
           " raw: one broadcast of the same bytes into a new tensor, as a loader takes each version;\n"
           " raw reused: into the same tensor every time, no page faults; ratio = our MB/s / raw MB/s)\n")
-    print(f"ratio {min(ratios):.2f}  (weight sync throughput / raw torch.distributed broadcast, lowest over the models)")
+    print(f"ratio {min(ratios):.2f}  (weight sync throughput / raw torch.distributed broadcast, lowest over the models; "
+          f"{min(unchecked):.2f} without the sync check)")
 
 
 if __name__ == "__main__":

@@ -36,9 +36,11 @@ def finish(proc: subprocess.Popen, log_path, timeout=240) -> None:
     assert code == 0, f"peer failed ({code}):\n{log_path.read_text()[-4000:]}"
 
 
-def sync_once(config, model_dir, backend: str, tmp_path, refresh: str = "refresh") -> tuple[dict, list, torch.nn.Module]:
+def sync_once(config, model_dir, backend: str, tmp_path, refresh: str = "refresh",
+              check: bool = True) -> tuple[dict, list, torch.nn.Module]:
     """A generator peer (BACKEND) receives one version of the weights: the model at `model_dir` moved by
-    seeded noise (so a missed sync cannot pass). Returns the peer's record, the sequences and the model."""
+    seeded noise (so a missed sync cannot pass). Returns the peer's record, the sequences and the model.
+    `check` False: as with rollout.sync_check false, the layout has no probe, which must never be computed."""
     from transformers import AutoModelForCausalLM
 
     g = torch.Generator().manual_seed(0)
@@ -56,12 +58,16 @@ def sync_once(config, model_dir, backend: str, tmp_path, refresh: str = "refresh
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
         params = list(model.named_parameters())
         convert = checkpoint_converter(model) if backend == "vllm" else identity
-        layout = plan_layout(params, 64 * 1024, probe_tokens(500, 0), convert)
+        layout = plan_layout(params, 64 * 1024, probe_tokens(500, 0) if check else [], convert)
         sender = WeightSender(layout, torch.device("cpu"))
         sender.add("0", form_group(store, 0, 2, 120, torch.device("cpu")))
         assert len(layout.sources) > 5
-        sent = sender.send(1, gathered_buckets([p for _, p in params], layout.sources, zero3=False),
-                           lambda: model_logprobs(model, layout.probe))
+
+        def probe():
+            assert check, "the probe was computed although the check is off"
+            return model_logprobs(model, layout.probe)
+
+        sent = sender.send(1, gathered_buckets([p for _, p in params], layout.sources, zero3=False), probe)
         assert sent == sum(p.numel() * 4 for _, p in params)
     finally:
         finish(proc, log_path)
@@ -93,6 +99,15 @@ def test_generator_logprobs_equal_trainer_after_sync(backend, family, tiny, tmp_
           f"probe check {result['check']}")
     assert after <= 1e-5, after
     assert isinstance(result["check"], float) and result["check"] <= 1e-5  # the probe agrees
+
+
+def test_without_the_check_no_probe_is_computed_or_sent(tiny, tmp_path):
+    """rollout.sync_check false: the trainer's layout has no probe, so neither side runs its forward pass
+    (on a CPU it reads every weight once, as much as the transfer) and the group stays in step."""
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, rollout={"backend": "hf", "sync_check": False}))
+    result, sequences, model = sync_once(config, tiny / "model", "hf", tmp_path, check=False)
+    assert result["version"] == 1 and result["check"] is None
+    assert max_diff(result["after"], sequences, model) <= 1e-5
 
 
 def test_sync_check_finds_a_stale_lm_head(tiny, tmp_path):

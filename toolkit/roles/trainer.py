@@ -89,8 +89,8 @@ class TrainerRole(Role):
         # vLLM loads the checkpoint format; the transformers engine loads the parameters as they are.
         convert = checkpoint_converter(plain_model(self.actor.module)) if cfg.generation_backend == "vllm" else identity
         vocab = min(len(self.tokenizer), actor.config.vocab_size)
-        self.layout = plan_layout(self.params, int(t.weight_sync_bucket_mb * 2**20), probe_tokens(vocab, cfg.run.seed),
-                                  convert)
+        probe = probe_tokens(vocab, cfg.run.seed) if cfg.rollout.sync_check else []  # (none: nothing to compute)
+        self.layout = plan_layout(self.params, int(t.weight_sync_bucket_mb * 2**20), probe, convert)
         self.ptx = self._ptx_text()
         self.ema = None
         if t.ema is not None:
@@ -452,7 +452,7 @@ class TrainerRole(Role):
         else:
             for _ in buckets:
                 pass
-            if zero3:  # (the probe's forward pass needs every ZeRO-3 rank, after the same gathers)
+            if zero3 and self.layout.probe:  # (the probe's forward pass needs every ZeRO-3 rank, after the same gathers)
                 probe()
         return time.monotonic() - started, sent / 2**20
 
@@ -493,6 +493,8 @@ class TrainerRole(Role):
                       for (name, _, _), t in zip(self.layout.wire[index], converted)]
         self.generator.engine.load_local(named)
         del named
+        if not self.layout.probe:  # (the check is off)
+            return None
         return self.generator._check_sync(self.version, model_logprobs(self.actor.module, self.layout.probe))
 
 

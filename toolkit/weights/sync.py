@@ -162,9 +162,10 @@ class WeightSender:
             if transient:
                 self._wait(pending)
             previous, pending = pending, []
-        logprobs = probe()
+        logprobs = probe() if self.layout.probe else None  # (no probe: the check is off)
         self._wait(previous)
-        self._broadcast(logprobs.to(self.device, torch.float32).contiguous(), to)
+        if logprobs is not None:
+            self._broadcast(logprobs.to(self.device, torch.float32).contiguous(), to)
         return sent
 
     def _broadcast(self, tensor: torch.Tensor, to: list[str]) -> None:
@@ -230,7 +231,8 @@ class WeightReceiver:
     def probe_logprobs(self) -> torch.Tensor:
         """The trainer's log-probs of the probe for the version just received (sent after the weights)."""
         expected = torch.zeros(max(len(self.probe) - 1, 0), dtype=torch.float32, device=self.device)
-        self._broadcast(expected)
+        if self.probe:  # (an empty probe: the check is off and nothing follows the weights)
+            self._broadcast(expected)
         return expected.cpu()
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
