@@ -13,8 +13,11 @@ same torch and transformers), and runs tools/trl_grpo.py.
 
 Figures: the median step time over the steps after the first (slurm-rlhf: also the last, which
 exports), each phase's median where the system reports it, and the peak of the summed resident memory of
-every process of the run (sampled 4 times a second). The last line is `ratio R`: the lower of TRL's
-median step time over ours, for Separation and Flattening.
+every process of the run (sampled 4 times a second), as RSS and as PSS (which counts a page shared by
+several processes once). The last line is `ratio R`: the lower of TRL's
+median step time over ours, for Separation and Flattening. Our workers run with the allocator that
+`run.allocator: auto` picks (tcmalloc where installed); TRL runs as its users run it, and once more
+with the same allocator preloaded, for comparison.
 """
 
 from __future__ import annotations
@@ -71,11 +74,14 @@ def trl_python() -> Path:
 
 
 class PeakMemory(threading.Thread):
-    """The peak of the summed resident memory of a process and all its descendants."""
+    """The peaks of the summed resident (RSS) and proportional (PSS) memory of a process and all its
+    descendants. RSS counts a page shared by several processes (torch's libraries, the model files mapped
+    by each) once per process; PSS splits it among them, so its sum is what the processes take from the
+    machine."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
-        self.pid, self.peak, self.done = pid, 0, threading.Event()
+        self.pid, self.peak, self.peak_pss, self.done = pid, 0, 0, threading.Event()
 
     def run(self) -> None:
         import psutil
@@ -85,20 +91,21 @@ class PeakMemory(threading.Thread):
         except psutil.NoSuchProcess:
             return
         while not self.done.wait(0.25):
-            total = 0
+            total = pss = 0
             try:
                 for p in [root, *root.children(recursive=True)]:
                     try:
-                        total += p.memory_info().rss
+                        full = p.memory_full_info()
+                        total, pss = total + full.rss, pss + full.pss
                     except psutil.NoSuchProcess:
                         pass
             except psutil.NoSuchProcess:
                 return
-            self.peak = max(self.peak, total)
+            self.peak, self.peak_pss = max(self.peak, total), max(self.peak_pss, pss)
 
 
-def measured(command: list[str], **kwargs) -> int:
-    """Run `command` to completion; the peak memory of its processes in bytes."""
+def measured(command: list[str], **kwargs) -> PeakMemory:
+    """Run `command` to completion; the peak memory of its processes (bytes: `peak` RSS, `peak_pss`)."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
     peak = PeakMemory(process.pid)
     peak.start()
@@ -107,7 +114,7 @@ def measured(command: list[str], **kwargs) -> int:
     peak.join()
     if process.returncode != 0:
         raise SystemExit(f"bench_trl: {' '.join(command[:4])} ... failed:\n{output[-4000:]}")
-    return peak.peak
+    return peak
 
 
 def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int) -> dict:
@@ -125,17 +132,21 @@ def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int) -> di
     peak = measured([sys.executable, "-m", "toolkit", "run", str(path), "--run-dir", str(run_dir)], cwd=REPO)
     steady = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:-1]
     phases = {k: statistics.median(m[k] for m in steady) for k in ("generate_s", "score_s", "train_s", "sync_s")}
-    return {"step_s": statistics.median(m["step_s"] for m in steady), **phases, "peak": peak,
+    return {"step_s": statistics.median(m["step_s"] for m in steady), **phases, "peak": peak.peak, "pss": peak.peak_pss,
             "response_len": statistics.mean(m["response_len_mean"] for m in steady)}
 
 
-def theirs(model: Path, prompts: Path, tmp: Path, steps: int) -> dict:
+def theirs(model: Path, prompts: Path, tmp: Path, steps: int, preload: str | None = None) -> dict:
+    """TRL as its users run it; with `preload`, with that allocator library in LD_PRELOAD."""
     out = tmp / "trl.json"
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if preload:
+        env["LD_PRELOAD"] = preload
     peak = measured([str(trl_python()), str(REPO / "tools" / "trl_grpo.py"), str(model), str(prompts),
                      str(steps + 1), str(out)], env=env)
     result = json.loads(out.read_text())
-    return {"step_s": statistics.median(result["step_s"][1:]), "peak": peak, "version": result["trl"]}
+    return {"step_s": statistics.median(result["step_s"][1:]), "peak": peak.peak, "pss": peak.peak_pss,
+            "version": result["trl"]}
 
 
 def main() -> int:
@@ -143,6 +154,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="measured steps of each system (after a first one)")
     args = parser.parse_args()
 
+    from toolkit.launch.allocator import choice
     from toolkit.table import text_table
     from toolkit.tiny import build_tiny
 
@@ -153,23 +165,34 @@ def main() -> int:
         build_model(tiny, model)
         prompts = tiny / "prompts.jsonl"
         results = {"TRL": theirs(model, prompts, tmp, args.steps)}
+        allocator, library = choice("auto")  # (what our workers run with: run.allocator auto)
+        if library:
+            results["TRL+"] = theirs(model, prompts, tmp, args.steps, library)
         for strategy in ("separation", "flattening"):
             results[strategy] = ours(model, prompts, tmp, strategy, args.steps)
 
     trl = results["TRL"]
-    rows = [("system", "step s (median)", "generate s", "score s", "train s", "sync s", "peak memory GB",
-             "TRL / this")]
+    rows = [("system", "step s (median)", "generate s", "score s", "train s", "sync s", "peak RSS GB",
+             "peak PSS GB", "PSS / TRL's", "TRL / this")]
     rows.append((f"TRL {trl['version']} GRPOTrainer", f"{trl['step_s']:.2f}", "", "", "", "",
-                 f"{trl['peak'] / 1e9:.2f}", "1.00"))
+                 f"{trl['peak'] / 1e9:.2f}", f"{trl['pss'] / 1e9:.2f}", "1.00", "1.00"))
+    if "TRL+" in results:
+        r = results["TRL+"]
+        rows.append((f"TRL, {allocator} preloaded", f"{r['step_s']:.2f}", "", "", "", "", f"{r['peak'] / 1e9:.2f}",
+                     f"{r['pss'] / 1e9:.2f}", f"{r['pss'] / trl['pss']:.2f}", f"{trl['step_s'] / r['step_s']:.2f}"))
     for strategy in ("separation", "flattening"):
         r = results[strategy]
         rows.append((f"slurm-rlhf {strategy}", f"{r['step_s']:.2f}", f"{r['generate_s']:.2f}", f"{r['score_s']:.2f}",
-                     f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}", f"{r['peak'] / 1e9:.2f}",
-                     f"{trl['step_s'] / r['step_s']:.2f}"))
+                     f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}", f"{r['peak'] / 1e9:.2f}", f"{r['pss'] / 1e9:.2f}",
+                     f"{r['pss'] / trl['pss']:.2f}", f"{trl['step_s'] / r['step_s']:.2f}"))
     print(f"GRPO step: 26M-parameter Llama, 16 prompts x 4 samples x 128 new tokens (mean response "
           f"{results['separation']['response_len']:.0f}), KL 0.04, fp32, {args.steps} steps measured, "
           f"{os.cpu_count()} cores")
     print(text_table(rows))
+    if "TRL+" in results:
+        same = min(results["TRL+"]["step_s"] / results[s]["step_s"] for s in ("separation", "flattening"))
+        print(f"(our workers ran with {allocator} (run.allocator: auto); against TRL with {allocator} preloaded too: "
+              f"{same:.2f})")
     print(f"ratio {min(trl['step_s'] / results[s]['step_s'] for s in ('separation', 'flattening')):.2f}")
     return 0
 
