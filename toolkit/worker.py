@@ -261,6 +261,9 @@ def _on_sigterm(signum, frame):
 
 
 def main() -> None:
+    from toolkit.launch.allocator import describe, reexec_with_allocator
+
+    reexec_with_allocator()  # (before anything else: an allocator must be there from the start)
     from toolkit.launch.env import WorkerEnv, interface_of
     from toolkit.log import setup_logging
 
@@ -281,7 +284,7 @@ def main() -> None:
         from toolkit.config import load_config
 
         cfg = load_config(os.path.join(wenv.run_dir, "config.yaml"))
-        log.info("worker %s starting (pid %d)", wenv.worker_id, os.getpid())
+        log.info("worker %s starting (pid %d); %s", wenv.worker_id, os.getpid(), describe())
         worker = Worker(wenv, cfg)
         log.info("roles: %s", ", ".join(worker.group.roles))
         if worker.group.cpus_per_worker or cfg.run.deterministic:

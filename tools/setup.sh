@@ -50,6 +50,20 @@ if [ ${#need[@]} -gt 0 ]; then
         exit 1
     fi
 fi
+# Optional Debian packages: the workers' memory allocators (run.allocator: auto takes tcmalloc, else
+# jemalloc); without them the workers use glibc's malloc, which holds more memory.
+optional=()
+ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal\.so\.4 ' || optional+=("libtcmalloc-minimal4")
+ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so\.2 ' || optional+=("libjemalloc2")
+if [ ${#optional[@]} -gt 0 ]; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        echo "setup: installing ${optional[*]} with apt-get"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${optional[@]}" >/dev/null; } \
+            || echo "setup: could not install ${optional[*]}; the workers will use glibc's malloc" >&2
+    else
+        echo "setup: optional: ${optional[*]} (the workers' memory allocator); as root: apt-get install ${optional[*]}" >&2
+    fi
+fi
 
 echo "setup: installing into $VENV ($FLAVOUR; takes about 2 minutes the first time)"
 [ -d "$VENV" ] || "$PY" -m venv "$VENV"

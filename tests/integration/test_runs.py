@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import REPO, alive, cli, example, write_config
 from toolkit.config import load_config
+from toolkit.launch import allocator
 from toolkit.store import experience
 
 pytestmark = pytest.mark.integration
@@ -74,6 +75,10 @@ def test_grpo_run_two_generators(tiny, tmp_path):
     # prompts were split across both generators
     assert "step 0:" in (logs / "generator-0.log").read_text() and "step 0:" in (logs / "generator-1.log").read_text()
     assert "[generator:1]" in (logs / "generator-1.log").read_text()
+    # run.allocator auto: every worker runs with the allocator this machine has (tools/setup.sh installs one)
+    wanted = allocator.choice("auto")[0]
+    for name in ("generator-0", "generator-1", "scorer-0", "trainer-0"):
+        assert f"memory allocator: {wanted}\n" in (logs / f"{name}.log").read_text(), name
     assert load_config(run_dir / "config.yaml").run.steps == 4  # the resolved config is in the run directory
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     assert_private(run_dir)

@@ -44,6 +44,10 @@ class RunSection(Section):
     """A trainer rank that dies or hangs (no error of its own) stops every worker, and the run goes on from
     its last checkpoint at once, in the same process and (under Slurm) the same allocation: at most this
     many times per attempt of the run (0: the run stops instead)."""
+    allocator: Literal["auto", "tcmalloc", "jemalloc", "system"] = "auto"
+    """Memory allocator of the workers: `auto` takes tcmalloc, else jemalloc, where the node has it
+    (libtcmalloc-minimal4, libjemalloc2), else glibc's malloc (`system`), which keeps the freed memory of
+    training steps and so holds more memory (README: Speed against TRL)."""
     deterministic: bool = False
     """Bitwise-repeatable runs: deterministic torch algorithms, fixed thread counts (cpus_per_worker, else
     1), no vLLM prefix cache. A resumed run then ends with the same weights as an uninterrupted one."""

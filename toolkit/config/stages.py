@@ -22,6 +22,10 @@ class StageRunSection(Section):
     """Passes over the training rows when `steps` is not given (steps = ceil(epochs x rows / batch_size))."""
     seed: int = 0
     """Seed for row order, dropout and new weights (a reward model's score head)."""
+    allocator: Literal["auto", "tcmalloc", "jemalloc", "system"] = "auto"
+    """Memory allocator of the workers: `auto` takes tcmalloc, else jemalloc, where the node has it
+    (libtcmalloc-minimal4, libjemalloc2), else glibc's malloc (`system`), which keeps the freed memory of
+    training steps and so holds more memory (README: Speed against TRL)."""
     deterministic: bool = False
     """Bitwise-repeatable training: deterministic torch algorithms, fixed thread counts."""
     max_trainer_restarts: int = Field(default=2, ge=0)

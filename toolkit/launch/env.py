@@ -16,6 +16,7 @@ GROUP = "SLURM_RLHF_GROUP"              # worker group (node group) name
 RANK = "SLURM_RLHF_RANK"                # rank in the group (default: SLURM_PROCID)
 BIND_HOST = "SLURM_RLHF_BIND_HOST"      # transport.bind_host as given (address, interface or network),
                                         # resolved on each node (default: this node's address)
+ALLOCATOR = "SLURM_RLHF_ALLOCATOR"      # run.allocator: the worker starts itself again with it preloaded
 INBOX_PORT = "SLURM_RLHF_INBOX_PORT"    # a worker started again listens where the one it replaces did,
                                         # so its peers' sockets reconnect to it by themselves
 
