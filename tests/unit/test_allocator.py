@@ -56,3 +56,11 @@ def test_system_or_nothing_asked_keeps_glibc_and_a_missing_library_is_named():
     _, got = started("jemalloc", **{allocator._DONE: "1"})
     assert got["loaded"] == "system"
     assert "run.allocator jemalloc: jemalloc not found on this node; install" in got["line"]
+
+
+@pytest.mark.skipif(not (allocator.library("tcmalloc") and allocator.library("jemalloc")),
+                    reason="needs both tcmalloc and jemalloc")
+def test_an_allocator_the_user_preloaded_is_kept_and_named():
+    pid, got = started("tcmalloc", LD_PRELOAD=allocator.library("jemalloc"))
+    assert got["pid"] == pid and got["loaded"] == "jemalloc"
+    assert got["line"] == "memory allocator: jemalloc (already in LD_PRELOAD, so run.allocator tcmalloc was not applied)"

@@ -65,6 +65,8 @@ def describe() -> str:
     wanted, now = os.environ.get(ENV, "system"), loaded()
     if wanted in ("system", now) or (wanted == "auto" and now != "system"):
         return f"memory allocator: {now}"
+    if now != "system":  # the user's LD_PRELOAD named the other one: it is left as it is
+        return f"memory allocator: {now} (already in LD_PRELOAD, so run.allocator {wanted} was not applied)"
     missing = AUTO if wanted == "auto" else (wanted,)
     return (f"memory allocator: system malloc (run.allocator {wanted}: {' or '.join(missing)} not found on this "
             "node; install libtcmalloc-minimal4 or libjemalloc2 for less memory and faster steps)")
