@@ -78,3 +78,22 @@ def test_init_names_what_is_wrong(tiny, tmp_path, args, message):
     result = cli("init", *args, "--out", tmp_path / "x.yaml")
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not (tmp_path / "x.yaml").exists()
+
+
+def test_init_writes_a_config_that_validates_for_every_cluster_file(tiny, tmp_path):
+    """The plan's generation engine is written as rollout.backend: on one node of 8 GPUs the planner picks
+    Flattening with 8 workers, where the actor generates with transformers (vLLM runs in the trainer's
+    process only with one worker); `init` once wrote `backend: vllm` there and refused its own config."""
+    from toolkit.config.load import load_config
+    from toolkit.config.starter import write_starter
+
+    for cluster in sorted((REPO / "templates" / "clusters").glob("*.yaml")):
+        out = tmp_path / f"{cluster.stem}.yaml"
+        lines = write_starter(str(tiny / "model"), str(out), str(cluster))
+        assert "Planned for" in lines[0], (cluster.name, lines)
+        cfg = load_config(out)
+        generators = cfg.placement.group_with("generation")
+        backend = yaml.safe_load(out.read_text())["rollout"]["backend"]
+        assert backend in ("vllm", "hf"), cluster.name
+        if cfg.placement.generation_with_actor() and generators.workers > 1:
+            assert backend == "hf", cluster.name

@@ -332,3 +332,19 @@ def test_asynchronous_mode_takes_the_busiest_group_not_the_sum():
     flattening = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8, 1, "hf")
     shared = estimate(flattening, workload(max_policy_lag=1), cluster)  # (no generators of its own: no overlap)
     assert shared.step_s == pytest.approx(sum(shared.phases.values()))
+
+
+def test_one_worker_that_trains_and_generates_is_planned_with_either_engine(tiny, tmp_path):
+    """With one worker, the actor's group generates with transformers or with vLLM in the trainer's process;
+    the engine a plan was estimated with is what --write writes (rollout.backend) and what reads back."""
+    from toolkit.placement.planner import write_config as write_plan
+
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny)))
+    found = search(load_cluster(CLUSTERS / "this-machine.yaml"), workload_of(cfg), 2, strategies=("flattening",))
+    assert {c.setting.generation_engine for c in found.fit} == {"hf", "vllm"}
+    for engine in ("hf", "vllm"):
+        plan = next(c for c in found.fit if c.setting.generation_engine == engine)
+        write_plan(cfg, plan, tmp_path / f"{engine}.yaml")
+        written = load_config(tmp_path / f"{engine}.yaml")
+        assert written.rollout.backend == engine and setting_of(written).generation_engine == engine
+        assert (written.rollout.generate_batch_size is None) == (engine == "vllm")

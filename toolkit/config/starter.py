@@ -116,7 +116,7 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
 
 def _plan_into(data: dict, cfg, cluster, notes: list[str]) -> str:
     """Put the planner's best plan for `cluster` into `data`; a line that says what it is."""
-    from toolkit.placement.planner import kv_cache_gb, search, workload_of
+    from toolkit.placement.planner import rollout_of, search, workload_of
 
     found = search(cluster, workload_of(cfg), cfg.trainer.zero_stage)
     fit, rejected = found.fit, found.rejected
@@ -132,8 +132,6 @@ def _plan_into(data: dict, cfg, cluster, notes: list[str]) -> str:
         placement[g.name] = {"nodes": g.nodes, "workers": g.workers, "gpus_per_worker": g.gpus_per_worker}
     data["placement"] = placement
     data["trainer"].update(zero_stage=s.zero_stage, micro_batch_size=s.micro_batch)
-    data["rollout"]["vllm"] = {"tensor_parallel_size": s.tensor_parallel}
-    if s.generation_engine == "vllm":
-        data["rollout"]["vllm"]["kv_cache_gb"] = kv_cache_gb(fit[0])
+    rollout_of(fit[0], data["rollout"])
     return (f"Planned for {cluster.name}: {s.strategy}, {s.describe()}, ZeRO-{s.zero_stage}, micro-batch "
             f"{s.micro_batch}; estimated {fit[0].estimate.step_s:.1f} s per step")

@@ -118,21 +118,24 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
         layout = [(name, tuple(m for m in models if m != "critic" or w.critic is not None))  # GRPO: no critic
                   for name, models in PRESETS[strategy].items()]
         own_generator = not generation_with_actor(models for _, models in layout)
-        engine = "vllm" if own_generator else "hf"
         layouts = []
         for split, tp in itertools.product(_splits(cluster, len(layout)), tps if own_generator else [1]):
             groups = _groups(cluster, layout, split, tp)
-            if groups is not None and next(g.workers for g in groups if "generation" in g.models) <= w.prompts:
-                layouts.append((groups, tp))
+            workers = None if groups is None else next(g.workers for g in groups if "generation" in g.models)
+            if workers is not None and workers <= w.prompts:
+                # the actor's group generates with transformers, or, with one worker, with vLLM in the
+                # trainer's process (rollout.backend vllm): both are plans
+                for engine in ("vllm",) if own_generator else ("hf", "vllm") if workers == 1 else ("hf",):
+                    layouts.append((groups, tp, engine))
         pick = {} if len(layouts) > keep and not cluster.shared else None  # trainer group: its (zero, mb)
-        for groups, tp in layouts:
+        for groups, tp, engine in layouts:
             trainer = next(g for g in groups if "actor" in g.models)
             zeros = (1, 2, 3) if trainer.workers > 1 else (zero_stage,)
             options = list(itertools.product(zeros, _micro_batches(w, trainer.workers)))
             if pick is not None and options:
-                if trainer not in pick:
-                    pick[trainer] = _fastest_trainer(options, strategy, groups, tp, engine, w, cluster, usable)
-                options = [pick[trainer]]
+                if (trainer, engine) not in pick:
+                    pick[trainer, engine] = _fastest_trainer(options, strategy, groups, tp, engine, w, cluster, usable)
+                options = [pick[trainer, engine]]
             for zero, mb in options:
                 s = Layout(strategy, groups, zero, mb, tp, engine)
                 add(Candidate(s, estimate(s, w, cluster)))
@@ -218,11 +221,11 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
              f"workload: {w.samples} samples/step, {w.prompt_tokens:.0f} prompt + {w.response_tokens:.0f} response "
              f"tokens, actor {w.actor.params / 1e6:,.1f}M parameters", ""]
     if fit:
-        rows = [("#", "strategy", "node groups (nodes x workers)", "TP", "ZeRO", "mb", "step s", "generate", "score",
-                 "train", "sync", "other", "peak GB")]
+        rows = [("#", "strategy", "node groups (nodes x workers)", "engine", "TP", "ZeRO", "mb", "step s", "generate",
+                 "score", "train", "sync", "other", "peak GB")]
         for i, c in enumerate(fit[:top], 1):
             s, e = c.setting, c.estimate
-            rows.append((str(i), s.strategy, s.describe(), str(s.tensor_parallel), str(s.zero_stage),
+            rows.append((str(i), s.strategy, s.describe(), s.generation_engine, str(s.tensor_parallel), str(s.zero_stage),
                          str(s.micro_batch), f"{e.step_s:.3f}", *(f"{e.phases[k]:.3f}" for k in
                                                                    ("generate", "score", "train", "sync", "transport")),
                          f"{max(e.memory.values()) / GB:.2f}"))
@@ -286,13 +289,22 @@ def as_config(cfg, c: Candidate) -> dict:
         placement[g.name] = {**old, "nodes": g.nodes, "workers": g.workers, "gpus_per_worker": g.gpus_per_worker}
     data["placement"] = placement
     data["trainer"].update(zero_stage=s.zero_stage, micro_batch_size=s.micro_batch)
-    vllm = data["rollout"].setdefault("vllm", {})
+    rollout_of(c, data["rollout"])
+    return data
+
+
+def rollout_of(c: Candidate, rollout: dict) -> None:
+    """Put plan `c`'s generation settings into a config's `rollout` mapping: the engine it was estimated
+    with (`backend`), vLLM's TP size and KV cache, or the transformers batch."""
+    s = c.setting
+    rollout["backend"] = s.generation_engine
+    vllm = rollout.setdefault("vllm", {})
     vllm["tensor_parallel_size"] = s.tensor_parallel
     if s.generation_engine == "vllm":
         vllm["kv_cache_gb"] = kv_cache_gb(c)
+        rollout.pop("generate_batch_size", None)
     else:
-        data["rollout"]["generate_batch_size"] = c.estimate.generate_batch
-    return data
+        rollout["generate_batch_size"] = c.estimate.generate_batch
 
 
 def write_config(cfg, c: Candidate, path: Path) -> None:
