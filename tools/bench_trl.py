@@ -16,8 +16,8 @@ exports), each phase's median where the system reports it, and the peak of the s
 every process of the run (sampled 4 times a second), as RSS and as PSS (which counts a page shared by
 several processes once). The last line is `ratio R`: the lower of TRL's
 median step time over ours, for Separation and Flattening. Our workers run with the allocator that
-`run.allocator: auto` picks (tcmalloc where installed); TRL runs as its users run it, and once more
-with the same allocator preloaded, for comparison.
+`run.allocator: auto` picks (where installed: tcmalloc, and jemalloc for Flattening's trainer with vLLM
+in its process); TRL runs as its users run it, and once more with tcmalloc preloaded, for comparison.
 """
 
 from __future__ import annotations
@@ -165,13 +165,14 @@ def main() -> int:
         build_model(tiny, model)
         prompts = tiny / "prompts.jsonl"
         results = {"TRL": theirs(model, prompts, tmp, args.steps)}
-        allocator, library = choice("auto")  # (what our workers run with: run.allocator auto)
+        allocator, library = choice("auto")  # (what run.allocator auto gives Separation's workers)
         if library:
             results["TRL+"] = theirs(model, prompts, tmp, args.steps, library)
         for strategy in ("separation", "flattening"):
             results[strategy] = ours(model, prompts, tmp, strategy, args.steps)
 
     trl = results["TRL"]
+    ours_with = {"separation": choice("auto")[0], "flattening": choice("auto-vllm-beside-trainer")[0]}
     rows = [("system", "step s (median)", "generate s", "score s", "train s", "sync s", "peak RSS GB",
              "peak PSS GB", "PSS / TRL's", "TRL / this")]
     rows.append((f"TRL {trl['version']} GRPOTrainer", f"{trl['step_s']:.2f}", "", "", "", "",
@@ -182,7 +183,7 @@ def main() -> int:
                      f"{r['pss'] / 1e9:.2f}", f"{r['pss'] / trl['pss']:.2f}", f"{trl['step_s'] / r['step_s']:.2f}"))
     for strategy in ("separation", "flattening"):
         r = results[strategy]
-        rows.append((f"slurm-rlhf {strategy}", f"{r['step_s']:.2f}", f"{r['generate_s']:.2f}", f"{r['score_s']:.2f}",
+        rows.append((f"slurm-rlhf {strategy}, {ours_with[strategy]}", f"{r['step_s']:.2f}", f"{r['generate_s']:.2f}", f"{r['score_s']:.2f}",
                      f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}", f"{r['peak'] / 1e9:.2f}", f"{r['pss'] / 1e9:.2f}",
                      f"{r['pss'] / trl['pss']:.2f}", f"{trl['step_s'] / r['step_s']:.2f}"))
     print(f"GRPO step: 26M-parameter Llama, 16 prompts x 4 samples x 128 new tokens (mean response "
@@ -191,8 +192,8 @@ def main() -> int:
     print(text_table(rows))
     if "TRL+" in results:
         same = min(results["TRL+"]["step_s"] / results[s]["step_s"] for s in ("separation", "flattening"))
-        print(f"(our workers ran with {allocator} (run.allocator: auto); against TRL with {allocator} preloaded too: "
-              f"{same:.2f})")
+        print(f"(our workers ran with what run.allocator auto picks, as named; against TRL with {allocator} "
+              f"preloaded: {same:.2f})")
     print(f"ratio {min(trl['step_s'] / results[s]['step_s'] for s in ('separation', 'flattening')):.2f}")
     return 0
 
