@@ -23,7 +23,7 @@ LIBRARIES = {"tcmalloc": ("tcmalloc_minimal", "libtcmalloc_minimal.so.4"), "jema
 # `auto`, in the order tried. A process that runs vLLM and trains in turn (vLLM in the trainer's process)
 # takes jemalloc first: with tcmalloc, what generation leaves allocated between training steps kept
 # tcmalloc's spans partly used, and that worker of tools/bench_trl.py peaked at 5.2 GB in 3 runs of 4
-# (3.2 GB in the other), against 3.0 GB in each of 3 with jemalloc, in 4% more time.
+# (3.2 GB in the other), against 3.0 GB in each of 4 with jemalloc, in about 3% more step time.
 ORDERS = {"auto": ("tcmalloc", "jemalloc"), "auto-vllm-beside-trainer": ("jemalloc", "tcmalloc")}
 AUTO = ORDERS["auto"]
 
