@@ -183,8 +183,8 @@ def main() -> int:
                      f"{r['pss'] / 1e9:.2f}", f"{r['pss'] / trl['pss']:.2f}", f"{trl['step_s'] / r['step_s']:.2f}"))
     for strategy in ("separation", "flattening"):
         r = results[strategy]
-        rows.append((f"slurm-rlhf {strategy}, {ours_with[strategy]}", f"{r['step_s']:.2f}", f"{r['generate_s']:.2f}", f"{r['score_s']:.2f}",
-                     f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}", f"{r['peak'] / 1e9:.2f}", f"{r['pss'] / 1e9:.2f}",
+        rows.append((f"slurm-rlhf {strategy}, {ours_with[strategy]}", f"{r['step_s']:.2f}", f"{r['generate_s']:.2f}",
+                     f"{r['score_s']:.2f}", f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}", f"{r['peak'] / 1e9:.2f}", f"{r['pss'] / 1e9:.2f}",
                      f"{r['pss'] / trl['pss']:.2f}", f"{trl['step_s'] / r['step_s']:.2f}"))
     print(f"GRPO step: 26M-parameter Llama, 16 prompts x 4 samples x 128 new tokens (mean response "
           f"{results['separation']['response_len']:.0f}), KL 0.04, fp32, {args.steps} steps measured, "

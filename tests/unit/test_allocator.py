@@ -63,7 +63,8 @@ def test_system_or_nothing_asked_keeps_glibc_and_a_missing_library_is_named():
 def test_an_allocator_the_user_preloaded_is_kept_and_named():
     pid, got = started("tcmalloc", LD_PRELOAD=allocator.library("jemalloc"))
     assert got["pid"] == pid and got["loaded"] == "jemalloc"
-    assert got["line"] == "memory allocator: jemalloc (already in LD_PRELOAD, so run.allocator tcmalloc was not applied)"
+    assert got["line"] == ("memory allocator: jemalloc (already in LD_PRELOAD, so run.allocator tcmalloc was not "
+                           "applied)")
 
 
 def test_auto_takes_jemalloc_first_where_the_trainer_runs_vllm_in_its_own_process(tiny, tmp_path, monkeypatch):

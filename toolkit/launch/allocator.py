@@ -25,7 +25,6 @@ LIBRARIES = {"tcmalloc": ("tcmalloc_minimal", "libtcmalloc_minimal.so.4"), "jema
 # tcmalloc's spans partly used, and that worker of tools/bench_trl.py peaked at 5.2 GB in 3 runs of 4
 # (3.2 GB in the other), against 3.0 GB in each of 4 with jemalloc, in about 3% more step time.
 ORDERS = {"auto": ("tcmalloc", "jemalloc"), "auto-vllm-beside-trainer": ("jemalloc", "tcmalloc")}
-AUTO = ORDERS["auto"]
 
 
 def asked(cfg) -> str:

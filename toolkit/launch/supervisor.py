@@ -133,7 +133,8 @@ class Supervisor:
         t = self.cfg.transport
         hold("start-up", self.run_dir.path)
         self.launcher.start(self.groups, {E.RUN_DIR: str(self.run_dir.path), E.CONTROL: self.coordinator.address,
-                                          E.SECRET_FILE: str(self.run_dir.secret), E.ALLOCATOR: allocator.asked(self.cfg)})
+                                          E.SECRET_FILE: str(self.run_dir.secret),
+                                          E.ALLOCATOR: allocator.asked(self.cfg)})
         self.echo(f"started {len(self.worker_ids)} workers ({', '.join(f'{g.name} x{g.workers}' for g in self.groups)})"
                   f"; logs in {self.run_dir.logs}")
         started = time.monotonic()

@@ -225,9 +225,9 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
                  "score", "train", "sync", "other", "peak GB")]
         for i, c in enumerate(fit[:top], 1):
             s, e = c.setting, c.estimate
-            rows.append((str(i), s.strategy, s.describe(), s.generation_engine, str(s.tensor_parallel), str(s.zero_stage),
-                         str(s.micro_batch), f"{e.step_s:.3f}", *(f"{e.phases[k]:.3f}" for k in
-                                                                   ("generate", "score", "train", "sync", "transport")),
+            phases = (f"{e.phases[k]:.3f}" for k in ("generate", "score", "train", "sync", "transport"))
+            rows.append((str(i), s.strategy, s.describe(), s.generation_engine, str(s.tensor_parallel),
+                         str(s.zero_stage), str(s.micro_batch), f"{e.step_s:.3f}", *phases,
                          f"{max(e.memory.values()) / GB:.2f}"))
         lines.append(text_table(rows))
         lines.append(f"{found.fitting} plan(s) fit; {found.fitting - min(top, len(fit))} more not shown "
