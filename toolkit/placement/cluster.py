@@ -27,6 +27,9 @@ class Device(_Section):
     """Dense matmul FLOP/s reached in the model dtype."""
     memory_bandwidth: float = Field(gt=0)
     """Bytes/s reached reading memory (decode and optimizer steps are bound by it)."""
+    host_optimizer: float = Field(default=7e7, gt=0)
+    """Parameters/s the host's optimizer (DeepSpeed's CPU Adam) steps for one device's share, with
+    `trainer.offload_optimizer` (GPU nodes: the node's cores are shared by its GPUs)."""
 
 
 class Links(_Section):
@@ -34,6 +37,9 @@ class Links(_Section):
     """Bytes/s between two devices of a node (NVLink; on CPU: between processes, through memory)."""
     inter_node: float = Field(gt=0)
     """Bytes/s between nodes (InfiniBand, Ethernet)."""
+    host: float = Field(default=2.5e10, gt=0)
+    """Bytes/s between one device and host memory, every device of the node at once (PCIe; what
+    offloaded optimizer states and parameters travel over)."""
     latency_s: float = Field(default=1e-4, ge=0)
     """Seconds per collective or message on top of bytes / bandwidth."""
 

@@ -6,7 +6,8 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
                   Adam states T*(8 + 4 if b<4 for fp32 master weights) / (W if ZeRO>=1; 0 with
                   offload_optimizer), T = P or, with LoRA, the adapters' parameters;
                   activations mb*L*layers*hidden*17*b, or with checkpointing mb*L*hidden*b*layers
-                  + one layer's mb*L*hidden*17*b; logits mb*L*vocab*4*3.
+                  + one layer's mb*L*hidden*17*b; logits mb*L*vocab*4*3 (a critic's values:
+                  mb*L*4*3).
                   A trainer that does not fit is told the fewest switches under which it would.
   vLLM generator  P*b/TP + its KV budget: rollout.vllm.kv_cache_gb, or (planned) 90% of the device
                   less the weights and the rest of its group; it holds floor(budget*TP / (L *
@@ -16,15 +17,20 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
   transformers generate()  rollout.generate_batch_size samples at once, or (planned) as many as 90% of
                   the device has room for beside the rest of its group: their KV cache + the scores it
                   keeps (Lr * vocab * 4 each)
-  scorer model    P*b + forward logits fbs*L*vocab*4*2
+  scorer model    P*b + forward logits fbs*L*vocab*4*2 (a reward model: values, fbs*L*4*2)
 Time (seconds per step, phases one after the other; with max_policy_lag >= 1 and generators of their
 own, the busiest group's seconds, as generation of the next steps overlaps training):
   generate  waves * (2*P*n*Lp/(TP*F) + Lr * (max(2*P*n/(TP*F), (P*b/TP + KV)/B) + c_decode + c_seq*n)),
             n = the sequences of a wave (vLLM: what its KV cache holds; transformers: its batch)
   score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker)
   train     old log-probs (and values): 2*P*n*L/F + calls * c_forward;
-            forward+backward 6*P*n*L*epochs/F + micro-batches * c_micro;
-            optimizer updates * (c_opt + state bytes / B); ZeRO traffic over the group's link
+            forward+backward k*P*n*L*epochs/F + micro-batches * c_micro, k = 2 (forward) + 2 (gradients
+            of the activations) + 2 (of the weights; 0 with LoRA, whose adapters are too small to count)
+            + 2 with checkpointing (the forward pass again);
+            optimizer updates * (c_opt + state bytes / B); ZeRO traffic over the group's link;
+            on GPUs, host memory: offload_optimizer, per update T/W parameters through the host's Adam
+            (H params/s per device) and T*b/W bytes each way over the device's host link (PCIe);
+            offload_params (ZeRO-3), per micro-batch P*b/W bytes over it for forward and backward each
   sync      broadcast P*b over the link + reload P*b/B (a generator in the trainer's worker: nothing,
             or the ZeRO-3 gather and a copy)
   transport one message per generator worker per hop between groups
@@ -37,6 +43,7 @@ vLLM (ignored), overlap of communication with compute (none assumed), response l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -58,6 +65,12 @@ class ModelShape:
     head_dim: int
     active_params: float | None = None  # a mixture of experts: what one token passes through (None: all)
     ffn: int | None = None              # the MLP's inner width (None: 4 x hidden)
+    value_head: bool = False            # one output per token (critic, reward model), not the vocabulary
+
+    @property
+    def outputs(self) -> int:
+        """What its head gives per token: a value, or a score per word of the vocabulary."""
+        return 1 if self.value_head else self.vocab
 
     @property
     def active(self) -> float:
@@ -128,6 +141,13 @@ class Workload:
     generate_batch: int | None = 0     # transformers: samples generated at once (0: all; None: what fits)
     max_policy_lag: int = 0            # >= 1: generation of the next steps overlaps training (async)
 
+    def __post_init__(self):
+        # the critic and reward models end in a value head: one output per token
+        if self.critic is not None:
+            object.__setattr__(self, "critic", dataclasses.replace(self.critic, value_head=True))
+        object.__setattr__(self, "reward_models", tuple(dataclasses.replace(m, value_head=True)
+                                                        for m in self.reward_models))
+
     @property
     def tokens(self) -> float:
         return self.prompt_tokens + self.response_tokens
@@ -166,7 +186,7 @@ def trainer_memory(m: ModelShape, w: Workload, world: int, zero: int, micro_batc
     layer = micro_batch * w.tokens * m.hidden * 17 * b  # what one layer keeps for its backward pass
     # checkpointing keeps each layer's input, and one layer's activations while it is recomputed
     activations = micro_batch * w.tokens * m.hidden * b * m.layers + layer if sw.checkpointing else layer * m.layers
-    logits = micro_batch * w.tokens * m.vocab * 4 * 3
+    logits = micro_batch * w.tokens * m.outputs * 4 * 3
     return weights + grads + adam + activations + logits
 
 
@@ -191,8 +211,25 @@ def remedy(models: list[ModelShape], w: Workload, world: int, zero: int, micro_b
     return "; no trainer memory switch is enough: more devices per group, a smaller micro-batch or a smaller model"
 
 
+def host_s(m: ModelShape, w: Workload, cluster, world: int, zero: int, updates: int, micro_batches: int) -> float:
+    """Seconds a trainer rank spends with host memory a step (GPUs only: on a CPU the host is the device).
+    offload_optimizer: each update sends the rank's share of the gradients to the host, steps them
+    there (DeepSpeed's CPU Adam) and brings the parameters back; offload_params (ZeRO-3): each forward
+    and each backward pass of a micro-batch fetches the rank's share of the weights."""
+    if not cluster.gpus_per_node:
+        return 0.0
+    sw, b, host = w.switches, w.dtype_bytes, cluster.links.host
+    trained = m.lora_params(sw.lora_rank) if sw.lora_rank else m.params
+    seconds = 0.0
+    if sw.offload_optimizer and zero >= 1:
+        seconds += updates * (trained / world / cluster.device.host_optimizer + 2 * trained * b / world / host)
+    if sw.offload_params and zero == 3:
+        seconds += micro_batches * 2 * m.params * b / world / host
+    return seconds
+
+
 def forward_memory(m: ModelShape, w: Workload) -> float:
-    return m.params * w.dtype_bytes + w.forward_batch_size * w.tokens * m.vocab * 4 * 2
+    return m.params * w.dtype_bytes + w.forward_batch_size * w.tokens * m.outputs * 4 * 2
 
 
 def kv_budget(w: Workload, device_gb: float, tp: int) -> float:
@@ -343,10 +380,13 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     updates = w.updates_per_step * w.epochs
     micro_batches = math.ceil(n / s.micro_batch) * w.epochs
     train = sum(forward_s(m, math.ceil(n), t_workers) for m in trained)
+    sw = w.switches
+    passes = 2 + 2 + (0 if sw.lora_rank else 2) + (2 if sw.checkpointing else 0)  # FLOPs per parameter and token
     for m in trained:
-        train += 6 * m.active * n * w.tokens * w.epochs / f + micro_batches * o.train_micro_batch
+        train += passes * m.active * n * w.tokens * w.epochs / f + micro_batches * o.train_micro_batch
         state = trainer_memory(m, w, t_workers, s.zero_stage, 0)
         train += updates * (o.optimizer_step + state / bw)
+        train += host_s(m, w, cluster, t_workers, s.zero_stage, updates, micro_batches)
         if t_workers > 1:
             ring = (t_workers - 1) / t_workers
             volume = 2 * m.params * b * ring * updates
