@@ -40,3 +40,8 @@ def test_the_planner_answers_for_every_published_run():
         else:
             assert best.setting.strategy == run["layout"]["strategy"]
             assert best.setting.generation_engine == run["layout"]["engine"] and best.estimate.step_s > 0
+            settings = run.get("settings", {})  # batch sizes the source states are the plan's
+            assert best.setting.micro_batch == settings.get("micro_batch", best.setting.micro_batch)
+            assert best.estimate.generate_batch == settings.get("generate_batch", best.estimate.generate_batch)
+            assert best.estimate.fits or settings, run["id"]  # (only the source's own batches may not fit)
+    assert sum(bool(r.get("calibrates")) for r in RUNS) <= 1  # (the others check the planner)
