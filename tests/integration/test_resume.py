@@ -136,6 +136,16 @@ def test_resume_after_sigkill_ends_with_the_same_weights(baseline, killed, tmp_p
     assert "restarts: resumed 1 time(s) from its checkpoint and experience" in cli("status", run_dir).stdout
 
 
+def test_wandb_starts_before_the_workers(baseline):
+    """W&B's import, service process and login take seconds. Done in the driver's event loop at the first
+    step, on a busy machine they kept it from answering heartbeats for more than the 4 s run_with_faults
+    allows, and every worker took the driver for dead. The driver starts W&B before any worker."""
+    wandb_started = (baseline / "wandb" / "run-id").stat().st_mtime
+    first_worker_phase = min(json.loads(path.read_text().splitlines()[0])["t"]
+                          for path in (baseline / "timeline").glob("*.jsonl"))
+    assert wandb_started < first_worker_phase
+
+
 def flip_bytes(path: Path) -> None:
     data = bytearray(path.read_bytes())
     for i in range(len(data) // 2, len(data) // 2 + 64):

@@ -51,6 +51,17 @@ class Curves:
         self.wandb = cfg.wandb if cfg is not None and cfg.wandb.project else None
         self.wandb_run = None
         self.wandb_last = -1
+        self.wandb_caught_up = False
+
+    def open(self) -> None:
+        """Start what is slow to start before the workers do. W&B's import, service process and login take
+        seconds (more on a busy node or a slow network); at the first step they held the driver's event
+        loop, and workers that hear no answer to their heartbeats for transport.heartbeat_timeout_s take
+        the driver for dead (a busy machine did that within the 4 s a test allows)."""
+        import tensorboardX  # noqa: F401  (its import too, once, here)
+
+        if self.wandb is not None and self.wandb_run is None:
+            self._start_wandb()
 
     def add(self, record: dict) -> None:
         from tensorboardX import SummaryWriter
@@ -65,33 +76,37 @@ class Curves:
         if self.wandb is not None:
             self._to_wandb(step, values)
 
-    def _to_wandb(self, step: int, values: dict) -> None:
+    def _start_wandb(self) -> None:
         directory = self.run_dir / "wandb"
         last_file = directory / "last-step"
-        if self.wandb_run is None:
-            self.wandb_last = int(last_file.read_text()) if last_file.exists() else -1
-            os.environ.setdefault("WANDB_SILENT", "true")  # (its notes would mix with the run's lines)
-            import wandb
+        self.wandb_last = int(last_file.read_text()) if last_file.exists() else -1
+        os.environ.setdefault("WANDB_SILENT", "true")  # (its notes would mix with the run's lines)
+        import wandb
 
+        from toolkit.config import dump_config
+
+        directory.mkdir(mode=0o700, exist_ok=True)
+        id_file = directory / "run-id"
+        if not id_file.exists():
+            id_file.write_text(secrets.token_hex(4))
+        w = self.wandb
+        self.wandb_run = wandb.init(project=w.project, entity=w.entity, mode=w.mode, tags=w.tags or None,
+                                    name=self.cfg.run.name, id=id_file.read_text().strip(), resume="allow",
+                                    dir=str(self.run_dir), config=yaml.safe_load(dump_config(self.cfg)),
+                                    settings=wandb.Settings(console="off", x_disable_stats=True, disable_git=True))
+
+    def _to_wandb(self, step: int, values: dict) -> None:
+        if self.wandb_run is None:
+            self._start_wandb()
+        if not self.wandb_caught_up:
             from toolkit.store.manifest import read_jsonl
 
-            directory.mkdir(mode=0o700, exist_ok=True)
-            id_file = directory / "run-id"
-            if not id_file.exists():
-                id_file.write_text(secrets.token_hex(4))
-            w = self.wandb
-            from toolkit.config import dump_config
-
-            self.wandb_run = wandb.init(project=w.project, entity=w.entity, mode=w.mode, tags=w.tags or None,
-                                        name=self.cfg.run.name, id=id_file.read_text().strip(), resume="allow",
-                                        dir=str(self.run_dir), config=yaml.safe_load(dump_config(self.cfg)),
-                                        settings=wandb.Settings(console="off", x_disable_stats=True,
-                                                                disable_git=True))
             # what an attempt killed before its W&B run finished had sent (the newest record of each step)
             missed = {r["step"]: r for r in read_jsonl(self.run_dir / "metrics.jsonl")
                       if self.wandb_last < r["step"] < step}
             for s in sorted(missed):
                 self.wandb_run.log(scalars(missed[s]), step=s)
+            self.wandb_caught_up = True
         if step > self.wandb_last:
             self.wandb_run.log(values, step=step)
             self.wandb_last = step
@@ -102,6 +117,6 @@ class Curves:
             self.writer = None
         if self.wandb_run is not None:
             self.wandb_run.finish()  # (W&B writes what it holds)
-            self.wandb_run = None
+            self.wandb_run, self.wandb_caught_up = None, False
             (self.run_dir / "wandb" / "last-step").write_text(str(self.wandb_last))
 

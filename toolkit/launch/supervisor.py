@@ -91,6 +91,7 @@ class Supervisor:
         records: list[dict] = []
         try:
             resume = self._plan_resume()
+            self.curves.open()  # (W&B's slow start, before there are heartbeats to answer)
             self._start_workers(resume)
             self.state = "running"
             self._loop(resume, secret, records)
