@@ -15,6 +15,7 @@ from metrics.jsonl. Offline mode writes under RUN_DIR/wandb for `wandb sync` lat
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import secrets
@@ -58,7 +59,7 @@ class Curves:
         seconds (more on a busy node or a slow network); at the first step they held the driver's event
         loop, and workers that hear no answer to their heartbeats for transport.heartbeat_timeout_s take
         the driver for dead (a busy machine did that within the 4 s a test allows)."""
-        import tensorboardX  # noqa: F401  (its import too, once, here)
+        importlib.import_module("tensorboardX")  # (its import too, once, here)
 
         if self.wandb is not None and self.wandb_run is None:
             self._start_wandb()
