@@ -173,11 +173,16 @@ class Estimate:
         return not self.short
 
 
+def trained_params(m: ModelShape, sw: Switches) -> float:
+    """Parameters that get gradients and optimizer states: all of them, or with LoRA the adapters'."""
+    return m.lora_params(sw.lora_rank) if sw.lora_rank else m.params
+
+
 def trainer_memory(m: ModelShape, w: Workload, world: int, zero: int, micro_batch: int,
                    switches: Switches | None = None) -> float:
     sw = switches if switches is not None else w.switches
     b = w.dtype_bytes
-    trained = m.lora_params(sw.lora_rank) if sw.lora_rank else m.params
+    trained = trained_params(m, sw)
     weights = 0.0 if sw.offload_params and zero == 3 else m.params * b / (world if zero == 3 else 1)
     grads = trained * b / (world if zero >= 2 else 1)
     adam = trained * (8 + (4 if b < 4 else 0)) / (world if zero >= 1 else 1)  # (+ fp32 master weights)
@@ -219,7 +224,7 @@ def host_s(m: ModelShape, w: Workload, cluster, world: int, zero: int, updates: 
     if not cluster.gpus_per_node:
         return 0.0
     sw, b, host = w.switches, w.dtype_bytes, cluster.links.host
-    trained = m.lora_params(sw.lora_rank) if sw.lora_rank else m.params
+    trained = trained_params(m, sw)
     seconds = 0.0
     if sw.offload_optimizer and zero >= 1:
         seconds += updates * (trained / world / cluster.device.host_optimizer + 2 * trained * b / world / host)
