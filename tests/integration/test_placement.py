@@ -54,7 +54,7 @@ def test_three_strategies_same_rewards_and_losses(tiny, tmp_path):
 def test_ppo_zero3_two_ranks_colocated_and_apart(tiny, tmp_path):
     """PPO under ZeRO-3 on two trainer ranks: generators of their own (weights by broadcast) against
     generators inside the trainer ranks (rank 1 generates, then follows rank 0; weights copied in memory),
-    and the reference with the trainer (it scores on rank 0)."""
+    and the reference with the trainer (each rank scores its own shard of the step)."""
     common = {"trainer": {"zero_stage": 3, "micro_batch_size": 8, "lr": 0.001}}
     _, apart = run(tiny, tmp_path, "apart", "ppo", placement={"generator": {"workers": 2}, "trainer": {"workers": 2}},
                    **common)
@@ -66,6 +66,18 @@ def test_ppo_zero3_two_ranks_colocated_and_apart(tiny, tmp_path):
                       placement={"strategy": "colocate_actor_ref", "generator": {"workers": 2},
                                  "trainer": {"workers": 2}}, **common)
     assert_same(apart, with_ref, "colocate_actor_ref")
+    assert [r.get("reference_ranks") for r in with_ref] == [2, 2, 2]
+    # Under ZeRO-3 that reference is sharded over the two ranks too: each holds half of it (each tensor's
+    # partition is padded to a multiple of the ranks).
+    from transformers import AutoModelForCausalLM
+
+    reference = list(AutoModelForCausalLM.from_pretrained(tiny / "model").parameters())
+    total = sum(p.numel() for p in reference)
+    held = [w["reference_parameters"] for _, w in sorted(json.loads(
+        (tmp_path / "actor-ref" / "status.json").read_text())["workers"].items()) if "reference_parameters" in w]
+    assert len(held) == 2 and all(0 <= 2 * h - total <= len(reference) for h in held), (held, total)
+    assert all("reference_ranks" not in r for r in apart + inside)
+    assert all(r["score_s"] > 0 for r in with_ref)
 
 
 def test_interleaving_resumes_exactly_after_sigkill(tiny, tmp_path):

@@ -73,15 +73,62 @@ class ReferenceRole(_Scoring):
     def setup(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from toolkit.training.engine import held_parameters, inference_engine
+
         cfg = self.cfg
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         kwargs = pretrained_kwargs(cfg.reference_path, torch_dtype(cfg.model.dtype), cfg.model.attn_implementation)
-        self.reference = self._load(lambda device: AutoModelForCausalLM.from_pretrained(
-            cfg.reference_path, **kwargs).to(device).eval())
+
+        def load(device):
+            return AutoModelForCausalLM.from_pretrained(cfg.reference_path, **kwargs).to(device).eval()
+
+        if self.sharded:
+            self.reference = inference_engine(load(self.device), cfg.model.dtype, self.worker.group.workers,
+                                              cfg.trainer.offload_params)
+        else:
+            self.reference = self._load(load)
+        self.status["reference_parameters"] = held_parameters(self.reference)
+        self.deferred_s = 0.0
 
     def _models(self) -> list:
         return [self.reference]
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the trainer computes the reference log-probs instead: in a trainer's group of several
+        ranks that does not generate, samples reach trainer rank 0 alone, so scoring them here would leave
+        the other ranks (each holding the reference model too) idle. Every rank scores its own shard of
+        the step then (`logprobs`, called by `update.make_experience`). (With one rank, scoring each
+        message on arrival overlaps the wait for the rest of the step.)"""
+        group = self.worker.group
+        return "trainer" in group.roles and "generator" not in group.roles and group.workers > 1
+
+    @property
+    def sharded(self) -> bool:
+        """Deferred to a trainer of several ranks under ZeRO-3: the reference is sharded over those ranks
+        too (`training.engine.inference_engine`), 1/ranks of its weights on each."""
+        return self.deferred and self.cfg.trainer.zero_stage == 3
+
+    @property
+    def offload(self) -> bool:
+        return super().offload and not self.sharded  # (ZeRO-3 offloads a sharded one: trainer.offload_params)
+
+    def handle(self, batch: SampleBatch) -> SampleBatch:
+        return batch if self.deferred else super().handle(batch)
+
+    def logprobs(self, padded) -> torch.Tensor:
+        """The reference log-probs of a padded shard of samples (for the trainer, when `deferred`); the
+        seconds taken add up in `deferred_s`."""
+        started = time.monotonic()
+        if self.offload:
+            self.reference.to(self.device)
+        ref = sequence_logprobs(self.reference, padded, self.cfg.rollout.temperature, self.cfg.model.forward_batch_size)
+        if self.offload:
+            self.reference.to("cpu")
+            torch.cuda.empty_cache()
+        self.deferred_s += time.monotonic() - started
+        return ref
 
     def score(self, batch: SampleBatch) -> None:
         padded = pad_samples(batch, self.pad_id)

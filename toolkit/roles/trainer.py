@@ -288,6 +288,7 @@ class TrainerRole(Role):
         metrics = self._train_step(batch)
         metrics.update(_stage_seconds(parts, "generate_s", "generator"))
         metrics.update(_stage_seconds(parts, "score_s", "scorer"))
+        metrics["score_s"] += self.reference_s  # (the reference's pass on the trainer ranks, when deferred)
         metrics.update(_batch_metrics(batch), **lags)
         metrics["tokens_per_s"] = metrics["response_tokens"] / max(metrics["generate_s"], 1e-9)
         metrics["rejected_frames"] = self.worker.rejected_frames()
@@ -329,8 +330,12 @@ class TrainerRole(Role):
         hold("training", self.run_dir)
         started = time.monotonic()
         shard = self.ranks.shard(len(batch))
+        reference = self.worker.roles.get("reference")
+        reference = reference if reference is not None and reference.deferred else None
+        scored = reference.deferred_s if reference else 0.0
         if record is None:
-            exp = make_experience(batch, shard, self.actor, self.critic, cfg, self.kl.coef, self.pad_id, self.ranks.sum)
+            exp = make_experience(batch, shard, self.actor, self.critic, cfg, self.kl.coef, self.pad_id, self.ranks.sum,
+                                  reference.logprobs if reference else None)
         else:
             exp = experience_from_record(record, shard, self.pad_id)
         commit_s = self._commit(batch, exp) if commit else 0.0
@@ -345,9 +350,12 @@ class TrainerRole(Role):
             ((exp.behaviour_logprobs - exp.old_logprobs).abs() * mask).sum(),
             advantages.sum(), (advantages ** 2).sum(),
             (exp.values * mask).sum() if ppo else 0.0, (exp.returns * mask).sum() if ppo else 0.0,
+            float(reference is not None and record is None),
             *[stats[k] for k in sorted(stats)]], dtype=torch.float64))
-        kl_sum, tokens, samples, diff_sum, adv_sum, adv_sq, value_sum, return_sum = totals[:8].tolist()
-        metrics = {k: v / self.world for k, v in zip(sorted(stats), totals[8:].tolist())}
+        kl_sum, tokens, samples, diff_sum, adv_sum, adv_sq, value_sum, return_sum, scoring = totals[:9].tolist()
+        metrics = {k: v / self.world for k, v in zip(sorted(stats), totals[9:].tolist())}
+        if scoring:
+            metrics["reference_ranks"] = int(scoring)  # (ranks that computed their shard's reference log-probs)
         adv_mean = adv_sum / tokens  # (per response token, over every rank's samples)
         metrics.update(advantage_mean=adv_mean, advantage_std=max(adv_sq / tokens - adv_mean ** 2, 0.0) ** 0.5)
         if ppo:
@@ -357,7 +365,9 @@ class TrainerRole(Role):
                        lr=float(self.actor.get_lr()[0]))
         self.kl.update(kl_sum / samples, len(batch))
         self.version += 1
-        metrics["train_s"] = time.monotonic() - started - commit_s
+        scored = reference.deferred_s - scored if reference else 0.0  # (this rank's reference pass)
+        metrics["train_s"] = time.monotonic() - started - commit_s - scored
+        self.reference_s = scored
         return metrics
 
     def _commit(self, batch: SampleBatch, exp) -> float:
@@ -368,7 +378,7 @@ class TrainerRole(Role):
             per_token["old_logprobs"] = exp.old_logprobs
         if exp.values is not None:
             per_token.update(values=exp.values, returns=exp.returns)
-        computed_ref = batch.ref_logprobs is None  # LoRA: the trainer computed them (the actor without adapters)
+        computed_ref = batch.ref_logprobs is None  # the trainer computed them (make_experience)
         if computed_ref:
             per_token["ref_logprobs"] = exp.ref_logprobs
         flat = {name: np.concatenate(gather_responses(t, exp.padded) or [np.zeros(0, np.float32)])

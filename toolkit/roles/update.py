@@ -61,14 +61,19 @@ def old_at_update(cfg) -> bool:
 
 
 def make_experience(batch, shard_index: np.ndarray, actor, critic, cfg, kl_coef: float, pad_id: int,
-                    all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Experience:
-    """Experience for the samples `shard_index` of `batch` (a SampleBatch with rewards)."""
+                    all_reduce: Callable[[torch.Tensor], torch.Tensor],
+                    reference: Callable[[object], torch.Tensor] | None = None) -> Experience:
+    """Experience for the samples `shard_index` of `batch` (a SampleBatch with rewards). A batch without
+    reference log-probs gets them here, for the shard: from `reference` (the reference role of this
+    worker, `ReferenceRole.logprobs`), or, with none (LoRA), from the actor with its adapters disabled."""
     shard = batch.select(shard_index)
     padded = pad_samples(shard, pad_id)
     mask = padded.action_mask
     temperature = cfg.rollout.temperature
     old = None if old_at_update(cfg) else sequence_logprobs(actor, padded, temperature, cfg.model.forward_batch_size)
-    if shard.ref_logprobs is None:  # LoRA: the reference model is the actor without its adapters
+    if shard.ref_logprobs is None and reference is not None:
+        ref = reference(padded)
+    elif shard.ref_logprobs is None:  # LoRA: the reference model is the actor without its adapters
         with actor.module.disable_adapter():
             ref = sequence_logprobs(actor, padded, temperature, cfg.model.forward_batch_size)
     else:

@@ -1,4 +1,5 @@
-"""The one place a DeepSpeed engine is built, for every stage (SFT, reward model, RL actor and critic).
+"""The one place a DeepSpeed engine is built, for every stage (SFT, reward model, RL actor and critic), and
+for a reference model sharded over the trainer's ranks (`inference_engine`).
 
 What it reads from the config (`EngineSection` in config/base.py): the ZeRO stage, learning rate,
 schedule, weight decay, gradient clipping, micro-batch size, the model's dtype (bf16/fp16 mixed
@@ -84,3 +85,26 @@ def build_engine(model: torch.nn.Module, settings, lr: float, dtype: str, world:
                                      settings.zero_stage, f"{trained:,}", f"{total:,}",
                                      "".join(f", {s}" for s in switches))
     return engine
+
+
+def inference_engine(model: torch.nn.Module, dtype: str, world: int, offload_params: bool = False):
+    """A DeepSpeed ZeRO-3 engine that only runs forward passes: a reference model sharded over the trainer's
+    `world` ranks, as DeepSpeed-Chat and OpenRLHF hold theirs under ZeRO-3. Each rank keeps 1/world of
+    the weights (in host memory with `offload_params`) and gathers a layer's at a time in each forward
+    pass, a collective: every rank must make the same number of passes."""
+    import deepspeed
+
+    zero = {"stage": 3}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world, "zero_optimization": zero,
+              "bf16": {"enabled": dtype == "bfloat16"}, "fp16": {"enabled": dtype == "float16"},
+              "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine
+
+
+def held_parameters(model: torch.nn.Module) -> int:
+    """How many of `model`'s parameters this rank holds (under ZeRO-3 its partition of each)."""
+    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
