@@ -1,5 +1,5 @@
 """The three strategies through `submit` on the real local cluster: each node group is one job step on its
-own nodes, and all three compute the same thing (same rewards and losses)."""
+own nodes (or on another group's, `same_nodes_as`), and all compute the same thing (same rewards and losses)."""
 
 from __future__ import annotations
 
@@ -47,8 +47,14 @@ def test_three_strategies_on_slurm(tiny, tmp_path):
                                                                  "trainer": {"workers": 2, "nodes": 2}})
     groups = [nodes_of(sep_workers, g) for g in ("generator", "scorer", "trainer")]
     assert [len(g) for g in groups] == [1, 1, 2] and len(set.union(*groups)) == 4  # disjoint node groups
+    # OpenRLHF's layout: the generators on the trainer's nodes, each job step taking only its own CPUs
+    shared_workers, shared = submitted(tiny, tmp_path / "shared", "separation", {
+        "generator": {"workers": 2, "nodes": 2, "same_nodes_as": "trainer"}, "trainer": {"workers": 2, "nodes": 2}})
+    generator, trainer = nodes_of(shared_workers, "generator"), nodes_of(shared_workers, "trainer")
+    assert len(trainer) == 2 and generator == trainer and not nodes_of(shared_workers, "scorer") & trainer
+    assert len({e["slurm_step"] for e in shared_workers.values()}) == 3
     # All give two generating ranks of 8 prompts each and two trainer ranks: the same samples and updates.
-    for other in (inter, sep):
+    for other in (inter, sep, shared):
         for a, b in zip(flat, other, strict=True):
             for key in ("reward_mean", "loss", "kl"):
                 assert abs(a[key] - b[key]) <= 1e-6, (a["step"], key, a[key], b[key])

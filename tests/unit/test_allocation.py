@@ -40,6 +40,65 @@ def test_heterogeneous_when_partitions_or_gpus_differ(tiny, tmp_path):
         plan_allocation(groups_for(tiny, tmp_path / "n", trainer={"partition": "back"})[1], "never")
 
 
+def test_groups_split_the_gpus_of_the_same_nodes(tiny, tmp_path):
+    """OpenRLHF's usual layout: on each 8-GPU node, 4 GPUs of vLLM engines and 4 of training."""
+    cfg, groups = groups_for(tiny, tmp_path, generator={"workers": 8, "nodes": 2, "gpus_per_worker": 1,
+                                                         "cpus_per_worker": 4, "same_nodes_as": "trainer",
+                                                         "mem_gb": 200},
+                             trainer={"workers": 8, "nodes": 2, "gpus_per_worker": 1, "cpus_per_worker": 8},
+                             scorer={"gpus_per_worker": 1})
+    a = plan_allocation(groups)
+    assert not a.heterogeneous and a.nodes == 3  # the scorer's node and the two shared ones
+    (c,) = a.components
+    assert (c.tasks_per_node, c.cpus_per_task, c.gpus_per_task, c.gpus_per_node) == (8, 8, 1, None)
+    nodes = assign_nodes(a, [["n1", "n2", "n3"]])
+    assert nodes == {"scorer": ["n1"], "trainer": ["n2", "n3"], "generator": ["n2", "n3"]}
+    from toolkit.launch.sbatch import _resources, sbatch_script
+
+    script = sbatch_script(cfg, a, "/runs/x", ["true"], how="render")
+    assert "#SBATCH --nodes=3" in script and "#SBATCH --ntasks-per-node=8" in script
+    assert "#SBATCH --gpus-per-task=1" in script and "#SBATCH --mem=200G" in script
+    # Both steps of a shared node set take only what they ask for; a step on nodes of its own, everything
+    generator, scorer, trainer = (next(g for g in groups if g.name == n) for n in ("generator", "scorer", "trainer"))
+    assert {"--exact", "--mem=200G", "--gpus-per-task=1", "--nodelist=n2,n3"} <= set(srun_command(
+        generator, ["n2", "n3"], None, "py", "/l", shared=True))
+    from toolkit.launch.allocation import shares_nodes
+
+    assert shares_nodes(trainer, groups) and shares_nodes(generator, groups) and not shares_nodes(scorer, groups)
+    assert "--exact" not in srun_command(scorer, ["n1"], None, "py", "/l")
+    # TP 2 engines beside 1-GPU trainer ranks: the node's GPUs add up (gpus-per-node, not per task)
+    _, groups = groups_for(tiny, tmp_path / "tp", generator={"workers": 2, "gpus_per_worker": 2,
+                                                             "same_nodes_as": "trainer"},
+                           trainer={"workers": 4, "gpus_per_worker": 1})
+    a = plan_allocation(groups)
+    assert a.heterogeneous  # (the scorer has no GPU)
+    c = a.components[a.component_of(next(g for g in groups if g.name == "trainer"))]
+    assert [g.name for g in c.groups] == ["trainer", "generator"] and c.nodes == 1
+    assert (c.tasks_per_node, c.gpus_per_node) == (6, 8)
+    assert _resources(c)["gpus-per-node"] == 8 and _resources(c)["gpus-per-task"] is None
+
+
+def test_same_nodes_as_errors(tiny, tmp_path):
+    def load(**placement):
+        return load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, placement=placement)))
+
+    with pytest.raises(ConfigError, match=r"placement.generator.same_nodes_as is 'trainers', not another node group "
+                                          r"of this placement \(scorer, trainer\)"):
+        load(generator={"same_nodes_as": "trainers"})
+    with pytest.raises(ConfigError, match=r"placement.generator.nodes is 1, but it runs on the nodes of trainer, "
+                                          r"which has 2; give both the same nodes"):
+        load(generator={"same_nodes_as": "trainer"}, trainer={"nodes": 2, "workers": 2})
+    with pytest.raises(ConfigError, match="names scorer, which runs on the nodes of trainer itself; name trainer"):
+        load(generator={"same_nodes_as": "scorer"}, scorer={"same_nodes_as": "trainer"})
+    with pytest.raises(ConfigError, match="cannot ask for another partition or constraint"):
+        load(generator={"same_nodes_as": "trainer", "partition": "front"})
+    two = {"slurm": {"nodes": 2}}  # a generator on the trainer's nodes needs none of its own
+    with pytest.raises(ConfigError, match=r"need 3 nodes \(generator 1, scorer 1, trainer 1\) but slurm.nodes allows 2"):
+        load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, **two)))
+    load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, placement={"generator": {
+        "same_nodes_as": "trainer"}}, **two)))
+
+
 def test_too_few_nodes_is_reported(tiny, tmp_path):
     _, groups = groups_for(tiny, tmp_path, trainer={"workers": 2, "nodes": 2})
     with pytest.raises(RuntimeError, match="has 3 nodes"):

@@ -193,6 +193,12 @@ class GroupSection(Section):
     """Slurm: node features this group needs (--constraint), e.g. `a100`."""
     env: dict[str, str] = {}
     """Extra environment variables for these workers."""
+    same_nodes_as: str | None = None
+    """Slurm: run on the nodes of that node group, beside its workers, instead of on nodes of its own: a
+    node's GPUs split among roles, e.g. `generator: {same_nodes_as: trainer, workers: 4, gpus_per_worker: 1}`
+    beside `trainer: {workers: 4, gpus_per_worker: 1}` on one 8-GPU node. Both groups need the same
+    `nodes`; each job step then gets only the CPUs and GPUs it asks for (srun --exact). On clusters that
+    count memory, give each group its `mem_gb` share of a node."""
 
     @model_validator(mode="after")
     def _spread(self) -> "GroupSection":

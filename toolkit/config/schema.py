@@ -396,10 +396,28 @@ class RunConfig(Section):
         if generators.gpus_per_worker and generators.gpus_per_worker % tp:
             raise ValueError(f"rollout.vllm.tensor_parallel_size ({tp}) does not divide the GPUs of each generator "
                              f"worker ({generators.gpus_per_worker}); make the GPUs a multiple of it")
-        need = sum(g.nodes for _, _, g in layout)
+        sections = {name: g for name, _, g in layout}
+        for name, g in sections.items():
+            if g.same_nodes_as is None:
+                continue
+            host = sections.get(g.same_nodes_as)
+            if host is None or g.same_nodes_as == name:
+                raise ValueError(f"placement.{name}.same_nodes_as is {g.same_nodes_as!r}, not another node group of "
+                                 f"this placement ({', '.join(n for n in sections if n != name)})")
+            if host.same_nodes_as is not None:
+                raise ValueError(f"placement.{name}.same_nodes_as names {g.same_nodes_as}, which runs on the nodes of "
+                                 f"{host.same_nodes_as} itself; name {host.same_nodes_as}")
+            if g.nodes != host.nodes:
+                raise ValueError(f"placement.{name}.nodes is {g.nodes}, but it runs on the nodes of {g.same_nodes_as}, "
+                                 f"which has {host.nodes}; give both the same nodes")
+            if (g.partition, g.constraint) != (host.partition, host.constraint):
+                raise ValueError(f"placement.{name} runs on the nodes of {g.same_nodes_as}, so it cannot ask for "
+                                 f"another partition or constraint; remove {name}'s")
+        need = sum(g.nodes for _, _, g in layout if g.same_nodes_as is None)
         if self.slurm.nodes is not None and need > self.slurm.nodes:
-            raise ValueError(f"the node groups need {need} nodes (" + ", ".join(f"{name} {g.nodes}" for name, _, g in layout)
-                             + f") but slurm.nodes allows {self.slurm.nodes}; use fewer nodes per group")
+            raise ValueError(f"the node groups need {need} nodes (" + ", ".join(
+                f"{name} {g.nodes}" for name, _, g in layout if g.same_nodes_as is None)
+                + f") but slurm.nodes allows {self.slurm.nodes}; use fewer nodes per group")
         if self.rollout.backend == "vllm" and self.placement.generation_with_actor() and generators.workers > 1:
             raise ValueError(f"rollout.backend is 'vllm' with placement.strategy {self.placement.strategy}: vLLM runs in "
                              f"the trainer's process only when that node group has one worker (one device), it has "

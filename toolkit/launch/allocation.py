@@ -2,7 +2,8 @@
 
 Pure: no Slurm is needed to plan, so `submit --dry-run` and `render` work anywhere. A component lists its
 node groups in pipeline order; inside the allocation each group gets its own disjoint slice of its
-component's nodes (`assign_nodes`).
+component's nodes (`assign_nodes`), except a group with `same_nodes_as`, which gets the nodes of the group
+it names: a node set of several groups, whose tasks and GPUs per node add up.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ class Component:
     mem_gb: float | None
     partition: str | None
     constraint: str | None
+    gpus_per_node: int | None = None  # (instead of gpus_per_task: groups with different GPUs share nodes)
 
     @property
     def nodes(self) -> int:
-        return sum(g.nodes for g in self.groups)
+        return sum(g.nodes for g in self.groups if g.same_nodes_as is None)
 
 
 @dataclass(frozen=True)
@@ -47,26 +49,38 @@ class Allocation:
         return next(i for i, c in enumerate(self.components) if group in c.groups)
 
 
+def node_sets(groups: list[WorkerGroup]) -> list[tuple[WorkerGroup, ...]]:
+    """The groups that run on the same nodes: each group without `same_nodes_as`, with those that name it."""
+    return [(host, *(g for g in groups if g.same_nodes_as == host.name)) for host in groups
+            if host.same_nodes_as is None]
+
+
 def plan_allocation(groups: list[WorkerGroup], heterogeneous: str = "auto") -> Allocation:
-    """The allocation for `groups` (`heterogeneous`: auto, always or never; see SlurmSection)."""
-    apart = {(g.partition, g.constraint, g.gpus_per_worker) for g in groups}
+    """The allocation for `groups` (`heterogeneous`: auto, always or never; see SlurmSection). Groups on the
+    same nodes are always in one component."""
+    sets = node_sets(groups)
+    apart = {(s[0].partition, s[0].constraint, frozenset(g.gpus_per_worker for g in s)) for s in sets}
     if heterogeneous == "never" and len({(g.partition, g.constraint) for g in groups}) > 1:
         where = ", ".join(f"{g.name}: partition {g.partition or '(default)'}, constraint {g.constraint or '-'}"
                           for g in groups)
         raise ConfigError(f"slurm.heterogeneous is 'never' but the node groups need different partitions or "
                           f"node features ({where}); allow a heterogeneous job or give them the same")
     if heterogeneous == "always" or (heterogeneous == "auto" and len(apart) > 1):
-        return Allocation(tuple(_component((g,)) for g in groups))
+        return Allocation(tuple(_component(s) for s in sets))
     return Allocation((_component(tuple(groups)),))
 
 
 def _component(groups: tuple[WorkerGroup, ...]) -> Component:
-    """Resources per node: the most any of its groups needs."""
+    """Resources per node: the most any of its node sets needs (the groups of a set add up)."""
+    sets = node_sets(list(groups))
     cpus = [g.cpus_per_worker for g in groups if g.cpus_per_worker]
-    mems = [g.mem_gb for g in groups if g.mem_gb]
-    return Component(groups, max(g.tasks_per_node for g in groups), max(cpus) if cpus else None,
-                     max(g.gpus_per_worker for g in groups), max(mems) if mems else None,
-                     groups[0].partition, groups[0].constraint)
+    mems = [sum(g.mem_gb for g in s if g.mem_gb) for s in sets]
+    gpus = {g.gpus_per_worker for g in groups}
+    shared = any(len(s) > 1 for s in sets)
+    return Component(groups, max(sum(g.tasks_per_node for g in s) for s in sets), max(cpus) if cpus else None,
+                     max(gpus), max(mems) or None, groups[0].partition, groups[0].constraint,
+                     max(sum(g.tasks_per_node * g.gpus_per_worker for g in s) for s in sets)
+                     if shared and len(gpus) > 1 else None)
 
 
 def assign_nodes(allocation: Allocation, component_nodes: list[list[str]]) -> dict[str, list[str]]:
@@ -80,16 +94,26 @@ def assign_nodes(allocation: Allocation, component_nodes: list[list[str]]) -> di
                                f"its node groups need {component.nodes}")
         start = 0
         for g in component.groups:
-            out[g.name] = nodes[start: start + g.nodes]
-            start += g.nodes
+            if g.same_nodes_as is None:
+                out[g.name] = nodes[start: start + g.nodes]
+                start += g.nodes
+        for g in component.groups:
+            if g.same_nodes_as is not None:
+                out[g.name] = out[g.same_nodes_as]
     return out
+
+
+def shares_nodes(group: WorkerGroup, groups) -> bool:
+    """Whether another group runs on this group's nodes (each job step then takes only what it asks for)."""
+    return group.same_nodes_as is not None or any(g.same_nodes_as == group.name for g in groups)
 
 
 def placement_table(groups: list[WorkerGroup], allocation: Allocation) -> str:
     """The plan as a table: node group, models, nodes, tasks, CPUs, GPUs, memory, partition, job component."""
     rows = [("node group", "models", "nodes", "tasks", "CPUs/task", "GPUs/task", "mem/node", "partition", "component")]
     for g in groups:
-        rows.append((g.name, ",".join(g.models), str(g.nodes), str(g.workers), str(g.cpus_per_worker or "-"),
+        nodes = f"{g.nodes} ({g.same_nodes_as}'s)" if g.same_nodes_as else str(g.nodes)
+        rows.append((g.name, ",".join(g.models), nodes, str(g.workers), str(g.cpus_per_worker or "-"),
                      str(g.gpus_per_worker), f"{g.mem_gb:g}G" if g.mem_gb else "-", g.partition or "(default)",
                      str(allocation.component_of(g)) if allocation.heterogeneous else "-"))
     return text_table(rows)

@@ -52,7 +52,8 @@ def sbatch_script(cfg, allocation: Allocation, run_dir: str, command: list[str] 
 
 def _resources(c: Component) -> dict:
     return {"nodes": c.nodes, "ntasks-per-node": c.tasks_per_node, "cpus-per-task": c.cpus_per_task,
-            "gpus-per-task": c.gpus_per_task or None, "mem": f"{c.mem_gb:g}G" if c.mem_gb else None,
+            "gpus-per-task": None if c.gpus_per_node else c.gpus_per_task or None, "gpus-per-node": c.gpus_per_node,
+            "mem": f"{c.mem_gb:g}G" if c.mem_gb else None,
             "partition": c.partition, "constraint": c.constraint}
 
 

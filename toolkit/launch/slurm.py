@@ -1,4 +1,5 @@
-"""Slurm launcher: inside an allocation, one `srun` job step per node group, each on its own nodes.
+"""Slurm launcher: inside an allocation, one `srun` job step per node group, each on its own nodes (or on
+the nodes of the group it names in `same_nodes_as`, taking only the CPUs and GPUs it asks for).
 
 The workers are the same `python -m toolkit.worker` as locally, with the same environment contract;
 their rank is the task's SLURM_PROCID and they bind to their node's address. A group's step runs on
@@ -17,7 +18,7 @@ import subprocess
 import sys
 
 from toolkit.launch import env as E
-from toolkit.launch.allocation import Allocation, assign_nodes
+from toolkit.launch.allocation import Allocation, assign_nodes, shares_nodes
 from toolkit.launch.exits import Exit, wait_all
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import WorkerGroup
@@ -40,7 +41,11 @@ def component_nodes(allocation: Allocation, environ=os.environ) -> list[list[str
     return [hostnames(environ["SLURM_JOB_NODELIST"])]
 
 
-def srun_command(group: WorkerGroup, nodes: list[str], het_group: int | None, python: str, log_dir: str) -> list[str]:
+def srun_command(group: WorkerGroup, nodes: list[str], het_group: int | None, python: str, log_dir: str,
+                 shared: bool = False) -> list[str]:
+    """The job step of `group` on `nodes`. `shared`: another group's step runs on these nodes too, so this
+    step takes only the CPUs, GPUs and memory it asks for (--exact; by default a step takes every CPU of
+    its nodes and the next one waits for them)."""
     cmd = ["srun", "--verbose", f"--job-name={group.name}", f"--nodes={group.nodes}", f"--ntasks={group.workers}",
            f"--ntasks-per-node={group.tasks_per_node}", f"--nodelist={','.join(nodes)}",
            "--kill-on-bad-exit=1", "--unbuffered", f"--output={log_dir}/{group.name}-%t.log"]
@@ -50,6 +55,10 @@ def srun_command(group: WorkerGroup, nodes: list[str], het_group: int | None, py
         cmd.append(f"--cpus-per-task={group.cpus_per_worker}")
     if group.gpus_per_worker:
         cmd.append(f"--gpus-per-task={group.gpus_per_worker}")
+    if shared:
+        cmd.append("--exact")
+        if group.mem_gb:
+            cmd.append(f"--mem={group.mem_gb:g}G")
     return [*cmd, python, "-m", "toolkit.worker"]
 
 
@@ -77,7 +86,9 @@ class SlurmLauncher:
 
     def _start_step(self, group: WorkerGroup, env: dict[str, str]) -> None:
         het = self.allocation.component_of(group) if self.allocation.heterogeneous else None
-        cmd = srun_command(group, self.nodes[group.name], het, self.python, str(self.run_dir.logs))
+        everyone = [g for c in self.allocation.components for g in c.groups]
+        cmd = srun_command(group, self.nodes[group.name], het, self.python, str(self.run_dir.logs),
+                           shares_nodes(group, everyone))
         child_env = {**os.environ, **env, **group.env, E.GROUP: group.name}
         child_env.pop(E.RANK, None)  # each task's rank is its SLURM_PROCID
         if self.bind_host:  # (transport.bind_host: each worker resolves it on its own node)

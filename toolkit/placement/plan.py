@@ -32,6 +32,7 @@ class WorkerGroup:
     partition: str | None = None
     constraint: str | None = None
     models: tuple[str, ...] = ()
+    same_nodes_as: str | None = None  # (Slurm: the group whose nodes this one shares)
 
     @property
     def tasks_per_node(self) -> int:
@@ -55,7 +56,8 @@ def plan(cfg) -> list[WorkerGroup]:
         models = tuple(m for m in models if cfg.hosts(m))  # only PPO has a critic
         roles = tuple(dict.fromkeys(cfg.stage if m == "trainee" else ROLE_OF[m] for m in models))
         groups.append(WorkerGroup(name, roles, s.workers, s.cpus_per_worker, s.gpus_per_worker, dict(s.env),
-                                  s.nodes, s.mem_gb, s.partition or cfg.slurm.partition, s.constraint, tuple(models)))
+                                  s.nodes, s.mem_gb, s.partition or cfg.slurm.partition, s.constraint, tuple(models),
+                                  s.same_nodes_as))
     return groups
 
 
