@@ -92,7 +92,11 @@ def test_a_model_too_big_for_any_placement(tiny, tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "no placement fits this cluster." in result.stdout
     assert "flattening (all[" in result.stdout and "GB short" in result.stdout
-    assert "not possible on 1 node(s) (a node group owns whole nodes): separation (3 groups)" in result.stdout
+    assert ("not possible on 1 node(s) (a node group owns whole nodes, except a generator on the trainer's): "
+            "separation (3 groups)") in result.stdout
+    # two groups fit on one node when the generator takes some of the trainer's GPUs (it is weighed, and does
+    # not fit either)
+    assert "colocate_all_models (generator[generation] 1n of trainer x" in result.stdout
 
 
 def test_a_larger_cluster_never_gets_a_slower_plan(tiny, tmp_path):
@@ -203,18 +207,37 @@ def test_a_trainer_that_does_not_fit_is_told_which_switch_would_fit():
 
 
 def test_deepspeed_chats_opt13b_ppo_fits_one_a100_node_with_the_switches_it_names(tiny, tmp_path):
-    """DeepSpeed-Chat's OPT-13B PPO with an OPT-350M reward model on one node of 8 A100-80G: without
-    switches nothing fits and the planner names the switch its script turns on (gradient checkpointing;
-    the critic and reward model hold values, not the vocabulary's logits); with it a plan fits."""
+    """DeepSpeed-Chat's OPT-13B PPO with an OPT-350M reward model on one node of 8 A100-80G, every model
+    on all 8 GPUs as DeepSpeed-Chat runs it (flattening): without switches nothing fits and the planner
+    names the switch its script turns on (gradient checkpointing; the critic and reward model hold values,
+    not the vocabulary's logits); with it a plan fits. Split as OpenRLHF splits a node (vLLM on some GPUs,
+    the training models under ZeRO-3 with the reference sharded beside them on the others), it fits
+    without a switch."""
     config = write_config(tmp_path, example("tiny-ppo.yaml", tiny, model={"dtype": "bfloat16"}))
     args = ["plan", config, "--cluster", CLUSTERS / "1x8-a100-80g.yaml", "--params", "actor=13e9", "--params",
             "reference=13e9", "--params", "critic=350e6", "--params", "reward=350e6", "--prompt-tokens", "256",
             "--response-tokens", "256"]
-    result = cli(*args, timeout=120)
+    result = cli(*args, "--strategy", "flattening", timeout=120)
     assert result.returncode == 1 and "no placement fits this cluster." in result.stdout
     assert "fits with trainer.gradient_checkpointing: true (" in result.stdout, result.stdout
-    result = cli(*args, "--set", "trainer.gradient_checkpointing=true", timeout=120)
+    result = cli(*args, "--strategy", "flattening", "--set", "trainer.gradient_checkpointing=true", timeout=120)
     assert result.returncode == 0 and "plan(s) fit" in result.stdout, result.stdout
+    best = json.loads(cli(*args, "--json", "--top", "1", timeout=120).stdout)["plans"][0]
+    generator, trainer = best["groups"]
+    assert best["fits"] and best["strategy"] == "colocate_all_models" and best["zero_stage"] == 3
+    assert generator["same_nodes_as"] == "trainer" and generator["nodes"] == trainer["nodes"] == 1
+    assert generator["workers"] * generator["gpus_per_worker"] + trainer["workers"] * trainer["gpus_per_worker"] == 8
+    # --write gives a config that loads and asks Slurm for one node with both groups' GPUs
+    out = tmp_path / "planned.yaml"
+    assert cli(*args, "--write", out, timeout=120).returncode == 0
+    cfg = load_config(out)
+    assert cfg.placement.group_with("generation").same_nodes_as == "trainer"
+    dry = cli("submit", out, "--dry-run", "--run-dir", tmp_path / "run", timeout=120)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "#SBATCH --nodes=1\n" in dry.stdout and "1 (trainer's)" in dry.stdout
+    tasks = int(dry.stdout.split("#SBATCH --ntasks-per-node=")[1].split()[0])
+    gpus = dry.stdout.split("#SBATCH --gpus-per-")[1].split()[0]  # task=G or node=G
+    assert tasks * int(gpus.split("=")[1]) == 8 if gpus.startswith("task") else gpus == "node=8", dry.stdout
 
 
 def test_plan_json_lists_every_plan_with_its_phases_memory_and_why_not(tiny, tmp_path):
@@ -223,7 +246,7 @@ def test_plan_json_lists_every_plan_with_its_phases_memory_and_why_not(tiny, tmp
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)  # (nothing else on stdout)
     plans = out["plans"]
-    assert out["fitting"] == len(plans) > 10 and out["not_fitting"] == 0  # every plan, not the table's 10
+    assert len(plans) == min(out["fitting"], 200) > 10 and out["not_fitting"] == 0  # all kept, not the table's 10
     assert [p["rank"] for p in plans] == list(range(1, len(plans) + 1))
     assert [p["step_s"] for p in plans] == sorted(p["step_s"] for p in plans)
     for p in plans:
@@ -277,7 +300,9 @@ def test_128_nodes_are_searched_without_keeping_every_plan():
     found = search(cluster, llama_ppo("meta-llama--Llama-2-7b-hf.json"), 3)
     assert found.estimated < 50_000 and found.fitting > 30_000 and len(found.fit) == 200
     best = found.fit[0]
-    assert best.setting.strategy == "separation" and sum(g.nodes for g in best.setting.groups) <= 128
+    # vLLM engines of their own; the reference, where it sits with the trainer, scores on its 512 ranks
+    assert not best.setting.generation_with_actor and sum(g.nodes for g in best.setting.groups) <= 128
+    assert best.setting.strategy in ("separation", "colocate_actor_ref")
     steps = [c.estimate.step_s for c in found.fit]
     assert steps == sorted(steps)
     big = search(cluster, llama_ppo("meta-llama--Llama-2-70b-hf.json"), 3, strategies=("separation",))

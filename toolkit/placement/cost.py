@@ -17,12 +17,14 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
   transformers generate()  rollout.generate_batch_size samples at once, or (planned) as many as 90% of
                   the device has room for beside the rest of its group: their KV cache + the scores it
                   keeps (Lr * vocab * 4 each)
-  scorer model    P*b + forward logits fbs*L*vocab*4*2 (a reward model: values, fbs*L*4*2)
+  scorer model    P*b + forward logits fbs*L*vocab*4*2 (a reward model: values, fbs*L*4*2); a reference
+                  with the trainer under ZeRO-3 holds P*b/W (sharded over the trainer's W ranks)
 Time (seconds per step, phases one after the other; with max_policy_lag >= 1 and generators of their
 own, the busiest group's seconds, as generation of the next steps overlaps training):
   generate  waves * (2*P*n*Lp/(TP*F) + Lr * (max(2*P*n/(TP*F), (P*b/TP + KV)/B) + c_decode + c_seq*n)),
             n = the sequences of a wave (vLLM: what its KV cache holds; transformers: its batch)
-  score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker)
+  score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker; a
+            reference with the trainer: each trainer rank its shard; a reward model there: rank 0 all)
   train     old log-probs (and values): 2*P*n*L/F + calls * c_forward;
             forward+backward k*P*n*L*epochs/F + micro-batches * c_micro, k = 2 (forward) + 2 (gradients
             of the activations) + 2 (of the weights; 0 with LoRA, whose adapters are too small to count)
@@ -233,8 +235,9 @@ def host_s(m: ModelShape, w: Workload, cluster, world: int, zero: int, updates: 
     return seconds
 
 
-def forward_memory(m: ModelShape, w: Workload) -> float:
-    return m.params * w.dtype_bytes + w.forward_batch_size * w.tokens * m.outputs * 4 * 2
+def forward_memory(m: ModelShape, w: Workload, shards: int = 1) -> float:
+    """A scoring model's weights (over `shards` ZeRO-3 ranks) and one forward batch's logits."""
+    return m.params * w.dtype_bytes / shards + w.forward_batch_size * w.tokens * m.outputs * 4 * 2
 
 
 def kv_budget(w: Workload, device_gb: float, tp: int) -> float:
@@ -282,8 +285,9 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
             need += sum(trainer_memory(m, w, workers, s.zero_stage, s.micro_batch) for m in shapes)
             idle = sum(trainer_memory(m, w, workers, s.zero_stage, 0) for m in shapes) - need
             trained[name] = (shapes, -need)
-        if "reference" in models:
-            need += forward_memory(w.reference, w)
+        if "reference" in models:  # (with the trainer under ZeRO-3, sharded over its ranks: ReferenceRole.sharded)
+            sharded = "actor" in models and "generation" not in models and s.zero_stage == 3
+            need += forward_memory(w.reference, w, workers if sharded else 1)
         if "reward" in models:
             need += sum(forward_memory(m, w) for m in w.reward_models)
         if "generation" in models:  # (last: a vLLM engine's KV cache gets what the rest of the group leaves)
@@ -368,6 +372,9 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     for model, shapes in (("reference", [w.reference]), ("reward", list(w.reward_models))):
         if s.together(model, "generation"):
             n, workers = per, g_workers                    # right after generation, on each worker
+        elif s.together(model, "actor") and model == "reference":
+            workers = s.group("actor").workers             # every trainer rank its shard (ReferenceRole.deferred)
+            n = math.ceil(w.samples / workers)
         elif s.together(model, "actor"):
             n, workers = w.samples, 1                      # on trainer rank 0
         else:
@@ -406,7 +413,9 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     if not own_engine:
         e.phases["sync"] = gather + (sent / bw if s.zero_stage == 3 else 0.0)
     else:
-        e.phases["sync"] = gather + sent / link(max(g_nodes, 2)) + links.latency_s + sent / dev.memory_bandwidth
+        # (a generator on the trainer's one node gets the weights over the node's own links)
+        apart = 1 if s.same_nodes("generation", "actor") else 2
+        e.phases["sync"] = gather + sent / link(max(g_nodes, apart)) + links.latency_s + sent / dev.memory_bandwidth
 
     # Transport: one message per generator worker over each hop between groups, and the driver's work.
     hops = _hops(s)

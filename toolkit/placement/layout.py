@@ -40,13 +40,15 @@ def generation_with_actor(groups: Iterable[Iterable[str]]) -> bool:
 
 @dataclass(frozen=True)
 class Group:
-    """One node group: its models, nodes, workers and GPUs per worker (a vLLM engine's TP size)."""
+    """One node group: its models, nodes, workers and GPUs per worker (a vLLM engine's TP size), and the
+    group whose nodes it shares (`same_nodes_as`: some GPUs of each of that group's nodes are its own)."""
 
     name: str
     models: tuple[str, ...]
     nodes: int = 1
     workers: int = 1
     gpus_per_worker: int = 0
+    same_nodes_as: str | None = None
 
     @property
     def own_engine(self) -> bool:
@@ -54,7 +56,8 @@ class Group:
         return "generation" in self.models and not generates_with_actor(self.models)
 
     def describe(self) -> str:
-        return f"{self.name}[{','.join(self.models)}] {self.nodes}n x{self.workers}"
+        nodes = f"{self.nodes}n of {self.same_nodes_as}" if self.same_nodes_as else f"{self.nodes}n"
+        return f"{self.name}[{','.join(self.models)}] {nodes} x{self.workers}"
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,11 @@ class Layout:
 
     def together(self, a: str, b: str) -> bool:
         return self.group(a) == self.group(b)
+
+    def same_nodes(self, a: str, b: str) -> bool:
+        """Whether the groups of models `a` and `b` run on the same nodes (one group, or one on the other's)."""
+        ga, gb = self.group(a), self.group(b)
+        return ga == gb or ga.same_nodes_as == gb.name or gb.same_nodes_as == ga.name
 
     @property
     def generation_with_actor(self) -> bool:

@@ -3,8 +3,10 @@
 for how a large cluster is searched in seconds).
 
 Node groups own whole nodes under Slurm (each is one job step on its own nodes), so a strategy with k
-groups needs at least k nodes; plans may leave nodes unused. On a `shared` cluster (the local launcher)
-every group runs on the same machine, one worker each.
+groups needs at least k nodes; plans may leave nodes unused. A generator of its own may instead take
+some GPUs of each of the trainer's nodes (`same_nodes_as`: a quarter, half or three quarters of them,
+in whole TP groups), the trainer the rest, as OpenRLHF runs vLLM engines beside its training models.
+On a `shared` cluster (the local launcher) every group runs on the same machine, one worker each.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Found:
     fitting: int = 0
     not_fitting: int = 0
     estimated: int = 0
+    strategies: tuple[str, ...] = STRATEGIES  # (those searched)
 
 
 def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float | None = None,
@@ -96,7 +99,7 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     heap: list = []  # (-step_s, n, Candidate): the `keep` fastest that fit
     closest: list = []  # (-peak, n, Candidate): the `keep` closest to fitting
     of_strategy: dict[str, tuple[float, Candidate]] = {}
-    found = Found([], [])
+    found = Found([], [], strategies=tuple(strategies))
     tps = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node and cluster.gpus_per_node % t == 0] or [1]
     usable = cluster.device.memory_gb * GB
 
@@ -119,8 +122,8 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
                   for name, models in PRESETS[strategy].items()]
         own_generator = not generation_with_actor(models for _, models in layout)
         layouts = []
-        for split, tp in itertools.product(_splits(cluster, len(layout)), tps if own_generator else [1]):
-            groups = _groups(cluster, layout, split, tp)
+        for split, tp, share in _arrangements(cluster, layout, tps if own_generator else [1], own_generator):
+            groups = _groups(cluster, layout, split, tp, share)
             workers = None if groups is None else next(g.workers for g in groups if "generation" in g.models)
             if workers is not None and workers <= w.prompts:
                 # the actor's group generates with transformers, or, with one worker, with vLLM in the
@@ -177,17 +180,41 @@ def _splits(cluster, k: int):
                     yield split
 
 
-def _groups(cluster, layout, split, tp) -> tuple[Group, ...] | None:
-    """The groups of `layout` ((name, models), ...) on node counts `split`; None when a generator's TP
-    size does not divide its devices."""
+def _arrangements(cluster, layout, tps, own_generator: bool):
+    """(node counts, TP size, share) of every arrangement of `layout`'s groups: each group on nodes of its
+    own (share None), and, on GPU nodes, the generator on the trainer's nodes with `d` GPUs of each
+    (share (generator's index, trainer's index, d)); its node count is then the trainer's."""
+    for split, tp in itertools.product(_splits(cluster, len(layout)), tps):
+        yield split, tp, None
+    if not own_generator or cluster.shared or cluster.gpus_per_node < 2:
+        return
+    names = [models for _, models in layout]
+    guest = next(i for i, models in enumerate(names) if "generation" in models)
+    host = next(i for i, models in enumerate(names) if "actor" in models)
+    gpn = cluster.gpus_per_node
+    for split, tp in itertools.product(_splits(cluster, len(layout) - 1), tps):
+        full = list(split)
+        full.insert(guest, split[host - (host > guest)])
+        for d in sorted({d for d in (gpn // 4, gpn // 2, 3 * gpn // 4) if 0 < d < gpn and d % tp == 0}):
+            yield tuple(full), tp, (guest, host, d)
+
+
+def _groups(cluster, layout, split, tp, share=None) -> tuple[Group, ...] | None:
+    """The groups of `layout` ((name, models), ...) on node counts `split`, and with `share` (see
+    `_arrangements`) the generator on the trainer's nodes; None when a generator's TP size does not
+    divide its devices."""
     groups = []
-    for (name, models), nodes in zip(layout, split):
-        group = Group(name, models, nodes)
-        devices = 1 if cluster.shared else nodes * cluster.devices_per_node
+    for i, ((name, models), nodes) in enumerate(zip(layout, split)):
+        group, per_node, host = Group(name, models, nodes), cluster.devices_per_node, None
+        if share is not None and i == share[0]:
+            per_node, host = share[2], layout[share[1]][0]
+        elif share is not None and i == share[1]:
+            per_node -= share[2]
+        devices = 1 if cluster.shared else nodes * per_node
         width = tp if group.own_engine else 1
         if devices % width:
             return None
-        groups.append(Group(name, models, nodes, devices // width, width if cluster.gpus_per_node else 0))
+        groups.append(Group(name, models, nodes, devices // width, width if cluster.gpus_per_node else 0, host))
     return tuple(groups)
 
 
@@ -242,9 +269,10 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
                           key=lambda c: max(c.estimate.memory.values()))
             lines.append(f"  {strategy} ({closest.setting.describe()}, ZeRO-{closest.setting.zero_stage}, "
                          f"mb {closest.setting.micro_batch}): {'; '.join(closest.estimate.short)}")
-    missing = [s for s in STRATEGIES if s not in {c.setting.strategy for c in [*fit, *rejected]}]
+    missing = [s for s in found.strategies if s not in {c.setting.strategy for c in [*fit, *rejected]}]
     if missing and not cluster.shared:
-        lines.append(f"not possible on {cluster.nodes} node(s) (a node group owns whole nodes): " + ", ".join(
+        lines.append(f"not possible on {cluster.nodes} node(s) (a node group owns whole nodes, except a "
+                     f"generator on the trainer's): " + ", ".join(
             f"{s} ({len(PRESETS[s])} groups)" for s in missing))
     return "\n".join(lines)
 
@@ -258,7 +286,8 @@ def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
         s, e = c.setting, c.estimate
         return {"rank": rank, "strategy": s.strategy, "fits": e.fits, "why_not": list(e.short),
                 "groups": [{"name": g.name, "models": list(g.models), "nodes": g.nodes, "workers": g.workers,
-                            "gpus_per_worker": g.gpus_per_worker} for g in s.groups],
+                            "gpus_per_worker": g.gpus_per_worker, "same_nodes_as": g.same_nodes_as}
+                           for g in s.groups],
                 "tensor_parallel": s.tensor_parallel, "zero_stage": s.zero_stage, "micro_batch": s.micro_batch,
                 "generation_engine": s.generation_engine, "step_s": e.step_s, "phases_s": dict(e.phases),
                 "memory_gb_per_device": {name: need / GB for name, need in e.memory.items()}}
@@ -286,7 +315,10 @@ def as_config(cfg, c: Candidate) -> dict:
     for g in s.groups:
         old = dict(data.get("placement", {}).get(g.name, {}))
         old.pop("models", None)
+        old.pop("same_nodes_as", None)
         placement[g.name] = {**old, "nodes": g.nodes, "workers": g.workers, "gpus_per_worker": g.gpus_per_worker}
+        if g.same_nodes_as:
+            placement[g.name]["same_nodes_as"] = g.same_nodes_as
     data["placement"] = placement
     data["trainer"].update(zero_stage=s.zero_stage, micro_batch_size=s.micro_batch)
     rollout_of(c, data["rollout"])
@@ -323,6 +355,6 @@ def setting_of(cfg) -> Layout:
     """The setting a run config already asks for (to predict its step time)."""
     from toolkit.placement.plan import plan
 
-    groups = tuple(Group(g.name, g.models, g.nodes, g.workers, g.gpus_per_worker) for g in plan(cfg))
+    groups = tuple(Group(g.name, g.models, g.nodes, g.workers, g.gpus_per_worker, g.same_nodes_as) for g in plan(cfg))
     return Layout(cfg.placement.strategy, groups, cfg.trainer.zero_stage, cfg.trainer.micro_batch_size,
                    cfg.rollout.vllm.tensor_parallel_size, cfg.generation_backend)
