@@ -1,6 +1,6 @@
 """An end-to-end GRPO step against TRL's GRPOTrainer: the same model, workload and reward, side by side.
 
-    python tools/bench_trl.py [--steps 5]
+    python tools/bench_trl.py [--steps 5] [--variable]
 
 The model: a random 26M-parameter Llama (hidden 512, 8 layers, 8 heads, intermediate 1376) with the tiny
 tokenizer's 512 vocab, fp32. The workload: 16 prompts x 4 samples x 128 new tokens per step, every
@@ -18,6 +18,15 @@ several processes once). The last line is `ratio R`: the lower of TRL's
 median step time over ours, for Separation and Flattening. Our workers run with the allocator that
 `run.allocator: auto` picks (where installed: tcmalloc, and jemalloc for Flattening's trainer with vLLM
 in its process); TRL runs as its users run it, and once more with tcmalloc preloaded, for comparison.
+
+`--variable`: samples of very different lengths, as real RL has them. The model's end-of-sequence token
+then has the same probability at every position (1/64), so response lengths are geometric (mean about
+64) and cut at 256 new tokens; nothing is forced. slurm-rlhf fills training micro-batches by token budget
+(`trainer.micro_batch_tokens`, 16 x the longest possible sample: the same largest micro-batch as rows
+of 16) and scores samples grouped by length (the default); it runs synchronously, and asynchronously
+(Separation, `rollout.max_policy_lag: 1`, one thread per worker, as `tools/bench_async.py` found best
+on these cores). TRL pads, as its users run it. Its last line is `ratio R` for packing and async: TRL's
+step time over Separation's, asynchronous.
 """
 
 from __future__ import annotations
@@ -41,8 +50,16 @@ TRL_VENV = REPO / ".venv-trl"
 TRL = "trl==1.16.0"
 
 
-def build_model(tiny: Path, out: Path) -> None:
-    """The benchmark's Llama with the tiny tokenizer."""
+EOS_RATE, VARIABLE_MAX = 1 / 64, 256  # --variable: the end-of-sequence token's probability per position, the cut
+
+
+def build_model(tiny: Path, out: Path, eos_rate: float | None = None) -> None:
+    """The benchmark's Llama with the tiny tokenizer. With `eos_rate`, end-of-sequence has that probability
+    at every position: residual dimension 0 holds the same value at every position (each token's embedding
+    sets it, no layer writes into it), and the LM head's end-of-sequence row reads that dimension alone, so
+    its logit is a constant, set against the other 511 tokens' (near 0 in a random model)."""
+    import math
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -52,7 +69,23 @@ def build_model(tiny: Path, out: Path) -> None:
                          num_key_value_heads=8, intermediate_size=1376, max_position_embeddings=512,
                          bos_token_id=small["bos_token_id"], eos_token_id=small["eos_token_id"],
                          pad_token_id=small["pad_token_id"], tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(out)
+    model = LlamaForCausalLM(config)
+    if eos_rate:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[:, 0] = 2.0
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight[0].zero_()
+                layer.mlp.down_proj.weight[0].zero_()
+            seen = {}
+            hook = model.model.norm.register_forward_hook(lambda _m, inputs, _o: seen.setdefault("x", inputs[0]))
+            model(torch.randint(0, config.vocab_size, (8, 64)))
+            hook.remove()
+            x = seen["x"]
+            normed = (x[..., 0] / x.pow(2).mean(-1).sqrt()).mean().item()  # dimension 0 after the final norm
+            logit = math.log((config.vocab_size - 1) * eos_rate / (1 - eos_rate))
+            model.lm_head.weight[config.eos_token_id].zero_()
+            model.lm_head.weight[config.eos_token_id, 0] = logit / normed
+    model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tiny / "model" / name).exists():
             shutil.copy(tiny / "model" / name, out / name)
@@ -117,7 +150,8 @@ def measured(command: list[str], **kwargs) -> PeakMemory:
     return peak
 
 
-def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int) -> dict:
+def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int, variable: bool = False,
+         lag: int = 0) -> dict:
     config = {"run": {"name": f"bench-{strategy}", "algorithm": "grpo", "steps": steps + 2, "seed": 0},
               "data": {"prompts": str(prompts)}, "model": {"actor": str(model)},
               "rollout": {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 128, "ignore_eos": True,
@@ -126,9 +160,15 @@ def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int) -> di
               "algorithm": {"kl": {"coef": 0.04}},
               "trainer": {"zero_stage": 2, "lr": 1e-5, "micro_batch_size": 16},
               "placement": {"strategy": strategy}, "checkpoint": {"every_steps": 10**6}}
-    path = tmp / f"{strategy}.yaml"
+    if variable:
+        config["rollout"].update(max_new_tokens=VARIABLE_MAX, ignore_eos=False, max_policy_lag=lag,
+                                 max_prompt_tokens=32)  # (the tiny prompts have at most 14)
+        config["trainer"]["micro_batch_tokens"] = 16 * (32 + VARIABLE_MAX)
+        if lag:
+            config["placement"].update({group: {"cpus_per_worker": 1} for group in ("generator", "scorer", "trainer")})
+    path = tmp / f"{strategy}-{lag}.yaml"
     path.write_text(yaml.safe_dump(config))
-    run_dir = tmp / f"run-{strategy}"
+    run_dir = tmp / f"run-{strategy}-{lag}"
     peak = measured([sys.executable, "-m", "toolkit", "run", str(path), "--run-dir", str(run_dir)], cwd=REPO)
     steady = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:-1]
     phases = {k: statistics.median(m[k] for m in steady) for k in ("generate_s", "score_s", "train_s", "sync_s")}
@@ -136,65 +176,78 @@ def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int) -> di
             "response_len": statistics.mean(m["response_len_mean"] for m in steady)}
 
 
-def theirs(model: Path, prompts: Path, tmp: Path, steps: int, preload: str | None = None) -> dict:
+def theirs(model: Path, prompts: Path, tmp: Path, steps: int, preload: str | None = None, variable: bool = False) -> dict:
     """TRL as its users run it; with `preload`, with that allocator library in LD_PRELOAD."""
     out = tmp / "trl.json"
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if preload:
         env["LD_PRELOAD"] = preload
     peak = measured([str(trl_python()), str(REPO / "tools" / "trl_grpo.py"), str(model), str(prompts),
-                     str(steps + 1), str(out)], env=env)
+                     str(steps + 1), str(out), *([str(VARIABLE_MAX), "free"] if variable else [])], env=env)
     result = json.loads(out.read_text())
     return {"step_s": statistics.median(result["step_s"][1:]), "peak": peak.peak, "pss": peak.peak_pss,
-            "version": result["trl"]}
+            "version": result["trl"], "response_len": statistics.mean(result["response_len"][1:] or [float("nan")])}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="measured steps of each system (after a first one)")
+    parser.add_argument("--variable", action="store_true",
+                        help="responses of geometric length (mean about 64, cut at 256), packing and async")
     args = parser.parse_args()
 
     from toolkit.launch.allocator import choice
     from toolkit.table import text_table
     from toolkit.tiny import build_tiny
 
+    # (key, strategy, max_policy_lag, the row's name)
+    runs = [("separation", "separation", 0, "separation"), ("flattening", "flattening", 0, "flattening")]
+    if args.variable:
+        runs.insert(1, ("async", "separation", 1, "separation, async lag 1"))
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         tiny = build_tiny(tmp / "tiny")
         model = tmp / "model"
-        build_model(tiny, model)
+        build_model(tiny, model, EOS_RATE if args.variable else None)
         prompts = tiny / "prompts.jsonl"
-        results = {"TRL": theirs(model, prompts, tmp, args.steps)}
+        results = {"TRL": theirs(model, prompts, tmp, args.steps, variable=args.variable)}
         allocator, library = choice("auto")  # (what run.allocator auto gives Separation's workers)
         if library:
-            results["TRL+"] = theirs(model, prompts, tmp, args.steps, library)
-        for strategy in ("separation", "flattening"):
-            results[strategy] = ours(model, prompts, tmp, strategy, args.steps)
+            results["TRL+"] = theirs(model, prompts, tmp, args.steps, library, variable=args.variable)
+        for key, strategy, lag, _ in runs:
+            results[key] = ours(model, prompts, tmp, strategy, args.steps, args.variable, lag)
 
     trl = results["TRL"]
     ours_with = {"separation": choice("auto")[0], "flattening": choice("auto-vllm-beside-trainer")[0]}
-    rows = [("system", "step s (median)", "generate s", "score s", "train s", "sync s", "peak RSS GB",
-             "peak PSS GB", "PSS / TRL's", "TRL / this")]
-    rows.append((f"TRL {trl['version']} GRPOTrainer", f"{trl['step_s']:.2f}", "", "", "", "",
-                 f"{trl['peak'] / 1e9:.2f}", f"{trl['pss'] / 1e9:.2f}", "1.00", "1.00"))
+    rows = [("system", "step s (median)", "mean response", "generate s", "score s", "train s", "sync s",
+             "peak RSS GB", "peak PSS GB", "PSS / TRL's", "TRL / this")]
+    rows.append((f"TRL {trl['version']} GRPOTrainer", f"{trl['step_s']:.2f}", f"{trl['response_len']:.0f}", "", "", "",
+                 "", f"{trl['peak'] / 1e9:.2f}", f"{trl['pss'] / 1e9:.2f}", "1.00", "1.00"))
     if "TRL+" in results:
         r = results["TRL+"]
-        rows.append((f"TRL, {allocator} preloaded", f"{r['step_s']:.2f}", "", "", "", "", f"{r['peak'] / 1e9:.2f}",
-                     f"{r['pss'] / 1e9:.2f}", f"{r['pss'] / trl['pss']:.2f}", f"{trl['step_s'] / r['step_s']:.2f}"))
-    for strategy in ("separation", "flattening"):
-        r = results[strategy]
-        rows.append((f"slurm-rlhf {strategy}, {ours_with[strategy]}", f"{r['step_s']:.2f}", f"{r['generate_s']:.2f}",
-                     f"{r['score_s']:.2f}", f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}", f"{r['peak'] / 1e9:.2f}", f"{r['pss'] / 1e9:.2f}",
-                     f"{r['pss'] / trl['pss']:.2f}", f"{trl['step_s'] / r['step_s']:.2f}"))
-    print(f"GRPO step: 26M-parameter Llama, 16 prompts x 4 samples x 128 new tokens (mean response "
-          f"{results['separation']['response_len']:.0f}), KL 0.04, fp32, {args.steps} steps measured, "
-          f"{os.cpu_count()} cores")
+        rows.append((f"TRL, {allocator} preloaded", f"{r['step_s']:.2f}", f"{r['response_len']:.0f}", "", "", "", "",
+                     f"{r['peak'] / 1e9:.2f}", f"{r['pss'] / 1e9:.2f}", f"{r['pss'] / trl['pss']:.2f}",
+                     f"{trl['step_s'] / r['step_s']:.2f}"))
+    for key, strategy, _, label in runs:
+        r = results[key]
+        rows.append((f"slurm-rlhf {label}, {ours_with[strategy]}", f"{r['step_s']:.2f}", f"{r['response_len']:.0f}",
+                     f"{r['generate_s']:.2f}", f"{r['score_s']:.2f}", f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}",
+                     f"{r['peak'] / 1e9:.2f}", f"{r['pss'] / 1e9:.2f}", f"{r['pss'] / trl['pss']:.2f}",
+                     f"{trl['step_s'] / r['step_s']:.2f}"))
+    if args.variable:
+        print(f"GRPO step: 26M-parameter Llama, 16 prompts x 4 samples, responses of geometric length (end of "
+              f"sequence at 1/{round(1 / EOS_RATE)} a token, cut at {VARIABLE_MAX}), KL 0.04, fp32, "
+              f"{args.steps} steps measured, {os.cpu_count()} cores")
+    else:
+        print(f"GRPO step: 26M-parameter Llama, 16 prompts x 4 samples x 128 new tokens, KL 0.04, fp32, "
+              f"{args.steps} steps measured, {os.cpu_count()} cores")
     print(text_table(rows))
+    measured_keys = ["async"] if args.variable else ["separation", "flattening"]
     if "TRL+" in results:
-        same = min(results["TRL+"]["step_s"] / results[s]["step_s"] for s in ("separation", "flattening"))
+        same = min(results["TRL+"]["step_s"] / results[k]["step_s"] for k in measured_keys)
         print(f"(our workers ran with what run.allocator auto picks, as named; against TRL with {allocator} "
               f"preloaded: {same:.2f})")
-    print(f"ratio {min(trl['step_s'] / results[s]['step_s'] for s in ('separation', 'flattening')):.2f}")
+    print(f"ratio {min(trl['step_s'] / results[k]['step_s'] for k in measured_keys):.2f}")
     return 0
 
 

@@ -1,11 +1,13 @@
 """The TRL side of tools/bench_trl.py: TRL's GRPOTrainer on the benchmark's model and workload. It runs in
 TRL's own virtual environment (bench_trl.py makes it), so it imports nothing of slurm-rlhf but the reward.
 
-    python tools/trl_grpo.py MODEL_DIR PROMPTS_JSONL STEPS OUT_JSON
+    python tools/trl_grpo.py MODEL_DIR PROMPTS_JSONL STEPS OUT_JSON [MAX_NEW_TOKENS free]
 
-Writes {"step_s": [seconds of each optimizer step], "trl": version}. One optimizer step takes 64 samples
-(16 prompts x 4) in 4 micro-batches of 16, generates them once (transformers `generate`, forced to 128
-new tokens), and keeps a reference model for the KL term (beta 0.04), as the slurm-rlhf side does.
+Writes {"step_s": [seconds of each optimizer step], "response_len": [mean completion length of each
+step], "trl": version}. One optimizer step takes 64 samples (16 prompts x 4) in 4 micro-batches of 16,
+generates them once (transformers `generate`, forced to 128 new tokens; with `free`, up to MAX_NEW_TOKENS
+and ending at end-of-sequence), and keeps a reference model for the KL term (beta 0.04), as the
+slurm-rlhf side does.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def main() -> int:
     model_dir, prompts_path, steps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    max_new, forced = (int(sys.argv[5]), False) if len(sys.argv) > 6 and sys.argv[6] == "free" else (128, True)
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -36,7 +39,7 @@ def main() -> int:
 
     class Clock(TrainerCallback):
         def __init__(self):
-            self.last, self.steps = None, []
+            self.last, self.steps, self.lengths = None, [], []
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.last = time.perf_counter()
@@ -46,18 +49,22 @@ def main() -> int:
             self.steps.append(now - self.last)
             self.last = now
 
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+
     clock = Clock()
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(output_dir=tmp, per_device_train_batch_size=16, gradient_accumulation_steps=4,
-                            num_generations=4, max_completion_length=128, beta=0.04, learning_rate=1e-5,
+                            num_generations=4, max_completion_length=max_new, beta=0.04, learning_rate=1e-5,
                             temperature=1.0, top_p=1.0, top_k=0, num_iterations=1, max_steps=steps,
-                            generation_kwargs={"min_new_tokens": 128}, logging_steps=1, report_to=[],
+                            generation_kwargs={"min_new_tokens": 128} if forced else {}, logging_steps=1, report_to=[],
                             save_strategy="no", use_cpu=True, bf16=False, fp16=False, seed=0, shuffle_dataset=False,
                             disable_dropout=True, dataloader_num_workers=0, lr_scheduler_type="constant")
         trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=config, train_dataset=dataset,
                               callbacks=[clock])
         trainer.train()
-    Path(out).write_text(json.dumps({"step_s": clock.steps, "trl": trl.__version__}))
+    Path(out).write_text(json.dumps({"step_s": clock.steps, "response_len": clock.lengths, "trl": trl.__version__}))
     return 0
 
 
