@@ -51,7 +51,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.placement.layout import Layout
+from toolkit.placement.layout import Layout, reference_on_trainer_ranks
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
@@ -286,7 +286,7 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
             idle = sum(trainer_memory(m, w, workers, s.zero_stage, 0) for m in shapes) - need
             trained[name] = (shapes, -need)
         if "reference" in models:  # (with the trainer under ZeRO-3, sharded over its ranks: ReferenceRole.sharded)
-            sharded = "actor" in models and "generation" not in models and s.zero_stage == 3
+            sharded = reference_on_trainer_ranks(models) and s.zero_stage == 3
             need += forward_memory(w.reference, w, workers if sharded else 1)
         if "reward" in models:
             need += sum(forward_memory(m, w) for m in w.reward_models)
@@ -372,7 +372,7 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     for model, shapes in (("reference", [w.reference]), ("reward", list(w.reward_models))):
         if s.together(model, "generation"):
             n, workers = per, g_workers                    # right after generation, on each worker
-        elif s.together(model, "actor") and model == "reference":
+        elif model == "reference" and reference_on_trainer_ranks(s.group(model).models):
             workers = s.group("actor").workers             # every trainer rank its shard (ReferenceRole.deferred)
             n = math.ceil(w.samples / workers)
         elif s.together(model, "actor"):

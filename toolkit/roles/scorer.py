@@ -101,8 +101,10 @@ class ReferenceRole(_Scoring):
         the other ranks (each holding the reference model too) idle. Every rank scores its own shard of
         the step then (`logprobs`, called by `update.make_experience`). (With one rank, scoring each
         message on arrival overlaps the wait for the rest of the step.)"""
+        from toolkit.placement.layout import reference_on_trainer_ranks
+
         group = self.worker.group
-        return "trainer" in group.roles and "generator" not in group.roles and group.workers > 1
+        return reference_on_trainer_ranks(group.models) and group.workers > 1
 
     @property
     def sharded(self) -> bool:
