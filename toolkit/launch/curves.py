@@ -19,11 +19,25 @@ import importlib
 import math
 import os
 import secrets
+import sys
 from pathlib import Path
 
 import yaml
 
 NOT_CURVES = {"step", "time"}
+
+
+def summary_writer():
+    """tensorboardX's SummaryWriter class, imported without torch where this process has not loaded torch:
+    tensorboardX's writer imports torch only to accept torch tensors (it goes on without it), and curves are
+    plain numbers. In the driver, torch would cost about 250 MB and a second of start-up for nothing."""
+    if "torch" in sys.modules:
+        return importlib.import_module("tensorboardX").SummaryWriter
+    sys.modules["torch"] = None  # (`import torch` raises ImportError meanwhile, which tensorboardX handles)
+    try:
+        return importlib.import_module("tensorboardX").SummaryWriter
+    finally:
+        del sys.modules["torch"]
 
 
 def tag(name: str) -> str:
@@ -59,17 +73,15 @@ class Curves:
         seconds (more on a busy node or a slow network); at the first step they held the driver's event
         loop, and workers that hear no answer to their heartbeats for transport.heartbeat_timeout_s take
         the driver for dead (a busy machine did that within the 4 s a test allows)."""
-        importlib.import_module("tensorboardX")  # (its import too, once, here)
+        summary_writer()  # (its import too, once, here)
 
         if self.wandb is not None and self.wandb_run is None:
             self._start_wandb()
 
     def add(self, record: dict) -> None:
-        from tensorboardX import SummaryWriter
-
         step = int(record["step"])
         if self.writer is None:  # (purge: this attempt rewrites the curves from its first step on)
-            self.writer = SummaryWriter(str(self.directory), purge_step=step, flush_secs=30)
+            self.writer = summary_writer()(str(self.directory), purge_step=step, flush_secs=30)
         values = scalars(record)
         for name, value in values.items():
             self.writer.add_scalar(name, value, step, walltime=record.get("time"))

@@ -1,0 +1,29 @@
+"""TensorBoard curves: written by the driver, which loads no torch for them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import REPO, tensorboard_scalars
+
+WRITE = """
+import sys
+from pathlib import Path
+from toolkit.launch.curves import Curves
+curves = Curves(Path(sys.argv[1]))
+curves.open()
+for step in (1, 2):
+    curves.add({"step": step, "time": 1.0e9 + step, "reward": 0.25 * step, "train_s": 1.5, "done": True})
+curves.close()
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+
+
+def test_the_driver_writes_curves_without_loading_torch(tmp_path):
+    out = subprocess.run([sys.executable, "-c", WRITE, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"  # (torch alone takes about 250 MB in a process)
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert scalars == {"reward": {1: 0.25, 2: 0.5}, "time/train_s": {1: 1.5, 2: 1.5}}
