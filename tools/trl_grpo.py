@@ -1,17 +1,19 @@
 """The TRL side of tools/bench_trl.py: TRL's GRPOTrainer on the benchmark's model and workload. It runs in
 TRL's own virtual environment (bench_trl.py makes it), so it imports nothing of slurm-rlhf but the reward.
 
-    python tools/trl_grpo.py MODEL_DIR PROMPTS_JSONL STEPS OUT_JSON [MAX_NEW_TOKENS free]
+    python tools/trl_grpo.py MODEL_DIR PROMPTS_JSONL STEPS OUT_JSON [--free MAX_NEW_TOKENS] [--checkpointing]
 
 Writes {"step_s": [seconds of each optimizer step], "response_len": [mean completion length of each
 step], "trl": version}. One optimizer step takes 64 samples (16 prompts x 4) in 4 micro-batches of 16,
-generates them once (transformers `generate`, forced to 128 new tokens; with `free`, up to MAX_NEW_TOKENS
+generates them once (transformers `generate`, forced to 128 new tokens; with `--free`, up to MAX_NEW_TOKENS
 and ending at end-of-sequence), and keeps a reference model for the KL term (beta 0.04), as the
-slurm-rlhf side does.
+slurm-rlhf side does. `--checkpointing`: activation (gradient) checkpointing on, as GRPOConfig has it
+by default (TRL 1.16); without it, off, as slurm-rlhf trains by default.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -22,8 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> int:
-    model_dir, prompts_path, steps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    max_new, forced = (int(sys.argv[5]), False) if len(sys.argv) > 6 and sys.argv[6] == "free" else (128, True)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir")
+    parser.add_argument("prompts")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("out")
+    parser.add_argument("--free", type=int, metavar="MAX_NEW_TOKENS",
+                        help="responses end at end-of-sequence, up to this many tokens (default: 128, forced)")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (TRL's default)")
+    args = parser.parse_args()
+    max_new, forced = (args.free, False) if args.free else (128, True)
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -31,7 +41,7 @@ def main() -> int:
 
     from toolkit.rewards.examples import digit_ratio
 
-    rows = [json.loads(line) for line in Path(prompts_path).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     dataset = Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
 
     def reward(prompts, completions, **kwargs):
@@ -57,14 +67,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(output_dir=tmp, per_device_train_batch_size=16, gradient_accumulation_steps=4,
                             num_generations=4, max_completion_length=max_new, beta=0.04, learning_rate=1e-5,
-                            temperature=1.0, top_p=1.0, top_k=0, num_iterations=1, max_steps=steps,
+                            temperature=1.0, top_p=1.0, top_k=0, num_iterations=1, max_steps=args.steps,
                             generation_kwargs={"min_new_tokens": 128} if forced else {}, logging_steps=1, report_to=[],
                             save_strategy="no", use_cpu=True, bf16=False, fp16=False, seed=0, shuffle_dataset=False,
-                            disable_dropout=True, dataloader_num_workers=0, lr_scheduler_type="constant")
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=config, train_dataset=dataset,
+                            disable_dropout=True, dataloader_num_workers=0, lr_scheduler_type="constant",
+                            gradient_checkpointing=args.checkpointing)
+        trainer = GRPOTrainer(model=args.model_dir, reward_funcs=reward, args=config, train_dataset=dataset,
                               callbacks=[clock])
         trainer.train()
-    Path(out).write_text(json.dumps({"step_s": clock.steps, "response_len": clock.lengths, "trl": trl.__version__}))
+    Path(args.out).write_text(json.dumps({"step_s": clock.steps, "response_len": clock.lengths, "trl": trl.__version__}))
     return 0
 
 
