@@ -120,8 +120,9 @@ class PeakMemory(threading.Thread):
 
     Sampling must not slow what it measures. RSS is read 4 times a second from /proc/PID/statm (a
     counter). PSS needs the kernel to walk every page of a process (/proc/PID/smaps_rollup): done 4 times
-    a second over our 4 processes, as this class first did with psutil, it took 25-55% of a core and
-    made our Separation steps 45% slower (18.6 s unsampled, 25-29 s sampled), more than TRL's one process.
+    a second over our 4 processes, as this class first did with psutil, it took 25-55% of a core, and our
+    Separation steps took 25.3-29.1 s sampled against 18.6 s unsampled (runs of the same afternoon); it
+    slowed TRL's one process less.
     So PSS is read only when the summed RSS is within 3% of its peak so far, at most every 2 s."""
 
     NEAR_PEAK, PSS_EVERY_S = 0.97, 2.0
@@ -259,9 +260,8 @@ def main() -> int:
     ours_with = {"separation": choice("auto")[0], "flattening": choice("auto-vllm-beside-trainer")[0]}
     rows = [("system", "step s (median)", "mean response", "generate s", "score s", "train s", "sync s",
              "peak RSS GB", "peak PSS GB", "PSS / TRL's", "TRL / this")]
-    rows.append((f"TRL {trl['version']} GRPOTrainer, no act. checkpointing", f"{trl['step_s']:.2f}", f"{trl['response_len']:.0f}", "", "", "",
-                 "", f"{trl['peak'] / 1e9:.2f}", f"{trl['pss'] / 1e9:.2f}", "1.00", "1.00"))
-    for key, label in (("TRL+", f"TRL, {allocator} preloaded"),
+    for key, label in (("TRL", f"TRL {trl['version']} GRPOTrainer, no act. checkpointing"),
+                       ("TRL+", f"TRL, {allocator} preloaded"),
                        ("TRL defaults", "TRL, activation checkpointing (its default)")):
         if key in results:
             r = results[key]

@@ -75,7 +75,8 @@ def main() -> int:
         trainer = GRPOTrainer(model=args.model_dir, reward_funcs=reward, args=config, train_dataset=dataset,
                               callbacks=[clock])
         trainer.train()
-    Path(args.out).write_text(json.dumps({"step_s": clock.steps, "response_len": clock.lengths, "trl": trl.__version__}))
+    result = {"step_s": clock.steps, "response_len": clock.lengths, "trl": trl.__version__}
+    Path(args.out).write_text(json.dumps(result))
     return 0
 
 
