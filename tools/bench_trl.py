@@ -122,8 +122,8 @@ class PeakMemory(threading.Thread):
     counter). PSS needs the kernel to walk every page of a process (/proc/PID/smaps_rollup): done 4 times
     a second over our 4 processes, as this class first did with psutil, it took 25-55% of a core, and our
     Separation steps took 25.3-29.1 s sampled against 18.6 s unsampled (runs of the same afternoon); it
-    slowed TRL's one process less.
-    So PSS is read only when the summed RSS is within 3% of its peak so far, at most every 2 s."""
+    slowed TRL's one process less. So PSS is read only when the summed RSS is within 3% of its peak so far,
+    at most every 2 s."""
 
     NEAR_PEAK, PSS_EVERY_S = 0.97, 2.0
 
@@ -147,26 +147,32 @@ class PeakMemory(threading.Thread):
                 pids = [root.pid, *(c.pid for c in root.children(recursive=True))]
             except psutil.NoSuchProcess:
                 return
-            total = sum(_bytes_of(f"/proc/{pid}/statm", page) for pid in pids)
+            total = sum(_rss(pid, page) for pid in pids)
             self.peak = max(self.peak, total)
             now = time.monotonic()
             if total >= self.NEAR_PEAK * self.peak and now - last_pss >= self.PSS_EVERY_S:
                 last_pss = now
-                self.peak_pss = max(self.peak_pss, sum(_bytes_of(f"/proc/{pid}/smaps_rollup", page) for pid in pids))
+                self.peak_pss = max(self.peak_pss, sum(_pss(pid) for pid in pids))
 
 
-def _bytes_of(path: str, page: int) -> int:
-    """Bytes: the resident size from a statm file, or the Pss line of an smaps_rollup file; 0 for a process
-    that has ended."""
+def _proc_file(pid: int, name: str) -> str:
+    """/proc/PID/NAME's text; empty for a process that has ended."""
     try:
-        with open(path) as f:
-            text = f.read()
+        with open(f"/proc/{pid}/{name}") as f:
+            return f.read()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return 0
-    if path.endswith("statm"):
-        fields = text.split()
-        return int(fields[1]) * page if len(fields) > 1 else 0
-    for line in text.splitlines():
+        return ""
+
+
+def _rss(pid: int, page: int) -> int:
+    """Resident bytes of a process (statm's second field, in pages); 0 once it has ended."""
+    fields = _proc_file(pid, "statm").split()
+    return int(fields[1]) * page if len(fields) > 1 else 0
+
+
+def _pss(pid: int) -> int:
+    """Proportional bytes of a process (smaps_rollup's Pss line, in kB); 0 once it has ended."""
+    for line in _proc_file(pid, "smaps_rollup").splitlines():
         if line.startswith("Pss:"):
             return int(line.split()[1]) * 1024
     return 0
