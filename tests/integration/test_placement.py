@@ -54,7 +54,8 @@ def test_three_strategies_same_rewards_and_losses(tiny, tmp_path):
 def test_ppo_zero3_two_ranks_colocated_and_apart(tiny, tmp_path):
     """PPO under ZeRO-3 on two trainer ranks: generators of their own (weights by broadcast) against
     generators inside the trainer ranks (rank 1 generates, then follows rank 0; weights copied in memory),
-    and the reference with the trainer (each rank scores its own shard of the step)."""
+    and the reference and reward model with the trainer (each rank scores its own shard of the step, with
+    its half of each model)."""
     common = {"trainer": {"zero_stage": 3, "micro_batch_size": 8, "lr": 0.001}}
     _, apart = run(tiny, tmp_path, "apart", "ppo", placement={"generator": {"workers": 2}, "trainer": {"workers": 2}},
                    **common)
@@ -62,22 +63,29 @@ def test_ppo_zero3_two_ranks_colocated_and_apart(tiny, tmp_path):
                           placement={"strategy": "interleaving", "trainer": {"workers": 2}}, **common)
     assert workers == ["scorer:0", "trainer:0", "trainer:1"]
     assert_same(apart, inside, "interleaving")
-    _, with_ref = run(tiny, tmp_path, "actor-ref", "ppo",
-                      placement={"strategy": "colocate_actor_ref", "generator": {"workers": 2},
-                                 "trainer": {"workers": 2}}, **common)
-    assert_same(apart, with_ref, "colocate_actor_ref")
-    assert [r.get("reference_ranks") for r in with_ref] == [2, 2, 2]
-    # Under ZeRO-3 that reference is sharded over the two ranks too: each holds half of it (each tensor's
+    workers, with_scorers = run(tiny, tmp_path, "all-models", "ppo",
+                                placement={"strategy": "colocate_all_models", "generator": {"workers": 2},
+                                           "trainer": {"workers": 2}}, **common)
+    assert workers == ["generator:0", "generator:1", "trainer:0", "trainer:1"]
+    assert_same(apart, with_scorers, "colocate_all_models")
+    for a, b in zip(apart, with_scorers):  # the reward model's column, scored in two halves, summed over ranks
+        assert abs(a["reward/tiny_rm"] - b["reward/tiny_rm"]) <= TOLERANCE, (a["reward/tiny_rm"], b["reward/tiny_rm"])
+    assert [r.get("reference_ranks") for r in with_scorers] == [2, 2, 2]
+    assert [r.get("reward_ranks") for r in with_scorers] == [2, 2, 2]
+    # Under ZeRO-3 those models are sharded over the two ranks too: each holds half of each (each tensor's
     # partition is padded to a multiple of the ranks).
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    reference = list(AutoModelForCausalLM.from_pretrained(tiny / "model").parameters())
-    total = sum(p.numel() for p in reference)
-    held = [w["reference_parameters"] for _, w in sorted(json.loads(
-        (tmp_path / "actor-ref" / "status.json").read_text())["workers"].items()) if "reference_parameters" in w]
-    assert len(held) == 2 and all(0 <= 2 * h - total <= len(reference) for h in held), (held, total)
-    assert all("reference_ranks" not in r for r in apart + inside)
-    assert all(r["score_s"] > 0 for r in with_ref)
+    status = json.loads((tmp_path / "all-models" / "status.json").read_text())["workers"]
+    for model, key in ((AutoModelForCausalLM.from_pretrained(tiny / "model"), "reference_parameters"),
+                       (AutoModelForSequenceClassification.from_pretrained(tiny / "reward_model", num_labels=1),
+                        "reward_model_parameters")):
+        tensors = list(model.parameters())
+        total = sum(p.numel() for p in tensors)
+        held = [w[key] for _, w in sorted(status.items()) if key in w]
+        assert len(held) == 2 and all(0 <= 2 * h - total <= len(tensors) for h in held), (key, held, total)
+    assert all("reference_ranks" not in r and "reward_ranks" not in r for r in apart + inside)
+    assert all(r["score_s"] > 0 for r in with_scorers)
 
 
 def test_interleaving_resumes_exactly_after_sigkill(tiny, tmp_path):

@@ -23,7 +23,7 @@ def cfg_of(tiny, tmp_path, algorithm="ppo", **placement):
     ("interleaving", {"trainer": ("trainer", "generator"), "scorer": ("reference", "reward")},
      ("generator", "reference", "reward", "trainer")),
     # The reference sits with the trainer: the reward (elsewhere) runs first; the reference's stage is on trainer
-    # rank 0, and every trainer rank scores its shard in the training step (ReferenceRole.deferred).
+    # rank 0, and every trainer rank scores its shard in the training step (the scoring roles' `deferred`).
     ("colocate_actor_ref", {"generator": ("generator",), "reward": ("reward",), "trainer": ("trainer", "reference")},
      ("generator", "reward", "reference", "trainer")),
     ("colocate_critic_reward", {"generator": ("generator",), "reference": ("reference",),

@@ -17,7 +17,8 @@ from toolkit.tiny import build_tokenizer
 
 
 def reward_role(cfg) -> RewardRole:
-    worker = SimpleNamespace(cfg=cfg, status={}, group=SimpleNamespace(gpus_per_worker=0, roles=("reward",)))
+    group = SimpleNamespace(gpus_per_worker=0, roles=("reward",), models=("reward",), workers=1)
+    worker = SimpleNamespace(cfg=cfg, status={}, group=group)
     role = RewardRole(worker)
     role.setup()
     return role

@@ -33,12 +33,13 @@ def generates_with_actor(models: Iterable[str]) -> bool:
     return "generation" in models and "actor" in models
 
 
-def reference_on_trainer_ranks(models: Iterable[str]) -> bool:
-    """Whether a group hosting `models` scores the reference on its trainer ranks, each its own shard of the
-    step (`ReferenceRole.deferred`): the reference sits with the actor in a group that does not generate,
-    so samples arrive at trainer rank 0 alone. Under ZeRO-3 the reference is sharded over those ranks."""
+def on_trainer_ranks(models: Iterable[str], scorer: str) -> bool:
+    """Whether a group hosting `models` runs the scoring model `scorer` ("reference", or "reward": its reward
+    models) on its trainer ranks, each rank its own shard of the step (`deferred` of the scoring roles): the
+    scorer sits with the actor in a group that does not generate, so samples arrive at trainer rank 0 alone.
+    Under ZeRO-3 the model is sharded over those ranks."""
     models = tuple(models)
-    return "reference" in models and "actor" in models and "generation" not in models
+    return scorer in models and "actor" in models and "generation" not in models
 
 
 def generation_with_actor(groups: Iterable[Iterable[str]]) -> bool:

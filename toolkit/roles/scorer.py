@@ -13,8 +13,10 @@ import json
 import logging
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -36,31 +38,70 @@ class RewardFunctionError(RuntimeError):
 
 
 class _Scoring(Role):
-    """What both scoring roles share: timing, status, and offloading their models between uses."""
+    """What both scoring roles share: timing, status, offloading their models between uses, and scoring
+    on the trainer's ranks instead (`deferred`)."""
+
+    MODEL = ""  # what the placement calls this role's models (placement.layout.MODELS)
 
     @property
     def offload(self) -> bool:
-        return self.cfg.placement.offload and self.device.type == "cuda" and len(self.worker.group.roles) > 1
+        return (self.cfg.placement.offload and self.device.type == "cuda" and len(self.worker.group.roles) > 1
+                and not self.sharded)  # (ZeRO-3 offloads a sharded model itself: trainer.offload_params)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the trainer ranks score this role's models instead: in a trainer's group of several ranks
+        that does not generate, samples reach trainer rank 0 alone, so scoring them here would leave the
+        other ranks (each holding the models too) idle. Every rank scores its own shard of the step then,
+        in the training step (`update.make_experience`, `RewardRole.complete`). (With one rank, scoring
+        each message on arrival overlaps the wait for the rest of the step.)"""
+        from toolkit.placement.layout import on_trainer_ranks
+
+        group = self.worker.group
+        return on_trainer_ranks(group.models, self.MODEL) and group.workers > 1
+
+    @property
+    def sharded(self) -> bool:
+        """Deferred to a trainer of several ranks under ZeRO-3: the models are sharded over those ranks too
+        (`training.engine.inference_engine`), 1/ranks of their weights on each."""
+        return self.deferred and self.cfg.trainer.zero_stage == 3
 
     def _load(self, load):
-        """`load(device)` -> model, kept in host memory between uses when the placement offloads."""
+        """`load(device)` -> model, kept in host memory between uses when the placement offloads, or a
+        ZeRO-3 inference engine over the trainer's ranks when `sharded`."""
+        from toolkit.training.engine import inference_engine
+
+        if self.sharded:
+            return inference_engine(load(self.device), self.cfg.model.dtype, self.worker.group.workers,
+                                    self.cfg.trainer.offload_params)
         return load(torch.device("cpu") if self.offload else self.device)
 
     def _models(self) -> list:
         return []
 
+    @contextmanager
+    def _on_device(self):
+        """The models on the device meanwhile (they go back to host memory afterwards when offloaded)."""
+        if self.offload:
+            for model in self._models():
+                model.to(self.device)
+        try:
+            yield
+        finally:
+            if self.offload:
+                for model in self._models():
+                    model.to("cpu")
+                torch.cuda.empty_cache()
+
+    def setup(self) -> None:
+        self.deferred_s = 0.0  # seconds of scoring on the trainer ranks (when `deferred`)
+
     def handle(self, batch: SampleBatch) -> SampleBatch:
         self.status.update(phase="scoring", step=batch.step)
         hold("scoring", self.worker.wenv.run_dir)
         started = time.monotonic()
-        if self.offload:
-            for model in self._models():
-                model.to(self.device)
-        self.score(batch)
-        if self.offload:
-            for model in self._models():
-                model.to("cpu")
-            torch.cuda.empty_cache()
+        with self._on_device():
+            self.score(batch)
         batch.timings["score_s"] = batch.timings.get("score_s", 0.0) + time.monotonic() - started
         batch.timings.setdefault("scorer", self.worker.id)
         self.status["phase"] = "idle"
@@ -70,51 +111,24 @@ class _Scoring(Role):
 class ReferenceRole(_Scoring):
     """Adds the reference model's log-probs of every response token."""
 
+    MODEL = "reference"
+
     def setup(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from toolkit.training.engine import held_parameters, inference_engine
+        from toolkit.training.engine import held_parameters
 
+        super().setup()
         cfg = self.cfg
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         kwargs = pretrained_kwargs(cfg.reference_path, torch_dtype(cfg.model.dtype), cfg.model.attn_implementation)
-
-        def load(device):
-            return AutoModelForCausalLM.from_pretrained(cfg.reference_path, **kwargs).to(device).eval()
-
-        if self.sharded:
-            self.reference = inference_engine(load(self.device), cfg.model.dtype, self.worker.group.workers,
-                                              cfg.trainer.offload_params)
-        else:
-            self.reference = self._load(load)
+        self.reference = self._load(
+            lambda device: AutoModelForCausalLM.from_pretrained(cfg.reference_path, **kwargs).to(device).eval())
         self.status["reference_parameters"] = held_parameters(self.reference)
-        self.deferred_s = 0.0
 
     def _models(self) -> list:
         return [self.reference]
-
-    @property
-    def deferred(self) -> bool:
-        """Whether the trainer computes the reference log-probs instead: in a trainer's group of several
-        ranks that does not generate, samples reach trainer rank 0 alone, so scoring them here would leave
-        the other ranks (each holding the reference model too) idle. Every rank scores its own shard of
-        the step then (`logprobs`, called by `update.make_experience`). (With one rank, scoring each
-        message on arrival overlaps the wait for the rest of the step.)"""
-        from toolkit.placement.layout import reference_on_trainer_ranks
-
-        group = self.worker.group
-        return reference_on_trainer_ranks(group.models) and group.workers > 1
-
-    @property
-    def sharded(self) -> bool:
-        """Deferred to a trainer of several ranks under ZeRO-3: the reference is sharded over those ranks
-        too (`training.engine.inference_engine`), 1/ranks of its weights on each."""
-        return self.deferred and self.cfg.trainer.zero_stage == 3
-
-    @property
-    def offload(self) -> bool:
-        return super().offload and not self.sharded  # (ZeRO-3 offloads a sharded one: trainer.offload_params)
 
     def handle(self, batch: SampleBatch) -> SampleBatch:
         return batch if self.deferred else super().handle(batch)
@@ -123,12 +137,9 @@ class ReferenceRole(_Scoring):
         """The reference log-probs of a padded shard of samples (for the trainer, when `deferred`); the
         seconds taken add up in `deferred_s`."""
         started = time.monotonic()
-        if self.offload:
-            self.reference.to(self.device)
-        ref = sequence_logprobs(self.reference, padded, self.cfg.rollout.temperature, self.cfg.model.forward_batch_size)
-        if self.offload:
-            self.reference.to("cpu")
-            torch.cuda.empty_cache()
+        with self._on_device():
+            ref = sequence_logprobs(self.reference, padded, self.cfg.rollout.temperature,
+                                    self.cfg.model.forward_batch_size)
         self.deferred_s += time.monotonic() - started
         return ref
 
@@ -139,13 +150,19 @@ class ReferenceRole(_Scoring):
 
 
 class RewardRole(_Scoring):
-    """Adds every reward component (rule-based functions and reward models) and their weighted total."""
+    """Adds every reward component (rule-based functions and reward models) and their weighted total.
+    When `deferred`, the functions are computed here and the reward models' columns on the trainer ranks
+    (`complete`)."""
+
+    MODEL = "reward"
 
     def setup(self) -> None:
         from transformers import AutoTokenizer
 
         from toolkit.modeling import ScoreModel
+        from toolkit.training.engine import held_parameters
 
+        super().setup()
         cfg = self.cfg
         dtype = torch_dtype(cfg.model.dtype)
         actor_vocab = AutoTokenizer.from_pretrained(cfg.tokenizer_path).get_vocab()
@@ -153,25 +170,57 @@ class RewardRole(_Scoring):
         self.reward_models = []
         for rm in cfg.reward.models:
             tokenizer = AutoTokenizer.from_pretrained(rm.path)
-            model = self._load(lambda device: ScoreModel(rm.path, dtype, attention=cfg.model.attn_implementation)
-                               .to(device).eval())
-            if model.model.config.num_labels != 1:
-                raise ValueError(f"reward model {rm.path} has {model.model.config.num_labels} labels; a reward model "
-                                 "needs 1")
+
+            def load(device, path=rm.path):
+                model = ScoreModel(path, dtype, attention=cfg.model.attn_implementation)
+                if model.model.config.num_labels != 1:
+                    raise ValueError(f"reward model {path} has {model.model.config.num_labels} labels; a reward "
+                                     "model needs 1")
+                return model.to(device).eval()
+
             stats = json.loads((Path(rm.path) / "reward_stats.json").read_text()) if rm.normalize else None
             # The same vocabulary: score the generated tokens themselves, not a new tokenization of the text.
-            self.reward_models.append(RewardModel(model, tokenizer, tokenizer.get_vocab() == actor_vocab, stats))
+            self.reward_models.append(RewardModel(self._load(load), tokenizer, tokenizer.get_vocab() == actor_vocab,
+                                                  stats))
+        if self.reward_models:
+            self.status["reward_model_parameters"] = sum(held_parameters(rm.model) for rm in self.reward_models)
         self.names = [f.name for f in cfg.reward.functions] + [m.name for m in cfg.reward.models]
         self.weights = [f.weight for f in cfg.reward.functions] + [m.weight for m in cfg.reward.models]
+
+    @property
+    def deferred(self) -> bool:
+        return super().deferred and bool(self.cfg.reward.models)
 
     def _models(self) -> list:
         return [rm.model for rm in self.reward_models]
 
     def score(self, batch: SampleBatch) -> None:
         columns = [self._call_function(f, batch) for f in self.functions]
-        columns += [self._score_model(rm, batch) for rm in self.reward_models]
+        if self.deferred:  # (the trainer ranks fill these in: `complete`)
+            columns += [np.full(len(batch), np.nan) for _ in self.reward_models]
+        else:
+            columns += [self._score_model(rm, batch) for rm in self.reward_models]
         batch.rewards = np.stack(columns, axis=1).astype(np.float32)
         batch.reward_names, batch.reward_weights = self.names, self.weights
+        self._total(batch)
+
+    def complete(self, batch: SampleBatch, shard_index: np.ndarray,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Every trainer rank, when `deferred`: the reward models' scores of this rank's shard of `batch`,
+        summed over the ranks into the whole batch's columns (zeros elsewhere: the sum is exact), then the
+        total. The seconds taken add up in `deferred_s`."""
+        started = time.monotonic()
+        shard = batch.select(shard_index)
+        first = len(self.functions)
+        with self._on_device():
+            for k, rm in enumerate(self.reward_models):
+                column = torch.zeros(len(batch), dtype=torch.float64)
+                column[torch.from_numpy(shard_index)] = torch.from_numpy(self._score_model(rm, shard)).double()
+                batch.rewards[:, first + k] = all_reduce(column).numpy()
+        self._total(batch)
+        self.deferred_s += time.monotonic() - started
+
+    def _total(self, batch: SampleBatch) -> None:
         total = batch.rewards @ np.asarray(self.weights, dtype=np.float32)
         clip = self.cfg.reward.clip
         batch.reward_total = (np.clip(total, -clip, clip) if clip else total).astype(np.float32)

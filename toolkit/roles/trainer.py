@@ -288,7 +288,7 @@ class TrainerRole(Role):
         metrics = self._train_step(batch)
         metrics.update(_stage_seconds(parts, "generate_s", "generator"))
         metrics.update(_stage_seconds(parts, "score_s", "scorer"))
-        metrics["score_s"] += self.reference_s  # (the reference's pass on the trainer ranks, when deferred)
+        metrics["score_s"] += self.deferred_score_s  # (scoring on the trainer ranks, when deferred)
         metrics.update(_batch_metrics(batch), **lags)
         metrics["tokens_per_s"] = metrics["response_tokens"] / max(metrics["generate_s"], 1e-9)
         metrics["rejected_frames"] = self.worker.rejected_frames()
@@ -330,10 +330,14 @@ class TrainerRole(Role):
         hold("training", self.run_dir)
         started = time.monotonic()
         shard = self.ranks.shard(len(batch))
-        reference = self.worker.roles.get("reference")
-        reference = reference if reference is not None and reference.deferred else None
-        scored = reference.deferred_s if reference else 0.0
+        # scoring roles of this worker that score on the trainer ranks (each rank its shard)
+        deferred = {name: role for name in ("reference", "reward")
+                    if (role := self.worker.roles.get(name)) is not None and role.deferred}
+        reference, reward = deferred.get("reference"), deferred.get("reward")
+        scored = sum(role.deferred_s for role in deferred.values())
         if record is None:
+            if reward is not None:
+                reward.complete(batch, shard, self.ranks.sum)
             exp = make_experience(batch, shard, self.actor, self.critic, cfg, self.kl.coef, self.pad_id, self.ranks.sum,
                                   reference.logprobs if reference else None)
         else:
@@ -350,12 +354,14 @@ class TrainerRole(Role):
             ((exp.behaviour_logprobs - exp.old_logprobs).abs() * mask).sum(),
             advantages.sum(), (advantages ** 2).sum(),
             (exp.values * mask).sum() if ppo else 0.0, (exp.returns * mask).sum() if ppo else 0.0,
-            float(reference is not None and record is None),
+            float(reference is not None and record is None), float(reward is not None and record is None),
             *[stats[k] for k in sorted(stats)]], dtype=torch.float64))
-        kl_sum, tokens, samples, diff_sum, adv_sum, adv_sq, value_sum, return_sum, scoring = totals[:9].tolist()
-        metrics = {k: v / self.world for k, v in zip(sorted(stats), totals[9:].tolist())}
-        if scoring:
-            metrics["reference_ranks"] = int(scoring)  # (ranks that computed their shard's reference log-probs)
+        kl_sum, tokens, samples, diff_sum, adv_sum, adv_sq, value_sum, return_sum = totals[:8].tolist()
+        metrics = {k: v / self.world for k, v in zip(sorted(stats), totals[10:].tolist())}
+        # (ranks that scored their shard with the reference, and with the reward models)
+        for name, ranks in zip(("reference_ranks", "reward_ranks"), totals[8:10].tolist()):
+            if ranks:
+                metrics[name] = int(ranks)
         adv_mean = adv_sum / tokens  # (per response token, over every rank's samples)
         metrics.update(advantage_mean=adv_mean, advantage_std=max(adv_sq / tokens - adv_mean ** 2, 0.0) ** 0.5)
         if ppo:
@@ -365,9 +371,9 @@ class TrainerRole(Role):
                        lr=float(self.actor.get_lr()[0]))
         self.kl.update(kl_sum / samples, len(batch))
         self.version += 1
-        scored = reference.deferred_s - scored if reference else 0.0  # (this rank's reference pass)
+        scored = sum(role.deferred_s for role in deferred.values()) - scored  # (this rank's scoring passes)
         metrics["train_s"] = time.monotonic() - started - commit_s - scored
-        self.reference_s = scored
+        self.deferred_score_s = scored
         return metrics
 
     def _commit(self, batch: SampleBatch, exp) -> float:
