@@ -295,19 +295,24 @@ def test_a_large_search_picks_the_trainers_settings_first_and_finds_the_same_bes
 
 def test_128_nodes_are_searched_without_keeping_every_plan():
     """128 nodes x 8 H100 (tools/bench_planner.py times it): a bounded number of estimates, the fastest
-    kept plans in order, and the 70B PPO told why nothing fits (each scorer worker holds whole models)."""
+    kept plans in order; the 70B PPO fits only with the reference and reward models sharded over the
+    trainer's ranks (ZeRO-3), and separation is told why not (each scorer worker holds whole models)."""
     cluster = load_cluster(CLUSTERS / "2x8-h100.yaml").model_copy(update={"nodes": 128})
     found = search(cluster, llama_ppo("meta-llama--Llama-2-7b-hf.json"), 3)
     assert found.estimated < 50_000 and found.fitting > 30_000 and len(found.fit) == 200
     best = found.fit[0]
-    # vLLM engines of their own; the reference, where it sits with the trainer, scores on its 512 ranks
+    # vLLM engines of their own; the reference and reward model, where they sit with the trainer, score on
+    # its 512 ranks
     assert not best.setting.generation_with_actor and sum(g.nodes for g in best.setting.groups) <= 128
-    assert best.setting.strategy in ("separation", "colocate_actor_ref")
+    assert best.setting.strategy in ("separation", "colocate_actor_ref", "colocate_all_models")
     steps = [c.estimate.step_s for c in found.fit]
     assert steps == sorted(steps)
-    big = search(cluster, llama_ppo("meta-llama--Llama-2-70b-hf.json"), 3, strategies=("separation",))
-    assert not big.fit and big.not_fitting == big.estimated
-    assert any("scorer (reference, reward) needs 2" in why for c in big.rejected for why in c.estimate.short)
+    big = search(cluster, llama_ppo("meta-llama--Llama-2-70b-hf.json"), 3)
+    assert big.fit and {(c.setting.strategy, c.setting.zero_stage) for c in big.fit} == {("colocate_all_models", 3)}
+    trainer = next(g for g in big.fit[0].setting.groups if "actor" in g.models)
+    assert trainer.workers >= 256 and big.fit[0].estimate.memory["trainer"] <= 80e9
+    assert any("scorer (reference, reward) needs 2" in why for c in big.rejected if c.setting.strategy == "separation"
+               for why in c.estimate.short)
 
 
 @pytest.mark.parametrize("strategy", list(PRESETS))

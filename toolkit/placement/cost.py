@@ -18,13 +18,14 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
                   the device has room for beside the rest of its group: their KV cache + the scores it
                   keeps (Lr * vocab * 4 each)
   scorer model    P*b + forward logits fbs*L*vocab*4*2 (a reward model: values, fbs*L*4*2); a reference
-                  with the trainer under ZeRO-3 holds P*b/W (sharded over the trainer's W ranks)
+                  or reward model with the trainer under ZeRO-3 holds P*b/W (sharded over the trainer's
+                  W ranks)
 Time (seconds per step, phases one after the other; with max_policy_lag >= 1 and generators of their
 own, the busiest group's seconds, as generation of the next steps overlaps training):
   generate  waves * (2*P*n*Lp/(TP*F) + Lr * (max(2*P*n/(TP*F), (P*b/TP + KV)/B) + c_decode + c_seq*n)),
             n = the sequences of a wave (vLLM: what its KV cache holds; transformers: its batch)
   score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker; a
-            reference with the trainer: each trainer rank its shard; a reward model there: rank 0 all)
+            reference or reward model with the trainer: each trainer rank its shard)
   train     old log-probs (and values): 2*P*n*L/F + calls * c_forward;
             forward+backward k*P*n*L*epochs/F + micro-batches * c_micro, k = 2 (forward) + 2 (gradients
             of the activations) + 2 (of the weights; 0 with LoRA, whose adapters are too small to count)
@@ -51,7 +52,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.placement.layout import Layout, reference_on_trainer_ranks
+from toolkit.placement.layout import Layout, on_trainer_ranks
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
@@ -285,11 +286,13 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
             need += sum(trainer_memory(m, w, workers, s.zero_stage, s.micro_batch) for m in shapes)
             idle = sum(trainer_memory(m, w, workers, s.zero_stage, 0) for m in shapes) - need
             trained[name] = (shapes, -need)
-        if "reference" in models:  # (with the trainer under ZeRO-3, sharded over its ranks: ReferenceRole.sharded)
-            sharded = reference_on_trainer_ranks(models) and s.zero_stage == 3
+        # (with the trainer under ZeRO-3, sharded over its ranks: the scoring roles' `sharded`)
+        if "reference" in models:
+            sharded = on_trainer_ranks(models, "reference") and s.zero_stage == 3
             need += forward_memory(w.reference, w, workers if sharded else 1)
         if "reward" in models:
-            need += sum(forward_memory(m, w) for m in w.reward_models)
+            sharded = on_trainer_ranks(models, "reward") and s.zero_stage == 3
+            need += sum(forward_memory(m, w, workers if sharded else 1) for m in w.reward_models)
         if "generation" in models:  # (last: a vLLM engine's KV cache gets what the rest of the group leaves)
             own = g.own_engine or s.zero_stage == 3
             tp = s.tensor_parallel if g.own_engine else 1
@@ -372,8 +375,8 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     for model, shapes in (("reference", [w.reference]), ("reward", list(w.reward_models))):
         if s.together(model, "generation"):
             n, workers = per, g_workers                    # right after generation, on each worker
-        elif model == "reference" and reference_on_trainer_ranks(s.group(model).models):
-            workers = s.group("actor").workers             # every trainer rank its shard (ReferenceRole.deferred)
+        elif on_trainer_ranks(s.group(model).models, model):
+            workers = s.group("actor").workers             # every trainer rank its shard (the roles' `deferred`)
             n = math.ceil(w.samples / workers)
         elif s.together(model, "actor"):
             n, workers = w.samples, 1                      # on trainer rank 0
