@@ -228,7 +228,8 @@ class TrainerSection(EngineSection):
     updates_per_step: PositiveInt = 1
     """Optimizer updates per epoch over an experience batch (mini-batches)."""
     weight_sync_bucket_mb: float = Field(default=64, gt=0)
-    """Weights are broadcast to generators in buckets of about this size."""
+    """Weights are broadcast to generators in buckets of about this size, one broadcast each; trainer rank
+    0 keeps two send buffers of this size to pack them."""
     micro_batch_tokens: PositiveInt | None = None
     """Micro-batches by token budget instead of `micro_batch_size` rows each: a rank's samples of an update,
     longest first, fill micro-batches of at most this many tokens (rows x the longest sample, prompt
