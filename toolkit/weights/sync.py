@@ -15,7 +15,8 @@ Protocol, on each group, root 0:
          the probe (float32[len(probe) - 1])
 The layout says what each bucket carries as the generator loads it (see `hf_format`), so no per-sync
 metadata travels. The probe log-probs let the generator check the sync (see `probe`); they go last, so
-the trainer computes them while the last bucket travels.
+the trainer computes them while the weights travel (while the first bucket does; under ZeRO-3, whose
+gathers are collectives of every trainer rank, after the last).
 
 Each bucket travels as one asynchronous broadcast: the trainer packs its tensors into one of two send
 buffers, reused at every sync (a bucket of one tensor goes straight from that tensor's memory), while the
@@ -146,12 +147,13 @@ class WeightSender:
         """Broadcast `version`, each bucket (its source parameters' full tensors, in layout order,
         converted here), then `probe()`, the trainer's log-probs of the probe, to the receivers `to`
         (default: all); return bytes sent to each. `transient`: a bucket's tensors are freed once the
-        next one is taken (ZeRO-3 gathers), so each bucket's transfer ends before the next is taken;
-        otherwise each bucket is packed while the one before travels, and the probe runs while the last
-        one does. A receiver whose group fails is dropped (named in `lost`) and the others go on."""
+        next one is taken (ZeRO-3 gathers), so each bucket's transfer ends before the next is taken,
+        and the probe (a collective then) runs after the last; otherwise the probe runs while the first
+        bucket travels, and each next one is packed while the one before travels. A receiver whose group
+        fails is dropped (named in `lost`) and the others go on."""
         to = self.names if to is None else to
         self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device), to)
-        sent, previous = 0, []
+        sent, previous, logprobs = 0, [], None
         for index, tensors in enumerate(buckets):
             converted = self.layout.converted(index, tensors)
             expected = [tuple(shape) for _, _, shape in self.layout.wire[index]]
@@ -163,7 +165,10 @@ class WeightSender:
             sent += flat.numel() * flat.element_size()
             if transient:
                 self._wait(previous)
-        logprobs = probe() if self.layout.probe else None  # (no probe: the check is off)
+            elif index == 0 and self.layout.probe:  # (it reads the trainer's weights, not the buckets)
+                logprobs = probe()
+        if logprobs is None and self.layout.probe:  # (no probe: the check is off)
+            logprobs = probe()
         self._wait(previous)
         if logprobs is not None:
             self._broadcast(logprobs.to(self.device, torch.float32).contiguous(), to)
