@@ -4,10 +4,11 @@
 
 Two processes on this machine form a gloo group over a TCPStore on 127.0.0.1, as trainer rank 0 and one
 generator rank do (NCCL takes gloo's place on GPU). Per model:
-- slurm-rlhf: what the trainer does at every sync: the probe's log-probs (one forward pass of 8 tokens,
-  the check that the generator loaded every weight), then `WeightSender.send`: the weights in buckets of
-  `trainer.weight_sync_bucket_mb` (64), converted to the checkpoint format vLLM loads, one broadcast per
-  bucket; the receiver takes them with `WeightReceiver.receive` (views of each bucket, as vLLM's loader gets them);
+- slurm-rlhf: what the trainer does at every sync, `WeightSender.send`: the weights in buckets of
+  `trainer.weight_sync_bucket_mb` (64), converted to the checkpoint format vLLM loads, each packed into a
+  send buffer and sent as one broadcast, and the probe's log-probs (one forward pass of 8 tokens, the check
+  that the generator loaded every weight) computed while the first bucket travels; the receiver takes them
+  with `WeightReceiver.receive` (views of each bucket, as vLLM's loader gets them);
   and the same with `rollout.sync_check: false` (no probe: nothing is computed, only the weights travel);
 - raw: one `broadcast` of a flat tensor of the same number of bytes, into a new tensor on the receiver
   (as a loader needs each version: vLLM keeps the tensors it is given until a layer is whole), and, for
