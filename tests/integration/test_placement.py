@@ -52,40 +52,40 @@ def test_three_strategies_same_rewards_and_losses(tiny, tmp_path):
 
 
 def test_ppo_zero3_two_ranks_colocated_and_apart(tiny, tmp_path):
-    """PPO under ZeRO-3 on two trainer ranks: generators of their own (weights by broadcast) against
-    generators inside the trainer ranks (rank 1 generates, then follows rank 0; weights copied in memory),
-    and the reference and reward model with the trainer (each rank scores its own shard of the step, with
-    its half of each model)."""
+    """PPO under ZeRO-3 on two trainer ranks: generators and scorers of their own (weights by broadcast)
+    against the reference and reward model with the trainer (`colocate_all_models`) and against every
+    model on the two ranks (Flattening: rank 1 generates, then follows rank 0; weights copied in memory).
+    A scoring model beside the trainer is scored by each rank for its own shard of the step, with its half
+    of the model."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     common = {"trainer": {"zero_stage": 3, "micro_batch_size": 8, "lr": 0.001}}
     _, apart = run(tiny, tmp_path, "apart", "ppo", placement={"generator": {"workers": 2}, "trainer": {"workers": 2}},
                    **common)
-    workers, inside = run(tiny, tmp_path, "inside", "ppo",
-                          placement={"strategy": "interleaving", "trainer": {"workers": 2}}, **common)
-    assert workers == ["scorer:0", "trainer:0", "trainer:1"]
-    assert_same(apart, inside, "interleaving")
-    workers, with_scorers = run(tiny, tmp_path, "all-models", "ppo",
-                                placement={"strategy": "colocate_all_models", "generator": {"workers": 2},
-                                           "trainer": {"workers": 2}}, **common)
-    assert workers == ["generator:0", "generator:1", "trainer:0", "trainer:1"]
-    assert_same(apart, with_scorers, "colocate_all_models")
-    for a, b in zip(apart, with_scorers):  # the reward model's column, scored in two halves, summed over ranks
-        assert abs(a["reward/tiny_rm"] - b["reward/tiny_rm"]) <= TOLERANCE, (a["reward/tiny_rm"], b["reward/tiny_rm"])
-    assert [r.get("reference_ranks") for r in with_scorers] == [2, 2, 2]
-    assert [r.get("reward_ranks") for r in with_scorers] == [2, 2, 2]
-    # Under ZeRO-3 those models are sharded over the two ranks too: each holds half of each (each tensor's
-    # partition is padded to a multiple of the ranks).
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    status = json.loads((tmp_path / "all-models" / "status.json").read_text())["workers"]
-    for model, key in ((AutoModelForCausalLM.from_pretrained(tiny / "model"), "reference_parameters"),
-                       (AutoModelForSequenceClassification.from_pretrained(tiny / "reward_model", num_labels=1),
-                        "reward_model_parameters")):
-        tensors = list(model.parameters())
-        total = sum(p.numel() for p in tensors)
-        held = [w[key] for _, w in sorted(status.items()) if key in w]
-        assert len(held) == 2 and all(0 <= 2 * h - total <= len(tensors) for h in held), (key, held, total)
-    assert all("reference_ranks" not in r and "reward_ranks" not in r for r in apart + inside)
-    assert all(r["score_s"] > 0 for r in with_scorers)
+    assert all("reference_ranks" not in r and "reward_ranks" not in r for r in apart)
+    models = ((AutoModelForCausalLM.from_pretrained(tiny / "model"), "reference_parameters"),
+              (AutoModelForSequenceClassification.from_pretrained(tiny / "reward_model", num_labels=1),
+               "reward_model_parameters"))
+    for name, placement, expected in (
+            ("all-models", {"strategy": "colocate_all_models", "generator": {"workers": 2}, "trainer": {"workers": 2}},
+             ["generator:0", "generator:1", "trainer:0", "trainer:1"]),
+            ("flat", {"strategy": "flattening", "all": {"workers": 2}}, ["all:0", "all:1"])):
+        workers, records = run(tiny, tmp_path, name, "ppo", placement=placement, **common)
+        assert workers == expected
+        assert_same(apart, records, name)
+        for a, b in zip(apart, records):  # the reward model's column, scored in two halves, summed over ranks
+            assert abs(a["reward/tiny_rm"] - b["reward/tiny_rm"]) <= TOLERANCE, (name, a["reward/tiny_rm"],
+                                                                                 b["reward/tiny_rm"])
+        assert [(r.get("reference_ranks"), r.get("reward_ranks")) for r in records] == [(2, 2)] * 3, name
+        assert all(r["score_s"] > 0 for r in records)
+        # Under ZeRO-3 those models are sharded over the two ranks too: each holds half of each (each
+        # tensor's partition is padded to a multiple of the ranks).
+        status = json.loads((tmp_path / name / "status.json").read_text())["workers"]
+        for model, key in models:
+            tensors = list(model.parameters())
+            total = sum(p.numel() for p in tensors)
+            held = [w[key] for _, w in sorted(status.items()) if key in w]
+            assert len(held) == 2 and all(0 <= 2 * h - total <= len(tensors) for h in held), (name, key, held, total)
 
 
 def test_interleaving_resumes_exactly_after_sigkill(tiny, tmp_path):

@@ -35,11 +35,13 @@ def generates_with_actor(models: Iterable[str]) -> bool:
 
 def on_trainer_ranks(models: Iterable[str], scorer: str) -> bool:
     """Whether a group hosting `models` runs the scoring model `scorer` ("reference", or "reward": its reward
-    models) on its trainer ranks, each rank its own shard of the step (`deferred` of the scoring roles): the
-    scorer sits with the actor in a group that does not generate, so samples arrive at trainer rank 0 alone.
-    Under ZeRO-3 the model is sharded over those ranks."""
+    models) on its trainer ranks, inside the training step, each rank its own shard of the step (`deferred`
+    of the scoring roles): the scorer sits with the actor. (In a group that does not generate, samples
+    arrive at trainer rank 0 alone; in one that generates with the actor, each rank would score what it
+    generated, at its own time.) Every rank scores at once there, so under ZeRO-3 the model is sharded over
+    those ranks, as DeepSpeed-Chat and OpenRLHF shard theirs."""
     models = tuple(models)
-    return scorer in models and "actor" in models and "generation" not in models
+    return scorer in models and "actor" in models
 
 
 def generation_with_actor(groups: Iterable[Iterable[str]]) -> bool:

@@ -50,11 +50,12 @@ class _Scoring(Role):
 
     @property
     def deferred(self) -> bool:
-        """Whether the trainer ranks score this role's models instead: in a trainer's group of several ranks
-        that does not generate, samples reach trainer rank 0 alone, so scoring them here would leave the
-        other ranks (each holding the models too) idle. Every rank scores its own shard of the step then,
-        in the training step (`update.make_experience`, `RewardRole.complete`). (With one rank, scoring
-        each message on arrival overlaps the wait for the rest of the step.)"""
+        """Whether the trainer ranks score this role's models instead, in a trainer's group of several ranks:
+        every rank scores its own shard of the step, in the training step (`update.make_experience`,
+        `RewardRole.complete`), all at once, so that under ZeRO-3 the models can be sharded over them. (In a
+        group that does not generate, samples reach trainer rank 0 alone, and scoring them here would leave
+        the other ranks idle; with one rank, scoring each message on arrival overlaps the wait for the rest
+        of the step.) See `placement.layout.on_trainer_ranks`."""
         from toolkit.placement.layout import on_trainer_ranks
 
         group = self.worker.group
