@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -101,7 +101,7 @@ class _Scoring(Role):
         self.status.update(phase="scoring", step=batch.step)
         hold("scoring", self.worker.wenv.run_dir)
         started = time.monotonic()
-        with self._on_device():
+        with nullcontext() if self.deferred else self._on_device():  # (deferred: its models wait for `complete`)
             self.score(batch)
         batch.timings["score_s"] = batch.timings.get("score_s", 0.0) + time.monotonic() - started
         batch.timings.setdefault("scorer", self.worker.id)
