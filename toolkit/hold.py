@@ -18,7 +18,8 @@ from pathlib import Path
 
 ENV = "SLURM_RLHF_TEST_HOLD"
 MOMENTS = ("start-up", "registered", "loading", "generating", "scoring", "training", "syncing", "checkpointing",
-           "boundary")  # (the last: a supervised stage's rank 0 between two steps)
+           "boundary",  # a supervised stage's rank 0 between two steps
+           "rejoining")  # a generator started again, between asking for its new weight-sync group and joining it
 
 
 _reached: dict[str, int] = {}

@@ -54,6 +54,7 @@ class Worker:
         self.resume: dict | None = None
         self.generation = 0
         self.roles: dict = {}
+        self.later: collections.deque = collections.deque()  # commands a role took while busy, handled next
 
     def run(self) -> None:
         from toolkit.launch.env import node_name
@@ -180,6 +181,9 @@ class Worker:
     def next_event(self, timeout_s: float):
         """('command', msg) or ('data', msg) or None after `timeout_s`; commands first."""
         import zmq
+
+        if self.later:
+            return "command", self.later.popleft()
 
         poller = zmq.Poller()
         poller.register(self.control.socket, zmq.POLLIN)

@@ -299,6 +299,22 @@ def test_dead_or_hung_workers_are_started_again_alone_and_the_run_ends_as_if_not
     print(f"duplicate samples dropped: {dropped}")
 
 
+def test_a_generator_that_dies_again_before_it_rejoins_does_not_stall_the_trainer(baseline, tiny, tmp_path):
+    """The vLLM generator killed at a step drawn from FAULT_SEED, then its successor killed after it asked
+    for its new weight-sync group and before it joined: trainer rank 0 does not wait for the dead one (for
+    transport.startup_timeout_s, 600 s) but for the next start, which joins; the run ends as the baseline."""
+    (moment,) = fault_moments("rejoin", ("generator",))
+    faults = [(moment, signal.SIGKILL), ("rejoining", signal.SIGKILL)]
+    run_dir, out, victims, pids = run_with_faults(baseline, tiny, tmp_path, faults)
+    assert "restart 2 of run.max_worker_restarts 3" in out and victims[0] == pids["generator:0"], out
+    log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "generator generator:0 (start 1) was started again before it joined; waiting for start 2" in log, log
+    assert "did not reach its weight-sync group" not in log and "did not join its new weight-sync group" not in log
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["workers"]["trainer:0"]["pid"] == pids["trainer:0"]  # the trainer was never started again
+    assert status["worker_restarts"] == {"generator:0": 2}
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
 def test_a_dead_or_hung_trainer_restarts_every_worker_from_the_checkpoint_in_the_same_run(baseline, tiny, tmp_path,
                                                                                          how):

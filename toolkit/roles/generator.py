@@ -74,6 +74,7 @@ class GeneratorRole(Role):
         host, port = self.worker.book[group_of(self.worker.groups, "trainer").worker_ids()[0]]["store"].rsplit(":", 1)
         if self.worker.generation:  # (the driver then asks the trainer to form the new group with us)
             self.worker.control.send("joining_sync", generation=self.worker.generation)
+            hold("rejoining", self.worker.wenv.run_dir)
         joined = self.engine.join_weight_sync(host, int(port), 1, 1 + self.engine.ranks, cfg.transport.step_timeout_s,
                                               sync_group_name(self.worker.id, self.worker.generation))
         self.probe = joined["probe"]

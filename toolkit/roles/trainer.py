@@ -38,7 +38,7 @@ from toolkit.store.manifest import Manifest
 from toolkit.training.ranks import Ranks
 from toolkit.weights.hf_format import checkpoint_converter, identity
 from toolkit.weights.probe import model_logprobs, probe_tokens
-from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, plan_layout, sync_group_name
+from toolkit.weights.sync import WeightSender, arrived, form_group, gathered_buckets, plan_layout, sync_group_name
 
 log = logging.getLogger(__name__)
 
@@ -234,17 +234,48 @@ class TrainerRole(Role):
         self.worker.control.send("regenerate", step=part.step, group_index=[int(i) for i in stale])
         return part.select(np.flatnonzero(~dropped))
 
+    def _sync_world(self) -> int:
+        """The size of a weight-sync group: trainer rank 0 and the engine ranks of one generator worker."""
+        return 1 + (self.cfg.rollout.vllm.tensor_parallel_size if self.cfg.generation_backend == "vllm" else 1)
+
     def _join_sync(self, worker_id: str, generation: int, timeout_s: float) -> None:
         """Rank 0: form the weight-sync group with generator worker `worker_id` (started `generation`
         times again) and send it the layout; blocks until that worker's engine ranks join."""
-        ranks = self.cfg.rollout.vllm.tensor_parallel_size if self.cfg.generation_backend == "vllm" else 1
         name = sync_group_name(worker_id, generation)
-        self.sender.add(worker_id, form_group(self.ranks.store, 0, 1 + ranks, timeout_s, self.device, name))
+        self.sender.add(worker_id, form_group(self.ranks.store, 0, self._sync_world(), timeout_s, self.device, name))
+
+    def _await_generator(self, worker_id: str, generation: int) -> int | None:
+        """Rank 0: wait, still hearing the driver, until generator `worker_id` started again reaches its new
+        weight-sync group; the generation that did, or None (timed out, or the run is stopping). One that
+        dies while loading is started again by the driver, whose `join_sync` for the new start replaces the
+        one awaited here: the dead one would never come, and waiting for it would stall the run."""
+        deadline = time.monotonic() + self.cfg.transport.startup_timeout_s
+        while not arrived(self.ranks.store, sync_group_name(worker_id, generation), self._sync_world()):
+            if time.monotonic() > deadline:
+                log.warning("generator %s (start %d) did not reach its weight-sync group within %.0f s "
+                            "(transport.startup_timeout_s)", worker_id, generation,
+                            self.cfg.transport.startup_timeout_s)
+                return None
+            msg = self.worker.control.recv(0.5)
+            if msg is None:
+                continue
+            if msg.kind == "join_sync" and msg.meta["worker"] == worker_id:
+                log.warning("generator %s (start %d) was started again before it joined; waiting for start %d",
+                            worker_id, generation, msg.meta["generation"])
+                generation = msg.meta["generation"]
+                continue
+            self.worker.later.append(msg)  # (the serve loop handles it next)
+            if msg.kind == "shutdown":
+                return None
+        return generation
 
     def _rejoin(self, worker_id: str, generation: int) -> None:
         """Rank 0: a generator worker started again in place of one that failed: a new group with it, and
         the current weights sent into it alone (every rank gathers them under ZeRO-3)."""
         log.info("generator %s was started again: forming a new weight-sync group with it", worker_id)
+        generation = self._await_generator(worker_id, generation)
+        if generation is None:
+            return
         try:
             self._join_sync(worker_id, generation, self.cfg.transport.startup_timeout_s)
         except RuntimeError as e:  # (it failed again while loading: the driver starts another)

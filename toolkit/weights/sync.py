@@ -52,14 +52,27 @@ def sync_group_name(worker_id: str, generation: int) -> str:
 
 def form_group(store: dist.Store, rank: int, world_size: int, timeout_s: float, device: torch.device,
                name: str = "0"):
-    """The weight-sync process group `name` over `store` (gloo for CPU tensors, NCCL for CUDA ones)."""
-    prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{name}/", store)
+    """The weight-sync process group `name` over `store` (gloo for CPU tensors, NCCL for CUDA ones). A rank
+    other than 0 first says it has arrived (`arrived`), so that rank 0 can wait for it without blocking."""
+    prefixed = _prefixed(store, name)
+    if rank:
+        prefixed.set(f"arrived/{rank}", "1")
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":  # not exercised on CPU-only machines
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+
+
+def arrived(store: dist.Store, name: str, world_size: int) -> bool:
+    """Whether every rank but 0 of group `name` has reached `form_group` (it joins at once then): rank 0
+    asks this between other work before it forms a group whose peers may never come."""
+    return _prefixed(store, name).check([f"arrived/{rank}" for rank in range(1, world_size)])
+
+
+def _prefixed(store: dist.Store, name: str) -> dist.PrefixStore:
+    return dist.PrefixStore(f"{STORE_PREFIX}/{name}/", store)
 
 
 def plan_buckets(manifest: list, bucket_bytes: int) -> list[list[int]]:
