@@ -5,10 +5,11 @@
 Each run of the file (a published figure with its source and the text that gives it) is set up for the
 planner: its models' config.json files (tests/fixtures/model_configs), the cluster file with the run's
 node count, its workload, and the layout the source describes (`layout.strategy`, with the generation
-engine it used). The prediction is the fastest plan of that layout that fits (the planner chooses ZeRO
-stage, micro-batch and TP size, as the publishers tuned theirs), with the per-GPU batch sizes the
-source states where it does (`settings`); the source's own split of the step (`phases`) is printed
-beside ours. Pairs of runs of one workload on the same hardware are ranked both ways. The last line:
+engine it used, and `layout.tensor_parallel` where the source sets its generation's TP size, as
+DeepSpeed-Chat's `--inference_tp_size`). The prediction is the fastest plan of that layout that fits
+(the planner chooses ZeRO stage, micro-batch and TP size, as the publishers tuned theirs), with the
+per-GPU batch sizes the source states where it does (`settings`); the source's own split of the step
+(`phases`) is printed beside ours. Pairs of runs of one workload on the same hardware are ranked both ways. The last line:
 how many runs are predicted within 25%, and the largest error, leaving out runs that set a rate of the
 cluster files (`calibrates`), since they cannot check it.
 """
@@ -53,7 +54,8 @@ def predict(run: dict):
         return None, found
     best = pool[0]
     layout = dataclasses.replace(best.setting, generation_engine=run["layout"]["engine"],
-                                 micro_batch=settings.get("micro_batch", best.setting.micro_batch))
+                                 micro_batch=settings.get("micro_batch", best.setting.micro_batch),
+                                 tensor_parallel=run["layout"].get("tensor_parallel", best.setting.tensor_parallel))
     # (as the search sized them: the generate() batch or KV cache that fits, unless the source states it)
     w = dataclasses.replace(w, generate_batch=settings.get("generate_batch"), kv_cache_gb=None)
     return dataclasses.replace(best, setting=layout, estimate=estimate(layout, w, cluster)), found

@@ -391,6 +391,26 @@ def test_transformers_generates_its_batch_at_once_in_waves():
     assert three.phases["generate"] == pytest.approx(3 * wave)
 
 
+def test_the_hybrid_engines_inference_tp_splits_the_gathered_actor_over_ranks():
+    """DeepSpeed-Chat's Hybrid Engine with `--inference_tp_size 2` (published runs: our runtime gathers the
+    whole actor on each rank, so the planner plans TP 1 there): under ZeRO-3 each of 4 ranks holds half
+    of the gathered 4 GB actor, and each pair of ranks generates its 4 samples at once, reading half the
+    weights per decode step; the samples are still scored where they were generated, 2 per rank."""
+    c = simple_cluster(shared=False, gpus_per_node=4)
+    group = (Group("all", ("generation", "reference", "reward", "actor"), 1, 4),)
+    one, two = (estimate(Layout("flattening", group, 3, 2, tp, "hf"), workload(), c) for tp in (1, 2))
+    assert (one.generate_batch, two.generate_batch) == (2, 4)
+    # weights 4e9 / TP; per sample: KV 200 tokens x 8,000 bytes / TP and 100 steps' scores of 1,000 x 4 bytes
+    assert one.memory["all"] - two.memory["all"] == pytest.approx(4e9 / 2 + 2 * (1.6e6 + 4e5) - 4 * (0.8e6 + 4e5))
+    wave = {tp: 2e9 * batch * 100 / (tp * 1e12) + 100 * (max(2e9 * batch / (tp * 1e12),
+                                                              (4e9 + batch * 150 * 8000) / (tp * 1e11)) + 0.02)
+            for tp, batch in ((1, 2), (2, 4))}
+    assert (one.phases["generate"], two.phases["generate"]) == (pytest.approx(wave[1]), pytest.approx(wave[2]))
+    assert one.phases["score"] == two.phases["score"]
+    found = search(c, workload(), 3, strategies=("flattening",))
+    assert found.fit and {p.setting.tensor_parallel for p in found.fit + found.rejected} == {1}
+
+
 def test_asynchronous_mode_takes_the_busiest_group_not_the_sum():
     """max_policy_lag 1 with generators of their own, on nodes of their own: generation (and its weight
     sync) overlaps scoring and training, so a step takes the busiest group plus transport."""

@@ -52,7 +52,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.placement.layout import Layout, on_trainer_ranks
+from toolkit.placement.layout import Group, Layout, on_trainer_ranks
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
@@ -269,6 +269,14 @@ def generation_memory(w: Workload, batch: int, tp: int, own_weights: bool, budge
     return weights + batch * hf_sample_bytes(w, tp)
 
 
+def engines(g: Group, tp: int) -> int:
+    """The generation engines of group `g` at TP size `tp`: its workers when it has engines of its own
+    (each `tp` GPUs wide); where it generates with the actor's weights, its ranks in groups of `tp`. Our
+    runtime gathers the actor's whole weights on each rank (the planner plans TP 1 there); DeepSpeed-Chat's
+    Hybrid Engine splits them over `--inference_tp_size` ranks (tests/fixtures/published_runs.yaml)."""
+    return g.workers if g.own_engine else max(1, g.workers // tp)
+
+
 def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     """Memory per device of each group, and seconds of each phase of one step, for setting `s`."""
     e = Estimate()
@@ -295,7 +303,7 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
             need += sum(forward_memory(m, w, workers if sharded else 1) for m in w.reward_models)
         if "generation" in models:  # (last: a vLLM engine's KV cache gets what the rest of the group leaves)
             own = g.own_engine or s.zero_stage == 3
-            tp = s.tensor_parallel if g.own_engine else 1
+            tp = s.tensor_parallel
             # vLLM in the trainer's process sleeps (gives back weights and KV cache) while the trainer
             # works, on a GPU: it shares the device with the trainer's state between updates only.
             asleep = s.generation_engine == "vllm" and not g.own_engine and not cluster.shared
@@ -308,7 +316,7 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
                                    f"sequence of {w.tokens:.0f} tokens; raise rollout.vllm.kv_cache_gb or the TP size")
                 batch = 0
             else:  # transformers: rollout.generate_batch_size, or (planned) as many as the device has room for
-                budget, per = None, math.ceil(w.samples / workers)
+                budget, per = None, math.ceil(w.samples / engines(g, tp))
                 room = 0.9 * cluster.device.memory_gb * GB - beside - (w.actor.params * w.dtype_bytes / tp if own else 0)
                 fits = max(1, int(room // hf_sample_bytes(w, tp)))
                 batch = min(per, fits if w.generate_batch is None else w.generate_batch or per)
@@ -351,8 +359,8 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     generator = s.group("generation")
     g_nodes, g_workers = generator.nodes, generator.workers
     own_engine = generator.own_engine
-    tp = s.tensor_parallel if own_engine else 1
-    per = math.ceil(w.samples / g_workers)
+    tp = s.tensor_parallel
+    per = math.ceil(w.samples / engines(generator, tp))
     f, bw = dev.flops * share(g_workers), dev.memory_bandwidth * share(g_workers)
     P = w.actor.active  # (FLOPs; the weights read per decode step are all of them: w.actor.params)
     if s.generation_engine == "vllm":  # (its own worker's, or in the trainer's process: rollout.backend vllm)
@@ -372,9 +380,10 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
         return 2 * m.active * n * w.tokens / (dev.flops * share(workers)) + calls * o.forward_call
 
     busy = {g.name: 0.0 for g in s.groups}  # seconds each group works a step (for the overlap of async mode)
+    each = math.ceil(w.samples / g_workers)  # what each generating worker sends on
     for model, shapes in (("reference", [w.reference]), ("reward", list(w.reward_models))):
         if s.together(model, "generation"):
-            n, workers = per, g_workers                    # right after generation, on each worker
+            n, workers = each, g_workers                   # right after generation, on each worker
         elif on_trainer_ranks(s.group(model).models, model):
             workers = s.group("actor").workers             # every trainer rank its shard (the roles' `deferred`)
             n = math.ceil(w.samples / workers)
@@ -382,7 +391,7 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
             n, workers = w.samples, 1                      # on trainer rank 0
         else:
             workers = s.workers(model)
-            n = math.ceil(g_workers / workers) * per       # messages shared round-robin
+            n = math.ceil(g_workers / workers) * each      # messages shared round-robin
         busy[s.group(model).name] += sum(forward_s(m, n, workers) for m in shapes)
     e.phases["score"] = sum(busy.values())
 

@@ -356,5 +356,6 @@ def setting_of(cfg) -> Layout:
     from toolkit.placement.plan import plan
 
     groups = tuple(Group(g.name, g.models, g.nodes, g.workers, g.gpus_per_worker, g.same_nodes_as) for g in plan(cfg))
-    return Layout(cfg.placement.strategy, groups, cfg.trainer.zero_stage, cfg.trainer.micro_batch_size,
-                   cfg.rollout.vllm.tensor_parallel_size, cfg.generation_backend)
+    tp = cfg.rollout.vllm.tensor_parallel_size if any(g.own_engine for g in groups) else 1  # (the actor's: whole)
+    return Layout(cfg.placement.strategy, groups, cfg.trainer.zero_stage, cfg.trainer.micro_batch_size, tp,
+                  cfg.generation_backend)
