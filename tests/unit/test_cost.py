@@ -172,6 +172,31 @@ def test_switches_cost_time_by_hand():
     assert estimate(zero3, w, gpu).phases["train"] == pytest.approx(plain3 + 2 * 4e9 / 2.5e10 - 4e9 / 1e11)
 
 
+def test_lora_is_the_actors_alone_and_only_its_adapters_cross_the_links():
+    """LoRA trains the actor's adapters; the critic trains whole (`trainer.lora` is the actor's, as
+    DeepSpeed-Chat's `--actor_lora_dim`). Under ZeRO-2 over 2 GPUs of a node, an update reduces the
+    gradients and gathers the weights of what trains: the actor's adapters, and the whole critic."""
+    m = ModelShape(params=1e9, layers=10, hidden=1000, vocab=1000, kv_heads=1, head_dim=100)
+    critic = ModelShape(params=1e9, layers=10, hidden=1000, vocab=1000, kv_heads=1, head_dim=100, value_head=True)
+    layout = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor", "critic"), 1, 2),),
+                    2, 4, 1, "hf")
+    # (compute and memory reads free, no per-call costs: what is left of training is the links' time)
+    free = simple_cluster(gpus_per_node=2, shared=False, device={"memory_gb": 1000, "flops": 1e30,
+                                                                 "memory_bandwidth": 1e30},
+                          overheads={"decode_step_vllm": 0, "decode_step_hf": 0, "forward_call": 0,
+                                     "train_micro_batch": 0, "optimizer_step": 0, "message": 0, "step": 0})
+    adapters = m.lora_params(8)
+    lora = workload(critic=critic, switches=Switches(lora_rank=8))
+    # 2 x (trained parameters x 4 bytes) x ring (1/2) x 1 update, over the node's 1e10 B/s
+    expected = (2 * adapters * 4 * 0.5 + 2 * 1e9 * 4 * 0.5) / 1e10
+    assert estimate(layout, lora, free).phases["train"] == pytest.approx(expected)
+    # memory: the actor's adapters with their gradients and Adam states; the critic's whole
+    e = estimate(layout, lora, simple_cluster(gpus_per_node=2, shared=False))
+    whole = estimate(layout, workload(critic=critic), simple_cluster(gpus_per_node=2, shared=False))
+    assert whole.memory["all"] - e.memory["all"] == pytest.approx(
+        trainer_memory(m, lora, 2, 2, 4, Switches()) - trainer_memory(m, lora, 2, 2, 4))
+
+
 def test_critic_and_reward_models_hold_values_not_the_vocabularys_logits():
     m = ModelShape(params=1e9, layers=10, hidden=1000, vocab=1000, kv_heads=1, head_dim=100)
     w = workload(critic=m, reward_models=(m,))
@@ -197,13 +222,13 @@ def test_a_trainer_that_does_not_fit_is_told_which_switch_would_fit():
     with_checkpointing = trainer_memory(w.actor, w, 1, 2, 8, Switches(checkpointing=True))
     both = trainer_memory(w.actor, w, 1, 2, 8, Switches(checkpointing=True, offload_optimizer=True))
     assert both < with_checkpointing < plain
-    hint = remedy([w.actor], w, 1, 2, 8, 0.0, with_checkpointing + 1)
+    hint = remedy([(w.actor, True)], w, 1, 2, 8, 0.0, with_checkpointing + 1)
     assert hint == f"; fits with trainer.gradient_checkpointing: true ({with_checkpointing / 1e9:.1f} GB)"
-    hint = remedy([w.actor], w, 1, 2, 8, 0.0, both + 1)
+    hint = remedy([(w.actor, True)], w, 1, 2, 8, 0.0, both + 1)
     assert "trainer.gradient_checkpointing: true, trainer.offload_optimizer: true" in hint
     on = workload(switches=Switches(checkpointing=True))  # a switch already on is not suggested again
-    assert remedy([on.actor], on, 1, 2, 8, 0.0, both + 1) == f"; fits with trainer.offload_optimizer: true ({both / 1e9:.1f} GB)"
-    assert "no trainer memory switch is enough" in remedy([w.actor], w, 1, 2, 8, 0.0, 1e9)
+    assert remedy([(on.actor, True)], on, 1, 2, 8, 0.0, both + 1) == f"; fits with trainer.offload_optimizer: true ({both / 1e9:.1f} GB)"
+    assert "no trainer memory switch is enough" in remedy([(w.actor, True)], w, 1, 2, 8, 0.0, 1e9)
 
 
 def test_deepspeed_chats_opt13b_ppo_fits_one_a100_node_with_the_switches_it_names(tiny, tmp_path):

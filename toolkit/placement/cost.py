@@ -176,6 +176,17 @@ class Estimate:
         return not self.short
 
 
+def trained_models(w: Workload) -> list[tuple[ModelShape, bool]]:
+    """The models a trainer trains, each with whether LoRA (`trainer.lora`) applies to it: the actor's
+    alone; the critic trains whole, as in DeepSpeed-Chat (`--actor_lora_dim`) and OpenRLHF."""
+    return [(w.actor, True)] + ([(w.critic, False)] if w.critic is not None else [])
+
+
+def switches_of(sw: Switches, lora: bool) -> Switches:
+    """The switches as a model with (`lora`) or without LoRA has them."""
+    return sw if lora or sw.lora_rank is None else dataclasses.replace(sw, lora_rank=None)
+
+
 def trained_params(m: ModelShape, sw: Switches) -> float:
     """Parameters that get gradients and optimizer states: all of them, or with LoRA the adapters'."""
     return m.lora_params(sw.lora_rank) if sw.lora_rank else m.params
@@ -203,30 +214,32 @@ REMEDIES = (Switches(checkpointing=True), Switches(checkpointing=True, offload_o
             Switches(checkpointing=True, offload_optimizer=True, lora_rank=16))
 
 
-def remedy(models: list[ModelShape], w: Workload, world: int, zero: int, micro_batch: int, others: float,
-           usable: float) -> str:
-    """The fewest trainer switches (beyond those already on) under which `models` fit next to `others`."""
+def remedy(models: list[tuple[ModelShape, bool]], w: Workload, world: int, zero: int, micro_batch: int,
+           others: float, usable: float) -> str:
+    """The fewest trainer switches (beyond those already on) under which `models` (`trained_models`) fit
+    next to `others`."""
     on = w.switches
     for r in REMEDIES:
         sw = Switches(r.checkpointing or on.checkpointing, (r.offload_optimizer and zero >= 1) or on.offload_optimizer,
                       on.offload_params, on.lora_rank or r.lora_rank)
         if sw == on:
             continue
-        need = others + sum(trainer_memory(m, w, world, zero, micro_batch, sw) for m in models)
+        need = others + sum(trainer_memory(m, w, world, zero, micro_batch, switches_of(sw, lora)) for m, lora in models)
         if need <= usable:
             new = [c for c in sw.config() if c not in on.config()]
             return f"; fits with {', '.join(new)} ({need / GB:.1f} GB)"
     return "; no trainer memory switch is enough: more devices per group, a smaller micro-batch or a smaller model"
 
 
-def host_s(m: ModelShape, w: Workload, cluster, world: int, zero: int, updates: int, micro_batches: int) -> float:
+def host_s(m: ModelShape, w: Workload, cluster, world: int, zero: int, updates: int, micro_batches: int,
+           sw: Switches) -> float:
     """Seconds a trainer rank spends with host memory a step (GPUs only: on a CPU the host is the device).
     offload_optimizer: each update sends the rank's share of the gradients to the host, steps them
     there (DeepSpeed's CPU Adam) and brings the parameters back; offload_params (ZeRO-3): each forward
     and each backward pass of a micro-batch fetches the rank's share of the weights."""
     if not cluster.gpus_per_node:
         return 0.0
-    sw, b, host = w.switches, w.dtype_bytes, cluster.links.host
+    b, host = w.dtype_bytes, cluster.links.host
     trained = trained_params(m, sw)
     seconds = 0.0
     if sw.offload_optimizer and zero >= 1:
@@ -282,7 +295,6 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     e = Estimate()
     dev, links, o = cluster.device, cluster.links, cluster.overheads
     b = w.dtype_bytes
-    ppo = w.critic is not None
 
     # Memory per device, group by group (a group's models share its devices).
     trained = {}  # group name: (the models it trains, what the rest of the group needs)
@@ -290,9 +302,11 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
         name, models, workers = g.name, g.models, g.workers
         need = idle = 0.0  # idle: what the trainer keeps between updates (no activations)
         if "actor" in models:
-            shapes = [w.actor] + ([w.critic] if ppo else [])
-            need += sum(trainer_memory(m, w, workers, s.zero_stage, s.micro_batch) for m in shapes)
-            idle = sum(trainer_memory(m, w, workers, s.zero_stage, 0) for m in shapes) - need
+            shapes = trained_models(w)
+            need += sum(trainer_memory(m, w, workers, s.zero_stage, s.micro_batch, switches_of(w.switches, lora))
+                        for m, lora in shapes)
+            idle = sum(trainer_memory(m, w, workers, s.zero_stage, 0, switches_of(w.switches, lora))
+                       for m, lora in shapes) - need
             trained[name] = (shapes, -need)
         # (with the trainer under ZeRO-3, sharded over its ranks: the scoring roles' `sharded`)
         if "reference" in models:
@@ -400,20 +414,21 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     n = w.samples / t_workers
     f = dev.flops * share(t_workers)
     bw = dev.memory_bandwidth * share(t_workers)
-    trained = [w.actor] + ([w.critic] if ppo else [])
     updates = w.updates_per_step * w.epochs
     micro_batches = math.ceil(n / s.micro_batch) * w.epochs
-    train = sum(forward_s(m, math.ceil(n), t_workers) for m in trained)
-    sw = w.switches
-    passes = 2 + 2 + (0 if sw.lora_rank else 2) + (2 if sw.checkpointing else 0)  # FLOPs per parameter and token
-    for m in trained:
+    train = sum(forward_s(m, math.ceil(n), t_workers) for m, _ in trained_models(w))
+    for m, lora in trained_models(w):
+        sw = switches_of(w.switches, lora)
+        passes = 2 + 2 + (0 if sw.lora_rank else 2) + (2 if sw.checkpointing else 0)  # FLOPs per parameter and token
         train += passes * m.active * n * w.tokens * w.epochs / f + micro_batches * o.train_micro_batch
-        state = trainer_memory(m, w, t_workers, s.zero_stage, 0)
+        state = trainer_memory(m, w, t_workers, s.zero_stage, 0, sw)
         train += updates * (o.optimizer_step + state / bw)
-        train += host_s(m, w, cluster, t_workers, s.zero_stage, updates, micro_batches)
+        train += host_s(m, w, cluster, t_workers, s.zero_stage, updates, micro_batches, sw)
         if t_workers > 1:
             ring = (t_workers - 1) / t_workers
-            volume = 2 * m.params * b * ring * updates
+            # each update reduces the gradients and gathers the updated weights: the trained ones (LoRA's
+            # adapters alone); ZeRO-3 also gathers every weight, frozen ones too, for each pass
+            volume = 2 * trained_params(m, sw) * b * ring * updates
             if s.zero_stage == 3:
                 volume += 2 * m.params * b * ring * micro_batches
             train += volume / link(t_nodes) + links.latency_s * micro_batches
