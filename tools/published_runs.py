@@ -9,9 +9,9 @@ engine it used, and `layout.tensor_parallel` where the source sets its generatio
 DeepSpeed-Chat's `--inference_tp_size`). The prediction is the fastest plan of that layout that fits
 (the planner chooses ZeRO stage, micro-batch and TP size, as the publishers tuned theirs), with the
 per-GPU batch sizes the source states where it does (`settings`); the source's own split of the step
-(`phases`) is printed beside ours. Pairs of runs of one workload on the same hardware are ranked both ways. The last line:
-how many runs are predicted within 25%, and the largest error, leaving out runs that set a rate of the
-cluster files (`calibrates`), since they cannot check it.
+(`phases`) is printed beside ours. Pairs of runs of one workload on the same hardware are ranked both
+ways. The last line: how many runs are predicted within 25%, and the largest error, leaving out runs
+that set a rate of the cluster files (`calibrates`), since they cannot check it.
 """
 
 from __future__ import annotations
