@@ -13,6 +13,9 @@ import pytest
 
 from tests.conftest import cli, example, write_config
 from tests.slurm.test_submit import assert_nothing_left, squeue, wait_for_step
+from toolkit.errors import RunError
+from toolkit.launch.batch import requeue
+from toolkit.launch.rundir import RunDir
 from toolkit.store import experience
 
 pytestmark = pytest.mark.slurm
@@ -43,11 +46,33 @@ def steps_done(run_dir: Path) -> int:
         return 0
 
 
-def wait_until(condition, what: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
+def wait_until(condition, what: str, timeout_s: float = 600, run_dir: Path | None = None) -> None:
+    """Wait for `condition`; with `run_dir`, `timeout_s` counts from the run's last step, so a busy machine
+    that slows the steps fails nothing, and a run that stopped stepping is told in full."""
+    progress, since = None, time.monotonic()
     while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if run_dir is not None and steps_done(run_dir) != progress:
+            progress, since = steps_done(run_dir), time.monotonic()
+        if time.monotonic() - since >= timeout_s:
+            told = f" (no step for {timeout_s:.0f} s){story(run_dir)}" if run_dir is not None else ""
+            raise AssertionError(f"timed out waiting for {what}{told}")
         time.sleep(0.5)
+
+
+def story(run_dir: Path) -> str:
+    """What the job and its driver last said, for a failure's message: Slurm's view of the job, then the
+    ends of its output, error and driver log."""
+    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+    told = [f"\nscontrol show job: {' '.join(w for w in shown.stdout.split() if w.split('=')[0] in SHOWN)}"]
+    for path in (run_dir / "slurm" / f"{job_id}_0_log.out", run_dir / "slurm" / f"{job_id}_0_log.err",
+                 run_dir / "logs" / "driver.log"):
+        lines = path.read_text(errors="replace").splitlines()[-25:] if path.exists() else ["(none)"]
+        told.append(f"--- the end of {path.name}:\n" + "\n".join(lines))
+    return "\n".join(told)
+
+
+SHOWN = {"JobState", "Reason", "Restarts", "RunTime", "TimeLimit", "StartTime", "EndTime", "ExitCode"}
 
 
 def cut_time_limit(job_id: str) -> None:
@@ -73,13 +98,13 @@ def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
     for requeue in (1, 2):
         first = steps_done(run_dir)
-        wait_until(lambda: steps_done(run_dir) >= first + 3, f"attempt {requeue} to run 3 steps")
+        wait_until(lambda: steps_done(run_dir) >= first + 3, f"attempt {requeue} to run 3 steps", run_dir=run_dir)
         cut_time_limit(job_id)
         wait_until(lambda: json.loads((run_dir / "job.json").read_text()).get("requeues", 0) >= requeue,
-                   f"requeue {requeue}")
+                   f"requeue {requeue}", run_dir=run_dir)
         assert steps_done(run_dir) < STEPS
         set_time_limit(job_id, LONG_MIN)  # (a requeued job keeps the limit it is given)
-    wait_until(lambda: not squeue(job_id), "the job to end", timeout_s=900)
+    wait_until(lambda: not squeue(job_id), "the job to end", run_dir=run_dir)
     job = json.loads((run_dir / "job.json").read_text())
     assert job["requeues"] == 2
     output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
@@ -97,6 +122,19 @@ def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
     assert_nothing_left(run_dir, job_id)
 
 
+def test_a_requeue_past_its_limit_or_refused_by_slurm_is_a_named_error(tmp_path):
+    """No requeue beyond slurm.max_requeues; a requeue that Slurm refuses (here: a job that does not exist)
+    names the command and what Slurm said; both say how to go on."""
+    rd = RunDir(tmp_path)
+    rd.update_job(job_id=999999, requeues=2)
+    with pytest.raises(RunError, match=r"already requeued 2 times \(slurm.max_requeues\); continue with: "
+                                       r"slurm-rlhf resume .* --submit"):
+        requeue(rd, max_requeues=2)
+    with pytest.raises(RunError, match=r"`scontrol requeue 999999` failed \(.*Invalid job id.*\); the checkpoint "
+                                       r"is saved: continue with: slurm-rlhf resume .* --submit"):
+        requeue(rd, max_requeues=3)
+
+
 def test_a_job_requeued_by_slurm_resumes_by_itself(tiny, tmp_path):
     """Preemption with requeue, as Slurm does it: the running job is stopped (SIGTERM) and queued again;
     the new start resumes from the committed experience and finishes the run."""
@@ -108,9 +146,7 @@ def test_a_job_requeued_by_slurm_resumes_by_itself(tiny, tmp_path):
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
     wait_for_step(run_dir)
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
-    deadline = time.monotonic() + 600
-    while squeue(job_id) and time.monotonic() < deadline:
-        time.sleep(1)
+    wait_until(lambda: not squeue(job_id), "the requeued job to finish", run_dir=run_dir)
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished", status.get("error")
     output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
@@ -136,13 +172,14 @@ def test_an_sft_stage_survives_its_time_limit_by_requeueing(tiny, tmp_path):
     result = cli("submit", write_config(tmp_path, config), "--run-dir", run_dir, timeout=120)
     assert result.returncode == 0, result.stderr
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
-    wait_until(lambda: steps_done(run_dir) >= 3, "the first steps")
+    wait_until(lambda: steps_done(run_dir) >= 3, "the first steps", run_dir=run_dir)
     cut_time_limit(job_id)
-    wait_until(lambda: json.loads((run_dir / "job.json").read_text()).get("requeues", 0) >= 1, "the requeue")
+    wait_until(lambda: json.loads((run_dir / "job.json").read_text()).get("requeues", 0) >= 1, "the requeue",
+               run_dir=run_dir)
     stopped = steps_done(run_dir)
     assert stopped < steps, "the stage finished before its time limit was cut; raise its steps"
     set_time_limit(job_id, LONG_MIN)
-    wait_until(lambda: not squeue(job_id), "the job to end", timeout_s=900)
+    wait_until(lambda: not squeue(job_id), "the job to end", run_dir=run_dir)
     output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
     assert output.count("resuming at step") == 1 and output.count("stopping after step") == 1
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
@@ -172,7 +209,7 @@ def test_a_lost_node_requeues_the_job_and_it_finishes_on_the_nodes_left(tiny, tm
         for state in ("DOWN", "DRAIN"):
             subprocess.run(["scontrol", "update", f"NodeName={node}", f"State={state}", "Reason=slurm-rlhf-test"],
                            check=True, timeout=30, capture_output=True)
-        wait_until(lambda: not squeue(job_id), "the requeued job to finish")
+        wait_until(lambda: not squeue(job_id), "the requeued job to finish", run_dir=run_dir)
     finally:  # (the node back for the tests after this one: idle, and answering again)
         subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], timeout=30, capture_output=True)
         wait_until(lambda: subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True,

@@ -54,16 +54,11 @@ def run_in_allocation(run_dir: str) -> None:
               + ", ".join(f"{g} on {','.join(n)}" for g, n in launcher.nodes.items()), flush=True)
         driver = make_driver(cfg, rd, launcher, resolve_bind_host(cfg.transport.bind_host), echo=echo)
         driver.preempt = bool(early_usr1)
+        driver.requeue = lambda: requeue(rd, cfg.slurm.max_requeues)  # (once its checkpoint is committed)
         return driver
 
     driver, _ = run_attempts(cfg, make, echo)
-    if driver.state == "preempted":
-        try:
-            requeue(rd, cfg.slurm.max_requeues)
-        except RunError as e:
-            rd.write_status({**rd.read_json(rd.status), "state": "failed", "error": str(e)})
-            raise
-    else:
+    if driver.state != "preempted":
         print(f"done: {driver.steps} steps; metrics in {rd.metrics}", flush=True)
 
 
@@ -79,7 +74,13 @@ def requeue(rd, max_requeues: int) -> None:
     rd.update_job(requeues=count + 1)
     print(f"requeueing job {job['job_id']} ({count + 1} of at most {max_requeues}); it will resume by itself",
           flush=True)
-    subprocess.run(["scontrol", "requeue", str(job["job_id"])], check=True, capture_output=True, timeout=60)
+    try:
+        subprocess.run(["scontrol", "requeue", str(job["job_id"])], check=True, capture_output=True, text=True,
+                       timeout=60)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        said = (getattr(e, "stderr", None) or "").strip() or str(e)
+        raise RunError(f"`scontrol requeue {job['job_id']}` failed ({said}); the checkpoint is saved: continue "
+                       f"with: slurm-rlhf resume {rd.path} --submit") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,8 @@ supervisor checks that every worker process lives and heart-beats; any failure s
 error naming the worker (role and rank), its node and pid, and its log file, and every worker is
 stopped. On SIGUSR1 (Slurm sends it before the time limit, and sometimes a minute early) the loop keeps
 stepping while another step, a checkpoint and the stop still fit before the job's end time
-(`_time_for_a_step`), then asks the trainer for a checkpoint and stops: state `preempted`. The launcher
-decides only how workers are spawned (local processes or Slurm steps).
+(`_time_for_a_step`), then asks the trainer for a checkpoint, requeues the job (on Slurm) and stops: state
+`preempted`. The launcher decides only how workers are spawned (local processes or Slurm steps).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from toolkit.store.manifest import Manifest, plan_resume, set_aside
 
 log = logging.getLogger("toolkit.driver")
 STATUS_EVERY_S = 2.0  # status.json is rewritten this often while the run waits on its workers
-STOP_MARGIN_S = 15.0  # kept free before the job's end for stopping the workers and requeueing
+STOP_MARGIN_S = 15.0  # kept free before the job's end for the requeue, with room for a busy machine
 REPORT_GRACE_S = 2.0  # on a failure, how long to look for its cause: a worker's last report, a peer's death
 
 
@@ -70,6 +70,7 @@ class Supervisor:
         self.generation: dict[str, int] = {}  # times each worker was started again
         self.restarting: dict[str, float] = {}  # workers started again and not ready yet -> since when
         self.trainer_restarts = 0  # times the run was started again after its trainer was lost (run_attempts)
+        self.requeue: Callable[[], None] | None = None  # on Slurm: put the job back in the queue (batch.py)
 
     # ----- the run --------------------------------------------------------------------------------
 
@@ -98,6 +99,8 @@ class Supervisor:
             stopped_early = self.step + 1 < self.steps
             if stopped_early:
                 self._checkpoint_before_stopping()
+                if self.requeue is not None:
+                    self._requeue()
             self._shutdown()
             self.state = "preempted" if stopped_early else "finished"
             return records
@@ -228,6 +231,17 @@ class Supervisor:
                   f"{self.checkpointed['checkpoint_s']:.1f} s")
         for step in sorted(self.trained):  # asynchronous: steps whose samples were in before the stop
             self._record(step)
+
+    def _requeue(self) -> None:
+        """Put the job back in the queue as soon as the checkpoint is committed, before the workers are
+        stopped: their stop can take longer than the time left on a busy machine, and a job that Slurm
+        ends at its time limit is not requeued. The requeue itself ends this attempt (Slurm signals every
+        step of the job: SIGTERM, then SIGKILL), so the status is written first and SIGTERM is expected."""
+        self.state = "preempted"
+        self._write_status()
+        self.curves.close()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.requeue()
 
     def _on_usr1(self, signum, frame) -> None:
         self.preempt = True
