@@ -51,8 +51,8 @@ def wait_until(condition, what: str, timeout_s: float = 600, run_dir: Path | Non
     that slows the steps fails nothing, and a run that stopped stepping is told in full."""
     progress, since = None, time.monotonic()
     while not condition():
-        if run_dir is not None and steps_done(run_dir) != progress:
-            progress, since = steps_done(run_dir), time.monotonic()
+        if run_dir is not None and (now := steps_done(run_dir)) != progress:
+            progress, since = now, time.monotonic()
         if time.monotonic() - since >= timeout_s:
             told = f" (no step for {timeout_s:.0f} s){story(run_dir)}" if run_dir is not None else ""
             raise AssertionError(f"timed out waiting for {what}{told}")
