@@ -109,7 +109,7 @@ class Worker:
             self.wait_command("shutdown", self.cfg.transport.step_timeout_s)
             return
         trainer = self.roles.get("trainer")
-        follower = trainer is not None and self.rank > 0
+        follower = trainer is not None and trainer.rank > 0  # (the trainer's ranks may span two groups)
         if follower and "generator" not in self.roles:
             return trainer.follow()
         if trainer is not None:

@@ -88,6 +88,48 @@ def test_ppo_zero3_two_ranks_colocated_and_apart(tiny, tmp_path):
             assert len(held) == 2 and all(0 <= 2 * h - total <= len(tensors) for h in held), (name, key, held, total)
 
 
+def test_ppo_critic_on_ranks_of_its_own_trains_as_beside_the_actor_and_resumes(tiny, tmp_path):
+    """The critic in a node group of its own (OpenRLHF's actor and critic on GPUs of their own): two actor
+    ranks and two critic ranks, each pair with one shard of the step. Killed after its third commit and
+    resumed (the critic's ranks train again on the committed values and returns too), it ends with the
+    per-step results of an uninterrupted run with the critic on the actor's two ranks."""
+    from safetensors.torch import load_file
+
+    def config(name: str, placement: dict) -> Path:
+        data = example("tiny-ppo.yaml", tiny, placement=placement, checkpoint={"every_steps": 2},
+                       run={"steps": 4, "seed": 5, "deterministic": True, "name": name},
+                       trainer={"zero_stage": 2, "micro_batch_size": 8})
+        data["rollout"]["backend"] = "hf"
+        return write_config(tmp_path / f"{name}-config", data)
+
+    beside = tmp_path / "beside"
+    result = cli("run", config("beside", {"trainer": {"workers": 2}}), "--run-dir", beside)
+    assert result.returncode == 0, result.stdout + result.stderr
+    apart = config("apart", {"strategy": "custom", "generator": {"models": ["generation"]},
+                             "scorer": {"models": ["reference", "reward"]}, "trainer": {"models": ["actor"], "workers": 2},
+                             "critic": {"models": ["critic"], "workers": 2}})
+    killed = tmp_path / "killed"
+    run_and_kill(apart, killed, after_commits=3)
+    assert 3 <= experience_commits(killed) < 4
+    result = cli("resume", killed)
+    assert result.returncode == 0, result.stdout + result.stderr
+    status = json.loads((killed / "status.json").read_text())
+    assert sorted(status["workers"]) == ["critic:0", "critic:1", "generator:0", "scorer:0", "trainer:0", "trainer:1"]
+    records = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (beside, killed)]
+    assert [r["step"] for r in records[1]] == [0, 1, 2, 3]
+    for a, b in zip(*records, strict=True):
+        for key in ("reward_mean", "loss", "kl", "value_loss", "value_mean", "return_mean", "advantage_std"):
+            assert abs(a[key] - b[key]) <= TOLERANCE, f"step {a['step']} {key}: {a[key]} vs {b[key]}"
+    assert len({r["value_loss"] for r in records[0]}) == 4  # (the critic learned)
+    a, b = (load_file(d / "checkpoints" / "step-000004" / "hf" / "model.safetensors") for d in (beside, killed))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    # each model's DeepSpeed checkpoint, with the optimizer state of each of its two ranks
+    for model in ("actor", "critic"):
+        files = sorted(p.name for p in (killed / "checkpoints" / "step-000004" / model / "ds").iterdir())
+        assert [f for f in files if f.startswith("zero_pp_rank_")] == \
+            [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)], (model, files)
+
+
 def test_interleaving_resumes_exactly_after_sigkill(tiny, tmp_path):
     """A colocated placement (generation in the trainer's worker, weights never broadcast) killed after
     4 of 6 commits and resumed ends with the uninterrupted run's weights and rewards."""

@@ -7,7 +7,7 @@ import pytest
 from tests.conftest import example, write_config
 from toolkit.config import load_config
 from toolkit.errors import ConfigError
-from toolkit.placement.plan import group_of, plan, stages
+from toolkit.placement.plan import group_of, plan, stages, trainer_groups
 
 
 def cfg_of(tiny, tmp_path, algorithm="ppo", **placement):
@@ -52,6 +52,26 @@ def test_custom_layout_and_receivers(tiny, tmp_path):
 def test_grpo_places_no_critic(tiny, tmp_path):
     planned = plan(cfg_of(tiny, tmp_path, algorithm="grpo", strategy="interleaving"))
     assert group_of(planned, "trainer").models == ("actor", "generation")
+    data = example("tiny-grpo.yaml", tiny, placement={
+        "strategy": "custom", "gen": {"models": ["generation", "reference", "reward"]}, "train": {"models": ["actor"]},
+        "critic": {"models": ["critic"]}})
+    assert ("placement.critic hosts the critic, but run.algorithm grpo has none (only ppo); remove that node group"
+            in error_of(tiny, tmp_path, data))
+
+
+def test_the_critic_on_ranks_of_its_own(tiny, tmp_path):
+    """The critic's node group runs trainer ranks after the actor's; samples still go to the actor's rank 0."""
+    planned = plan(cfg_of(tiny, tmp_path, strategy="custom", critic={"models": ["critic"], "workers": 2},
+                          gen={"models": ["generation", "reference", "reward"]},
+                          train={"models": ["actor"], "workers": 2}))
+    assert [g.name for g in trainer_groups(planned)] == ["train", "critic"]  # (rank order: the actor's first)
+    assert group_of(planned, "trainer").name == "train"
+    assert stages(planned) == ("generator", "reference", "reward", "trainer")
+    data = example("tiny-ppo.yaml", tiny, trainer={"zero_stage": 3}, placement={
+        "strategy": "custom", "gen": {"models": ["generation", "reference", "reward"]}, "train": {"models": ["actor"]},
+        "critic": {"models": ["critic"]}})
+    assert "placement.critic puts the critic on trainer ranks of its own, which needs trainer.zero_stage 2 or less" \
+        in error_of(tiny, tmp_path, data)
 
 
 def error_of(tiny, tmp_path, data) -> str:
@@ -68,8 +88,13 @@ def error_of(tiny, tmp_path, data) -> str:
       "b": {"models": ["reference", "reward", "actor"]}}, "node groups overlap: actor is in a, b"),
     ({"strategy": "custom", "a": {"models": ["generation", "actor", "critic"]}, "b": {"models": ["reward"]}},
      "no node group hosts reference"),
-    ({"strategy": "custom", "a": {"models": ["generation", "actor", "reference", "reward"]},
-      "b": {"models": ["critic"]}}, "actor (in a) and critic (in b) must share a group"),
+    ({"strategy": "custom", "a": {"models": ["generation", "actor", "reference"]},
+      "b": {"models": ["critic", "reward"]}}, "b.models: the critic in a node group apart from the actor's (a) "
+                                              "trains on trainer ranks of its own, so that group hosts the critic "
+                                              "alone; move reward to another group"),
+    ({"strategy": "custom", "a": {"models": ["generation", "reference", "reward"]},
+      "t": {"models": ["actor"], "workers": 2}, "c": {"models": ["critic"]}},
+     "placement.c.workers is 1, but the actor's group t has 2: each critic rank pairs with an actor rank"),
     ({"strategy": "flattening", "all": {"models": ["actor"]}}, "all.models is only for strategy custom"),
     ({"strategy": "custom", "a": {"models": ["generation", "actor", "critic", "reference", "rewards"]}},
      "placement.a.models.4: got 'rewards': input should be 'generation', 'reference', 'reward', 'actor' or 'critic'"),

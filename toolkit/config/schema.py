@@ -269,7 +269,8 @@ class PlacementSection(Section):
     `interleaving`: trainer (actor, critic, generation) and scorer (reference, reward). OpenRLHF's
     switches: `colocate_actor_ref` (generator | reward | trainer with the reference),
     `colocate_critic_reward` (generator | reference | trainer with the rewards), `colocate_all_models`
-    (generator | trainer with every scoring model). `custom`: the groups you list, each with `models`."""
+    (generator | trainer with every scoring model). `custom`: the groups you list, each with `models`; a
+    group may host the critic alone (PPO, ZeRO <= 2): trainer ranks of its own, as many as the actor's."""
     offload: bool = False
     """GPU only: in a group hosting several models, move the models of other phases to host memory
     while a phase runs (scorer models during generation and training)."""
@@ -294,9 +295,12 @@ class PlacementSection(Section):
             missing = [m for m in MODELS if m not in where]
             if missing:
                 raise ValueError(f"no node group hosts {', '.join(missing)}; add it to a group's models")
-            if where["actor"] != where["critic"]:
-                raise ValueError(f"actor (in {where['actor'][0]}) and critic (in {where['critic'][0]}) must share a "
-                                 "group: the trainer trains both")
+            critic = where["critic"][0]
+            if where["actor"] != where["critic"] and list(groups[critic].models) != ["critic"]:
+                raise ValueError(f"{critic}.models: the critic in a node group apart from the actor's "
+                                 f"({where['actor'][0]}) trains on trainer ranks of its own, so that group hosts "
+                                 f"the critic alone; move {', '.join(m for m in groups[critic].models if m != 'critic')}"
+                                 " to another group")
             return self
         preset = PRESETS[self.strategy]
         for name, g in groups.items():
@@ -389,6 +393,23 @@ class RunConfig(Section):
                                  "the reference model, which with trainer.lora is the actor without its adapters, "
                                  "computed by the trainer; use a placement without a reference group of its own "
                                  "(e.g. separation)")
+        critic = next(name for name, models, _ in layout if "critic" in models)
+        actor = next(name for name, models, _ in layout if "actor" in models)
+        if critic != actor:
+            if self.run.algorithm != "ppo":
+                raise ValueError(f"placement.{critic} hosts the critic, but run.algorithm {self.run.algorithm} has "
+                                 "none (only ppo); remove that node group and list critic with the actor")
+            if self.placement.group_with("critic").workers != trainers:
+                raise ValueError(f"placement.{critic}.workers is {self.placement.group_with('critic').workers}, but the "
+                                 f"actor's group {actor} has {trainers}: each critic rank pairs with an actor rank "
+                                 f"(it computes the values of that rank's samples and trains on its returns); give "
+                                 f"both groups the same workers")
+            if self.trainer.zero_stage == 3:
+                raise ValueError(f"placement.{critic} puts the critic on trainer ranks of its own, which needs "
+                                 "trainer.zero_stage 2 or less: DeepSpeed's ZeRO-3 checks the order of each forward "
+                                 "pass across every rank of the process group, and the actor's ranks run another "
+                                 "model; use zero_stage 2 (offload_optimizer saves memory too) or list critic with "
+                                 "the actor")
         generators = self.placement.group_with("generation")
         if self.rollout.prompts_per_step < generators.workers:
             raise ValueError(f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) is less than the generator "

@@ -461,8 +461,9 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
 
 def _hops(s: Layout) -> int:
     """Times the step's samples change group between generation and the trainer (placement.plan.stages)."""
-    from toolkit.placement.plan import ROLE_OF, WorkerGroup, stages
+    from toolkit.placement.plan import ROLE_OF, WorkerGroup, group_of, stages
 
-    groups = [WorkerGroup(g.name, tuple(dict.fromkeys(ROLE_OF[m] for m in g.models)), g.workers) for g in s.groups]
-    hosts = [next(g.name for g in groups if role in g.roles) for role in stages(groups)]
+    groups = [WorkerGroup(g.name, tuple(dict.fromkeys(ROLE_OF[m] for m in g.models)), g.workers, models=g.models)
+              for g in s.groups]
+    hosts = [group_of(groups, role).name for role in stages(groups)]
     return sum(a != b for a, b in zip(hosts, hosts[1:]))

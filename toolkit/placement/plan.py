@@ -1,7 +1,9 @@
 """The placement plan: worker groups (one per node group), each hosting one or more roles.
 
 Models map to roles: generation -> generator, reference -> reference, reward -> reward (every reward
-function and reward model), actor and critic -> trainer. A step's samples pass the roles in `stages`
+function and reward model), actor and critic -> trainer. A critic in a node group of its own runs
+trainer ranks too (ranks after the actor's, each paired with one of them), so the trainer's ranks may
+span two groups: `trainer_groups`. A step's samples pass the roles in `stages`
 order: the generator first, the trainer last, the scoring roles in between, ordered so that samples
 change worker as seldom as possible (a role hosted with the generator runs right after it, on the
 same worker, in memory). Roles of one worker hand samples over in memory; otherwise a worker sends them
@@ -62,7 +64,14 @@ def plan(cfg) -> list[WorkerGroup]:
 
 
 def group_of(groups: list[WorkerGroup], role: str) -> WorkerGroup:
-    return next(g for g in groups if role in g.roles)
+    """The group hosting `role`; for the trainer, the actor's group (its rank 0 is the trainer's rank 0)."""
+    return trainer_groups(groups)[0] if role == "trainer" else next(g for g in groups if role in g.roles)
+
+
+def trainer_groups(groups: list[WorkerGroup]) -> list[WorkerGroup]:
+    """The groups of the trainer's ranks in rank order: the actor's, then a critic's group of its own."""
+    hosts = [g for g in groups if "trainer" in g.roles]
+    return sorted(hosts, key=lambda g: "actor" not in g.models)
 
 
 def stages(groups: list[WorkerGroup]) -> tuple[str, ...]:

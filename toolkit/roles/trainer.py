@@ -13,6 +13,13 @@ committed experience after it, from the stored tensors, before the first new ste
 
 Rank 0 hosts the run's TCPStore: the trainer group and the weight-sync group rendezvous on it, and it
 tells the other ranks what to do next with a broadcast command (train, checkpoint, sync, stop).
+
+The critic on ranks of its own (a node group hosting the critic alone, as OpenRLHF puts it on GPUs of
+its own): the trainer's ranks are the actor's group's, then as many of the critic's group, and each
+model trains over its own part of them. Critic rank A + r has the same shard as actor rank r: it
+computes the values while the actor computes its log-probs, sends them to its actor rank, gets the
+returns back, and trains on the same micro-batches in the same order, at the same time as the actor.
+The step's results equal those of the critic on the actor's ranks.
 """
 
 from __future__ import annotations
@@ -25,13 +32,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from toolkit.algorithms.kl_controller import make_kl_controller
 from toolkit.hold import hold
-from toolkit.modeling import gather_responses
-from toolkit.placement.plan import group_of
+from toolkit.modeling import critic_values, gather_responses, pad_samples
+from toolkit.placement.plan import group_of, trainer_groups
 from toolkit.roles.base import Role
-from toolkit.roles.update import experience_from_record, make_experience, train_on
+from toolkit.roles.update import STATS, Experience, experience_from_record, make_experience, old_at_update, train_on
 from toolkit.samples import SampleBatch
 from toolkit.store import checkpoint, experience
 from toolkit.store.manifest import Manifest
@@ -47,8 +55,13 @@ STOP, TRAIN, CHECKPOINT, SYNC = 0, 1, 2, 3
 
 class TrainerRole(Role):
     def prepare(self) -> dict:
-        self.ranks = Ranks(self.worker.rank, self.worker.group.workers)
+        groups = trainer_groups(self.worker.groups)  # (the actor's, then a critic's group of its own)
+        names = [g.name for g in groups]
+        before = sum(g.workers for g in groups[:names.index(self.worker.group.name)])
+        self.ranks = Ranks(before + self.worker.rank, sum(g.workers for g in groups))
         self.rank, self.world = self.ranks.rank, self.ranks.world
+        self.actor_ranks = groups[0].workers
+        self.store_host = groups[0].worker_ids()[0]
         return self.ranks.prepare(self.worker.wenv.bind_host, self.cfg.transport.startup_timeout_s)
 
     def setup(self) -> None:
@@ -56,48 +69,45 @@ class TrainerRole(Role):
 
         from toolkit.modeling import ScoreModel, pretrained_kwargs, torch_dtype
         from toolkit.training.engine import build_engine
-        from toolkit.training.lora import parameter_counts, plain_model, plain_weights
+        from toolkit.training.lora import parameter_counts
 
         cfg = self.cfg
         self.run_dir = Path(self.worker.wenv.run_dir)
         timeout_s = cfg.transport.step_timeout_s
-        self.ranks.join(self.worker.book[self.worker.group.worker_ids()[0]]["store"], self.device,
-                        cfg.transport.startup_timeout_s, timeout_s)
+        self.ranks.join(self.worker.book[self.store_host]["store"], self.device, cfg.transport.startup_timeout_s,
+                        timeout_s)
+        # The data-parallel ranks of this rank's models: all of them, or with the critic on ranks of its
+        # own, the actor's or the critic's part (rank r and actor_ranks + r are partners: the same shard).
+        apart = self.world > self.actor_ranks
+        self.dp = self.ranks.split(self.actor_ranks) if apart else self.ranks
+        self.partner = (self.rank + self.actor_ranks) % self.world if apart else None
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         dtype = torch_dtype(cfg.model.dtype)
         attention = cfg.model.attn_implementation
-        actor = AutoModelForCausalLM.from_pretrained(cfg.model.actor,
-                                                     **pretrained_kwargs(cfg.model.actor, dtype, attention))
         t = cfg.trainer
-        accumulation = cfg.samples_per_step // self.world // (t.micro_batch_size * t.updates_per_step)
-        self.engines = {"actor": build_engine(actor, t, t.lr, cfg.model.dtype, self.world, accumulation, lora=t.lora)}
-        if cfg.run.algorithm == "ppo":
+        accumulation = cfg.samples_per_step // self.dp.world // (t.micro_batch_size * t.updates_per_step)
+        hosted = self.worker.group.models
+        self.engines = {}
+        if "actor" in hosted:
+            actor = AutoModelForCausalLM.from_pretrained(cfg.model.actor,
+                                                         **pretrained_kwargs(cfg.model.actor, dtype, attention))
+            self.engines["actor"] = build_engine(actor, t, t.lr, cfg.model.dtype, self.dp.world, accumulation,
+                                                 lora=t.lora, mpu=self.dp.mpu())
+        if cfg.run.algorithm == "ppo" and "critic" in hosted:
             critic = ScoreModel(str(cfg.critic_path), dtype, attention=attention)
-            self.engines["critic"] = build_engine(critic, t, t.critic_lr, cfg.model.dtype, self.world, accumulation)
-        self.actor, self.critic = self.engines["actor"], self.engines.get("critic")
+            self.engines["critic"] = build_engine(critic, t, t.critic_lr, cfg.model.dtype, self.dp.world, accumulation,
+                                                  mpu=self.dp.mpu())
+        self.actor, self.critic = self.engines.get("actor"), self.engines.get("critic")
         k = cfg.algorithm.kl
         self.kl = make_kl_controller(k.coef, k.adaptive, k.target, k.horizon)
         self.version = 0
         self.checkpointed = -1
         self.shuffle_rng = torch.Generator().manual_seed(cfg.run.seed)
-        # The weights as the plain model holds them (with LoRA: the base model's names, adapters merged in).
-        weights = plain_weights(self.actor.module)
-        self.params = [(w.name, w.param) for w in weights]
-        self.deltas = [w.delta for w in weights]
-        # vLLM loads the checkpoint format; the transformers engine loads the parameters as they are.
-        convert = checkpoint_converter(plain_model(self.actor.module)) if cfg.generation_backend == "vllm" else identity
-        vocab = min(len(self.tokenizer), actor.config.vocab_size)
-        probe = probe_tokens(vocab, cfg.run.seed) if cfg.rollout.sync_check else []  # (none: nothing to compute)
-        self.layout = plan_layout(self.params, int(t.weight_sync_bucket_mb * 2**20), probe, convert)
-        self.ptx = self._ptx_text()
-        self.ema = None
-        if t.ema is not None:
-            from toolkit.training.ema import EMA
-
-            self.ema = EMA(t.ema)
-            self._full_weights()  # the average starts from the initial weights
+        self.params, self.deltas, self.layout, self.ptx, self.ema = [], [], None, None, None
+        if self.actor is not None:
+            self._actor_setup()
         self.replayed = self._resume(self.worker.resume or {})
         self.status["policy_version"] = self.version
         self.generator = None  # the generator role, when this worker hosts one (it sets itself here)
@@ -108,9 +118,31 @@ class TrainerRole(Role):
             self.sender = WeightSender(self.layout, self.device)
             for worker_id in generators:
                 self._join_sync(worker_id, 0, timeout_s)
-        self.status["trainable_parameters"] = parameter_counts(self.actor.module)[0]
-        log.info("trainer rank %d/%d ready (ZeRO-%d, %d actor weights, policy_version %d)", self.rank, self.world,
-                 t.zero_stage, len(self.params), self.version)
+        self.status["trainable_parameters"] = sum(parameter_counts(e.module)[0] for e in self.engines.values())
+        log.info("trainer rank %d/%d ready (%s, ZeRO-%d, %d actor weights, policy_version %d)", self.rank, self.world,
+                 " and ".join(self.engines), t.zero_stage, len(self.params), self.version)
+
+    def _actor_setup(self) -> None:
+        """What the ranks of the actor keep besides its engine: its weights as the generators take them, the
+        PTX text and the EMA."""
+        from toolkit.training.lora import plain_model, plain_weights
+
+        cfg, t = self.cfg, self.cfg.trainer
+        # The weights as the plain model holds them (with LoRA: the base model's names, adapters merged in).
+        weights = plain_weights(self.actor.module)
+        self.params = [(w.name, w.param) for w in weights]
+        self.deltas = [w.delta for w in weights]
+        # vLLM loads the checkpoint format; the transformers engine loads the parameters as they are.
+        convert = checkpoint_converter(plain_model(self.actor.module)) if cfg.generation_backend == "vllm" else identity
+        vocab = min(len(self.tokenizer), plain_model(self.actor.module).config.vocab_size)
+        probe = probe_tokens(vocab, cfg.run.seed) if cfg.rollout.sync_check else []  # (none: nothing to compute)
+        self.layout = plan_layout(self.params, int(t.weight_sync_bucket_mb * 2**20), probe, convert)
+        self.ptx = self._ptx_text()
+        if t.ema is not None:
+            from toolkit.training.ema import EMA
+
+            self.ema = EMA(t.ema)
+            self._full_weights()  # the average starts from the initial weights
 
     def _ptx_text(self):
         """The PTX mixture's text on this rank, or None when it is off."""
@@ -119,9 +151,9 @@ class TrainerRole(Role):
         from toolkit.training.ptx import PtxText
 
         t = self.cfg.trainer
-        per_step = self.cfg.algorithm.epochs * self.cfg.samples_per_step // self.world // t.micro_batch_size
-        return PtxText(self.cfg.ptx, self.tokenizer, self.cfg.run.seed, t.micro_batch_size, per_step, self.rank,
-                       self.world)
+        per_step = self.cfg.algorithm.epochs * self.cfg.samples_per_step // self.dp.world // t.micro_batch_size
+        return PtxText(self.cfg.ptx, self.tokenizer, self.cfg.run.seed, t.micro_batch_size, per_step, self.dp.rank,
+                       self.dp.world)
 
     def generation_model(self):
         """The module a generator in this worker generates with: the actor's own, unless ZeRO-3 splits it."""
@@ -360,35 +392,43 @@ class TrainerRole(Role):
         self.status.update(phase="training", step=batch.step)
         hold("training", self.run_dir)
         started = time.monotonic()
-        shard = self.ranks.shard(len(batch))
+        shard = self.dp.shard(len(batch))
         # scoring roles of this worker that score on the trainer ranks (each rank its shard)
         deferred = {name: role for name in ("reference", "reward")
                     if (role := self.worker.roles.get(name)) is not None and role.deferred}
         reference, reward = deferred.get("reference"), deferred.get("reward")
         scored = sum(role.deferred_s for role in deferred.values())
-        if record is None:
-            if reward is not None:
-                reward.complete(batch, shard, self.ranks.sum)
-            exp = make_experience(batch, shard, self.actor, self.critic, cfg, self.kl.coef, self.pad_id, self.ranks.sum,
-                                  reference.logprobs if reference else None)
-        else:
+        if record is not None:
             exp = experience_from_record(record, shard, self.pad_id)
+        elif self.actor is None:  # the critic on ranks of its own
+            exp = self._critic_experience(batch, shard)
+        else:
+            if reward is not None:
+                reward.complete(batch, shard, self.dp.sum)
+            exp = make_experience(batch, shard, self.actor, self._values, cfg, self.kl.coef, self.pad_id, self.dp.sum,
+                                  reference.logprobs if reference else None)
+            if self.critic is None and exp.returns is not None:  # (to the critic's rank of this shard)
+                dist.send(exp.returns.to(self.device), self.partner)
         commit_s = self._commit(batch, exp) if commit else 0.0
         ptx = None if self.ptx is None else (lambda i: self.ptx.batch(batch.step, i))
         stats = train_on(exp, self.actor, self.critic, cfg, self.shuffle_rng, ptx, self.ranks.max)
         mask = exp.mask
-        k1 = (exp.old_logprobs - exp.ref_logprobs) * mask
-        advantages = exp.advantages * mask
-        ppo = exp.values is not None
-        totals = self.ranks.sum(torch.tensor([
-            k1.sum(), mask.sum(), float(len(shard)),
-            ((exp.behaviour_logprobs - exp.old_logprobs).abs() * mask).sum(),
-            advantages.sum(), (advantages ** 2).sum(),
-            (exp.values * mask).sum() if ppo else 0.0, (exp.returns * mask).sum() if ppo else 0.0,
-            float(reference is not None and record is None), float(reward is not None and record is None),
-            *[stats[k] for k in sorted(stats)]], dtype=torch.float64))
+        # What each rank adds up: the actor's ranks the policy's figures, the critic's the values'.
+        policy = torch.zeros(6, dtype=torch.float64)
+        if self.actor is not None:
+            k1 = (exp.old_logprobs - exp.ref_logprobs) * mask
+            advantages = exp.advantages * mask
+            policy = torch.tensor([k1.sum(), mask.sum(), float(len(shard)),
+                                   ((exp.behaviour_logprobs - exp.old_logprobs).abs() * mask).sum(),
+                                   advantages.sum(), (advantages ** 2).sum()], dtype=torch.float64)
+        ppo = cfg.run.algorithm == "ppo"
+        values = [(exp.values * mask).sum(), (exp.returns * mask).sum()] if self.critic is not None else [0.0, 0.0]
+        totals = self.ranks.sum(torch.cat([policy, torch.tensor([
+            *values, float(reference is not None and record is None), float(reward is not None and record is None),
+            *[stats.get(k, 0.0) for k in STATS], *[float(k in stats) for k in STATS]], dtype=torch.float64)]))
         kl_sum, tokens, samples, diff_sum, adv_sum, adv_sq, value_sum, return_sum = totals[:8].tolist()
-        metrics = {k: v / self.world for k, v in zip(sorted(stats), totals[10:].tolist())}
+        sums, having = totals[10:10 + len(STATS)].tolist(), totals[10 + len(STATS):].tolist()
+        metrics = {k: total / n for k, total, n in zip(STATS, sums, having) if n}  # (means over the ranks having it)
         # (ranks that scored their shard with the reference, and with the reward models)
         for name, ranks in zip(("reference_ranks", "reward_ranks"), totals[8:10].tolist()):
             if ranks:
@@ -398,8 +438,9 @@ class TrainerRole(Role):
         if ppo:
             metrics.update(value_mean=value_sum / tokens, return_mean=return_sum / tokens)
         metrics.update(kl=kl_sum / tokens, kl_seq=kl_sum / samples, behaviour_logprob_diff=diff_sum / tokens,
-                       kl_coef=self.kl.coef, grad_norm=_float(self.actor.get_global_grad_norm()), commit_s=commit_s,
-                       lr=float(self.actor.get_lr()[0]))
+                       kl_coef=self.kl.coef, commit_s=commit_s)
+        if self.actor is not None:
+            metrics.update(grad_norm=_float(self.actor.get_global_grad_norm()), lr=float(self.actor.get_lr()[0]))
         self.kl.update(kl_sum / samples, len(batch))
         self.version += 1
         scored = sum(role.deferred_s for role in deferred.values()) - scored  # (this rank's scoring passes)
@@ -407,19 +448,40 @@ class TrainerRole(Role):
         self.deferred_score_s = scored
         return metrics
 
+    def _values(self, padded) -> torch.Tensor:
+        """The critic's values of this rank's shard: its own forward pass, or what the critic's rank of the
+        same shard computed (the critic on ranks of its own)."""
+        if self.critic is not None:
+            return critic_values(self.critic, padded, self.cfg.model.forward_batch_size)
+        values = torch.zeros(padded.action_mask.shape, dtype=torch.float32, device=self.device)
+        dist.recv(values, self.partner)
+        return values.cpu()
+
+    def _critic_experience(self, batch: SampleBatch, shard: np.ndarray) -> Experience:
+        """A critic rank's share of the experience: the values of its shard, which it sends to the actor's
+        rank of that shard, and the returns that rank computes from them (GAE)."""
+        padded = pad_samples(batch.select(shard), self.pad_id)
+        values = critic_values(self.critic, padded, self.cfg.model.forward_batch_size)
+        dist.send(values.to(self.device), self.partner)
+        returns = torch.zeros(values.shape, dtype=torch.float32, device=self.device)
+        dist.recv(returns, self.partner)
+        return Experience(padded, None, None, None, None, values, returns.cpu())
+
     def _commit(self, batch: SampleBatch, exp) -> float:
-        """Commit the step's experience batch to HDF5 (rank 0 writes; all ranks wait for it); seconds taken."""
+        """Commit the step's experience batch to HDF5 (rank 0 writes; all ranks wait for it); seconds taken.
+        A critic rank of its own has nothing to add (its actor rank has the values and returns)."""
         started = time.monotonic()
-        per_token = {"advantages": exp.advantages}
-        if exp.old_logprobs is not None:  # (None: the training forward's own, see update.old_at_update)
-            per_token["old_logprobs"] = exp.old_logprobs
-        if exp.values is not None:
-            per_token.update(values=exp.values, returns=exp.returns)
         computed_ref = batch.ref_logprobs is None  # the trainer computed them (make_experience)
+        names = ["advantages"]
+        if not old_at_update(self.cfg):  # (else they are the training forward's own)
+            names.append("old_logprobs")
+        if self.cfg.run.algorithm == "ppo":
+            names += ["values", "returns"]
         if computed_ref:
-            per_token["ref_logprobs"] = exp.ref_logprobs
-        flat = {name: np.concatenate(gather_responses(t, exp.padded) or [np.zeros(0, np.float32)])
-                for name, t in per_token.items()}
+            names.append("ref_logprobs")
+        empty = np.zeros(0, np.float32)
+        flat = {name: empty if self.actor is None else
+                np.concatenate(gather_responses(getattr(exp, name), exp.padded) or [empty]) for name in names}
         full = self.ranks.gather_flat(flat)
         if self.rank == 0:
             if computed_ref:
@@ -453,6 +515,8 @@ class TrainerRole(Role):
         from toolkit.modeling import torch_dtype
         from toolkit.training.export import save_hf
 
+        if self.actor is None:  # (the critic on ranks of its own)
+            return
         zero3 = self.cfg.trainer.zero_stage == 3
         save_hf(self.actor.module, directory / "hf", str(self.cfg.tokenizer_path), self.rank, zero3)
         if self.ema is not None and self.rank == 0:
@@ -476,6 +540,8 @@ class TrainerRole(Role):
         """Bring the generators the new weights: rank 0 broadcasts them to generators of their own, a
         generator in this worker takes them in memory. Every rank gathers under ZeRO-3; the EMA reads
         the same gathered buckets. (seconds, MB sent)"""
+        if self.actor is None:  # (the critic on ranks of its own)
+            return 0.0, 0.0
         self.status["phase"] = "syncing"
         hold("syncing", self.run_dir)
         started = time.monotonic()

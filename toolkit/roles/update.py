@@ -32,8 +32,8 @@ from toolkit.algorithms.advantages import (gae, grpo_advantages, kl_penalized_re
                                            reinforce_pp_advantages, rloo_advantages)
 from toolkit.algorithms.losses import behaviour_weights, kl_estimate, masked_mean, policy_loss, value_loss
 from toolkit.algorithms.supervised import response_lm_loss
-from toolkit.modeling import (Padded, critic_values, pad_samples, scatter_responses, sequence_logprobs,
-                                    token_entropy, token_logprobs)
+from toolkit.modeling import (Padded, pad_samples, scatter_responses, sequence_logprobs, token_entropy,
+                              token_logprobs)
 
 
 @dataclass
@@ -60,12 +60,14 @@ def old_at_update(cfg) -> bool:
             and not cfg.behaviour_correction)
 
 
-def make_experience(batch, shard_index: np.ndarray, actor, critic, cfg, kl_coef: float, pad_id: int,
-                    all_reduce: Callable[[torch.Tensor], torch.Tensor],
+def make_experience(batch, shard_index: np.ndarray, actor, values_of: Callable[[Padded], torch.Tensor] | None,
+                    cfg, kl_coef: float, pad_id: int, all_reduce: Callable[[torch.Tensor], torch.Tensor],
                     reference: Callable[[object], torch.Tensor] | None = None) -> Experience:
     """Experience for the samples `shard_index` of `batch` (a SampleBatch with rewards). A batch without
     reference log-probs gets them here, for the shard: from `reference` (the reference role of this
-    worker, `ReferenceRole.logprobs`), or, with none (LoRA), from the actor with its adapters disabled."""
+    worker, `ReferenceRole.logprobs`), or, with none (LoRA), from the actor with its adapters disabled.
+    PPO: `values_of(padded)` gives the critic's values of the shard (its forward pass here, or what the
+    critic's own rank computed)."""
     shard = batch.select(shard_index)
     padded = pad_samples(shard, pad_id)
     mask = padded.action_mask
@@ -94,7 +96,7 @@ def make_experience(batch, shard_index: np.ndarray, actor, critic, cfg, kl_coef:
     rewards = kl_penalized_rewards(total[mine], old, ref, mask, kl_coef)
     if cfg.run.algorithm == "reinforce_pp":
         return Experience(padded, old, ref, behaviour, reinforce_pp_advantages(rewards, mask, algo.gamma, all_reduce))
-    values = critic_values(critic, padded, cfg.model.forward_batch_size)
+    values = values_of(padded)
     advantages, returns = gae(rewards, values, mask, algo.gamma, algo.lam)
     if algo.normalize_advantages:
         advantages = masked_whiten(advantages, mask, all_reduce)
@@ -121,13 +123,21 @@ def experience_from_record(record: dict, shard_index: np.ndarray, pad_id: int) -
                       place("advantages"), place("values"), place("returns"))
 
 
+# The statistics `train_on` can return: the actor's, the critic's (a rank training one of them returns
+# its own), and the two that every rank returns.
+STATS = ("pg_loss", "loss", "entropy", "clip_frac", "approx_kl", "kl_loss", "ptx_loss", "behaviour_weight",
+         "behaviour_weight_capped", "value_loss", "value_clip_frac", "micro_batches", "padding_frac")
+
+
 def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx=None,
              agree_max: Callable[[int], int] = lambda n: n) -> dict[str, float]:
     """`algorithm.epochs` passes over the experience in micro-batches, `trainer.updates_per_step`
     optimizer steps each (see `micro_batches`). `ptx(i)` gives the i-th micro-batch of PTX text (ids,
     attention, loss mask) when the PTX mixture is on. `agree_max(n)`: the largest n over the trainer
     ranks (token-budget micro-batches: every rank runs as many). Returns means of the loss statistics.
-    The models are in training mode meanwhile (activation checkpointing acts only then; RL has no dropout)."""
+    The models are in training mode meanwhile (activation checkpointing acts only then; RL has no dropout).
+    `actor` or `critic` may be None: a rank of one of them (the critic on ranks of its own) trains it on
+    the same micro-batches, in the same order, as the other's rank of the same shard."""
     models = [m for m in (actor, critic) if m is not None]
     for m in models:
         m.train()
@@ -195,7 +205,6 @@ def split_to(batches: list[np.ndarray], count: int) -> list[np.ndarray]:
 def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx,
             agree_max: Callable[[int], int]) -> dict[str, float]:
     algo, trainer = cfg.algorithm, cfg.trainer
-    grpo = cfg.run.algorithm == "grpo"
     n = len(exp.padded)
     sums: dict[str, float] = {}
     count = real = computed = 0
@@ -203,7 +212,7 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
     def add(name: str, value) -> None:
         sums[name] = sums.get(name, 0.0) + float(value)
 
-    at_update = exp.old_logprobs is None
+    at_update = actor is not None and exp.old_logprobs is None
     if at_update:  # filled in below from each micro-batch's training forward
         exp.old_logprobs = torch.zeros_like(exp.padded.action_mask)
     # By token budget, micro-batches differ in size: the update's boundary is set here, and each
@@ -222,41 +231,11 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
             real += int(part.attention_mask.sum())
             computed += part.attention_mask.numel()
             width = part.action_mask.shape[1]
-            device = next(actor.parameters()).device
+            device = next(engines[0].parameters()).device
             ids, attention, mask = (t.to(device) for t in (part.input_ids, part.attention_mask, part.action_mask))
-            advantages, ref = (t[index, :width].to(device) for t in (exp.advantages, exp.ref_logprobs))
-            old = None if at_update else exp.old_logprobs[index, :width].to(device)
-            weights = None
-            if cfg.behaviour_correction:
-                behaviour = exp.behaviour_logprobs[index, :width].to(device)
-                weights = behaviour_weights(old, behaviour, algo.behaviour_weight_cap)
-                add("behaviour_weight", masked_mean(weights, mask).item())
-                add("behaviour_weight_capped", masked_mean((weights >= algo.behaviour_weight_cap * (1 - 1e-6))
-                                                           .to(weights.dtype), mask).item())
-            logits = actor(input_ids=ids, attention_mask=attention).logits
-            logprobs = token_logprobs(logits, ids, cfg.rollout.temperature)
-            if at_update:
-                old = logprobs.detach()
-                exp.old_logprobs[index, :width] = (old * mask).cpu()
-            loss, stats = policy_loss(logprobs, old, advantages, mask, algo.clip_eps, weights)
-            add("pg_loss", loss.item())
-            if grpo and algo.kl.coef > 0:
-                kl_term = masked_mean(kl_estimate(logprobs, ref, "k3"), mask)
-                loss = loss + algo.kl.coef * kl_term
-                add("kl_loss", kl_term.item())
-            if ptx is not None:
-                text_ids, text_attention, text_mask = (t.to(device) for t in ptx(count))
-                total, tokens = response_lm_loss(actor(input_ids=text_ids, attention_mask=text_attention).logits,
-                                                 text_ids, text_mask)
-                ptx_loss = total / tokens.clamp(min=1)
-                loss = loss + cfg.ptx.coef * ptx_loss
-                add("ptx_loss", ptx_loss.item())
-            _backward(actor, loss, share if by_tokens else None)
-            actor.step()
-            add("loss", loss.item())
-            add("entropy", masked_mean(token_entropy(logits, cfg.rollout.temperature), mask).item())
-            add("clip_frac", stats["clip_frac"])
-            add("approx_kl", stats["approx_kl"])
+            if actor is not None:
+                _actor_micro_batch(exp, actor, cfg, index, width, ids, attention, mask, ptx, count,
+                                   share if by_tokens else None, add, at_update)
             if critic is not None:
                 old_values, returns = (t[index, :width].to(device) for t in (exp.values, exp.returns))
                 values = critic(ids, attention)[:, :-1]
@@ -269,3 +248,44 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
     # (micro-batches of all epochs, and the share of the positions they computed that were padding)
     return {**{k: v / max(count, 1) for k, v in sums.items()}, "micro_batches": count,
             "padding_frac": 1 - real / max(computed, 1)}
+
+
+def _actor_micro_batch(exp: Experience, actor, cfg, index: torch.Tensor, width: int, ids, attention, mask, ptx,
+                       count: int, share: float | None, add: Callable, at_update: bool) -> None:
+    """The actor's forward, loss, backward and step on micro-batch `index` (count-th of the step), its
+    statistics through `add`."""
+    algo = cfg.algorithm
+    device = ids.device
+    advantages, ref = (t[index, :width].to(device) for t in (exp.advantages, exp.ref_logprobs))
+    old = None if at_update else exp.old_logprobs[index, :width].to(device)
+    weights = None
+    if cfg.behaviour_correction:
+        behaviour = exp.behaviour_logprobs[index, :width].to(device)
+        weights = behaviour_weights(old, behaviour, algo.behaviour_weight_cap)
+        add("behaviour_weight", masked_mean(weights, mask).item())
+        add("behaviour_weight_capped", masked_mean((weights >= algo.behaviour_weight_cap * (1 - 1e-6))
+                                                   .to(weights.dtype), mask).item())
+    logits = actor(input_ids=ids, attention_mask=attention).logits
+    logprobs = token_logprobs(logits, ids, cfg.rollout.temperature)
+    if at_update:
+        old = logprobs.detach()
+        exp.old_logprobs[index, :width] = (old * mask).cpu()
+    loss, stats = policy_loss(logprobs, old, advantages, mask, algo.clip_eps, weights)
+    add("pg_loss", loss.item())
+    if cfg.run.algorithm == "grpo" and algo.kl.coef > 0:
+        kl_term = masked_mean(kl_estimate(logprobs, ref, "k3"), mask)
+        loss = loss + algo.kl.coef * kl_term
+        add("kl_loss", kl_term.item())
+    if ptx is not None:
+        text_ids, text_attention, text_mask = (t.to(device) for t in ptx(count))
+        total, tokens = response_lm_loss(actor(input_ids=text_ids, attention_mask=text_attention).logits,
+                                         text_ids, text_mask)
+        ptx_loss = total / tokens.clamp(min=1)
+        loss = loss + cfg.ptx.coef * ptx_loss
+        add("ptx_loss", ptx_loss.item())
+    _backward(actor, loss, share)
+    actor.step()
+    add("loss", loss.item())
+    add("entropy", masked_mean(token_entropy(logits, cfg.rollout.temperature), mask).item())
+    add("clip_frac", stats["clip_frac"])
+    add("approx_kl", stats["approx_kl"])

@@ -33,10 +33,11 @@ def lr_lambda(warmup_steps: int, schedule: str, total_steps: int | None, min_rat
 
 
 def build_engine(model: torch.nn.Module, settings, lr: float, dtype: str, world: int, accumulation: int,
-                 total_steps: int | None = None, lora=None):
+                 total_steps: int | None = None, lora=None, mpu=None):
     """A DeepSpeed engine training `model` on one of `world` data-parallel ranks. `settings` is an
     EngineSection; an optimizer step takes `accumulation` micro-batches of `settings.micro_batch_size`.
-    With `lora` (a LoraSection) only adapters added to `model` train; `engine.module` is then the peft model."""
+    With `lora` (a LoraSection) only adapters added to `model` train; `engine.module` is then the peft model.
+    `mpu` (`Ranks.mpu`): the ranks are a part of the process group (the critic on ranks of its own)."""
     import deepspeed
 
     for name in ("DeepSpeed", "deepspeed"):
@@ -73,7 +74,7 @@ def build_engine(model: torch.nn.Module, settings, lr: float, dtype: str, world:
         optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=settings.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(settings.warmup_steps, settings.lr_schedule, total_steps, settings.min_lr_ratio))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, mpu=mpu)
     from toolkit.training.lora import parameter_counts
 
     trained, total = parameter_counts(engine.module)
@@ -87,7 +88,7 @@ def build_engine(model: torch.nn.Module, settings, lr: float, dtype: str, world:
     return engine
 
 
-def inference_engine(model: torch.nn.Module, dtype: str, world: int, offload_params: bool = False):
+def inference_engine(model: torch.nn.Module, dtype: str, world: int, offload_params: bool = False, mpu=None):
     """A DeepSpeed ZeRO-3 engine that only runs forward passes: a reference model sharded over the trainer's
     `world` ranks, as DeepSpeed-Chat and OpenRLHF hold theirs under ZeRO-3. Each rank keeps 1/world of
     the weights (in host memory with `offload_params`) and gathers a layer's at a time in each forward
@@ -100,7 +101,7 @@ def inference_engine(model: torch.nn.Module, dtype: str, world: int, offload_par
     config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world, "zero_optimization": zero,
               "bf16": {"enabled": dtype == "bfloat16"}, "fp16": {"enabled": dtype == "float16"},
               "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
-    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu)
     engine.eval()
     return engine
 

@@ -1,5 +1,6 @@
 """The data-parallel ranks of a trainer node group: joining their process group, and what they say to
-each other besides gradients (sums, barriers, rank 0's next command, rank 0's data).
+each other besides gradients (sums, barriers, rank 0's next command, rank 0's data). With the critic on
+ranks of its own, the ranks split in two parts (`split`), each training its model over its own group.
 
 Rank 0 hosts the run's TCPStore (`prepare`); the others find it in the address book (`join`). The group
 is torch.distributed's default group (gloo on CPU, NCCL on GPU), which DeepSpeed then uses; the RL
@@ -18,9 +19,10 @@ import torch.distributed as dist
 
 
 class Ranks:
-    def __init__(self, rank: int, world: int):
+    def __init__(self, rank: int, world: int, group=None):
         self.rank, self.world = rank, world
         self.store = None
+        self.group = group  # (a part of the ranks, `split`: its process group; None: all of them)
 
     def prepare(self, bind_host: str, timeout_s: float) -> dict:
         """Before registering: rank 0 starts the run's TCPStore; the address book entry to publish."""
@@ -45,11 +47,26 @@ class Ranks:
         dist.init_process_group(backend, store=dist.PrefixStore("trainer", self.store), rank=self.rank,
                                 world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s))
 
+    def split(self, first: int) -> "Ranks":
+        """This rank's part of the ranks split at `first` ([0, first) and [first, world)), with a process group
+        of its own that a DeepSpeed engine of that part trains over (`mpu`). Every rank calls this."""
+        parts = [list(range(first)), list(range(first, self.world))]
+        groups = [dist.new_group(p) for p in parts]
+        self._alone = [dist.new_group([r]) for r in range(self.world)]  # (DeepSpeed's model-parallel groups)
+        k = int(self.rank >= first)
+        part = Ranks(self.rank - parts[k][0], len(parts[k]), groups[k])
+        part.store, part._alone = self.store, self._alone[self.rank]
+        return part
+
+    def mpu(self):
+        """For `deepspeed.initialize(mpu=...)`: data parallelism over these ranks (None: over all of them)."""
+        return None if self.group is None else _DataParallel(self)
+
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks (a copy)."""
         if self.world > 1:
             t = t.clone()
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=self.group)
         return t
 
     def max(self, n: int) -> int:
@@ -57,12 +74,12 @@ class Ranks:
         if self.world == 1:
             return n
         t = torch.tensor([n], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
     def barrier(self) -> None:
         if self.world > 1:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def command(self, code: int = 0, step: int = -1) -> tuple[int, int]:
         """Rank 0's (code, step) on every rank (what the ranks above 0 do next)."""
@@ -115,3 +132,29 @@ class Ranks:
     def shard(self, n: int) -> np.ndarray:
         """This rank's contiguous share of `n` items."""
         return np.array_split(np.arange(n), self.world)[self.rank]
+
+
+class _DataParallel:
+    """The model-parallel unit (mpu) DeepSpeed asks for: data parallel over a part of the ranks, no model
+    parallelism (each rank its own group of one)."""
+
+    def __init__(self, part: Ranks):
+        self.part = part
+
+    def get_data_parallel_group(self):
+        return self.part.group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.part.world
+
+    def get_data_parallel_rank(self) -> int:
+        return self.part.rank
+
+    def get_model_parallel_group(self):
+        return self.part._alone
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
