@@ -399,8 +399,9 @@ class RunConfig(Section):
             if self.run.algorithm != "ppo":
                 raise ValueError(f"placement.{critic} hosts the critic, but run.algorithm {self.run.algorithm} has "
                                  "none (only ppo); remove that node group and list critic with the actor")
-            if self.placement.group_with("critic").workers != trainers:
-                raise ValueError(f"placement.{critic}.workers is {self.placement.group_with('critic').workers}, but the "
+            critics = self.placement.group_with("critic").workers
+            if critics != trainers:
+                raise ValueError(f"placement.{critic}.workers is {critics}, but the "
                                  f"actor's group {actor} has {trainers}: each critic rank pairs with an actor rank "
                                  f"(it computes the values of that rank's samples and trains on its returns); give "
                                  f"both groups the same workers")

@@ -74,7 +74,7 @@ class _Scoring(Role):
 
         if self.sharded:
             return inference_engine(load(self.device), self.cfg.model.dtype, self.worker.group.workers,
-                                    self.cfg.trainer.offload_params, self.worker.roles["trainer"].dp.mpu())
+                                    self.cfg.trainer.offload_params)
         return load(torch.device("cpu") if self.offload else self.device)
 
     def _models(self) -> list:

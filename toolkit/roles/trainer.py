@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from toolkit.algorithms.kl_controller import make_kl_controller
 from toolkit.hold import hold
@@ -408,7 +407,7 @@ class TrainerRole(Role):
             exp = make_experience(batch, shard, self.actor, self._values, cfg, self.kl.coef, self.pad_id, self.dp.sum,
                                   reference.logprobs if reference else None)
             if self.critic is None and exp.returns is not None:  # (to the critic's rank of this shard)
-                dist.send(exp.returns.to(self.device), self.partner)
+                self.ranks.send(exp.returns, self.partner)
         commit_s = self._commit(batch, exp) if commit else 0.0
         ptx = None if self.ptx is None else (lambda i: self.ptx.batch(batch.step, i))
         stats = train_on(exp, self.actor, self.critic, cfg, self.shuffle_rng, ptx, self.ranks.max)
@@ -453,19 +452,15 @@ class TrainerRole(Role):
         same shard computed (the critic on ranks of its own)."""
         if self.critic is not None:
             return critic_values(self.critic, padded, self.cfg.model.forward_batch_size)
-        values = torch.zeros(padded.action_mask.shape, dtype=torch.float32, device=self.device)
-        dist.recv(values, self.partner)
-        return values.cpu()
+        return self.ranks.receive(padded.action_mask.shape, self.partner)
 
     def _critic_experience(self, batch: SampleBatch, shard: np.ndarray) -> Experience:
         """A critic rank's share of the experience: the values of its shard, which it sends to the actor's
         rank of that shard, and the returns that rank computes from them (GAE)."""
         padded = pad_samples(batch.select(shard), self.pad_id)
         values = critic_values(self.critic, padded, self.cfg.model.forward_batch_size)
-        dist.send(values.to(self.device), self.partner)
-        returns = torch.zeros(values.shape, dtype=torch.float32, device=self.device)
-        dist.recv(returns, self.partner)
-        return Experience(padded, None, None, None, None, values, returns.cpu())
+        self.ranks.send(values, self.partner)
+        return Experience(padded, None, None, None, None, values, self.ranks.receive(values.shape, self.partner))
 
     def _commit(self, batch: SampleBatch, exp) -> float:
         """Commit the step's experience batch to HDF5 (rank 0 writes; all ranks wait for it); seconds taken.

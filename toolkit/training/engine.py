@@ -88,7 +88,7 @@ def build_engine(model: torch.nn.Module, settings, lr: float, dtype: str, world:
     return engine
 
 
-def inference_engine(model: torch.nn.Module, dtype: str, world: int, offload_params: bool = False, mpu=None):
+def inference_engine(model: torch.nn.Module, dtype: str, world: int, offload_params: bool = False):
     """A DeepSpeed ZeRO-3 engine that only runs forward passes: a reference model sharded over the trainer's
     `world` ranks, as DeepSpeed-Chat and OpenRLHF hold theirs under ZeRO-3. Each rank keeps 1/world of
     the weights (in host memory with `offload_params`) and gathers a layer's at a time in each forward
@@ -101,7 +101,7 @@ def inference_engine(model: torch.nn.Module, dtype: str, world: int, offload_par
     config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world, "zero_optimization": zero,
               "bf16": {"enabled": dtype == "bfloat16"}, "fp16": {"enabled": dtype == "float16"},
               "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
-    engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     return engine
 

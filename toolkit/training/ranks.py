@@ -22,7 +22,9 @@ class Ranks:
     def __init__(self, rank: int, world: int, group=None):
         self.rank, self.world = rank, world
         self.store = None
+        self.device = torch.device("cpu")  # (where tensors sent to another rank travel from: `join`)
         self.group = group  # (a part of the ranks, `split`: its process group; None: all of them)
+        self.alone = None  # (a part: this rank's own group of one, DeepSpeed's model-parallel group)
 
     def prepare(self, bind_host: str, timeout_s: float) -> dict:
         """Before registering: rank 0 starts the run's TCPStore; the address book entry to publish."""
@@ -43,6 +45,7 @@ class Ranks:
             self.store = connect_store(host, int(port), startup_timeout_s)
         # DeepSpeed reads these; each worker sees only its own GPUs, so its local rank is 0.
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+        self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.PrefixStore("trainer", self.store), rank=self.rank,
                                 world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s))
@@ -52,10 +55,10 @@ class Ranks:
         of its own that a DeepSpeed engine of that part trains over (`mpu`). Every rank calls this."""
         parts = [list(range(first)), list(range(first, self.world))]
         groups = [dist.new_group(p) for p in parts]
-        self._alone = [dist.new_group([r]) for r in range(self.world)]  # (DeepSpeed's model-parallel groups)
+        alone = [dist.new_group([r]) for r in range(self.world)]
         k = int(self.rank >= first)
         part = Ranks(self.rank - parts[k][0], len(parts[k]), groups[k])
-        part.store, part._alone = self.store, self._alone[self.rank]
+        part.store, part.device, part.alone = self.store, self.device, alone[self.rank]
         return part
 
     def mpu(self):
@@ -80,6 +83,16 @@ class Ranks:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier(group=self.group)
+
+    def send(self, t: torch.Tensor, to: int) -> None:
+        """`t` (float32) to rank `to` of all the ranks, which takes it with `receive`."""
+        dist.send(t.to(self.device, torch.float32), to)
+
+    def receive(self, shape, source: int) -> torch.Tensor:
+        """The float32 tensor of `shape` that rank `source` of all the ranks sends (`send`), on the CPU."""
+        t = torch.zeros(tuple(shape), dtype=torch.float32, device=self.device)
+        dist.recv(t, source)
+        return t.cpu()
 
     def command(self, code: int = 0, step: int = -1) -> tuple[int, int]:
         """Rank 0's (code, step) on every rank (what the ranks above 0 do next)."""
@@ -151,7 +164,7 @@ class _DataParallel:
         return self.part.rank
 
     def get_model_parallel_group(self):
-        return self.part._alone
+        return self.part.alone
 
     def get_model_parallel_world_size(self) -> int:
         return 1
