@@ -19,7 +19,11 @@ from toolkit.launch.rundir import RunDir
 from toolkit.store import experience
 
 pytestmark = pytest.mark.slurm
-STEPS = 240  # attempts ran 22 and 34 steps here, at most about 110: the third attempt has work left
+# Enough that two attempts cannot finish the run: after the cut an attempt steps until 15 s before its
+# end, up to about 30 s, and a quiet run here takes about 0.2 s a step (a CI run at e3cb583 finished all
+# 240 steps in its second attempt, about 140 of them after the cut), so two attempts run at most about
+# 2 x (150 + 3) steps; a busy machine only makes the steps slower.
+STEPS = 600
 LONG_MIN = 30  # a time limit no attempt reaches
 
 
