@@ -60,7 +60,9 @@ def test_init_takes_the_planners_plan_for_a_cluster(tiny, tmp_path):
     data = yaml.safe_load((tmp_path / "h100.yaml").read_text())
     groups = {k: v for k, v in data["placement"].items() if k != "strategy"}
     assert groups and all(g["gpus_per_worker"] >= 1 for g in groups.values())
-    assert sum(g["nodes"] for g in groups.values()) <= 2
+    # (a group on another's nodes, such as vLLM engines or a critic beside the actor, takes no node of its own)
+    assert sum(g["nodes"] for g in groups.values() if "same_nodes_as" not in g) <= 2
+    assert all(groups[g["same_nodes_as"]]["nodes"] == g["nodes"] for g in groups.values() if "same_nodes_as" in g)
     assert data["model"]["dtype"] == "bfloat16" and data["rollout"]["backend"] == "vllm"
     assert data["reward"] == {"models": [{"path": str((tiny / "reward_model").resolve())}]}
     assert data["model"]["critic"] == str((tiny / "reward_model").resolve())

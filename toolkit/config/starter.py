@@ -116,7 +116,7 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
 
 def _plan_into(data: dict, cfg, cluster, notes: list[str]) -> str:
     """Put the planner's best plan for `cluster` into `data`; a line that says what it is."""
-    from toolkit.placement.planner import rollout_of, search, workload_of
+    from toolkit.placement.planner import placement_of, rollout_of, search, workload_of
 
     found = search(cluster, workload_of(cfg), cfg.trainer.zero_stage)
     fit, rejected = found.fit, found.rejected
@@ -127,10 +127,7 @@ def _plan_into(data: dict, cfg, cluster, notes: list[str]) -> str:
                      "written (see `slurm-rlhf plan` and the trainer's memory switches)")
         return f"No plan fits {cluster.name} by the planner's estimate; the default placement is written."
     s = fit[0].setting
-    placement = {"strategy": s.strategy}
-    for g in s.groups:
-        placement[g.name] = {"nodes": g.nodes, "workers": g.workers, "gpus_per_worker": g.gpus_per_worker}
-    data["placement"] = placement
+    data["placement"] = placement_of(s)
     data["trainer"].update(zero_stage=s.zero_stage, micro_batch_size=s.micro_batch)
     rollout_of(fit[0], data["rollout"])
     return (f"Planned for {cluster.name}: {s.strategy}, {s.describe()}, ZeRO-{s.zero_stage}, micro-batch "

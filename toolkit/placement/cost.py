@@ -9,6 +9,8 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
                   + one layer's mb*L*hidden*17*b; logits mb*L*vocab*4*3 (a critic's values:
                   mb*L*4*3).
                   A trainer that does not fit is told the fewest switches under which it would.
+                  A critic on ranks of its own (a group hosting it alone): its group holds the critic's
+                  share, the actor's group the actor's.
   vLLM generator  P*b/TP + its KV budget: rollout.vllm.kv_cache_gb, or (planned) 90% of the device
                   less the weights and the rest of its group; it holds floor(budget*TP / (L *
                   kv_bytes_per_token)) sequences at once, and generates a worker's samples in waves
@@ -33,7 +35,9 @@ own, the busiest group's seconds, as generation of the next steps overlaps train
             optimizer updates * (c_opt + state bytes / B); ZeRO traffic over the group's link;
             on GPUs, host memory: offload_optimizer, per update T/W parameters through the host's Adam
             (H params/s per device) and T*b/W bytes each way over the device's host link (PCIe);
-            offload_params (ZeRO-3), per micro-batch P*b/W bytes over it for forward and backward each
+            offload_params (ZeRO-3), per micro-batch P*b/W bytes over it for forward and backward each;
+            a critic on ranks of its own trains at the same time as the actor: the slower group's seconds
+            (on a shared machine, both), + its values and the returns, n*L*4 bytes each way between ranks
   sync      broadcast P*b over the link + reload P*b/B (a generator in the trainer's worker: nothing,
             or the ZeRO-3 gather and a copy)
   transport one message per generator worker per hop between groups
@@ -176,10 +180,12 @@ class Estimate:
         return not self.short
 
 
-def trained_models(w: Workload) -> list[tuple[ModelShape, bool]]:
-    """The models a trainer trains, each with whether LoRA (`trainer.lora`) applies to it: the actor's
-    alone; the critic trains whole, as in DeepSpeed-Chat (`--actor_lora_dim`) and OpenRLHF."""
-    return [(w.actor, True)] + ([(w.critic, False)] if w.critic is not None else [])
+def trained_models(w: Workload, hosted: tuple[str, ...] = ("actor", "critic")) -> list[tuple[ModelShape, bool]]:
+    """The models a trainer group hosting `hosted` (`Group.trains`) trains, each with whether LoRA
+    (`trainer.lora`) applies to it: the actor's alone; the critic trains whole, as in DeepSpeed-Chat
+    (`--actor_lora_dim`) and OpenRLHF."""
+    return ([(w.actor, True)] * ("actor" in hosted)
+            + ([(w.critic, False)] if w.critic is not None and "critic" in hosted else []))
 
 
 def switches_of(sw: Switches, lora: bool) -> Switches:
@@ -290,8 +296,69 @@ def engines(g: Group, tp: int) -> int:
     return g.workers if g.own_engine else max(1, g.workers // tp)
 
 
-def estimate(s: Layout, w: Workload, cluster) -> Estimate:
-    """Memory per device of each group, and seconds of each phase of one step, for setting `s`."""
+@dataclass(frozen=True)
+class GroupMemory:
+    """What one group needs per device (`need`), and what goes with it: for a group that trains, its
+    models and what the rest of the group needs beside them (`trained`, for `remedy`); for one that
+    generates, vLLM's KV cache per device or the transformers batch; `short`: why it cannot generate."""
+
+    need: float
+    trained: tuple | None = None
+    kv_cache_gb: float | None = None
+    generate_batch: int | None = None
+    short: str | None = None
+
+
+def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
+    """Memory per device of group `g` of setting `s` (its models share its devices). It depends on the
+    group and the setting's ZeRO stage, micro-batch, TP size and engine alone, so the planner computes it
+    once for each."""
+    name, models, workers = g.name, g.models, g.workers
+    need = idle = 0.0  # idle: what the trainer keeps between updates (no activations)
+    trained = shapes = None
+    kv_cache_gb = generate_batch = short = None
+    if g.trains:
+        shapes = trained_models(w, g.trains)
+        need += sum(trainer_memory(m, w, workers, s.zero_stage, s.micro_batch, switches_of(w.switches, lora))
+                    for m, lora in shapes)
+        idle = sum(trainer_memory(m, w, workers, s.zero_stage, 0, switches_of(w.switches, lora))
+                   for m, lora in shapes) - need
+        trained = need
+    # (with the trainer under ZeRO-3, sharded over its ranks: the scoring roles' `sharded`)
+    if "reference" in models:
+        sharded = on_trainer_ranks(models, "reference") and s.zero_stage == 3
+        need += forward_memory(w.reference, w, workers if sharded else 1)
+    if "reward" in models:
+        sharded = on_trainer_ranks(models, "reward") and s.zero_stage == 3
+        need += sum(forward_memory(m, w, workers if sharded else 1) for m in w.reward_models)
+    if "generation" in models:  # (last: a vLLM engine's KV cache gets what the rest of the group leaves)
+        own = g.own_engine or s.zero_stage == 3
+        tp = s.tensor_parallel
+        # vLLM in the trainer's process sleeps (gives back weights and KV cache) while the trainer
+        # works, on a GPU: it shares the device with the trainer's state between updates only.
+        asleep = s.generation_engine == "vllm" and not g.own_engine and not cluster.shared
+        beside = need + idle if asleep else need
+        if s.generation_engine == "vllm":
+            budget = kv_budget(w, cluster.device.memory_gb - beside / GB, tp)
+            kv_cache_gb = budget / GB
+            if concurrency(w, budget, tp) < 1:
+                short = (f"{name}: vLLM's KV cache of {budget / GB:.1f} GB per device holds no whole "
+                         f"sequence of {w.tokens:.0f} tokens; raise rollout.vllm.kv_cache_gb or the TP size")
+            batch = 0
+        else:  # transformers: rollout.generate_batch_size, or (planned) as many as the device has room for
+            budget, per = None, math.ceil(w.samples / engines(g, tp))
+            room = 0.9 * cluster.device.memory_gb * GB - beside - (w.actor.params * w.dtype_bytes / tp if own else 0)
+            fits = max(1, int(room // hf_sample_bytes(w, tp)))
+            batch = min(per, fits if w.generate_batch is None else w.generate_batch or per)
+            generate_batch = batch
+        generating = beside + generation_memory(w, batch, tp, own, budget)
+        need = max(need, generating) if asleep else generating
+    return GroupMemory(need, None if shapes is None else (shapes, need - trained), kv_cache_gb, generate_batch, short)
+
+
+def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
+    """Memory per device of each group, and seconds of each phase of one step, for setting `s`
+    (`memory`: `group_memory`, or what remembers it)."""
     e = Estimate()
     dev, links, o = cluster.device, cluster.links, cluster.overheads
     b = w.dtype_bytes
@@ -299,47 +366,16 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     # Memory per device, group by group (a group's models share its devices).
     trained = {}  # group name: (the models it trains, what the rest of the group needs)
     for g in s.groups:
-        name, models, workers = g.name, g.models, g.workers
-        need = idle = 0.0  # idle: what the trainer keeps between updates (no activations)
-        if "actor" in models:
-            shapes = trained_models(w)
-            need += sum(trainer_memory(m, w, workers, s.zero_stage, s.micro_batch, switches_of(w.switches, lora))
-                        for m, lora in shapes)
-            idle = sum(trainer_memory(m, w, workers, s.zero_stage, 0, switches_of(w.switches, lora))
-                       for m, lora in shapes) - need
-            trained[name] = (shapes, -need)
-        # (with the trainer under ZeRO-3, sharded over its ranks: the scoring roles' `sharded`)
-        if "reference" in models:
-            sharded = on_trainer_ranks(models, "reference") and s.zero_stage == 3
-            need += forward_memory(w.reference, w, workers if sharded else 1)
-        if "reward" in models:
-            sharded = on_trainer_ranks(models, "reward") and s.zero_stage == 3
-            need += sum(forward_memory(m, w, workers if sharded else 1) for m in w.reward_models)
-        if "generation" in models:  # (last: a vLLM engine's KV cache gets what the rest of the group leaves)
-            own = g.own_engine or s.zero_stage == 3
-            tp = s.tensor_parallel
-            # vLLM in the trainer's process sleeps (gives back weights and KV cache) while the trainer
-            # works, on a GPU: it shares the device with the trainer's state between updates only.
-            asleep = s.generation_engine == "vllm" and not g.own_engine and not cluster.shared
-            beside = need + idle if asleep else need
-            if s.generation_engine == "vllm":
-                budget = kv_budget(w, cluster.device.memory_gb - beside / GB, tp)
-                e.kv_cache_gb = budget / GB
-                if concurrency(w, budget, tp) < 1:
-                    e.short.append(f"{name}: vLLM's KV cache of {budget / GB:.1f} GB per device holds no whole "
-                                   f"sequence of {w.tokens:.0f} tokens; raise rollout.vllm.kv_cache_gb or the TP size")
-                batch = 0
-            else:  # transformers: rollout.generate_batch_size, or (planned) as many as the device has room for
-                budget, per = None, math.ceil(w.samples / engines(g, tp))
-                room = 0.9 * cluster.device.memory_gb * GB - beside - (w.actor.params * w.dtype_bytes / tp if own else 0)
-                fits = max(1, int(room // hf_sample_bytes(w, tp)))
-                batch = min(per, fits if w.generate_batch is None else w.generate_batch or per)
-                e.generate_batch = batch
-            generating = beside + generation_memory(w, batch, tp, own, budget)
-            need = max(need, generating) if asleep else generating
-        e.memory[name] = need
-        if name in trained:
-            trained[name] = (trained[name][0], need + trained[name][1])
+        m = memory(g, s, w, cluster)
+        e.memory[g.name] = m.need
+        if m.trained is not None:
+            trained[g.name] = m.trained
+        if m.kv_cache_gb is not None:
+            e.kv_cache_gb = m.kv_cache_gb
+        if m.generate_batch is not None:
+            e.generate_batch = m.generate_batch
+        if m.short:
+            e.short.append(m.short)
 
     def fix(name: str, usable_here: float, others_extra: float = 0.0) -> str:
         if name not in trained:
@@ -409,30 +445,38 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
         busy[s.group(model).name] += sum(forward_s(m, n, workers) for m in shapes)
     e.phases["score"] = sum(busy.values())
 
-    # Training.
+    # Training: each trainer group its models over its ranks. A critic on ranks of its own trains while
+    # the actor does (on a machine they share, they share its cores), its values and the returns crossing
+    # between paired ranks.
     t_nodes, t_workers = s.group("actor").nodes, s.group("actor").workers
     n = w.samples / t_workers
     f = dev.flops * share(t_workers)
     bw = dev.memory_bandwidth * share(t_workers)
     updates = w.updates_per_step * w.epochs
     micro_batches = math.ceil(n / s.micro_batch) * w.epochs
-    train = sum(forward_s(m, math.ceil(n), t_workers) for m, _ in trained_models(w))
-    for m, lora in trained_models(w):
-        sw = switches_of(w.switches, lora)
-        passes = 2 + 2 + (0 if sw.lora_rank else 2) + (2 if sw.checkpointing else 0)  # FLOPs per parameter and token
-        train += passes * m.active * n * w.tokens * w.epochs / f + micro_batches * o.train_micro_batch
-        state = trainer_memory(m, w, t_workers, s.zero_stage, 0, sw)
-        train += updates * (o.optimizer_step + state / bw)
-        train += host_s(m, w, cluster, t_workers, s.zero_stage, updates, micro_batches, sw)
-        if t_workers > 1:
-            ring = (t_workers - 1) / t_workers
-            # each update reduces the gradients and gathers the updated weights: the trained ones (LoRA's
-            # adapters alone); ZeRO-3 also gathers every weight, frozen ones too, for each pass
-            volume = 2 * trained_params(m, sw) * b * ring * updates
-            if s.zero_stage == 3:
-                volume += 2 * m.params * b * ring * micro_batches
-            train += volume / link(t_nodes) + links.latency_s * micro_batches
-    e.phases["train"] = train
+    trains = {}
+    for g in s.trainers:
+        train = sum(forward_s(m, math.ceil(n), t_workers) for m, _ in trained_models(w, g.trains))
+        for m, lora in trained_models(w, g.trains):
+            sw = switches_of(w.switches, lora)
+            passes = 2 + 2 + (0 if sw.lora_rank else 2) + (2 if sw.checkpointing else 0)  # FLOPs per parameter and token
+            train += passes * m.active * n * w.tokens * w.epochs / f + micro_batches * o.train_micro_batch
+            state = trainer_memory(m, w, t_workers, s.zero_stage, 0, sw)
+            train += updates * (o.optimizer_step + state / bw)
+            train += host_s(m, w, cluster, t_workers, s.zero_stage, updates, micro_batches, sw)
+            if t_workers > 1:
+                ring = (t_workers - 1) / t_workers
+                # each update reduces the gradients and gathers the updated weights: the trained ones (LoRA's
+                # adapters alone); ZeRO-3 also gathers every weight, frozen ones too, for each pass
+                volume = 2 * trained_params(m, sw) * b * ring * updates
+                if s.zero_stage == 3:
+                    volume += 2 * m.params * b * ring * micro_batches
+                train += volume / link(t_nodes) + links.latency_s * micro_batches
+        trains[g.name] = train
+    e.phases["train"] = sum(trains.values()) if cluster.shared else max(trains.values())
+    if s.critic_apart:  # each critic rank sends its shard's values (fp32 per token) and gets the returns back
+        pair = links.intra_node if s.same_nodes("actor", "critic") else link(2)
+        e.phases["train"] += 2 * (math.ceil(n) * w.tokens * 4 / pair + links.latency_s)
 
     # Weight sync.
     sent = w.actor.params * b
@@ -454,7 +498,8 @@ def estimate(s: Layout, w: Workload, cluster) -> Estimate:
     # both the generator and the trainer).
     if w.max_policy_lag >= 1 and own_engine and not cluster.shared:
         busy[generator.name] += e.phases["generate"] + e.phases["sync"]
-        busy[s.group("actor").name] += e.phases["train"] + e.phases["sync"]
+        for g in s.trainers:  # (the critic's ranks apart take no part in the sync)
+            busy[g.name] += e.phases["train"] + (e.phases["sync"] if "actor" in g.models else 0.0)
         e.overlapped_s = max(busy.values()) + e.phases["transport"]
     return e
 

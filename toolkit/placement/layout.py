@@ -62,6 +62,11 @@ class Group:
     same_nodes_as: str | None = None
 
     @property
+    def trains(self) -> tuple[str, ...]:
+        """The models this group trains: the actor (and the critic beside it), or a critic on ranks of its own."""
+        return tuple(m for m in ("actor", "critic") if m in self.models)
+
+    @property
     def own_engine(self) -> bool:
         """Whether this group generates with an engine of its own."""
         return "generation" in self.models and not generates_with_actor(self.models)
@@ -100,6 +105,17 @@ class Layout:
     @property
     def generation_with_actor(self) -> bool:
         return generation_with_actor(g.models for g in self.groups)
+
+    @property
+    def trainers(self) -> tuple[Group, ...]:
+        """The groups that train: the actor's, then a critic's group of its own (trainer ranks after the
+        actor's, each paired with one of them)."""
+        return tuple(sorted((g for g in self.groups if g.trains), key=lambda g: "actor" not in g.models))
+
+    @property
+    def critic_apart(self) -> bool:
+        """Whether the critic trains on ranks of its own, in a group apart from the actor's."""
+        return len(self.trainers) > 1
 
     def describe(self) -> str:
         return " | ".join(g.describe() for g in self.groups)

@@ -6,20 +6,23 @@ Node groups own whole nodes under Slurm (each is one job step on its own nodes),
 groups needs at least k nodes; plans may leave nodes unused. A generator of its own may instead take
 some GPUs of each of the trainer's nodes (`same_nodes_as`: a quarter, half or three quarters of them,
 in whole TP groups), the trainer the rest, as OpenRLHF runs vLLM engines beside its training models.
+With PPO and a generator of its own, the critic may also train on ranks of its own (`CRITIC_APART`), as
+many as the actor's: on nodes of its own, or on half of the actor's GPUs of each of its nodes.
 On a `shared` cluster (the local launcher) every group runs on the same machine, one worker each.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.placement.cost import DTYPE_BYTES, GB, Estimate, ModelShape, Switches, Workload, estimate
-from toolkit.placement.layout import PRESETS, Group, Layout, generation_with_actor
+from toolkit.placement.cost import DTYPE_BYTES, GB, Estimate, ModelShape, Switches, Workload, estimate, group_memory
+from toolkit.placement.layout import PRESETS, Group, Layout, generates_with_actor, generation_with_actor
 from toolkit.table import text_table
 
 STRATEGIES = tuple(PRESETS)
@@ -41,6 +44,7 @@ class Found:
     fitting: int = 0
     not_fitting: int = 0
     estimated: int = 0
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # strategy: layouts not estimated
     strategies: tuple[str, ...] = STRATEGIES  # (those searched)
 
 
@@ -92,8 +96,13 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     stage and micro-batch change only the trainer group: its memory, its train and sync seconds and,
     where it generates too, the generation batch that fits beside them. So on a large search (more than
     `keep` layouts of a strategy) each trainer size takes the fastest of them that fits (or, when none
-    fits, the smallest) instead of every one: the best plan is the same, and 128 nodes are searched in
-    seconds instead of minutes. Small searches list every setting."""
+    fits, the smallest) instead of every one. Then every layout's memory is known from its groups'
+    (`group_memory`, once per group and setting), and only the layouts that can be among those kept are
+    estimated whole: those that fit in the order of the least seconds their step can take (generation
+    plus training, `_bounds`) until the next cannot beat the slowest of the `keep` kept; those that do
+    not, the least memory first, until the next cannot be closer than those kept. The best plans are the
+    ones trying everything finds, and 1,024 nodes are searched in seconds instead of hours. Small
+    searches estimate every setting of every layout."""
     if cluster.gpus_per_node:  # each plan sizes vLLM's KV cache or the generate() batch (--write writes it)
         w = dataclasses.replace(w, kv_cache_gb=None, generate_batch=None)
     heap: list = []  # (-step_s, n, Candidate): the `keep` fastest that fit
@@ -102,46 +111,90 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     found = Found([], [], strategies=tuple(strategies))
     tps = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node and cluster.gpus_per_node % t == 0] or [1]
     usable = cluster.device.memory_gb * GB
+    settings: dict = {}  # (trainer ranks, trainer groups): their (ZeRO stage, micro-batch) settings
 
-    def add(c: Candidate) -> None:
+    def add(c: Candidate, counted: bool = False) -> None:
+        """Estimated plan `c` among those kept (`counted`: already in the counts of those that fit or not)."""
         found.estimated += 1
+        if not counted:
+            count(c.estimate.fits)
         if c.estimate.fits:
-            found.fitting += 1
             item = (-c.estimate.step_s, found.estimated, c)
             heapq.heappush(heap, item) if len(heap) < keep else heapq.heappushpop(heap, item)
             return
-        found.not_fitting += 1
         peak = max(c.estimate.memory.values())
         item = (-peak, found.estimated, c)
         heapq.heappush(closest, item) if len(closest) < keep else heapq.heappushpop(closest, item)
         if c.setting.strategy not in of_strategy or peak < of_strategy[c.setting.strategy][0]:
             of_strategy[c.setting.strategy] = (peak, c)
 
+    def count(fits: bool) -> None:
+        if fits:
+            found.fitting += 1
+        else:
+            found.not_fitting += 1
+
+    remembered: dict = {}
+
+    def memory(g, s, w, cluster):
+        """`group_memory`, remembered for each group and trainer and generator setting."""
+        key = (g, s.zero_stage, s.micro_batch, s.tensor_parallel, s.generation_engine)
+        if key not in remembered:
+            remembered[key] = group_memory(g, s, w, cluster)
+        return remembered[key]
+
     for strategy in strategies:
         layout = [(name, tuple(m for m in models if m != "critic" or w.critic is not None))  # GRPO: no critic
                   for name, models in PRESETS[strategy].items()]
         own_generator = not generation_with_actor(models for _, models in layout)
+        # PPO: the critic with the actor, or on ranks of its own (ZeRO <= 2; with a generator of its own,
+        # as OpenRLHF runs it)
+        critics = (None, *CRITIC_APART) if w.critic is not None and own_generator and not w.switches.offload_params \
+            else (None,)
         layouts = []
-        for split, tp, share in _arrangements(cluster, layout, tps if own_generator else [1], own_generator):
-            groups = _groups(cluster, layout, split, tp, share)
-            workers = None if groups is None else next(g.workers for g in groups if "generation" in g.models)
-            if workers is not None and workers <= w.prompts:
-                # the actor's group generates with transformers, or, with one worker, with vLLM in the
-                # trainer's process (rollout.backend vllm): both are plans
-                for engine in ("vllm",) if own_generator else ("hf", "vllm") if workers == 1 else ("hf",):
-                    layouts.append((groups, tp, engine))
-        pick = {} if len(layouts) > keep and not cluster.shared else None  # trainer group: its (zero, mb)
-        for groups, tp, engine in layouts:
-            trainer = next(g for g in groups if "actor" in g.models)
-            zeros = (1, 2, 3) if trainer.workers > 1 else (zero_stage,)
-            options = list(itertools.product(zeros, _micro_batches(w, trainer.workers)))
-            if pick is not None and options:
-                if (trainer, engine) not in pick:
-                    pick[trainer, engine] = _fastest_trainer(options, strategy, groups, tp, engine, w, cluster, usable)
-                options = [pick[trainer, engine]]
-            for zero, mb in options:
-                s = Layout(strategy, groups, zero, mb, tp, engine)
-                add(Candidate(s, estimate(s, w, cluster)))
+        for critic in critics:
+            for split, tp, share in _arrangements(cluster, layout, tps if own_generator else [1], own_generator, critic):
+                groups = _groups(cluster, layout, split, tp, share, critic)
+                workers = None if groups is None else next(g.workers for g in groups if "generation" in g.models)
+                if workers is not None and workers <= w.prompts:
+                    # the actor's group generates with transformers, or, with one worker, with vLLM in the
+                    # trainer's process (rollout.backend vllm): both are plans
+                    for engine in ("vllm",) if own_generator else ("hf", "vllm") if workers == 1 else ("hf",):
+                        layouts.append((groups, tp, engine, *_trainer_options(w, groups, zero_stage, settings)))
+        if len(layouts) <= keep or cluster.shared:  # (a small search: every setting of every layout)
+            for groups, tp, engine, trainers, options in layouts:
+                for zero, mb in options:
+                    s = Layout(strategy, groups, zero, mb, tp, engine)
+                    add(Candidate(s, estimate(s, w, cluster)))
+            continue
+        pick = {}  # trainer groups and engine: their (zero, micro-batch) and training seconds
+        for groups, tp, engine, trainers, options in layouts:
+            if options and (trainers, engine) not in pick:
+                pick[trainers, engine] = _fastest_trainer(options, strategy, groups, tp, engine, w, cluster, usable,
+                                                          memory)
+        # Each layout with its trainer's setting; its memory per group is known without an estimate.
+        plans, fits, short = [Layout(strategy, x[0], *pick[x[3], x[2]][0], x[1], x[2]) for x in layouts if x[4]], [], []
+        for s in plans:
+            need = [memory(g, s, w, cluster) for g in s.groups]
+            ok = all(m.need <= usable and not m.short for m in need)
+            count(ok)
+            (fits if ok else short).append((s, max(m.need for m in need)))
+        # Bounds. A plan takes at least its generation and training seconds: those that fit go least first,
+        # and once `keep` plans are kept, the rest that take longer than every plan kept are not estimated.
+        # Of those that do not fit, the least memory first, until `keep` are kept and each strategy's closest.
+        bounds = _bounds([s for s, _ in fits], pick, w, cluster, memory)
+        order = sorted(range(len(fits)), key=bounds.__getitem__)
+        for n, i in enumerate(order):
+            if len(heap) == keep and bounds[i] >= -heap[0][0]:
+                found.skipped[strategy] = len(fits) - n
+                break
+            add(Candidate(fits[i][0], estimate(fits[i][0], w, cluster, memory)), counted=True)
+        short.sort(key=lambda x: x[1])
+        for n, (s, peak) in enumerate(short):
+            if len(closest) == keep and peak >= -closest[0][0] and strategy in of_strategy:
+                found.skipped[strategy] = found.skipped.get(strategy, 0) + len(short) - n
+                break
+            add(Candidate(s, estimate(s, w, cluster, memory)), counted=True)
     found.fit = [c for _, _, c in sorted(heap, key=lambda item: (-item[0], item[1]))]
     kept = [c for _, _, c in sorted(closest, key=lambda item: (-item[0], item[1]))]
     found.rejected = kept + [c for _, c in of_strategy.values() if c not in kept]
@@ -159,20 +212,22 @@ def node_counts(nodes: int) -> list[int]:
     return sorted(counts)
 
 
-def _splits(cluster, k: int):
+def _splits(cluster, k: int, double: int | None = None):
     """Node counts of k groups: from `node_counts`, or, for one group at a time, what the others leave
-    (plans may leave nodes unused). On a `shared` cluster every group is on the same machine."""
+    (plans may leave nodes unused). Group `double` needs its count twice (a critic group of its own on as
+    many nodes beside it). On a `shared` cluster every group is on the same machine."""
     if cluster.shared:
         yield (1,) * k
         return
     n = cluster.nodes
     counts = node_counts(n)
+    weight = [2 if i == double else 1 for i in range(k)]
     seen = set()
     for others in itertools.product(counts, repeat=k - 1):
-        left = n - sum(others)
-        if left < 1:
-            continue
         for i in range(k):  # the group given what is left, then every count that fits in it
+            left = (n - sum(c * wt for c, wt in zip(others, weight[:i] + weight[i + 1:]))) // weight[i]
+            if left < 1:
+                continue
             for last in (left, *(c for c in counts if c < left)) if i == k - 1 else (left,):
                 split = (*others[:i], last, *others[i:])
                 if split not in seen:
@@ -180,42 +235,101 @@ def _splits(cluster, k: int):
                     yield split
 
 
-def _arrangements(cluster, layout, tps, own_generator: bool):
+# Where a critic trains, in the planner's plans: with the actor (None), in a group of its own on as many
+# nodes ("nodes"), or on the actor's nodes, half of the GPUs the actor's group would have ("beside":
+# OpenRLHF's 4 actor + 4 critic GPUs of a node).
+CRITIC_APART = ("nodes", "beside")
+
+
+def _arrangements(cluster, layout, tps, own_generator: bool, critic: str | None = None):
     """(node counts, TP size, share) of every arrangement of `layout`'s groups: each group on nodes of its
     own (share None), and, on GPU nodes, the generator on the trainer's nodes with `d` GPUs of each
-    (share (generator's index, trainer's index, d)); its node count is then the trainer's."""
-    for split, tp in itertools.product(_splits(cluster, len(layout)), tps):
+    (share (generator's index, trainer's index, d)); its node count is then the trainer's. With the
+    critic on nodes of its own (`critic` "nodes"), the actor's group's nodes count twice."""
+    names = [models for _, models in layout]
+    host = next(i for i, models in enumerate(names) if "actor" in models)
+    double = host if critic == "nodes" else None
+    for split, tp in itertools.product(_splits(cluster, len(layout), double), tps):
         yield split, tp, None
     if not own_generator or cluster.shared or cluster.gpus_per_node < 2:
         return
-    names = [models for _, models in layout]
     guest = next(i for i, models in enumerate(names) if "generation" in models)
-    host = next(i for i, models in enumerate(names) if "actor" in models)
     gpn = cluster.gpus_per_node
-    for split, tp in itertools.product(_splits(cluster, len(layout) - 1), tps):
+    left = host - (host > guest)  # (the trainer's index without the generator)
+    for split, tp in itertools.product(_splits(cluster, len(layout) - 1, left if critic == "nodes" else None), tps):
         full = list(split)
-        full.insert(guest, split[host - (host > guest)])
+        full.insert(guest, split[left])
         for d in sorted({d for d in (gpn // 4, gpn // 2, 3 * gpn // 4) if 0 < d < gpn and d % tp == 0}):
             yield tuple(full), tp, (guest, host, d)
 
 
-def _groups(cluster, layout, split, tp, share=None) -> tuple[Group, ...] | None:
-    """The groups of `layout` ((name, models), ...) on node counts `split`, and with `share` (see
-    `_arrangements`) the generator on the trainer's nodes; None when a generator's TP size does not
-    divide its devices."""
+_group = functools.lru_cache(maxsize=1 << 16)(Group)
+
+
+def _groups(cluster, layout, split, tp, share=None, critic: str | None = None) -> tuple[Group, ...] | None:
+    """The groups of `layout` ((name, models), ...) on node counts `split`, with `share` (see
+    `_arrangements`) the generator on the trainer's nodes, and with `critic` (`CRITIC_APART`) the critic
+    in a group `critic` of its own after the actor's; None when a generator's TP size does not divide
+    its devices, or the actor's GPUs of a node cannot be halved. (Called for every arrangement of a
+    large search, where the same groups come back again and again: `_group` makes each once.)"""
     groups = []
+    gpus = 1 if cluster.gpus_per_node else 0
     for i, ((name, models), nodes) in enumerate(zip(layout, split)):
-        group, per_node, host = Group(name, models, nodes), cluster.devices_per_node, None
+        per_node, host = cluster.devices_per_node, None
         if share is not None and i == share[0]:
             per_node, host = share[2], layout[share[1]][0]
         elif share is not None and i == share[1]:
             per_node -= share[2]
         devices = 1 if cluster.shared else nodes * per_node
-        width = tp if group.own_engine else 1
+        if critic is not None and "actor" in models:
+            alone = tuple(m for m in models if m != "critic")
+            if critic == "beside":  # (each rank of the critic on the node of the actor's rank it pairs with)
+                if cluster.shared or per_node % 2:
+                    return None
+                groups += [_group(name, alone, nodes, devices // 2, gpus),
+                           _group("critic", ("critic",), nodes, devices // 2, gpus, name)]
+            else:
+                groups += [_group(name, alone, nodes, devices, gpus), _group("critic", ("critic",), nodes, devices, gpus)]
+            continue
+        width = tp if "generation" in models and not generates_with_actor(models) else 1
         if devices % width:
             return None
-        groups.append(Group(name, models, nodes, devices // width, width if cluster.gpus_per_node else 0, host))
+        groups.append(_group(name, models, nodes, devices // width, width * gpus, host))
     return tuple(groups)
+
+
+def _bounds(plans: list[Layout], pick, w: Workload, cluster, memory) -> list[float]:
+    """The least step seconds of each of `plans` (with its trainer groups' setting from `pick`):
+    generation plus training (their larger, where generation of the next steps overlaps training).
+    Generation depends on the generating group alone (and, where it is the actor's, on the trainer's
+    setting), training on the trainer groups alone, so each is estimated once a kind. Searching the
+    plans in this order, the search stops at the first that takes longer than every plan it keeps."""
+    generating: dict = {}
+    bounds = []
+    for s in plans:
+        trainers, gen = s.trainers, s.group("generation")
+        key = (gen, s.tensor_parallel, s.generation_engine) + (() if gen.own_engine else (trainers, s.zero_stage, s.micro_batch))
+        if key not in generating:
+            generating[key] = estimate(s, w, cluster, memory).phases["generate"]
+        train_s = pick[trainers, s.generation_engine][1]
+        overlap = w.max_policy_lag >= 1 and gen.own_engine
+        bounds.append(max(generating[key], train_s) if overlap else generating[key] + train_s)
+    return bounds
+
+
+def _trainer_options(w: Workload, groups, zero_stage: int, memo: dict) -> tuple[tuple[Group, ...], list]:
+    """The trainer groups of `groups` (as `Layout.trainers`: the actor's, then a critic's of its own),
+    and the (ZeRO stage, micro-batch) settings they may take: any stage with several ranks (ZeRO <= 2 for
+    a critic on ranks of its own: DeepSpeed's ZeRO-3 needs every rank of the process group to run the
+    same model), the run's with one. `memo` keeps the settings of each rank count."""
+    trainers = tuple(g for g in groups if "actor" in g.models or "critic" in g.models)
+    key = (trainers[0].workers, len(trainers))
+    if key not in memo:
+        zeros = (1, 2, 3) if key[0] > 1 else (zero_stage,)
+        if key[1] > 1:
+            zeros = tuple(z for z in zeros if z < 3) or (2,)
+        memo[key] = list(itertools.product(zeros, _micro_batches(w, key[0])))
+    return trainers, memo[key]
 
 
 def _micro_batches(w: Workload, trainers: int) -> list[int]:
@@ -225,18 +339,23 @@ def _micro_batches(w: Workload, trainers: int) -> list[int]:
     return [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= per_update and per_update % m == 0]
 
 
-def _fastest_trainer(options, strategy, groups, tp, engine, w, cluster, usable) -> tuple[int, int]:
+def _fastest_trainer(options, strategy, groups, tp, engine, w, cluster, usable,
+                     memory=group_memory) -> tuple[tuple[int, int], float]:
     """Of (zero, micro-batch) `options`, the one with the fewest generate + train + sync seconds (only
-    the trainer group's part of them changes) under which the trainer group fits its devices; when none
-    fits, the one that needs the least memory."""
-    name = next(g.name for g in groups if "actor" in g.models)
+    the trainer groups' part of them changes) under which the trainer groups fit their devices; when
+    none fits, the one that needs the least memory. With its seconds of training (which depend on the
+    trainer groups alone, whatever the other groups are)."""
+    names = [g.name for g in groups if g.trains]
 
     def rate(option):
-        e = estimate(Layout(strategy, groups, *option, tp, engine), w, cluster)
-        need = e.memory[name]
-        return (need > usable, need if need > usable else e.phases["generate"] + e.phases["train"] + e.phases["sync"])
+        e = estimate(Layout(strategy, groups, *option, tp, engine), w, cluster, memory)
+        need = max(e.memory[name] for name in names)
+        return (need > usable, need if need > usable else e.phases["generate"] + e.phases["train"] + e.phases["sync"],
+                e.phases["train"])
 
-    return min(options, key=rate)
+    rates = {option: rate(option) for option in options}
+    best = min(options, key=lambda option: rates[option][:2])
+    return best, rates[best][2]
 
 
 def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
@@ -257,8 +376,11 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
                          str(s.zero_stage), str(s.micro_batch), f"{e.step_s:.3f}", *phases,
                          f"{max(e.memory.values()) / GB:.2f}"))
         lines.append(text_table(rows))
+        skipped = sum(found.skipped.values())
         lines.append(f"{found.fitting} plan(s) fit; {found.fitting - min(top, len(fit))} more not shown "
-                     f"({found.estimated} estimated)")
+                     f"({found.estimated} estimated whole" + (
+                         f"; {skipped} not, as they could be neither faster than the {len(fit)} kept nor closer "
+                         "to fitting than the closest" if skipped else "") + ")")
     else:
         lines.append("no placement fits this cluster.")
     if rejected:
@@ -269,7 +391,8 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
                           key=lambda c: max(c.estimate.memory.values()))
             lines.append(f"  {strategy} ({closest.setting.describe()}, ZeRO-{closest.setting.zero_stage}, "
                          f"mb {closest.setting.micro_batch}): {'; '.join(closest.estimate.short)}")
-    missing = [s for s in found.strategies if s not in {c.setting.strategy for c in [*fit, *rejected]}]
+    missing = [s for s in found.strategies if s not in {c.setting.strategy for c in [*fit, *rejected]}
+               and s not in found.skipped]
     if missing and not cluster.shared:
         lines.append(f"not possible on {cluster.nodes} node(s) (a node group owns whole nodes, except a "
                      f"generator on the trainer's): " + ", ".join(
@@ -284,7 +407,8 @@ def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
     fit, rejected = found.fit, found.rejected
     def plan(c: Candidate, rank: int | None) -> dict:
         s, e = c.setting, c.estimate
-        return {"rank": rank, "strategy": s.strategy, "fits": e.fits, "why_not": list(e.short),
+        return {"rank": rank, "strategy": s.strategy, "critic_apart": s.critic_apart, "fits": e.fits,
+                "why_not": list(e.short),
                 "groups": [{"name": g.name, "models": list(g.models), "nodes": g.nodes, "workers": g.workers,
                             "gpus_per_worker": g.gpus_per_worker, "same_nodes_as": g.same_nodes_as}
                            for g in s.groups],
@@ -299,6 +423,7 @@ def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
                          "response_tokens": w.response_tokens, "actor_params": w.actor.params,
                          "critic_params": w.critic.params if w.critic else None},
             "fitting": found.fitting, "not_fitting": found.not_fitting, "estimated": found.estimated,
+            "skipped": sum(found.skipped.values()),
             "plans": [plan(c, i) for i, c in enumerate(fit[:top], 1)] + [plan(c, None) for c in closest[:top]]}
 
 
@@ -311,18 +436,26 @@ def as_config(cfg, c: Candidate) -> dict:
     """`cfg` (resolved) with the placement and parallel settings of plan `c`, as a config mapping."""
     s = c.setting
     data = cfg.model_dump(mode="json", exclude_none=True)
-    placement = {"strategy": s.strategy, "offload": cfg.placement.offload}
-    for g in s.groups:
-        old = dict(data.get("placement", {}).get(g.name, {}))
-        old.pop("models", None)
-        old.pop("same_nodes_as", None)
-        placement[g.name] = {**old, "nodes": g.nodes, "workers": g.workers, "gpus_per_worker": g.gpus_per_worker}
-        if g.same_nodes_as:
-            placement[g.name]["same_nodes_as"] = g.same_nodes_as
-    data["placement"] = placement
+    data["placement"] = placement_of(s, data.get("placement", {}))
+    data["placement"]["offload"] = cfg.placement.offload
     data["trainer"].update(zero_stage=s.zero_stage, micro_batch_size=s.micro_batch)
     rollout_of(c, data["rollout"])
     return data
+
+
+def placement_of(s: Layout, before: dict | None = None) -> dict:
+    """The `placement` mapping of layout `s`: its strategy and each group's nodes, workers, GPUs per worker
+    and the group whose nodes it shares, over what `before` (a config's placement) set for a group of
+    that name (its CPUs, memory, partition). A critic on ranks of its own is no preset: the groups are
+    then listed with their models (`custom`)."""
+    placement = {"strategy": "custom" if s.critic_apart else s.strategy}
+    for g in s.groups:
+        old = {k: v for k, v in dict((before or {}).get(g.name) or {}).items() if k not in ("models", "same_nodes_as")}
+        placement[g.name] = {**({"models": list(g.models)} if s.critic_apart else {}), **old, "nodes": g.nodes,
+                             "workers": g.workers, "gpus_per_worker": g.gpus_per_worker}
+        if g.same_nodes_as:
+            placement[g.name]["same_nodes_as"] = g.same_nodes_as
+    return placement
 
 
 def rollout_of(c: Candidate, rollout: dict) -> None:
