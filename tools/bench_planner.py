@@ -6,7 +6,9 @@ Each row is `placement.planner.search` in a fresh process (so the peak resident 
 process alone, Python and imports included) on N nodes of 8 H100-80GB (templates/clusters/2x8-h100.yaml
 with `nodes` set to N), for a PPO step with actor, critic, reference and reward model of one size
 (Llama-2's config.json from tests/fixtures/model_configs), bf16, 1,024 samples of 1,024 prompt + 1,024
-response tokens, activation checkpointing on. The last line: the slowest search and the largest peak.
+response tokens, activation checkpointing on. Columns: the plans weighed (each layout with its trainer's
+best setting), those that fit, those estimated whole (the others are bounded out: see `search`). The
+last line: the slowest search and the largest peak.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def one(nodes: int, model: str) -> dict:
     over = ", ".join(f"{name} {need / 1e9:.0f} GB" for name, need in closest.memory.items()
                      if need > cluster.device.memory_gb * 1e9) if closest else ""
     return {"seconds": seconds, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "estimated": found.estimated, "fitting": found.fitting,
+            "plans": found.fitting + found.not_fitting, "estimated": found.estimated, "fitting": found.fitting,
             "best": (f"{best.setting.strategy} {best.setting.describe()} TP{best.setting.tensor_parallel} "
                      f"ZeRO-{best.setting.zero_stage} mb {best.setting.micro_batch}: {best.estimate.step_s:.1f} s"
                      if best else f"none fits (closest: {over} per device of {cluster.device.memory_gb:g} GB)")}
@@ -59,7 +61,7 @@ def main() -> int:
 
     from toolkit.table import text_table
 
-    rows = [("model (PPO x4)", "nodes", "GPUs", "estimated", "fit", "search s", "peak MB", "best plan")]
+    rows = [("model (PPO x4)", "nodes", "GPUs", "plans", "fit", "estimated", "search s", "peak MB", "best plan")]
     slowest, largest = 0.0, 0.0
     for model in args.models.split(","):
         for nodes in (int(n) for n in args.nodes.split(",")):
@@ -67,8 +69,8 @@ def main() -> int:
                                  text=True, check=True).stdout
             r = json.loads(out)
             slowest, largest = max(slowest, r["seconds"]), max(largest, r["peak_mb"])
-            rows.append((f"Llama-2-{model.upper()}", str(nodes), str(nodes * 8), str(r["estimated"]),
-                         str(r["fitting"]), f"{r['seconds']:.2f}", f"{r['peak_mb']:.0f}", r["best"]))
+            rows.append((f"Llama-2-{model.upper()}", str(nodes), str(nodes * 8), str(r["plans"]), str(r["fitting"]),
+                         str(r["estimated"]), f"{r['seconds']:.2f}", f"{r['peak_mb']:.0f}", r["best"]))
     print(text_table(rows))
     print(f"slowest search {slowest:.2f} s, largest peak {largest:.0f} MB")
     return 0
