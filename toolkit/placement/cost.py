@@ -315,7 +315,7 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
     once for each."""
     name, models, workers = g.name, g.models, g.workers
     need = idle = 0.0  # idle: what the trainer keeps between updates (no activations)
-    trained = shapes = None
+    shapes = trainer_need = None
     kv_cache_gb = generate_batch = short = None
     if g.trains:
         shapes = trained_models(w, g.trains)
@@ -323,7 +323,7 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
                     for m, lora in shapes)
         idle = sum(trainer_memory(m, w, workers, s.zero_stage, 0, switches_of(w.switches, lora))
                    for m, lora in shapes) - need
-        trained = need
+        trainer_need = need
     # (with the trainer under ZeRO-3, sharded over its ranks: the scoring roles' `sharded`)
     if "reference" in models:
         sharded = on_trainer_ranks(models, "reference") and s.zero_stage == 3
@@ -353,7 +353,8 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
             generate_batch = batch
         generating = beside + generation_memory(w, batch, tp, own, budget)
         need = max(need, generating) if asleep else generating
-    return GroupMemory(need, None if shapes is None else (shapes, need - trained), kv_cache_gb, generate_batch, short)
+    return GroupMemory(need, None if shapes is None else (shapes, need - trainer_need), kv_cache_gb, generate_batch,
+                       short)
 
 
 def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
