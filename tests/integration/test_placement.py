@@ -89,10 +89,12 @@ def test_ppo_zero3_two_ranks_colocated_and_apart(tiny, tmp_path):
 
 
 def test_ppo_critic_on_ranks_of_its_own_trains_as_beside_the_actor_and_resumes(tiny, tmp_path):
-    """The critic in a node group of its own (OpenRLHF's actor and critic on GPUs of their own): two actor
-    ranks and two critic ranks, each pair with one shard of the step. Killed after its third commit and
-    resumed (the critic's ranks train again on the committed values and returns too), it ends with the
-    per-step results of an uninterrupted run with the critic on the actor's two ranks."""
+    """The critic in a node group of its own (OpenRLHF's actor and critic on GPUs of their own), as the
+    planner lays it out: vLLM's group, the actor's two ranks with the reference and reward model (which
+    score each rank's shard there), and two critic ranks, each paired with an actor rank's shard of the
+    step. Killed after its third commit and resumed (the critic's ranks train again on the committed
+    values and returns too), it ends with the per-step results of an uninterrupted run with the critic on
+    the actor's two ranks (`colocate_all_models`)."""
     from safetensors.torch import load_file
 
     def config(name: str, placement: dict) -> Path:
@@ -103,10 +105,11 @@ def test_ppo_critic_on_ranks_of_its_own_trains_as_beside_the_actor_and_resumes(t
         return write_config(tmp_path / f"{name}-config", data)
 
     beside = tmp_path / "beside"
-    result = cli("run", config("beside", {"trainer": {"workers": 2}}), "--run-dir", beside)
+    result = cli("run", config("beside", {"strategy": "colocate_all_models", "trainer": {"workers": 2}}),
+                 "--run-dir", beside)
     assert result.returncode == 0, result.stdout + result.stderr
     apart = config("apart", {"strategy": "custom", "generator": {"models": ["generation"]},
-                             "scorer": {"models": ["reference", "reward"]}, "trainer": {"models": ["actor"], "workers": 2},
+                             "trainer": {"models": ["actor", "reference", "reward"], "workers": 2},
                              "critic": {"models": ["critic"], "workers": 2}})
     killed = tmp_path / "killed"
     run_and_kill(apart, killed, after_commits=3)
@@ -114,9 +117,11 @@ def test_ppo_critic_on_ranks_of_its_own_trains_as_beside_the_actor_and_resumes(t
     result = cli("resume", killed)
     assert result.returncode == 0, result.stdout + result.stderr
     status = json.loads((killed / "status.json").read_text())
-    assert sorted(status["workers"]) == ["critic:0", "critic:1", "generator:0", "scorer:0", "trainer:0", "trainer:1"]
+    assert sorted(status["workers"]) == ["critic:0", "critic:1", "generator:0", "trainer:0", "trainer:1"]
     records = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (beside, killed)]
     assert [r["step"] for r in records[1]] == [0, 1, 2, 3]
+    # the reward model scored on the actor's two ranks, not on the critic's
+    assert all(r["reward_ranks"] == 2 for r in records[0]) and records[1][0]["reward_ranks"] == 2
     for a, b in zip(*records, strict=True):
         for key in ("reward_mean", "loss", "kl", "value_loss", "value_mean", "return_mean", "advantage_std"):
             assert abs(a[key] - b[key]) <= TOLERANCE, f"step {a['step']} {key}: {a[key]} vs {b[key]}"

@@ -392,9 +392,10 @@ class TrainerRole(Role):
         hold("training", self.run_dir)
         started = time.monotonic()
         shard = self.dp.shard(len(batch))
-        # scoring roles of this worker that score on the trainer ranks (each rank its shard)
+        # scoring roles of this worker that score on the trainer ranks (each rank its shard); none when a
+        # resume trains again on a committed record (it holds the scores; those roles are not set up yet)
         deferred = {name: role for name in ("reference", "reward")
-                    if (role := self.worker.roles.get(name)) is not None and role.deferred}
+                    if (role := self.worker.roles.get(name)) is not None and role.deferred and record is None}
         reference, reward = deferred.get("reference"), deferred.get("reward")
         scored = sum(role.deferred_s for role in deferred.values())
         if record is not None:
