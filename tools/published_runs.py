@@ -12,6 +12,10 @@ per-GPU batch sizes the source states where it does (`settings`); the source's o
 (`phases`) is printed beside ours. Pairs of runs of one workload on the same hardware are ranked both
 ways. The last line: how many runs are predicted within 25%, and the largest error, leaving out runs
 that set a rate of the cluster files (`calibrates`), since they cannot check it.
+
+`--set SECTION.FIELD=VALUE` (repeatable) changes a rate of every cluster file for this table, to see what a
+rate does to each prediction, e.g. `--set overheads.decode_step_hf=0.025` (the figures in the cluster
+files' comments come from such runs).
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ CONFIGS = REPO / "tests" / "fixtures" / "model_configs"
 CLUSTERS = REPO / "templates" / "clusters"
 
 
-def predict(run: dict):
+def predict(run: dict, rates: dict | None = None):
     """(the best plan of the run's layout as the planner estimates it, or None, the search). Where the
     source states its batch sizes (`settings`), the plan takes them, and the prediction is made even if
-    the planner's memory model finds that they do not fit (closest plan; said in its estimate's `short`)."""
+    the planner's memory model finds that they do not fit (closest plan; said in its estimate's `short`).
+    `rates`: {"section.field": value} in place of the cluster file's."""
     from toolkit.placement.cluster import load_cluster
     from toolkit.placement.cost import ModelShape, Switches, Workload, estimate
     from toolkit.placement.planner import search
@@ -46,7 +51,7 @@ def predict(run: dict):
                  prompt_tokens=load["prompt_tokens"], response_tokens=load["response_tokens"],
                  dtype_bytes=load["dtype_bytes"], updates_per_step=load.get("updates_per_step", 1),
                  switches=Switches(**run.get("switches", {})), max_policy_lag=run["layout"].get("max_policy_lag", 0))
-    cluster = load_cluster(CLUSTERS / run["cluster"]).model_copy(update={"nodes": run["nodes"]})
+    cluster = with_rates(load_cluster(CLUSTERS / run["cluster"]), rates).model_copy(update={"nodes": run["nodes"]})
     found = search(cluster, w, 3, strategies=(run["layout"]["strategy"],))
     settings = run.get("settings", {})
     pool = found.fit or (found.rejected if settings else [])
@@ -61,6 +66,15 @@ def predict(run: dict):
     return dataclasses.replace(best, setting=layout, estimate=estimate(layout, w, cluster)), found
 
 
+def with_rates(cluster, rates: dict | None):
+    """`cluster` with {"section.field": value} in place of its own (validated as the cluster file is)."""
+    for key, value in (rates or {}).items():
+        section, field = key.split(".")
+        part = getattr(cluster, section)
+        cluster = cluster.model_copy(update={section: part.model_validate({**part.model_dump(), field: value})})
+    return cluster
+
+
 def short(reason: str) -> str:
     """The GB a plan lacks, from the estimate's reason ("... (12.3 GB short) ...")."""
     found = re.search(r"([\d.]+) GB short", reason)
@@ -70,16 +84,35 @@ def short(reason: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default=str(REPO / "tests" / "fixtures" / "published_runs.yaml"))
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="a rate in place of every cluster file's, e.g. overheads.decode_step_hf=0.025")
     args = parser.parse_args()
 
+    from pydantic import ValidationError
+
+    from toolkit.placement.cluster import load_cluster
     from toolkit.table import text_table
+
+    rates = {}
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        section, dot, field = key.partition(".")
+        if not (eq and dot and section in ("device", "links", "overheads") and field):
+            parser.error(f"--set {item}: give SECTION.FIELD=VALUE, SECTION one of device, links, overheads")
+        try:
+            rates[key] = float(value)
+            with_rates(load_cluster(CLUSTERS / "1x8-a100-80g.yaml"), {key: rates[key]})
+        except ValidationError as e:
+            parser.error(f"--set {item}: {e.errors()[0]['msg']}")
+        except ValueError:
+            parser.error(f"--set {item}: {value!r} is not a number")
 
     runs = yaml.safe_load(Path(args.runs).read_text())
     rows = [("run", "published s", "predicted s", "error", "generate", "score", "train", "sync", "published phases",
              "plan")]
     errors, predicted = [], {}
     for run in runs:
-        best, found = predict(run)
+        best, found = predict(run, rates)
         if best is None:
             rows.append((run["id"], f"{run['step_s']:.1f}", "no fit", "", "", "", "", "", "",
                          "; ".join(found.rejected[0].estimate.short)[:80] if found.rejected else ""))
