@@ -238,7 +238,8 @@ def test_deepspeed_chats_opt13b_ppo_fits_one_a100_node_with_the_switches_it_name
     (a whole reference on every GPU) the planner names the switch DeepSpeed-Chat's script turns on
     (gradient checkpointing; the critic and reward model hold values, not the vocabulary's logits), and
     with it ZeRO-2 plans fit too. Split as OpenRLHF splits a node (vLLM on some GPUs, the training models
-    under ZeRO-3 with the reference sharded beside them on the others), it fits without a switch."""
+    under ZeRO-3 with the reference sharded beside them on the others), it fits without a switch, and its
+    best plan is written as a config that submits."""
     config = write_config(tmp_path, example("tiny-ppo.yaml", tiny, model={"dtype": "bfloat16"}))
     args = ["plan", config, "--cluster", CLUSTERS / "1x8-a100-80g.yaml", "--params", "actor=13e9", "--params",
             "reference=13e9", "--params", "critic=350e6", "--params", "reward=350e6", "--prompt-tokens", "256",
@@ -253,14 +254,15 @@ def test_deepspeed_chats_opt13b_ppo_fits_one_a100_node_with_the_switches_it_name
     plans = json.loads(cli(*args, "--strategy", "flattening", "--json", "--set", "trainer.gradient_checkpointing=true",
                            timeout=120).stdout)["plans"]
     assert {p["zero_stage"] for p in plans if p["fits"]} >= {2, 3}
-    best = json.loads(cli(*args, "--json", "--top", "1", timeout=120).stdout)["plans"][0]
+    split = [*args, "--strategy", "colocate_all_models"]
+    best = json.loads(cli(*split, "--json", "--top", "1", timeout=120).stdout)["plans"][0]
     generator, trainer = best["groups"]
     assert best["fits"] and best["strategy"] == "colocate_all_models" and best["zero_stage"] == 3
     assert generator["same_nodes_as"] == "trainer" and generator["nodes"] == trainer["nodes"] == 1
     assert generator["workers"] * generator["gpus_per_worker"] + trainer["workers"] * trainer["gpus_per_worker"] == 8
     # --write gives a config that loads and asks Slurm for one node with both groups' GPUs
     out = tmp_path / "planned.yaml"
-    assert cli(*args, "--write", out, timeout=120).returncode == 0
+    assert cli(*split, "--write", out, timeout=120).returncode == 0
     cfg = load_config(out)
     assert cfg.placement.group_with("generation").same_nodes_as == "trainer"
     dry = cli("submit", out, "--dry-run", "--run-dir", tmp_path / "run", timeout=120)
