@@ -88,19 +88,21 @@ def test_ppo_zero3_two_ranks_colocated_and_apart(tiny, tmp_path):
             assert len(held) == 2 and all(0 <= 2 * h - total <= len(tensors) for h in held), (name, key, held, total)
 
 
-def test_ppo_critic_on_ranks_of_its_own_trains_as_beside_the_actor_and_resumes(tiny, tmp_path):
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_ppo_critic_on_ranks_of_its_own_trains_as_beside_the_actor_and_resumes(tiny, tmp_path, zero_stage):
     """The critic in a node group of its own (OpenRLHF's actor and critic on GPUs of their own), as the
     planner lays it out: vLLM's group, the actor's two ranks with the reference and reward model (which
     score each rank's shard there), and two critic ranks, each paired with an actor rank's shard of the
     step. Killed after its third commit and resumed (the critic's ranks train again on the committed
     values and returns too), it ends with the per-step results of an uninterrupted run with the critic on
-    the actor's two ranks (`colocate_all_models`)."""
+    the actor's two ranks (`colocate_all_models`). Under ZeRO-3 each model is sharded over its own two
+    ranks (the actor's part also shards the reference and reward model)."""
     from safetensors.torch import load_file
 
     def config(name: str, placement: dict) -> Path:
         data = example("tiny-ppo.yaml", tiny, placement=placement, checkpoint={"every_steps": 2},
                        run={"steps": 4, "seed": 5, "deterministic": True, "name": name},
-                       trainer={"zero_stage": 2, "micro_batch_size": 8})
+                       trainer={"zero_stage": zero_stage, "micro_batch_size": 8})
         data["rollout"]["backend"] = "hf"
         return write_config(tmp_path / f"{name}-config", data)
 
@@ -131,7 +133,7 @@ def test_ppo_critic_on_ranks_of_its_own_trains_as_beside_the_actor_and_resumes(t
     # each model's DeepSpeed checkpoint, with the optimizer state of each of its two ranks
     for model in ("actor", "critic"):
         files = sorted(p.name for p in (killed / "checkpoints" / "step-000004" / model / "ds").iterdir())
-        assert [f for f in files if f.startswith("zero_pp_rank_")] == \
+        assert [f for f in files if f.endswith("_optim_states.pt")] == \
             [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)], (model, files)
 
 

@@ -270,7 +270,7 @@ class PlacementSection(Section):
     switches: `colocate_actor_ref` (generator | reward | trainer with the reference),
     `colocate_critic_reward` (generator | reference | trainer with the rewards), `colocate_all_models`
     (generator | trainer with every scoring model). `custom`: the groups you list, each with `models`; a
-    group may host the critic alone (PPO, ZeRO <= 2): trainer ranks of its own, as many as the actor's."""
+    group may host the critic alone (PPO): trainer ranks of its own, as many as the actor's."""
     offload: bool = False
     """GPU only: in a group hosting several models, move the models of other phases to host memory
     while a phase runs (scorer models during generation and training)."""
@@ -405,12 +405,6 @@ class RunConfig(Section):
                                  f"actor's group {actor} has {trainers}: each critic rank pairs with an actor rank "
                                  f"(it computes the values of that rank's samples and trains on its returns); give "
                                  f"both groups the same workers")
-            if self.trainer.zero_stage == 3:
-                raise ValueError(f"placement.{critic} puts the critic on trainer ranks of its own, which needs "
-                                 "trainer.zero_stage 2 or less: DeepSpeed's ZeRO-3 checks the order of each forward "
-                                 "pass across every rank of the process group, and the actor's ranks run another "
-                                 "model; use zero_stage 2 (offload_optimizer saves memory too) or list critic with "
-                                 "the actor")
         generators = self.placement.group_with("generation")
         if self.rollout.prompts_per_step < generators.workers:
             raise ValueError(f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) is less than the generator "

@@ -147,10 +147,9 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
         layout = [(name, tuple(m for m in models if m != "critic" or w.critic is not None))  # GRPO: no critic
                   for name, models in PRESETS[strategy].items()]
         own_generator = not generation_with_actor(models for _, models in layout)
-        # PPO: the critic with the actor, or on ranks of its own (ZeRO <= 2; with a generator of its own,
-        # as OpenRLHF runs it)
-        critics = (None, *CRITIC_APART) if w.critic is not None and own_generator and not w.switches.offload_params \
-            else (None,)
+        # PPO: the critic with the actor, or on ranks of its own (with a generator of its own, as OpenRLHF
+        # runs it)
+        critics = (None, *CRITIC_APART) if w.critic is not None and own_generator else (None,)
         layouts = []
         for critic in critics:
             for split, tp, share in _arrangements(cluster, layout, tps if own_generator else [1], own_generator, critic):
@@ -319,16 +318,13 @@ def _bounds(plans: list[Layout], pick, w: Workload, cluster, memory) -> list[flo
 
 def _trainer_options(w: Workload, groups, zero_stage: int, memo: dict) -> tuple[tuple[Group, ...], list]:
     """The trainer groups of `groups` (as `Layout.trainers`: the actor's, then a critic's of its own),
-    and the (ZeRO stage, micro-batch) settings they may take: any stage with several ranks (ZeRO <= 2 for
-    a critic on ranks of its own: DeepSpeed's ZeRO-3 needs every rank of the process group to run the
-    same model), the run's with one. `memo` keeps the settings of each rank count."""
+    and the (ZeRO stage, micro-batch) settings they may take: any stage with several ranks, the run's with
+    one. `memo` keeps the settings of each rank count."""
     trainers = tuple(g for g in groups if "actor" in g.models or "critic" in g.models)
-    key = (trainers[0].workers, len(trainers))
+    key = trainers[0].workers
     if key not in memo:
-        zeros = (1, 2, 3) if key[0] > 1 else (zero_stage,)
-        if key[1] > 1:
-            zeros = tuple(z for z in zeros if z < 3) or (2,)
-        memo[key] = list(itertools.product(zeros, _micro_batches(w, key[0])))
+        zeros = (1, 2, 3) if key > 1 else (zero_stage,)
+        memo[key] = list(itertools.product(zeros, _micro_batches(w, key)))
     return trainers, memo[key]
 
 

@@ -73,12 +73,12 @@ class TrainerRole(Role):
         cfg = self.cfg
         self.run_dir = Path(self.worker.wenv.run_dir)
         timeout_s = cfg.transport.step_timeout_s
-        self.ranks.join(self.worker.book[self.store_host]["store"], self.device, cfg.transport.startup_timeout_s,
-                        timeout_s)
         # The data-parallel ranks of this rank's models: all of them, or with the critic on ranks of its
         # own, the actor's or the critic's part (rank r and actor_ranks + r are partners: the same shard).
         apart = self.world > self.actor_ranks
-        self.dp = self.ranks.split(self.actor_ranks) if apart else self.ranks
+        self.ranks.join(self.worker.book[self.store_host]["store"], self.device, cfg.transport.startup_timeout_s,
+                        timeout_s, split_at=self.actor_ranks if apart else None)
+        self.dp = self.ranks.part
         self.partner = (self.rank + self.actor_ranks) % self.world if apart else None
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
@@ -93,11 +93,10 @@ class TrainerRole(Role):
             actor = AutoModelForCausalLM.from_pretrained(cfg.model.actor,
                                                          **pretrained_kwargs(cfg.model.actor, dtype, attention))
             self.engines["actor"] = build_engine(actor, t, t.lr, cfg.model.dtype, self.dp.world, accumulation,
-                                                 lora=t.lora, mpu=self.dp.mpu())
+                                                 lora=t.lora)
         if cfg.run.algorithm == "ppo" and "critic" in hosted:
             critic = ScoreModel(str(cfg.critic_path), dtype, attention=attention)
-            self.engines["critic"] = build_engine(critic, t, t.critic_lr, cfg.model.dtype, self.dp.world, accumulation,
-                                                  mpu=self.dp.mpu())
+            self.engines["critic"] = build_engine(critic, t, t.critic_lr, cfg.model.dtype, self.dp.world, accumulation)
         self.actor, self.critic = self.engines.get("actor"), self.engines.get("critic")
         k = cfg.algorithm.kl
         self.kl = make_kl_controller(k.coef, k.adaptive, k.target, k.horizon)

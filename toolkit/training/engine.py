@@ -33,11 +33,11 @@ def lr_lambda(warmup_steps: int, schedule: str, total_steps: int | None, min_rat
 
 
 def build_engine(model: torch.nn.Module, settings, lr: float, dtype: str, world: int, accumulation: int,
-                 total_steps: int | None = None, lora=None, mpu=None):
+                 total_steps: int | None = None, lora=None):
     """A DeepSpeed engine training `model` on one of `world` data-parallel ranks. `settings` is an
     EngineSection; an optimizer step takes `accumulation` micro-batches of `settings.micro_batch_size`.
     With `lora` (a LoraSection) only adapters added to `model` train; `engine.module` is then the peft model.
-    `mpu` (`Ranks.mpu`): the ranks are a part of the process group (the critic on ranks of its own)."""
+    The ranks are those of torch.distributed's default group (`Ranks.join`)."""
     import deepspeed
 
     for name in ("DeepSpeed", "deepspeed"):
@@ -74,7 +74,7 @@ def build_engine(model: torch.nn.Module, settings, lr: float, dtype: str, world:
         optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=settings.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(settings.warmup_steps, settings.lr_schedule, total_steps, settings.min_lr_ratio))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, mpu=mpu)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     from toolkit.training.lora import parameter_counts
 
     trained, total = parameter_counts(engine.module)

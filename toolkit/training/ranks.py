@@ -1,10 +1,14 @@
 """The data-parallel ranks of a trainer node group: joining their process group, and what they say to
 each other besides gradients (sums, barriers, rank 0's next command, rank 0's data). With the critic on
-ranks of its own, the ranks split in two parts (`split`), each training its model over its own group.
+ranks of its own, the ranks form two parts, each training its model over a process group of its own.
 
-Rank 0 hosts the run's TCPStore (`prepare`); the others find it in the address book (`join`). The group
-is torch.distributed's default group (gloo on CPU, NCCL on GPU), which DeepSpeed then uses; the RL
-trainer's weight-sync group rendezvous on the same store.
+Rank 0 hosts the run's TCPStore (`prepare`); the others find it in the address book (`join`). The ranks'
+models train over torch.distributed's default group (gloo on CPU; on GPU, NCCL for CUDA tensors and gloo
+for CPU ones), which DeepSpeed then uses. With two parts, each part's default group holds its own ranks
+only: DeepSpeed's ZeRO-3 runs collectives and checks of its own over the default group (barriers while it
+partitions a model, the order of each forward pass), which must not mix the actor's ranks with the
+critic's. What every rank of both parts says to each other then goes over a gloo group of all of them
+(`control`). The RL trainer's weight-sync groups rendezvous on the same store.
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ import torch.distributed as dist
 
 
 class Ranks:
-    def __init__(self, rank: int, world: int, group=None):
+    def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
         self.store = None
         self.device = torch.device("cpu")  # (where tensors sent to another rank travel from: `join`)
-        self.group = group  # (a part of the ranks, `split`: its process group; None: all of them)
-        self.alone = None  # (a part: this rank's own group of one, DeepSpeed's model-parallel group)
+        self.control = None  # (with two parts: the gloo group of every rank; None: the default group)
+        self.part = self  # (the ranks this rank's models train over: all of them, or with two parts, its own)
 
     def prepare(self, bind_host: str, timeout_s: float) -> dict:
         """Before registering: rank 0 starts the run's TCPStore; the address book entry to publish."""
@@ -35,41 +39,39 @@ class Ranks:
         self.store = serve_store(bind_host, timeout_s)
         return {"store": f"{bind_host}:{self.store.port}"}
 
-    def join(self, address: str, device: torch.device, startup_timeout_s: float, timeout_s: float) -> None:
-        """Form the default process group over rank 0's store at `address` (every rank calls this); every
-        collective then times out after `timeout_s`."""
+    def join(self, address: str, device: torch.device, startup_timeout_s: float, timeout_s: float,
+             split_at: int | None = None) -> None:
+        """Form the process groups over rank 0's store at `address` (every rank calls this); every collective
+        then times out after `timeout_s`. `split_at`: the ranks form two parts, [0, split_at) and
+        [split_at, world), each with a default group of its own (`part`), and all of them the `control`
+        group."""
         from toolkit.transport.rendezvous import connect_store
 
         if self.rank != 0:
             host, port = address.rsplit(":", 1)
             self.store = connect_store(host, int(port), startup_timeout_s)
-        # DeepSpeed reads these; each worker sees only its own GPUs, so its local rank is 0.
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0")
         self.device = device
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.PrefixStore("trainer", self.store), rank=self.rank,
-                                world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s))
-
-    def split(self, first: int) -> "Ranks":
-        """This rank's part of the ranks split at `first` ([0, first) and [first, world)), with a process group
-        of its own that a DeepSpeed engine of that part trains over (`mpu`). Every rank calls this."""
-        parts = [list(range(first)), list(range(first, self.world))]
-        groups = [dist.new_group(p) for p in parts]
-        alone = [dist.new_group([r]) for r in range(self.world)]
-        k = int(self.rank >= first)
-        part = Ranks(self.rank - parts[k][0], len(parts[k]), groups[k])
-        part.store, part.device, part.alone = self.store, self.device, alone[self.rank]
-        return part
-
-    def mpu(self):
-        """For `deepspeed.initialize(mpu=...)`: data parallelism over these ranks (None: over all of them)."""
-        return None if self.group is None else _DataParallel(self)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        first, size, name = 0, self.world, "trainer"
+        if split_at is not None:
+            k = int(self.rank >= split_at)
+            first, size, name = (0, split_at, "trainer/part0") if k == 0 else (split_at, self.world - split_at,
+                                                                              "trainer/part1")
+            self.control = dist.ProcessGroupGloo(dist.PrefixStore("trainer/control", self.store), self.rank,
+                                                 self.world, timeout)
+            self.part = Ranks(self.rank - first, size)
+            self.part.store, self.part.device = self.store, device
+        # DeepSpeed reads these; each worker sees only its own GPUs, so its local rank is 0.
+        os.environ.update(RANK=str(self.rank - first), WORLD_SIZE=str(size), LOCAL_RANK="0")
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.PrefixStore(name, self.store), rank=self.rank - first,
+                                world_size=size, timeout=timeout)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks (a copy)."""
         if self.world > 1:
             t = t.clone()
-            dist.all_reduce(t, group=self.group)
+            self._all_reduce(t, dist.ReduceOp.SUM)
         return t
 
     def max(self, n: int) -> int:
@@ -77,28 +79,39 @@ class Ranks:
         if self.world == 1:
             return n
         t = torch.tensor([n], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self._all_reduce(t, dist.ReduceOp.MAX)
         return int(t.item())
 
     def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier(group=self.group)
+        if self.world == 1:
+            return
+        if self.control is None:
+            dist.barrier()
+        else:
+            self.control.barrier().wait()
 
     def send(self, t: torch.Tensor, to: int) -> None:
         """`t` (float32) to rank `to` of all the ranks, which takes it with `receive`."""
-        dist.send(t.to(self.device, torch.float32), to)
+        if self.control is None:
+            dist.send(t.to(self.device, torch.float32), to)
+        else:
+            self.control.send([t.to("cpu", torch.float32).contiguous()], to, 0).wait()
 
     def receive(self, shape, source: int) -> torch.Tensor:
         """The float32 tensor of `shape` that rank `source` of all the ranks sends (`send`), on the CPU."""
-        t = torch.zeros(tuple(shape), dtype=torch.float32, device=self.device)
-        dist.recv(t, source)
-        return t.cpu()
+        if self.control is None:
+            t = torch.zeros(tuple(shape), dtype=torch.float32, device=self.device)
+            dist.recv(t, source)
+            return t.cpu()
+        t = torch.zeros(tuple(shape), dtype=torch.float32)
+        self.control.recv([t], source, 0).wait()
+        return t
 
     def command(self, code: int = 0, step: int = -1) -> tuple[int, int]:
         """Rank 0's (code, step) on every rank (what the ranks above 0 do next)."""
         t = torch.tensor([code, step], dtype=torch.int64)
         if self.world > 1:
-            dist.broadcast(t, 0)
+            self._broadcast(t)
         return int(t[0]), int(t[1])
 
     def share(self, meta: dict | None, arrays: dict[str, np.ndarray] | None) -> tuple[dict, dict[str, np.ndarray]]:
@@ -111,16 +124,16 @@ class Ranks:
             length = torch.tensor([raw.numel()], dtype=torch.int64)
         else:
             length = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(length, 0)
+        self._broadcast(length)
         if self.rank != 0:
             raw = torch.zeros(int(length), dtype=torch.uint8)
-        dist.broadcast(raw, 0)
+        self._broadcast(raw)
         header = json.loads(bytes(raw.numpy()).decode())
         received = {}
         for name, (dtype, shape) in header["arrays"].items():
             t = torch.from_numpy(np.ascontiguousarray(arrays[name]).copy()) if self.rank == 0 else \
                 torch.from_numpy(np.zeros(shape, dtype=np.dtype(dtype)))
-            dist.broadcast(t, 0)
+            self._broadcast(t)
             received[name] = t.numpy()
         return header["meta"], received
 
@@ -132,12 +145,12 @@ class Ranks:
         for name, array in arrays.items():
             local = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
             sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-            dist.all_gather(sizes, torch.tensor([local.numel()]))
+            self._all_gather(sizes, torch.tensor([local.numel()]))
             width = int(max(sizes))
             padded = torch.zeros(width, dtype=torch.float32)
             padded[: local.numel()] = local
             gathered = [torch.zeros(width, dtype=torch.float32) for _ in range(self.world)] if self.rank == 0 else None
-            dist.gather(padded, gathered, dst=0)
+            self._gather(padded, gathered)
             if self.rank == 0:
                 out[name] = np.concatenate([g[: int(n)].numpy() for g, n in zip(gathered, sizes)])
         return out if self.rank == 0 else None
@@ -147,27 +160,33 @@ class Ranks:
         return np.array_split(np.arange(n), self.world)[self.rank]
 
 
-class _DataParallel:
-    """The model-parallel unit (mpu) DeepSpeed asks for: data parallel over a part of the ranks, no model
-    parallelism (each rank its own group of one)."""
+    # Collectives of every rank: over the default group, or with two parts, over `control` (CPU tensors).
+    def _broadcast(self, t: torch.Tensor) -> None:
+        """Rank 0's `t` into every rank's `t`."""
+        if self.control is None:
+            dist.broadcast(t, 0)
+        else:
+            self.control.broadcast(t, 0).wait()
 
-    def __init__(self, part: Ranks):
-        self.part = part
+    def _all_reduce(self, t: torch.Tensor, op) -> None:
+        if self.control is None:
+            dist.all_reduce(t, op=op)
+        else:
+            options = dist.AllreduceOptions()
+            options.reduceOp = op
+            self.control.allreduce([t], options).wait()
 
-    def get_data_parallel_group(self):
-        return self.part.group
+    def _all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
+        if self.control is None:
+            dist.all_gather(out, t)
+        else:
+            self.control.allgather([out], [t]).wait()
 
-    def get_data_parallel_world_size(self) -> int:
-        return self.part.world
-
-    def get_data_parallel_rank(self) -> int:
-        return self.part.rank
-
-    def get_model_parallel_group(self):
-        return self.part.alone
-
-    def get_model_parallel_world_size(self) -> int:
-        return 1
-
-    def get_model_parallel_rank(self) -> int:
-        return 0
+    def _gather(self, t: torch.Tensor, out: list[torch.Tensor] | None) -> None:
+        """Every rank's `t` into rank 0's `out` (None on the others)."""
+        if self.control is None:
+            dist.gather(t, out, dst=0)
+        else:
+            options = dist.GatherOptions()
+            options.rootRank = 0
+            self.control.gather([out] if out is not None else [], [t], options).wait()
