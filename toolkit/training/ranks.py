@@ -26,7 +26,6 @@ class Ranks:
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
         self.store = None
-        self.device = torch.device("cpu")  # (where tensors sent to another rank travel from: `join`)
         self.control = None  # (with two parts: the gloo group of every rank; None: the default group)
         self.part = self  # (the ranks this rank's models train over: all of them, or with two parts, its own)
 
@@ -50,7 +49,6 @@ class Ranks:
         if self.rank != 0:
             host, port = address.rsplit(":", 1)
             self.store = connect_store(host, int(port), startup_timeout_s)
-        self.device = device
         timeout = datetime.timedelta(seconds=timeout_s)
         first, size, name = 0, self.world, "trainer"
         if split_at is not None:
@@ -60,7 +58,7 @@ class Ranks:
             self.control = dist.ProcessGroupGloo(dist.PrefixStore("trainer/control", self.store), self.rank,
                                                  self.world, timeout)
             self.part = Ranks(self.rank - first, size)
-            self.part.store, self.part.device = self.store, device
+            self.part.store = self.store
         # DeepSpeed reads these; each worker sees only its own GPUs, so its local rank is 0.
         os.environ.update(RANK=str(self.rank - first), WORLD_SIZE=str(size), LOCAL_RANK="0")
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -91,18 +89,11 @@ class Ranks:
             self.control.barrier().wait()
 
     def send(self, t: torch.Tensor, to: int) -> None:
-        """`t` (float32) to rank `to` of all the ranks, which takes it with `receive`."""
-        if self.control is None:
-            dist.send(t.to(self.device, torch.float32), to)
-        else:
-            self.control.send([t.to("cpu", torch.float32).contiguous()], to, 0).wait()
+        """`t` (float32) to rank `to` of the other part, which takes it with `receive` (over `control`)."""
+        self.control.send([t.to("cpu", torch.float32).contiguous()], to, 0).wait()
 
     def receive(self, shape, source: int) -> torch.Tensor:
-        """The float32 tensor of `shape` that rank `source` of all the ranks sends (`send`), on the CPU."""
-        if self.control is None:
-            t = torch.zeros(tuple(shape), dtype=torch.float32, device=self.device)
-            dist.recv(t, source)
-            return t.cpu()
+        """The float32 tensor of `shape` that rank `source` of the other part sends (`send`)."""
         t = torch.zeros(tuple(shape), dtype=torch.float32)
         self.control.recv([t], source, 0).wait()
         return t
