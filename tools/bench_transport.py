@@ -4,7 +4,7 @@
 
 1. Throughput: a sender process streams SampleBatch messages to a receiver process over TCP on
    localhost, the way a generator or scorer sends samples on: `Outbox.send(*batch.to_message())` and
-   `SampleBatch.from_message(Inbox.recv())` (msgpack header, HMAC-SHA256 over every frame, sequence and
+   `SampleBatch.from_message(Inbox.recv())` (msgpack header, GMAC tag over every frame, sequence and
    size checks). Beside it, the same bytes with raw pyzmq: PUSH/PULL, `send_multipart([msgpack header,
    *array buffers], copy=False)`, `np.frombuffer` on receipt, no authentication. Payloads: the batch of
    one step of tools/bench_trl.py's workload and two larger ones. Each pair runs alternately, median.

@@ -61,6 +61,25 @@ def test_altered_frame_is_rejected(index):
         Codec(SECRET, "s").decode(frames)
 
 
+def test_the_tag_is_gmac_of_the_frame_lengths_and_frames_under_the_messages_own_key():
+    """Worked out with AESGCM's one-shot API (not the Codec's incremental one): the tag is AES-256-GCM's
+    over an empty plaintext, with the lengths (8 bytes each) and every frame as associated data, under
+    HMAC-SHA256(secret, label + nonce), IV 0. Two messages never share a key: their nonces differ."""
+    import hmac
+    import struct
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    big = np.arange(3000, dtype=np.int64)  # (a frame fed on its own, not joined with the small ones)
+    first, second = (Codec(SECRET, "g").encode("samples", {"step": 1}, {"big": big, **arrays()}) for _ in range(2))
+    for frames in (first, second):
+        *body, tag = [bytes(memoryview(f)) for f in frames]
+        key = hmac.digest(SECRET, b"slurm-rlhf gmac key:" + body[1], "sha256")
+        lengths = struct.pack(f"<{len(body)}Q", *map(len, body))
+        assert tag == AESGCM(key).encrypt(bytes(12), b"", lengths + b"".join(body))
+    assert first[1] != second[1] and first[-1] != second[-1]
+
+
 def test_replay_is_rejected():
     tx, rx = Codec(SECRET, "g"), Codec(SECRET, "s")
     first = tx.encode("a", {}, {})

@@ -9,10 +9,12 @@ A message travels as ZeroMQ multipart frames:
   `to` names the recipient: a worker (`trainer:0`), the workers of a group (`scorer`: a PUSH socket
   spreads over them), or `coordinator`.
 - buffers: the arrays' bytes, C order, sent without copying.
-- tag: Poly1305 over the lengths of every preceding frame (8 bytes each), then the frames, with the
-  one-time key HMAC-SHA256(run secret, nonce), as in ChaCha20-Poly1305, where the key of each message is
-  drawn from the secret and a nonce. Poly1305 runs at about 12 GB/s here against SHA-256's 1.7 GB/s (an
-  HMAC-SHA256 over the whole message halved the throughput of rollout streaming).
+- tag: GMAC (AES-256-GCM with an empty plaintext: the GCM tag of its associated data) over the lengths
+  of every preceding frame (8 bytes each), then the frames, under the one-time key HMAC-SHA256(run
+  secret, nonce). Each message has a key of its own, so GCM's rule that a key never sees the same IV
+  twice holds with a fixed IV. On this machine's AES-NI/VPCLMULQDQ it runs at about 16 GB/s, against
+  Poly1305's 8 and SHA-256's 1.5 (an HMAC-SHA256 over the whole message halved the throughput of rollout
+  streaming; Poly1305 under the same one-time keys took 38 us for the batch of a bench_trl step, GMAC 20).
 
 `Codec.decode` checks the MAC before it parses anything, then the header's shape, then that every buffer
 has exactly the bytes its dtype and shape need, that `seq` grows per sender (no replays), and that the
@@ -34,8 +36,11 @@ from typing import Any
 
 import msgpack
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher
+from cryptography.hazmat.primitives.ciphers.algorithms import AES
+from cryptography.hazmat.primitives.ciphers.modes import GCM
 
-MAGIC = b"SRLHF3"
+MAGIC = b"SRLHF4"
 NONCE_BYTES = 16
 MAC_BYTES = 16
 # Only plain numeric dtypes cross the wire (no object arrays, no structured dtypes).
@@ -43,8 +48,9 @@ DTYPES = {"bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float3
 # (dtype.name is slow to compute; these are looked up per array of every message)
 _NAME_OF = {np.dtype(name): name for name in DTYPES}
 _ITEMSIZE = {name: np.dtype(name).itemsize for name in DTYPES}
-# Frames shorter than this are joined before they are fed to Poly1305 (fewer calls per message).
+# Frames shorter than this are joined before they are fed to the MAC (fewer calls per message).
 _SMALL_FRAME = 4096
+_IV = bytes(12)  # (a fixed IV: every key is used for one message only)
 MAX_HEADER_BYTES = 16 * 2**20
 MAX_ARRAYS = 1024
 
@@ -152,21 +158,21 @@ class Codec:
         return Message(header["kind"], header["meta"], arrays, sender, seq)
 
     def _mac(self, frames) -> bytes:
-        """Poly1305 tag of `frames` (frames[1] is the nonce) under the message's one-time key."""
-        from cryptography.hazmat.primitives.poly1305 import Poly1305
-
+        """GMAC tag of `frames` (frames[1] is the nonce) under the message's one-time key (see above)."""
         frames = [memoryview(f) for f in frames]
-        mac = Poly1305(hmac.digest(self._secret, b"slurm-rlhf poly1305 key:" + bytes(frames[1]), "sha256"))
+        key = hmac.digest(self._secret, b"slurm-rlhf gmac key:" + bytes(frames[1]), "sha256")
+        mac = Cipher(AES(key), GCM(_IV)).encryptor()
         small = bytearray(struct.pack(f"<{len(frames)}Q", *(f.nbytes for f in frames)))
-        for f in frames:
+        for f in frames:  # (GCM's associated data may come in pieces of any length: it is their concatenation)
             if f.nbytes < _SMALL_FRAME:
                 small += f
                 continue
-            mac.update(small)
+            mac.authenticate_additional_data(small)
             small.clear()
-            mac.update(f)
-        mac.update(small)
-        return mac.finalize()
+            mac.authenticate_additional_data(f)
+        mac.authenticate_additional_data(small)
+        mac.finalize()
+        return mac.tag
 
     @staticmethod
     def _parse_header(raw) -> dict:
