@@ -5,7 +5,7 @@
 Two processes on this machine form a gloo group over a TCPStore on 127.0.0.1, as trainer rank 0 and one
 generator rank do (NCCL takes gloo's place on GPU). Per model:
 - slurm-rlhf: what the trainer does at every sync, `WeightSender.send`: the weights in buckets of
-  `trainer.weight_sync_bucket_mb` (64), converted to the checkpoint format vLLM loads, each packed into a
+  `trainer.weight_sync_bucket_mb` (its default), converted to the checkpoint format vLLM loads, each packed into a
   send buffer and sent as one broadcast, and the probe's log-probs (one forward pass of 8 tokens, the check
   that the generator loaded every weight) computed while the first bucket travels; the receiver takes them
   with `WeightReceiver.receive` (views of each bucket, as vLLM's loader gets them);
@@ -33,13 +33,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from toolkit.transport.rendezvous import connect_store, serve_store  # noqa: E402
+from toolkit.config.schema import TrainerSection  # noqa: E402
 from toolkit.weights.hf_format import checkpoint_converter  # noqa: E402
 from toolkit.weights.probe import model_logprobs, probe_tokens  # noqa: E402
 from toolkit.weights.sync import WeightReceiver, WeightSender, form_group, gathered_buckets, plan_layout  # noqa: E402
 
 # (label, hidden, layers, heads, intermediate, vocab): bench_trl.py's Llama, and a larger one
 MODELS = [("Llama (bench_trl)", 512, 8, 8, 1376, 512), ("Llama, 32k vocab", 768, 12, 12, 2048, 32000)]
-BUCKET_MB = 64  # trainer.weight_sync_bucket_mb's default
+BUCKET_MB = TrainerSection.model_fields["weight_sync_bucket_mb"].default  # (what a run uses)
 TIMEOUT_S = 300
 
 
