@@ -3,8 +3,9 @@
     .venv/bin/python tools/bench_store.py [--dir DIR] [--repeats N] [--steps N]
 
 1. Commit throughput: an experience batch committed the way the trainer does it (HDF5 temp file, fsync,
-   SHA-256, rename, directory fsync), beside a plain sequential write of the same number of bytes with
-   fsync and rename, in the same directory (same disk). Sizes: the demo's batch and two larger ones.
+   XXH3-128 checksum, rename, directory fsync), beside a plain sequential write of the same number of
+   bytes with fsync and rename, in the same directory (same disk). Sizes: the demo's batch and two
+   larger ones.
 2. Share of step time: a real tiny GRPO run (tiny-grpo.yaml, checkpoint every step) and, from its
    metrics, commit and checkpoint seconds against step seconds.
 """
@@ -94,7 +95,7 @@ def bench_commits(directory: Path, repeats: int) -> None:
         print(f"{label:<20}{mb:>9.2f}{c:>10.4f}{mb / c:>13.1f}{p:>9.4f}{mb / p:>12.1f}{p / c:>7.2f}")
         if mb >= 1:
             ratios.append(p / c)
-    print(f"(median of {repeats}; commit = HDF5 write + fsync + SHA-256 + rename + directory fsync;\n"
+    print(f"(median of {repeats}; commit = HDF5 write + fsync + XXH3-128 checksum + rename + directory fsync;\n"
           " ratio = commit MB/s / plain MB/s)\n")
     return min(ratios)
 

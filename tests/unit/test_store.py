@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
 import pytest
+import xxhash
 
 from tests.unit.test_samples_and_modeling import batch as make_batch
 from toolkit.store import experience
+from toolkit.store.checksum import checksum_of, matches
 from toolkit.store.manifest import Manifest, plan_resume, verify
 
 
@@ -30,7 +33,7 @@ def record(step=0):
 def commit(run_dir, step):
     path, digest, size = experience.commit(run_dir / "experience", step, record(step))
     Manifest(run_dir).append({"kind": "experience", "step": step, "file": str(path.relative_to(run_dir)),
-                              "sha256": digest, "bytes": size})
+                              "checksum": digest, "bytes": size})
     return path
 
 
@@ -67,15 +70,40 @@ def test_manifest_ignores_a_torn_last_line(tmp_path):
 def test_verify(tmp_path):
     path = commit(tmp_path, 0)
     rec = Manifest(tmp_path).records()[0]
-    assert verify(path, rec["sha256"], rec["bytes"]) is None
+    assert verify(path, rec["checksum"], rec["bytes"]) is None
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 1
     path.write_bytes(bytes(data))
-    assert verify(path, rec["sha256"], rec["bytes"]) == "checksum mismatch (corrupted)"
+    assert verify(path, rec["checksum"], rec["bytes"]) == "checksum mismatch (corrupted)"
     path.write_bytes(bytes(data[:10]))
-    assert "truncated" in verify(path, rec["sha256"], rec["bytes"])
+    assert "truncated" in verify(path, rec["checksum"], rec["bytes"])
     path.unlink()
-    assert verify(path, rec["sha256"], rec["bytes"]) == "missing"
+    assert verify(path, rec["checksum"], rec["bytes"]) == "missing"
+
+
+def test_the_checksum_is_xxh3_128_of_the_files_bytes(tmp_path):
+    path = commit(tmp_path, 0)
+    rec = Manifest(tmp_path).records()[0]
+    assert rec["checksum"] == "xxh3_128:" + xxhash.xxh3_128(path.read_bytes()).hexdigest()
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert checksum_of(empty) == "xxh3_128:" + xxhash.xxh3_128(b"").hexdigest() and matches(empty, checksum_of(empty))
+    with pytest.raises(ValueError, match="unknown kind"):
+        matches(path, "md5:" + "0" * 32)
+
+
+def test_a_manifest_of_an_earlier_version_with_sha256_digests_still_resumes(tmp_path):
+    paths = [experience.commit(tmp_path / "experience", step, record(step))[0] for step in (0, 1)]
+    for step, path in enumerate(paths):  # as versions before the xxh3 checksum wrote them
+        Manifest(tmp_path).append({"kind": "experience", "step": step, "file": str(path.relative_to(tmp_path)),
+                                   "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                                   "bytes": path.stat().st_size})
+    assert plan_resume(tmp_path).replay == paths
+    data = bytearray(paths[1].read_bytes())
+    data[len(data) // 2] ^= 1
+    paths[1].write_bytes(bytes(data))
+    plan = plan_resume(tmp_path)
+    assert plan.replay == paths[:1] and "checksum mismatch" in plan.problems[0]
 
 
 def test_resume_plan(tmp_path):

@@ -485,7 +485,7 @@ class TrainerRole(Role):
                                           (batch.step + 1) * self.cfg.rollout.prompts_per_step)
             path, digest, size = experience.commit(self.run_dir / "experience", batch.step, record)
             Manifest(self.run_dir).append({"kind": "experience", "step": batch.step,
-                                           "file": str(path.relative_to(self.run_dir)), "sha256": digest,
+                                           "file": str(path.relative_to(self.run_dir)), "checksum": digest,
                                            "bytes": size})
         self.ranks.barrier()  # nobody trains on a batch before it is durable
         return time.monotonic() - started

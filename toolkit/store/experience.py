@@ -16,12 +16,12 @@ Layout of experience/step-NNNNNN.h5 (schema 2), readable with plain h5py or `h5d
                           update per batch: the update computes them itself), (PPO) values, returns
 
 A commit writes a temporary file, fsyncs it, renames it into place and fsyncs the directory, so a file
-under its final name is always whole; its SHA-256 goes into the run manifest.
+under its final name is always whole; its checksum (toolkit/store/checksum.py) goes into the run
+manifest.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -33,6 +33,7 @@ import orjson
 
 from toolkit.samples import SampleBatch
 from toolkit.store import space
+from toolkit.store.checksum import checksum_of
 
 SCHEMA_VERSION = 2
 # (as json.dumps: keys that are not strings become strings; numpy scalars are numbers)
@@ -41,14 +42,6 @@ JSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 def file_name(step: int) -> str:
     return f"step-{step:06d}.h5"
-
-
-def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:
@@ -71,10 +64,10 @@ def record_of(batch: SampleBatch, per_token: dict[str, np.ndarray], algorithm: s
 
 
 def commit(directory: Path, step: int, record: dict) -> tuple[Path, str, int]:
-    """Write `record` (see `record_of`) as the experience of `step`; return (path, sha256, bytes).
+    """Write `record` (see `record_of`) as the experience of `step`; return (path, checksum, bytes).
 
-    While the file is fsynced, another thread reads it back from the page cache for its SHA-256
-    (hashlib and fsync both release the GIL), so the digest costs little on top of the write."""
+    While the file is fsynced, another thread reads it back from the page cache for its checksum
+    (fsync releases the GIL), so the checksum costs nothing on top of the write."""
     import h5py
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -92,7 +85,7 @@ def commit(directory: Path, step: int, record: dict) -> tuple[Path, str, int]:
                 g = f.create_group(group)
                 for name, array in record[group].items():
                     g.create_dataset(name, data=array)
-        hasher = threading.Thread(target=lambda: digest.append(sha256_of(tmp)), name="experience-sha256")
+        hasher = threading.Thread(target=lambda: digest.append(checksum_of(tmp)), name="experience-checksum")
         hasher.start()
         try:
             fd = os.open(tmp, os.O_RDONLY)
@@ -103,7 +96,7 @@ def commit(directory: Path, step: int, record: dict) -> tuple[Path, str, int]:
         finally:
             hasher.join()
         if not digest:
-            raise OSError(f"{tmp}: could not read the file back for its SHA-256")
+            raise OSError(f"{tmp}: could not read the file back for its checksum")
     except BaseException as e:
         error = space.explain("experience file", final, e, directory.parent) if isinstance(e, Exception) else e
         tmp.unlink(missing_ok=True)

@@ -3,8 +3,11 @@
 The manifest is append-only JSON Lines; each line is written and fsynced on its own, and a line cut
 short by a crash is ignored when read. Records:
 
-    {"kind": "experience", "step": s, "file": "experience/step-NNNNNN.h5", "sha256": ..., "bytes": ...}
-    {"kind": "checkpoint", "step": v, "dir": "checkpoints/step-NNNNNN", "files": {relpath: [sha256, bytes]}}
+    {"kind": "experience", "step": s, "file": "experience/step-NNNNNN.h5", "checksum": ..., "bytes": ...}
+    {"kind": "checkpoint", "step": v, "dir": "checkpoints/step-NNNNNN", "files": {relpath: [checksum, bytes]}}
+
+(checksums: see toolkit/store/checksum.py; manifests of earlier versions name an experience file's
+checksum "sha256")
     {"kind": "removed", "dir": ...}          an old checkpoint deleted to keep only the newest ones
     {"kind": "resume", ...}                  what a resume used, replayed and set aside
 
@@ -22,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.store.experience import file_name, sha256_of
+from toolkit.store.checksum import checksum_of, matches
+from toolkit.store.experience import file_name
 
 
 class Manifest:
@@ -57,7 +61,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def verify(path: Path, sha256: str, size: int) -> str | None:
+def verify(path: Path, checksum: str, size: int) -> str | None:
     """None if the file is whole, else what is wrong with it."""
     try:
         actual = path.stat().st_size
@@ -65,14 +69,14 @@ def verify(path: Path, sha256: str, size: int) -> str | None:
         return "missing"
     if actual != size:
         return f"{actual} bytes, the manifest says {size} bytes (truncated or overwritten)"
-    if sha256_of(path) != sha256:
+    if not matches(path, checksum):
         return "checksum mismatch (corrupted)"
     return None
 
 
 def checkpoint_files(directory: Path) -> dict[str, list]:
-    """{relative path: [sha256, bytes]} of every file under a checkpoint directory."""
-    return {str(p.relative_to(directory)): [sha256_of(p), p.stat().st_size]
+    """{relative path: [checksum, bytes]} of every file under a checkpoint directory."""
+    return {str(p.relative_to(directory)): [checksum_of(p), p.stat().st_size]
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
@@ -106,7 +110,7 @@ def plan_resume(run_dir: Path) -> ResumePlan:
     step = plan.start_version
     while step in experience:
         rec = experience[step]
-        why = verify(run_dir / rec["file"], rec["sha256"], rec["bytes"])
+        why = verify(run_dir / rec["file"], experience_checksum(rec), rec["bytes"])
         if why:
             plan.problems.append(f"{rec['file']}: {why}; steps from {step} on are generated again")
             break
@@ -132,6 +136,11 @@ def set_aside(run_dir: Path, plan: ResumePlan) -> list[Path]:
         os.replace(path, dest)
         moved.append(dest)
     return moved
+
+
+def experience_checksum(record: dict) -> str:
+    """The checksum of an experience record (named "sha256" in manifests of earlier versions)."""
+    return record["checksum"] if "checksum" in record else record["sha256"]
 
 
 def experience_path(run_dir: Path, step: int) -> Path:
