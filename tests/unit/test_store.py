@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -159,3 +160,22 @@ def test_a_write_that_found_no_space_is_explained_and_other_errors_are_not(tmp_p
     assert f"`slurm-rlhf resume {tmp_path}`" in str(error) and "unexpected pos 576 vs 534" in str(error)
     other = ValueError("not about space")  # on a disk with room: left as it is
     assert space.explain("checkpoint", target, other, tmp_path) is other
+
+
+def test_writeback_starts_the_disk_writing_after_each_megabyte(tmp_path, monkeypatch):
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, bytes(3 << 20))
+        writeback = experience.Writeback(fd)
+        real = experience.Writeback._call
+        assert real, "libc has no sync_file_range on this Linux machine"
+        assert real(fd, 0, 0, experience.Writeback.START_WRITE) == 0  # the real call takes this file
+        calls = []
+        monkeypatch.setattr(experience.Writeback, "_call", lambda *args: calls.append(args) or 0)
+        writeback.wrote(600_000)
+        assert calls == []
+        writeback.wrote(600_000)  # 1.2 MB: one call, for the whole file
+        writeback.wrote(100)
+        assert calls == [(fd, 0, 0, 2)]
+    finally:
+        os.close(fd)
