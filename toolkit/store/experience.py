@@ -55,8 +55,8 @@ def fsync_dir(path: Path) -> None:
 class Writeback:
     """Starts the disk writing a file's dirty pages, without waiting, after each `every` bytes written
     (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`), so that its fsync waits for the rest only. A commit
-    of 7 MB took 6.9-8.6 ms with it and 9.1-12.3 ms without, of 52 MB 42-45 ms against 53-57 (alternating,
-    tools/bench_store.py's batches). Where the call does not exist, it does nothing."""
+    of 7 MB took 8.6-9.0 ms with it and 10.1-10.4 ms without, of 52 MB 46-48 ms against 58-60 (medians of
+    tools/bench_store.py, run alternately). Where the call does not exist, it does nothing."""
 
     _call = None  # libc's sync_file_range, looked up once (False: not there)
     START_WRITE = 2  # SYNC_FILE_RANGE_WRITE
