@@ -32,8 +32,8 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from toolkit.transport.rendezvous import connect_store, serve_store  # noqa: E402
 from toolkit.config.schema import TrainerSection  # noqa: E402
+from toolkit.transport.rendezvous import connect_store, serve_store  # noqa: E402
 from toolkit.weights.hf_format import checkpoint_converter  # noqa: E402
 from toolkit.weights.probe import model_logprobs, probe_tokens  # noqa: E402
 from toolkit.weights.sync import WeightReceiver, WeightSender, form_group, gathered_buckets, plan_layout  # noqa: E402

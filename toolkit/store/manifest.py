@@ -5,11 +5,11 @@ short by a crash is ignored when read. Records:
 
     {"kind": "experience", "step": s, "file": "experience/step-NNNNNN.h5", "checksum": ..., "bytes": ...}
     {"kind": "checkpoint", "step": v, "dir": "checkpoints/step-NNNNNN", "files": {relpath: [checksum, bytes]}}
-
-(checksums: see toolkit/store/checksum.py; manifests of earlier versions name an experience file's
-checksum "sha256")
     {"kind": "removed", "dir": ...}          an old checkpoint deleted to keep only the newest ones
     {"kind": "resume", ...}                  what a resume used, replayed and set aside
+
+Checksums: see toolkit/store/checksum.py; manifests of earlier versions name an experience file's
+checksum "sha256".
 
 A checkpoint at step v holds the weights after v updates (policy_version v): the experience of steps
 0..v-1 is in it. Resuming loads the newest checkpoint whose files all match their checksums, trains on
