@@ -1,9 +1,11 @@
 """Benchmark of weight sync: slurm-rlhf's bucketed broadcast against one raw torch.distributed broadcast.
 
-    .venv/bin/python tools/bench_sync.py [--repeats N]
+    .venv/bin/python tools/bench_sync.py [--repeats N] [--device cuda]
 
 Two processes on this machine form a gloo group over a TCPStore on 127.0.0.1, as trainer rank 0 and one
-generator rank do (NCCL takes gloo's place on GPU). Per model:
+generator rank do. With `--device cuda` both hold their tensors on the one GPU, as a trainer and a
+generator sharing a GPU do: NCCL needs a GPU per rank, so `form_group` takes gloo there too, which copies
+each bucket through host memory (NCCL takes gloo's place where the ranks have GPUs of their own). Per model:
 - slurm-rlhf: what the trainer does at every sync, `WeightSender.send`: the weights in buckets of
   `trainer.weight_sync_bucket_mb` (its default), converted to the checkpoint format vLLM loads, each packed into a
   send buffer and sent as one broadcast, and the probe's log-probs (one forward pass of 8 tokens, the check
@@ -54,19 +56,19 @@ def build(hidden: int, layers: int, heads: int, intermediate: int, vocab: int):
     return LlamaForCausalLM(config).eval()
 
 
-def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int) -> None:
+def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int, device: str) -> None:
     torch.set_num_threads(1)
     if rank == 0:
         store = serve_store("127.0.0.1", TIMEOUT_S)
         port_queue.put(store.port)
     else:
         store = connect_store("127.0.0.1", port_queue.get(timeout=TIMEOUT_S), TIMEOUT_S)
-    device = torch.device("cpu")
+    device = torch.device(device)
     group = form_group(store, rank, 2, TIMEOUT_S, device)
     unchecked_group = form_group(store, rank, 2, TIMEOUT_S, device, "unchecked")
     raw_group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, datetime.timedelta(seconds=TIMEOUT_S))
     if rank == 0:
-        model = build(*shape)
+        model = build(*shape).to(device)
         params = list(model.named_parameters())
         layout = plan_layout(params, BUCKET_MB * 2**20, probe_tokens(shape[-1], 0), checkpoint_converter(model))
         receiver = unchecked_receiver = None
@@ -79,7 +81,7 @@ def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int) -> Non
         sender = unchecked = None
         receiver = WeightReceiver(group, device)
         unchecked_receiver = WeightReceiver(unchecked_group, device)
-        flat = torch.empty(sum(p.numel() for p in build(*shape).parameters()))
+        flat = torch.empty(sum(p.numel() for p in build(*shape).parameters()), device=device)
     ours, off, probe_s, fresh, reused, sent = [], [], [], [], [], 0
 
     def probe():
@@ -101,12 +103,14 @@ def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int) -> Non
                     pass
                 recv.probe_logprobs()
             g.barrier().wait()
+            _synchronize(device)
             times.append(time.perf_counter() - started)
         for times, target in ((fresh, None), (reused, flat)):
             raw_group.barrier().wait()
             started = time.perf_counter()
             raw_group.broadcast(flat if rank == 0 or target is not None else torch.empty_like(flat), 0).wait()
             raw_group.barrier().wait()
+            _synchronize(device)
             times.append(time.perf_counter() - started)
     if rank == 0:
         results.put({"ours": statistics.median(ours), "off": statistics.median(off), "probe": statistics.median(probe_s),
@@ -115,20 +119,29 @@ def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int) -> Non
                      "params": flat.numel()})
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both processes hold the weights (cuda: the same GPU)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
-    print("Weight sync between two processes over gloo (localhost): slurm-rlhf's bucketed broadcast vs one raw "
-          "broadcast of the same bytes")
+    where = f"both on {torch.cuda.get_device_name()}, " if args.device == "cuda" else ""
+    print(f"Weight sync between two processes over gloo ({where}localhost): slurm-rlhf's bucketed broadcast vs "
+          "one raw broadcast of the same bytes")
     header = (f"{'model':<26}{'MB':>7}{'buckets':>8}{'ours s':>8}{'probe s':>9}{'ours MB/s':>10}"
               f"{'raw s':>8}{'raw MB/s':>9}{'ratio':>7}{'no check s':>11}{'ratio':>7}{'raw reused s':>14}")
     print(header + "\n" + "-" * len(header))
     ratios, unchecked = [], []
     for label, *shape in MODELS:
         port_queue, results = ctx.Queue(), ctx.Queue()
-        procs = [ctx.Process(target=rank_main, args=(rank, port_queue, results, tuple(shape), args.repeats))
+        procs = [ctx.Process(target=rank_main, args=(rank, port_queue, results, tuple(shape), args.repeats,
+                                                     args.device))
                  for rank in (0, 1)]
         for p in procs:
             p.start()

@@ -76,3 +76,13 @@ def test_dropout_is_turned_off_for_training():
     gpt2 = build_family(REPO / "models" / "tiny-gpt2-tied", "gpt2-tied")
     assert {"attn_pdrop", "embd_pdrop", "resid_pdrop"} <= set(without_dropout(gpt2))
     assert set(without_dropout(gpt2).values()) == {0.0}
+
+
+def test_a_sync_group_takes_nccl_only_when_every_rank_has_a_gpu_of_its_own():
+    from toolkit.weights.sync import sync_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert sync_backend(cuda, ["GPU-a", "GPU-b", "GPU-c"]) == "nccl"
+    assert sync_backend(cuda, ["GPU-a", "GPU-b", "GPU-a"]) == "gloo"  # (two ranks on one GPU: NCCL refuses them)
+    assert sync_backend(cpu, ["None", "None"]) == "gloo"
+    assert sync_backend(cuda, ["GPU-a", "None"]) == "gloo"  # (a generator on the CPU)

@@ -1,7 +1,7 @@
 """Weight sync: trainer rank 0 broadcasts full actor weights to every generator worker, in buckets.
 
 Each generator worker has a group of its own, a dedicated torch.distributed process group (gloo on
-CPU, NCCL on GPU) formed by rendezvous on the TCPStore that trainer rank 0 hosts: rank 0 is the trainer,
+CPU, NCCL on GPUs, gloo where ranks share a GPU: `form_group`) formed by rendezvous on the TCPStore that trainer rank 0 hosts: rank 0 is the trainer,
 ranks 1..N that worker's engine ranks (its vLLM workers). A generator that dies breaks only its own
 group: the trainer drops that group and goes on with the others, and the worker started in its place
 joins a new group (a new name, so no key of the old rendezvous is read again), where the trainer first
@@ -52,17 +52,36 @@ def sync_group_name(worker_id: str, generation: int) -> str:
 
 def form_group(store: dist.Store, rank: int, world_size: int, timeout_s: float, device: torch.device,
                name: str = "0"):
-    """The weight-sync process group `name` over `store` (gloo for CPU tensors, NCCL for CUDA ones). A rank
-    other than 0 first says it has arrived (`arrived`), so that rank 0 can wait for it without blocking."""
+    """The weight-sync process group `name` over `store`: gloo for CPU tensors; for CUDA ones NCCL, or gloo
+    where two ranks share one GPU (NCCL needs a GPU per rank; gloo copies through host memory then). A rank
+    other than 0 first says which GPU it has and that it has arrived (`arrived`), so that rank 0 can wait
+    for it without blocking; rank 0 then says which backend the group takes."""
     prefixed = _prefixed(store, name)
+    gpu = torch.cuda.get_device_properties(device).uuid if device.type == "cuda" else None
     if rank:
+        prefixed.set(f"gpu/{rank}", str(gpu))
         prefixed.set(f"arrived/{rank}", "1")
+        backend = prefixed.get("backend").decode()  # (waits for rank 0, up to the store's timeout)
+    else:
+        gpus = [str(gpu)] + [prefixed.get(f"gpu/{r}").decode() for r in range(1, world_size)]
+        backend = sync_backend(device, gpus)
+        prefixed.set("backend", backend)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if device.type == "cuda":  # not exercised on CPU-only machines
+    if backend == "nccl":  # not exercised on machines without two GPUs
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    log.log(logging.INFO if device.type == "cuda" else logging.DEBUG,
+            "weight-sync group %s: gloo%s", name, " (ranks share a GPU: copies through host memory)"
+            if device.type == "cuda" else "")
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+
+
+def sync_backend(device: torch.device, gpus: list[str]) -> str:
+    """The backend of a weight-sync group whose ranks hold `gpus` (each rank's GPU UUID, "None" for a rank
+    on the CPU) and whose rank 0 holds its tensors on `device`: NCCL when every rank has a GPU of its own,
+    else gloo."""
+    return "nccl" if device.type == "cuda" and "None" not in gpus and len(set(gpus)) == len(gpus) else "gloo"
 
 
 def arrived(store: dist.Store, name: str, world_size: int) -> bool:
