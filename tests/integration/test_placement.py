@@ -40,7 +40,9 @@ def assert_same(a: list[dict], b: list[dict], what: str) -> None:
 
 
 def test_three_strategies_same_rewards_and_losses(tiny, tmp_path):
-    results = {s: run(tiny, tmp_path, s, "grpo", placement={"strategy": s})
+    # (Flattening with offload: the trainer's optimizer states, master weights and gradients go to host
+    # memory between updates, while the generator runs; here on CPU the calls run and move nothing.)
+    results = {s: run(tiny, tmp_path, s, "grpo", placement={"strategy": s, "offload": s == "flattening"})
                for s in ("separation", "flattening", "interleaving")}
     assert results["separation"][0] == ["generator:0", "scorer:0", "trainer:0"]
     assert results["flattening"][0] == ["all:0"]
@@ -49,6 +51,9 @@ def test_three_strategies_same_rewards_and_losses(tiny, tmp_path):
     assert len({r["reward_mean"] for r in base}) > 1  # the policy moved between steps
     for strategy in ("flattening", "interleaving"):
         assert_same(base, results[strategy][1], strategy)
+    parked = [r.get("park_s") for r in results["flattening"][1]]
+    assert all(s is not None and s > 0 for s in parked[:-1]) and parked[-1] is None, parked  # (not after the last)
+    assert all("park_s" not in r for r in results["interleaving"][1])
 
 
 def test_ppo_zero3_two_ranks_colocated_and_apart(tiny, tmp_path):

@@ -275,8 +275,11 @@ class PlacementSection(Section):
     (generator | trainer with every scoring model). `custom`: the groups you list, each with `models`; a
     group may host the critic alone (PPO): trainer ranks of its own, as many as the actor's."""
     offload: bool = False
-    """GPU only: in a group hosting several models, move the models of other phases to host memory
-    while a phase runs (scorer models during generation and training)."""
+    """In a group hosting several models, move what another phase holds to host memory while a phase
+    runs: the scorer models during generation and training (GPU only), and the trainer's optimizer
+    states, fp32 master weights and gradients from the end of each update to the start of the next,
+    while the generator runs (ZeRO-1/2; on a CPU machine these calls run but move nothing). With vLLM in
+    the trainer's process on GPU, vLLM sleeps while the trainer works, whatever this says."""
 
     @model_validator(mode="after")
     def _groups(self) -> "PlacementSection":

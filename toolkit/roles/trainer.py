@@ -102,6 +102,7 @@ class TrainerRole(Role):
         self.kl = make_kl_controller(k.coef, k.adaptive, k.target, k.horizon)
         self.version = 0
         self.checkpointed = -1
+        self.parked = []  # the engines whose training state is in host memory while a generator runs (`_park`)
         self.shuffle_rng = torch.Generator().manual_seed(cfg.run.seed)
         self.params, self.deltas, self.layout, self.ptx, self.ema = [], [], None, None, None
         if self.actor is not None:
@@ -117,8 +118,8 @@ class TrainerRole(Role):
             for worker_id in generators:
                 self._join_sync(worker_id, 0, timeout_s)
         self.status["trainable_parameters"] = sum(parameter_counts(e.module)[0] for e in self.engines.values())
-        log.info("trainer rank %d/%d ready (%s, ZeRO-%d, %d actor weights, policy_version %d)", self.rank, self.world,
-                 " and ".join(self.engines), t.zero_stage, len(self.params), self.version)
+        log.info("trainer rank %d/%d ready (%s, ZeRO-%d, %d actor weights, policy_version %d) on %s", self.rank,
+                 self.world, " and ".join(self.engines), t.zero_stage, len(self.params), self.version, self.device)
 
     def _actor_setup(self) -> None:
         """What the ranks of the actor keep besides its engine: its weights as the generators take them, the
@@ -367,7 +368,28 @@ class TrainerRole(Role):
             metrics["checkpoint_s"], metrics["checkpoint_mb"] = self._checkpoint()
         if last:
             self._export()
+        elif (park_s := self._park()) is not None:
+            metrics["park_s"] = park_s
         return metrics
+
+    def _park(self) -> float | None:
+        """With `placement.offload` and a generator in this worker: the engines' optimizer states, master
+        weights and gradients go to host memory until the next update (`_unpark`), so that generation has
+        the device to itself (the weights it generates with stay). Seconds it took; None when it does not."""
+        from toolkit.training.engine import park
+
+        if not (self.cfg.placement.offload and self.generator is not None):
+            return None
+        started = time.monotonic()
+        self.parked = [engine for engine in self.engines.values() if park(engine)]
+        return time.monotonic() - started
+
+    def _unpark(self) -> None:
+        from toolkit.training.engine import unpark
+
+        for engine in self.parked:
+            unpark(engine)
+        self.parked = []
 
     def follow(self, once: bool = False) -> None:
         """Ranks above 0: do what rank 0 broadcasts until it says stop (or one command when `once`)."""
@@ -390,6 +412,7 @@ class TrainerRole(Role):
         self.status.update(phase="training", step=batch.step)
         hold("training", self.run_dir)
         started = time.monotonic()
+        self._unpark()
         shard = self.dp.shard(len(batch))
         # scoring roles of this worker that score on the trainer ranks (each rank its shard); none when a
         # resume trains again on a committed record (it holds the scores; those roles are not set up yet)
@@ -494,6 +517,7 @@ class TrainerRole(Role):
         """Save a model checkpoint of the current policy_version (every rank); (seconds, MB)."""
         if self.version == self.checkpointed:
             return 0.0, 0.0
+        self._unpark()  # (a checkpoint asked for between steps: a time limit, a preemption)
         self.status["phase"] = "checkpointing"
         started = time.monotonic()
         state = {"policy_version": self.version, "kl": self.kl.state_dict(),

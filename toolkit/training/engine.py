@@ -106,6 +106,27 @@ def inference_engine(model: torch.nn.Module, dtype: str, world: int, offload_par
     return engine
 
 
+def park(engine) -> bool:
+    """Move what only training needs, the optimizer's states, its fp32 master weights and the gradient
+    buffers, to host memory (DeepSpeed's `offload_states`), keeping the weights the model computes with:
+    the trainer's state leaves the device while a generator on the same device runs (`placement.offload`).
+    False where it does not: ZeRO-Offload keeps these in host memory already, and under ZeRO-3
+    DeepSpeed moves them only for its FusedAdam (there use `trainer.offload_optimizer` and `offload_params`).
+    On a CPU machine the same calls run and move nothing."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+    if engine.zero_optimization_stage() not in (1, 2) or engine.zero_use_cpu_optimizer():
+        return False
+    engine.offload_states(include=[State.optim_states, State.hp_params, State.lp_grads],
+                          pin_memory=torch.cuda.is_available())
+    return True
+
+
+def unpark(engine) -> None:
+    """Bring back what `park` moved, before the next update."""
+    engine.reload_states()
+
+
 def held_parameters(model: torch.nn.Module) -> int:
     """How many of `model`'s parameters this rank holds (under ZeRO-3 its partition of each)."""
     return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
