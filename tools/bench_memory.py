@@ -2,10 +2,13 @@
 
     python tools/bench_memory.py [--hidden 512 --layers 8 --heads 8 --intermediate 1376]
                                  [--batch 8 --seq 256 --steps 4] [--json OUT]
+    python tools/bench_memory.py --config tests/fixtures/model_configs/Qwen--Qwen2.5-0.5B.json \
+                                 --batch 8 --seq 1024          (on a GPU: bf16, peak GPU memory, MFU)
 
-Builds a random Llama of the given shape (the tiny tokenizer's 512 vocab), then trains it for a few
-steps on the same random tokens through `toolkit.training.engine.build_engine` (the engine every stage
-uses), once per setting, each in a fresh process:
+Builds a random Llama of the given shape (the tiny tokenizer's 512 vocab), or a model of a public
+architecture from its `config.json` (`--config`), then trains it for a few steps on the same random tokens
+through `toolkit.training.engine.build_engine` (the engine every stage uses), once per setting, each in a
+fresh process, on `--device` (cuda where there is one) in `--dtype` (bf16 mixed precision on a GPU):
 
     baseline              ZeRO-2, every weight trained
     checkpointing         + trainer.gradient_checkpointing
@@ -21,7 +24,12 @@ once); the process's peak resident memory (its own high-water mark: on a CPU mac
 is host memory, so offloading moves nothing there, and shows in this column only on a GPU); the median
 step time; and the largest difference of the per-step losses from the baseline's (LoRA trains other
 weights, so its losses differ after the first step by design; its first loss must be the baseline's).
-The ratio of each figure to the baseline's comes last.
+On a GPU also the peak GPU memory (`torch.cuda.max_memory_allocated`) and the model FLOPs utilisation:
+model FLOPs of a step over its time over `--peak-tflops` (989: an H100's or H200's dense bf16). Model
+FLOPs per token: 6 per weight of every linear layer (the LM head too) plus 12 x layers x sequence x
+attention width for the attention scores, as in PaLM's appendix; a frozen weight (LoRA's base) counts 4,
+since no gradient of it is computed; recomputation (activation checkpointing) is not counted, as MFU
+does not count it. The ratio of each figure to the baseline's comes last.
 """
 
 from __future__ import annotations
@@ -54,14 +62,33 @@ SETTINGS = {
 
 def build_model(directory: Path, args) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                         intermediate_size=args.intermediate, max_position_embeddings=max(512, args.seq),
-                         tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    if args.config:
+        fields = json.loads(Path(args.config).read_text())
+        fields.pop("torch_dtype", None), fields.pop("dtype", None), fields.pop("transformers_version", None)
+        config = AutoConfig.for_model(**fields)
+    else:
+        config = LlamaConfig(vocab_size=512, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                             num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                             intermediate_size=args.intermediate, max_position_embeddings=max(512, args.seq),
+                             tie_word_embeddings=False)
+    torch.set_num_threads(os.cpu_count() or 1)
+    AutoModelForCausalLM.from_config(config).to(getattr(torch, args.dtype)).save_pretrained(directory)
+
+
+def flops_per_token(model, seq: int, lora: bool) -> float:
+    """Model FLOPs of one trained token (see the module's docstring)."""
+    import torch
+
+    linear = sum(getattr(m.weight, "ds_numel", m.weight.numel()) for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and "lora_" not in name)  # (ds_numel: the whole of a ZeRO-3 one)
+    config = model.config
+    width = config.num_attention_heads * (getattr(config, "head_dim", None)
+                                          or config.hidden_size // config.num_attention_heads)
+    per_weight, attention = (4, 8) if lora else (6, 12)
+    return per_weight * linear + attention * config.num_hidden_layers * seq * width
 
 
 def one(name: str, model_dir: str, args) -> dict:
@@ -78,13 +105,16 @@ def one(name: str, model_dir: str, args) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, **pretrained_kwargs(model_dir, torch.float32, setting.get("attention", "sdpa")))
+        model_dir, **pretrained_kwargs(model_dir, getattr(torch, args.dtype), setting.get("attention", "sdpa")))
     engine_settings = {"zero_stage": 2, "lr": 1e-3, "micro_batch_size": args.batch, **setting.get("engine", {})}
     settings = EngineSection(**engine_settings)
-    engine = build_engine(model, settings, settings.lr, "float32", 1, 1, lora=settings.lora)
+    engine = build_engine(model, settings, settings.lr, args.dtype, 1, 1, lora=settings.lora)
     trainable, total = parameter_counts(engine.module)
+    cuda = engine.device.type == "cuda"
+    flops = flops_per_token(engine.module, args.seq, settings.lora is not None) * args.batch * args.seq
     generator = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 512, (args.batch, args.seq), generator=generator) for _ in range(args.steps)]
+    batches = [torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=generator).to(engine.device)
+               for _ in range(args.steps)]
 
     saved: dict[int, int] = {}
 
@@ -105,16 +135,22 @@ def one(name: str, model_dir: str, args) -> dict:
             loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
+        if cuda:
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
         losses.append(loss.item())
     state_bytes = 0
     for optimizer in _optimizers(engine.optimizer):
         for state in optimizer.state.values():
             state_bytes += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim())
+    step_s = statistics.median(seconds[1:] or seconds)
     return {"setting": name, "trainable": trainable, "total": total, "optimizer_state_bytes": state_bytes,
             "saved_activation_bytes": sum(saved.values()),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "step_s": statistics.median(seconds[1:] or seconds), "losses": losses,
+            "peak_device_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+            "mfu": flops / step_s / (args.peak_tflops * 1e12) if cuda else None,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "step_s": step_s, "losses": losses,
             "optimizer": type(engine.optimizer).__name__ + "/" + type(_optimizers(engine.optimizer)[0]).__name__}
 
 
@@ -139,35 +175,49 @@ def measure(args, names: list[str]) -> list[dict]:
         for name in names:
             env = {"TORCH_EXTENSIONS_DIR": os.path.join(sys.prefix, "torch_extensions"),  # where setup built the ops
                    **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-                   "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+                   "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {})}
             command = [sys.executable, __file__, "--one", name, "--model-dir", str(model_dir), *_shape(args)]
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            if done.returncode != 0 or not lines:
-                raise SystemExit(f"bench_memory: setting {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+            if done.returncode != 0 or not lines:  # (named in the table; the others still run)
+                print(f"bench_memory: setting {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}",
+                      file=sys.stderr)
+                if name == "baseline":
+                    raise SystemExit("bench_memory: the baseline failed; nothing to compare with")
+                results.append({"setting": name, "failed": done.returncode})
+                continue
             results.append(json.loads(lines[-1]))
     return results
 
 
 def _shape(args) -> list[str]:
     return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-            ("hidden", "layers", "heads", "intermediate", "batch", "seq", "steps", "threads")]
+            ("hidden", "layers", "heads", "intermediate", "batch", "seq", "steps", "threads", "device", "dtype",
+             "peak_tflops")] + ([f"--config={args.config}"] if args.config else [])
 
 
 def table(results: list[dict]) -> str:
     from toolkit.table import text_table
 
     base = results[0]
-    rows = [("setting", "trainable", "optimizer states MB", "activations MB", "peak RSS MB", "step s",
-             "max loss diff", "activations ratio", "step ratio")]
+    gpu = base["peak_device_mb"] is not None
+    rows = [("setting", "trainable", "optimizer states MB", "activations MB", "peak RSS MB",
+             *(("peak GPU MB", "MFU") if gpu else ()), "step s", "max loss diff", "activations ratio",
+             *(("GPU memory ratio",) if gpu else ()), "step ratio")]
     for r in results:
+        if "failed" in r:
+            rows.append((r["setting"], f"failed (exit {r['failed']}): see stderr", *[""] * (len(rows[0]) - 2)))
+            continue
         same_weights = not r["setting"].startswith("lora")
         diffs = [abs(a - b) for a, b in zip(r["losses"], base["losses"])]
         diff = max(diffs) if same_weights else diffs[0]
         rows.append((r["setting"], f"{r['trainable']:,}", f"{r['optimizer_state_bytes'] / 2**20:.1f}",
-                     f"{r['saved_activation_bytes'] / 2**20:.1f}", f"{r['peak_rss_mb']:.0f}", f"{r['step_s']:.3f}",
+                     f"{r['saved_activation_bytes'] / 2**20:.1f}", f"{r['peak_rss_mb']:.0f}",
+                     *((f"{r['peak_device_mb']:.0f}", f"{r['mfu']:.1%}") if gpu else ()), f"{r['step_s']:.3f}",
                      f"{diff:.1e}" + ("" if same_weights else " (first)"),
                      f"{r['saved_activation_bytes'] / base['saved_activation_bytes']:.2f}",
+                     *((f"{r['peak_device_mb'] / base['peak_device_mb']:.2f}",) if gpu else ()),
                      f"{r['step_s'] / base['step_s']:.2f}"))
     return text_table(rows)
 
@@ -182,11 +232,21 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--config", help="a model's config.json to build (random weights) instead of the Llama shape")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda where there is one")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="default: bfloat16 on cuda (mixed precision), float32 on cpu")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense peak, for MFU")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset, baseline first")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.one:
         print(json.dumps(one(args.one, args.model_dir, args)))
         return 0
@@ -195,13 +255,14 @@ def main() -> int:
     if unknown or names[0] != "baseline":
         parser.error(f"--settings: known settings are {', '.join(SETTINGS)}, baseline first")
     results = measure(args, names)
-    print(f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, intermediate {args.intermediate}; "
-          f"{results[0]['total'] / 1e6:.1f}M parameters; micro-batch {args.batch} x {args.seq} tokens, "
-          f"{args.steps} steps, fp32")
+    shape = (f"{Path(args.config).stem}'s config" if args.config else
+             f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, intermediate {args.intermediate}")
+    print(f"{shape}; {results[0]['total'] / 1e6:.1f}M parameters; micro-batch {args.batch} x {args.seq} tokens, "
+          f"{args.steps} steps, {args.dtype} on {results[0]['device']}")
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0
+    return 1 if any("failed" in r for r in results) else 0
 
 
 if __name__ == "__main__":
