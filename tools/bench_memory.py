@@ -188,6 +188,9 @@ def measure(args, names: list[str]) -> list[dict]:
                 results.append({"setting": name, "failed": done.returncode})
                 continue
             results.append(json.loads(lines[-1]))
+            r = results[-1]  # (as each setting ends: a run cut short by a time limit still shows what it measured)
+            print(f"{name}: step {r['step_s']:.3f} s, peak RSS {r['peak_rss_mb']:.0f} MB"
+                  + (f", peak GPU {r['peak_device_mb']:.0f} MB" if r["peak_device_mb"] is not None else ""), file=sys.stderr)
     return results
 
 
