@@ -67,7 +67,8 @@ def build_model(directory: Path, args) -> None:
     torch.manual_seed(0)
     if args.config:
         fields = json.loads(Path(args.config).read_text())
-        fields.pop("torch_dtype", None), fields.pop("dtype", None), fields.pop("transformers_version", None)
+        for key in ("torch_dtype", "dtype", "transformers_version"):  # (--dtype decides; not config fields)
+            fields.pop(key, None)
         config = AutoConfig.for_model(**fields)
     else:
         config = LlamaConfig(vocab_size=512, hidden_size=args.hidden, num_hidden_layers=args.layers,

@@ -11,7 +11,7 @@
 # Each part has a time limit of its own and the next runs whatever it gave; tables and logs go to OUT_DIR.
 set -u
 out=${1:-${OUT:-/tmp/gpu-check}}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # (absolute: the script works from the repository's root)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}  # (DeepSpeed's CPU Adam, built once)

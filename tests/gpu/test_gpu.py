@@ -39,9 +39,12 @@ def qwen_config(**changes) -> dict:
     return {**fields, **changes}
 
 
-def two_layers() -> dict:
-    """Qwen2.5-0.5B's config cut to 2 layers and the tiny tokenizer's 512 tokens."""
-    return qwen_config(num_hidden_layers=2, max_window_layers=2, vocab_size=512, bos_token_id=1, eos_token_id=2)
+def two_layer_model():
+    """Qwen2.5-0.5B's architecture cut to 2 layers and the tiny tokenizer's 512 tokens, random weights (fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**qwen_config(
+        num_hidden_layers=2, max_window_layers=2, vocab_size=512, bos_token_id=1, eos_token_id=2)))
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +83,11 @@ def test_bf16_training_with_each_memory_switch(figures):
 
 
 def _engine(seed: int):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from toolkit.config.base import EngineSection
     from toolkit.training.engine import build_engine
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(**two_layers())
-    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model = two_layer_model().to(torch.bfloat16)
     return build_engine(model, EngineSection(zero_stage=2, lr=1e-3, micro_batch_size=4), 1e-3, "bfloat16", 1, 1)
 
 
@@ -103,6 +103,7 @@ def test_the_trainers_state_leaves_the_gpu_between_updates_and_trains_the_same(m
     losses, moved = {}, []
     for parking in (False, True):
         engine = _engine(0)
+        weights = sum(p.numel() for p in engine.module.parameters())
         losses[parking] = []
         for i, ids in enumerate(batches):
             if parking and i:
@@ -121,23 +122,12 @@ def test_the_trainers_state_leaves_the_gpu_between_updates_and_trains_the_same(m
     tolerance = 2e-3 if DEVICE.type == "cuda" else 0.0
     assert all(abs(a - b) <= tolerance for a, b in zip(losses[True], losses[False])), losses
     if DEVICE.type == "cuda":
-        weights = sum(p.numel() for p in _engine_parameters())
         print(f"parked {moved[0] / 2**20:.0f} MB of {weights / 1e6:.1f}M weights' training state")
         assert min(moved) > 0.9 * 12 * weights  # Adam's two states and the fp32 master weights at least
 
 
-def _engine_parameters():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return list(AutoModelForCausalLM.from_config(
-            AutoConfig.for_model(**two_layers())).parameters())
-
-
 def _sync_rank(rank: int, port_queue, results, device: str) -> None:
     """Trainer (rank 0) or generator (rank 1) of a weight-sync group, both on `device`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from toolkit.transport.rendezvous import connect_store, serve_store
     from toolkit.weights.probe import model_logprobs, probe_tokens
     from toolkit.weights.sync import WeightReceiver, WeightSender, form_group, gathered_buckets, plan_layout
@@ -148,8 +138,7 @@ def _sync_rank(rank: int, port_queue, results, device: str) -> None:
         port_queue.put(store.port)
     group = form_group(store, rank, 2, 120, device)
     torch.manual_seed(rank)  # (different weights on each side before the sync)
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(**two_layers())).to(device)
+    model = two_layer_model().to(device)
     params = list(model.named_parameters())
     if rank == 0:
         layout = plan_layout(params, 8 * 2**20, probe_tokens(512, 0))

@@ -71,9 +71,8 @@ def form_group(store: dist.Store, rank: int, world_size: int, timeout_s: float, 
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    log.log(logging.INFO if device.type == "cuda" else logging.DEBUG,
-            "weight-sync group %s: gloo%s", name, " (ranks share a GPU: copies through host memory)"
-            if device.type == "cuda" else "")
+    if device.type == "cuda":
+        log.info("weight-sync group %s: gloo, not NCCL (ranks share a GPU): copies through host memory", name)
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
 
