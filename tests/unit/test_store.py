@@ -52,6 +52,25 @@ def test_commit_and_read_back(tmp_path):
     assert "samples 2 (2 prompts x 1)" in experience.summary(path)
 
 
+def test_commit_writes_the_bytes_of_h5pys_own_calls(tmp_path):
+    """The commit writes through h5py's low-level API for speed; the file is the one its high-level
+    calls would write, byte for byte (attributes, one fixed-length string, contiguous datasets)."""
+    import h5py
+    import orjson
+
+    rec = record(5)
+    path = experience.commit(tmp_path, 5, rec)[0]
+    with h5py.File(tmp_path / "high-level.h5", "w") as f:
+        for key, value in rec["attrs"].items():
+            f.attrs[key] = value
+        f.create_dataset("meta", data=np.bytes_(orjson.dumps(rec["meta"], option=experience.JSON_OPTIONS)))
+        for group in ("samples", "experience"):
+            g = f.create_group(group)
+            for name, value in rec[group].items():
+                g.create_dataset(name, data=value)
+    assert path.read_bytes() == (tmp_path / "high-level.h5").read_bytes()
+
+
 def test_failed_commit_leaves_nothing(tmp_path):
     bad = record(0)
     bad["samples"]["prompt_ids"] = np.array([object()], dtype=object)  # h5py cannot store this
