@@ -43,7 +43,7 @@ def hostile(kind: str, rng: np.random.Generator, secret: bytes, elsewhere: str) 
     if kind == "lying header":
         header = {"kind": "samples", "sender": "generator:0#0", "seq": 1, "meta": {},
                   "arrays": [["x", "float32", [2**39]]]}  # 2 TB claimed, 4 bytes sent
-        return [MAGIC, bytes(NONCE_BYTES), msgpack.packb(header), b"1234", bytes(16)]
+        return [MAGIC + bytes(NONCE_BYTES), msgpack.packb(header), b"", b"1234", bytes(16)]
     if kind == "truncated":
         frames = [bytes(f) for f in intruder.encode("samples", {"step": 1}, {"x": np.ones(64, np.float32)})]
         cut = int(rng.integers(1, len(frames)))

@@ -38,10 +38,12 @@ def test_round_trip():
         assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b)
 
 
-def test_buffers_are_not_copied_on_send():
-    a = np.arange(1000, dtype=np.float32)
-    frames = Codec(SECRET, "x").encode("k", {}, {"a": a})
-    assert np.shares_memory(np.frombuffer(frames[3], dtype=np.float32), a)
+def test_large_buffers_are_not_copied_on_send_and_small_ones_travel_joined():
+    large, small = np.arange(1024, dtype=np.float32), np.arange(3, dtype=np.int16)  # (4096 and 6 bytes)
+    frames = Codec(SECRET, "x").encode("k", {}, {"s": small, "a": large, "t": small})
+    assert len(frames) == 5  # magic + nonce, header, the joined small arrays, the large one, tag
+    assert np.shares_memory(np.frombuffer(frames[3], dtype=np.float32), large)
+    assert bytes(frames[2]) == small.tobytes() + bytes(2) + small.tobytes() + bytes(2)  # (each padded to 8)
 
 
 def test_wrong_secret_is_rejected():
@@ -51,9 +53,10 @@ def test_wrong_secret_is_rejected():
     assert info.value.reason == "bad-mac"
 
 
-@pytest.mark.parametrize("index", [1, 2, 3, 4])
+@pytest.mark.parametrize("index", [0, 1, 2, 3, 4])  # (the nonce, header, small arrays, large array, tag)
 def test_altered_frame_is_rejected(index):
-    frames = [bytes(f) for f in Codec(SECRET, "g").encode("samples", {"step": 0}, arrays())]
+    frames = [bytes(f) for f in Codec(SECRET, "g").encode(
+        "samples", {"step": 0}, {**arrays(), "large": np.ones(2048, np.float32)})]
     altered = bytearray(frames[index])
     altered[len(altered) // 2] ^= 0x01
     frames[index] = bytes(altered)
@@ -74,7 +77,7 @@ def test_the_tag_is_gmac_of_the_frame_lengths_and_frames_under_the_messages_own_
     first, second = (Codec(SECRET, "g").encode("samples", {"step": 1}, {"big": big, **arrays()}) for _ in range(2))
     for frames in (first, second):
         *body, tag = [bytes(memoryview(f)) for f in frames]
-        key = hmac.digest(SECRET, b"slurm-rlhf gmac key:" + body[1], "sha256")
+        key = hmac.digest(SECRET, b"slurm-rlhf gmac key:" + body[0][len(MAGIC):], "sha256")
         lengths = struct.pack(f"<{len(body)}Q", *map(len, body))
         assert tag == AESGCM(key).encrypt(bytes(12), b"", lengths + b"".join(body))
     assert first[1] != second[1] and first[-1] != second[-1]
@@ -111,7 +114,7 @@ def test_a_valid_frame_reaches_only_the_receiver_it_was_sent_to():
 def forged(header: dict, buffers: list[bytes]) -> list:
     """Frames with a valid MAC around an arbitrary header (as from a buggy peer that knows the secret)."""
     codec = Codec(SECRET, "x")
-    body = [MAGIC, bytes(NONCE_BYTES), msgpack.packb(header), *buffers]
+    body = [MAGIC + bytes(NONCE_BYTES), msgpack.packb(header), *(buffers or [b""])]
     return [*body, codec._mac(body)]
 
 
@@ -119,7 +122,10 @@ def forged(header: dict, buffers: list[bytes]) -> list:
     ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": [["x", "object", [1]]]}, [b"12345678"], "dtype"),
     ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": [["x", "int32", [3]]]}, [b"1234"], "needs 12 bytes"),
     ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": [["x", "int32", [-1]]]}, [b""], "bad shape"),
-    ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": []}, [b"extra"], "0 arrays but 1 buffers"),
+    ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": []}, [b"extra"], "0 arrays, of 0 bytes joined"),
+    ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": []}, [b"", b"x" * 4096], "but 0 bytes and 1 buffers"),
+    ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": [["x", "int64", [512]]]}, [b""],
+     "'x' int64\\(512,\\) has no buffer"),
     ({"kind": 5, "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": []}, [], "strings"),
     ({"kind": "k", "sender": "a", "to": 3, "seq": 1, "meta": {}, "arrays": []}, [], "strings"),
     ({"kind": "k", "sender": "a", "to": "", "seq": "1", "meta": {}, "arrays": []}, [], "seq"),
@@ -134,10 +140,10 @@ def test_malformed_header_is_rejected(header, buffers, detail):
 def test_garbage_is_rejected():
     rx = Codec(SECRET, "s")
     for frames in ([b"hello"], [b"SRLHF0", b"x", b"y", b"z"], [MAGIC, bytes(NONCE_BYTES), b"\xc1", b"0" * 16],
-                   [MAGIC, b"short nonce", b"\xc1", b"0" * 16]):
+                   [MAGIC + b"short nonce", b"\xc1", b"", b"0" * 16]):
         with pytest.raises(FrameError):
             rx.decode(frames)
-    body = [MAGIC, bytes(NONCE_BYTES), b"\xc1\xc1"]  # authenticated but not msgpack
+    body = [MAGIC + bytes(NONCE_BYTES), b"\xc1\xc1", b""]  # authenticated but not msgpack
     with pytest.raises(FrameError, match="not msgpack"):
         rx.decode([*body, Codec(SECRET, "x")._mac(body)])
 
