@@ -86,3 +86,17 @@ def test_a_sync_group_takes_nccl_only_when_every_rank_has_a_gpu_of_its_own():
     assert sync_backend(cuda, ["GPU-a", "GPU-b", "GPU-a"]) == "gloo"  # (two ranks on one GPU: NCCL refuses them)
     assert sync_backend(cpu, ["None", "None"]) == "gloo"
     assert sync_backend(cuda, ["GPU-a", "None"]) == "gloo"  # (a generator on the CPU)
+
+
+def test_the_probe_thread_hands_back_its_log_probs_or_its_error():
+    """The trainer computes the probe in a thread while the buckets travel (`Prober`): its result, or the
+    exception it raised, reaches the sending thread."""
+    from toolkit.weights.sync import Prober
+
+    assert Prober(lambda: torch.ones(3), torch.device("cpu")).result().tolist() == [1, 1, 1]
+
+    def broken():
+        raise ValueError("no such layer")
+
+    with pytest.raises(ValueError, match="no such layer"):
+        Prober(broken, torch.device("cpu")).result()
