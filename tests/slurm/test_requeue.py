@@ -100,12 +100,12 @@ def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
     result = cli("submit", config, "--run-dir", run_dir, timeout=120)
     assert result.returncode == 0, result.stderr
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
-    for requeue in (1, 2):
+    for requeues in (1, 2):
         first = steps_done(run_dir)
-        wait_until(lambda: steps_done(run_dir) >= first + 3, f"attempt {requeue} to run 3 steps", run_dir=run_dir)
+        wait_until(lambda: steps_done(run_dir) >= first + 3, f"attempt {requeues} to run 3 steps", run_dir=run_dir)
         cut_time_limit(job_id)
-        wait_until(lambda: json.loads((run_dir / "job.json").read_text()).get("requeues", 0) >= requeue,
-                   f"requeue {requeue}", run_dir=run_dir)
+        wait_until(lambda: json.loads((run_dir / "job.json").read_text()).get("requeues", 0) >= requeues,
+                   f"requeue {requeues}", run_dir=run_dir)
         assert steps_done(run_dir) < STEPS
         set_time_limit(job_id, LONG_MIN)  # (a requeued job keeps the limit it is given)
     wait_until(lambda: not squeue(job_id), "the job to end", run_dir=run_dir)
