@@ -171,7 +171,7 @@ class Codec:
                 raise FrameError("malformed", f"array {name!r} {dtype}{tuple(shape)} needs {need} bytes, got {len(buf)}")
             arrays[name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
         if at != len(small) or taken != len(buffers):
-            raise FrameError("malformed", f"header lists {len(arrays)} arrays, of {at} bytes joined and "
+            raise FrameError("malformed", f"header lists {len(header['arrays'])} arrays, of {at} bytes joined and "
                                           f"{taken} buffers, but {len(small)} bytes and {len(buffers)} buffers came")
         self._last_seq[sender] = seq
         return Message(header["kind"], header["meta"], arrays, sender, seq)
