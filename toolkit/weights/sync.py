@@ -261,8 +261,9 @@ class Prober(threading.Thread):
     """The probe's forward pass in a thread of its own, so that the buckets go on being packed and sent
     while it runs (torch leaves the GIL to the other thread during each operation). Run in the sending
     thread, after the first bucket's start, it held back the second bucket on a CPU, where the forward
-    pass reads every weight once as the sync does: tools/bench_sync.py's 26M model synced in 0.075-0.081 s
-    with the thread, 0.089-0.107 s without (134M: 0.318-0.366 against 0.364-0.392; run alternately)."""
+    pass reads every weight once as the sync does: tools/bench_sync.py's 26M model synced in 0.072-0.081 s
+    with the thread, 0.082-0.107 s without (134M: 0.317-0.366 against 0.364-0.392; six runs each, as the
+    README gives them)."""
 
     def __init__(self, probe: Callable[[], torch.Tensor], device: torch.device):
         super().__init__(name="weight-sync-probe", daemon=True)
