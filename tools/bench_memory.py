@@ -152,6 +152,7 @@ def one(name: str, model_dir: str, args) -> dict:
             "mfu": flops / step_s / (args.peak_tflops * 1e12) if cuda else None,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "step_s": step_s, "losses": losses,
+            "reduce_bucket": getattr(engine.optimizer, "reduce_bucket_size", None),  # (ZeRO's, in elements)
             "optimizer": type(engine.optimizer).__name__ + "/" + type(_optimizers(engine.optimizer)[0]).__name__}
 
 
