@@ -21,9 +21,8 @@ exports), each phase's median where the system reports it, and the peak of the s
 every process of the run, as RSS and as PSS (which counts a page shared by several processes once); see
 `PeakMemory` for how it is sampled without slowing the run. The last line is `ratio R`: the lower of TRL's
 median step time over ours, for Separation and Flattening, TRL with the same switches. Our workers run
-with the allocator that `run.allocator: auto` picks (where installed: tcmalloc, and jemalloc for
-Flattening's trainer with vLLM in its process); TRL runs as its users run it, and once more with tcmalloc
-preloaded, for comparison.
+with the allocator that `run.allocator: auto` picks (tcmalloc where installed); TRL runs as its users run
+it, and once more with tcmalloc preloaded, for comparison.
 
 `--variable`: samples of very different lengths, as real RL has them. The model's end-of-sequence token
 then has the same probability at every position (1/64), so response lengths are geometric (mean about
@@ -256,14 +255,13 @@ def main() -> int:
         prompts = tiny / "prompts.jsonl"
         results = {"TRL": theirs(model, prompts, tmp, args.steps, variable=args.variable),
                    "TRL defaults": theirs(model, prompts, tmp, args.steps, variable=args.variable, checkpointing=True)}
-        allocator, library = choice("auto")  # (what run.allocator auto gives Separation's workers)
+        allocator, library = choice("auto")  # (what run.allocator auto gives our workers)
         if library:
             results["TRL+"] = theirs(model, prompts, tmp, args.steps, library, variable=args.variable)
         for key, strategy, lag, _ in runs:
             results[key] = ours(model, prompts, tmp, strategy, args.steps, args.variable, lag)
 
     trl = results["TRL"]
-    ours_with = {"separation": choice("auto")[0], "flattening": choice("auto-vllm-beside-trainer")[0]}
     rows = [("system", "step s (median)", "mean response", "generate s", "score s", "train s", "sync s",
              "peak RSS GB", "peak PSS GB", "PSS / TRL's", "TRL / this")]
     for key, label in (("TRL", f"TRL {trl['version']} GRPOTrainer, no act. checkpointing"),
@@ -274,9 +272,9 @@ def main() -> int:
             rows.append((label, f"{r['step_s']:.2f}", f"{r['response_len']:.0f}", "", "", "", "",
                          f"{r['peak'] / 1e9:.2f}", f"{r['pss'] / 1e9:.2f}", f"{r['pss'] / trl['pss']:.2f}",
                          f"{trl['step_s'] / r['step_s']:.2f}"))
-    for key, strategy, _, label in runs:
+    for key, _, _, label in runs:
         r = results[key]
-        rows.append((f"slurm-rlhf {label}, {ours_with[strategy]}", f"{r['step_s']:.2f}", f"{r['response_len']:.0f}",
+        rows.append((f"slurm-rlhf {label}, {allocator}", f"{r['step_s']:.2f}", f"{r['response_len']:.0f}",
                      f"{r['generate_s']:.2f}", f"{r['score_s']:.2f}", f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}",
                      f"{r['peak'] / 1e9:.2f}", f"{r['pss'] / 1e9:.2f}", f"{r['pss'] / trl['pss']:.2f}",
                      f"{trl['step_s'] / r['step_s']:.2f}"))

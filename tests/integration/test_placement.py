@@ -194,7 +194,7 @@ def test_flattening_runs_vllm_in_the_trainers_process_and_resumes(tiny, tmp_path
     log = (tmp_path / "flat" / "logs" / "all-0.log").read_text()
     assert "generating with vLLM in the trainer's process" in log
     from toolkit.launch.allocator import choice
-    allocator = choice("auto-vllm-beside-trainer")[0]  # (jemalloc first, in a process that generates and trains)
+    allocator = choice("auto")[0]
     assert allocator == "system" or f"memory allocator: {allocator}\n" in log
     killed = tmp_path / "killed"
     run_and_kill(config("killed", "flattening"), killed, after_commits=3)

@@ -65,22 +65,3 @@ def test_an_allocator_the_user_preloaded_is_kept_and_named():
     assert got["pid"] == pid and got["loaded"] == "jemalloc"
     assert got["line"] == ("memory allocator: jemalloc (already in LD_PRELOAD, so run.allocator tcmalloc was not "
                            "applied)")
-
-
-def test_auto_takes_jemalloc_first_where_the_trainer_runs_vllm_in_its_own_process(tiny, tmp_path, monkeypatch):
-    from tests.conftest import example, write_config
-    from toolkit.config import load_config
-
-    def asked(strategy, backend="auto", chosen="auto"):
-        data = example("tiny-grpo.yaml", tiny, placement={"strategy": strategy}, rollout={"backend": backend},
-                       run={"allocator": chosen})
-        return allocator.asked(load_config(write_config(tmp_path, data)))
-
-    assert asked("flattening", "vllm") == "auto-vllm-beside-trainer"
-    assert asked("flattening", "hf") == asked("separation") == asked("separation", "vllm") == "auto"
-    assert asked("flattening", "vllm", "tcmalloc") == "tcmalloc"  # (what the user names is kept)
-    if allocator.library("jemalloc"):
-        assert allocator.choice("auto-vllm-beside-trainer") == ("jemalloc", allocator.library("jemalloc"))
-    monkeypatch.setitem(allocator.LIBRARIES, "jemalloc", ("no_such_allocator_lib", "libno_such.so.2"))
-    if allocator.library("tcmalloc"):  # a node without jemalloc takes tcmalloc
-        assert allocator.choice("auto-vllm-beside-trainer")[0] == "tcmalloc"

@@ -47,9 +47,7 @@ class RunSection(Section):
     allocator: Literal["auto", "tcmalloc", "jemalloc", "system"] = "auto"
     """Memory allocator of the workers: `auto` takes tcmalloc, else jemalloc, where the node has it
     (libtcmalloc-minimal4, libjemalloc2), else glibc's malloc (`system`), which keeps the freed memory of
-    training steps and so holds more memory (README: Speed against TRL). Where the trainer runs vLLM in
-    its own process (rollout.backend vllm with Flattening), `auto` takes jemalloc first: it held that
-    process at 3.0 GB where tcmalloc's went up to 5.2 GB."""
+    training steps and so holds more memory (README: Speed against TRL)."""
     deterministic: bool = False
     """Bitwise-repeatable runs: deterministic torch algorithms, fixed thread counts (cpus_per_worker, else
     1), no vLLM prefix cache. A resumed run then ends with the same weights as an uninterrupted one."""

@@ -20,19 +20,11 @@ from toolkit.launch.env import ALLOCATOR as ENV  # the allocator the launcher as
 _DONE = "SLURM_RLHF_ALLOCATOR_CHECKED"    # set before the exec: a process looks only once
 # The libraries, by the name ld.so finds them under (Debian: libtcmalloc-minimal4, libjemalloc2).
 LIBRARIES = {"tcmalloc": ("tcmalloc_minimal", "libtcmalloc_minimal.so.4"), "jemalloc": ("jemalloc", "libjemalloc.so.2")}
-# `auto`, in the order tried. A process that runs vLLM and trains in turn (vLLM in the trainer's process)
-# takes jemalloc first: with tcmalloc, what generation leaves allocated between training steps kept
-# tcmalloc's spans partly used, and that worker of tools/bench_trl.py peaked at 5.2 GB in 3 runs of 4
-# (3.2 GB in the other), against 3.0 GB in each of 4 with jemalloc, in about 3% more step time.
-ORDERS = {"auto": ("tcmalloc", "jemalloc"), "auto-vllm-beside-trainer": ("jemalloc", "tcmalloc")}
-
-
-def asked(cfg) -> str:
-    """What the launcher asks the workers of `cfg` for (ENV): `run.allocator`, with `auto` made
-    `auto-vllm-beside-trainer` where the trainer runs vLLM in its own process."""
-    beside = (getattr(cfg, "generation_backend", None) == "vllm" and hasattr(cfg, "placement")
-              and cfg.placement.generation_with_actor())
-    return "auto-vllm-beside-trainer" if cfg.run.allocator == "auto" and beside else cfg.run.allocator
+# `auto`, in the order tried. (Where the trainer runs vLLM in its own process, Flattening, `auto` took
+# jemalloc first once: with tcmalloc that worker of tools/bench_trl.py went up to 5.2 GB. That was
+# DeepSpeed's 2 GB gradient bucket, now sized to the model (training/engine.py); with tcmalloc that
+# worker held 3.05-3.14 GB in 3 runs against jemalloc's 2.89 GB, with steps of 17.0-17.8 s against 18.9-21.0 s.)
+ORDERS = {"auto": ("tcmalloc", "jemalloc")}
 
 
 def library(name: str) -> str | None:
@@ -80,5 +72,5 @@ def describe() -> str:
     if now != "system":  # the user's LD_PRELOAD named the other one: it is left as it is
         return f"memory allocator: {now} (already in LD_PRELOAD, so run.allocator {wanted} was not applied)"
     missing = ORDERS.get(wanted, (wanted,))
-    return (f"memory allocator: system malloc (run.allocator {wanted.split('-')[0]}: {' or '.join(missing)} not "
+    return (f"memory allocator: system malloc (run.allocator {wanted}: {' or '.join(missing)} not "
             "found on this node; install libtcmalloc-minimal4 or libjemalloc2 for less memory and faster steps)")

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Callable
 
 from toolkit.errors import Interrupted, RunError, TrainerLost
-from toolkit.launch import allocator
 from toolkit.launch import env as E
 from toolkit.hold import hold
 from toolkit.launch.curves import Curves
@@ -138,7 +137,7 @@ class Supervisor:
         hold("start-up", self.run_dir.path)
         self.launcher.start(self.groups, {E.RUN_DIR: str(self.run_dir.path), E.CONTROL: self.coordinator.address,
                                           E.SECRET_FILE: str(self.run_dir.secret),
-                                          E.ALLOCATOR: allocator.asked(self.cfg)})
+                                          E.ALLOCATOR: self.cfg.run.allocator})
         self.echo(f"started {len(self.worker_ids)} workers ({', '.join(f'{g.name} x{g.workers}' for g in self.groups)})"
                   f"; logs in {self.run_dir.logs}")
         started = time.monotonic()
