@@ -225,20 +225,24 @@ def fault_moments(case: str, roles: tuple[str, ...]) -> list[str]:
     return [f"{WHERE[role]}@{rng.randint(1, STEPS)}" for role in roles]
 
 
-def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str, signal.Signals]]
+def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str, signal.Signals]], **sections
                     ) -> tuple[Path, str, list[int], dict]:
-    """The baseline's run, with the process that reaches each `moment` (of toolkit/hold.py) sent its signal
-    there, in the order they are reached: (run dir, the run's output, the pids signalled, the worker pids
-    before). The run must end as the uninterrupted baseline, every sample group once in its HDF5 files."""
+    """The baseline's run (with config `sections` changed), with the process that reaches each `moment` (of
+    toolkit/hold.py) sent its signal there, in the order they are reached: (run dir, the run's output, the
+    pids signalled, the worker pids before). The run must end as the uninterrupted baseline, every sample
+    group once in its HDF5 files, and no process that a signalled worker had started may be left."""
+    import psutil
+
     from toolkit.hold import ENV
 
     run_dir = tmp_path / "run"
     print(f"faults (SLURM_RLHF_FAULT_SEED={FAULT_SEED}): " + ", ".join(f"{how.name} at {m}" for m, how in faults))
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run",
-                             str(config(tiny, tmp_path, transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4})),
+                             str(config(tiny, tmp_path, transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4},
+                                        **sections)),
                              "--run-dir", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env={**os.environ, ENV: ",".join(m for m, _ in faults)})
-    victims, pids, left = [], {}, dict(faults)
+    victims, offspring, pids, left = [], [], {}, dict(faults)
     try:
         deadline = time.monotonic() + 300
         while left:
@@ -251,6 +255,7 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
             victim = int(markers[held[0]].read_text())
             workers = json.loads((run_dir / "status.json").read_text())["workers"]
             pids = pids or {w: e["pid"] for w, e in workers.items()}
+            offspring += [child.pid for child in psutil.Process(victim).children(recursive=True)]
             os.kill(victim, left.pop(held[0]))
             victims.append(victim)
         out, _ = proc.communicate(timeout=600)
@@ -258,7 +263,7 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
-    assert not alive(victims)
+    assert not alive(victims) and not alive(offspring), (victims, offspring)
     assert_same_as_baseline(run_dir, baseline)
     for step in range(STEPS):  # 0 samples lost, 0 twice
         s = experience.read(run_dir / "experience" / experience.file_name(step))["samples"]
@@ -267,16 +272,28 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
     return run_dir, out, victims, pids
 
 
-@pytest.mark.parametrize("signals", [(signal.SIGKILL, signal.SIGSTOP), (signal.SIGSTOP, signal.SIGKILL)],
-                         ids=["generator-kill-scorer-stop", "generator-stop-scorer-kill"])
-def test_dead_or_hung_workers_are_started_again_alone_and_the_run_ends_as_if_not(baseline, tiny, tmp_path, signals):
+@pytest.mark.parametrize("signals, ranks", [((signal.SIGKILL, signal.SIGSTOP), 2), ((signal.SIGSTOP, signal.SIGKILL), 1)],
+                         ids=["generator-tp2-kill-scorer-stop", "generator-stop-scorer-kill"])
+def test_dead_or_hung_workers_are_started_again_alone_and_the_run_ends_as_if_not(baseline, tiny, tmp_path, signals,
+                                                                                ranks):
     """kill -9 or SIGSTOP (found by its missed heartbeats) of the vLLM generator and of the scorer, each at
     a step drawn from FAULT_SEED: the driver starts each worker again alone (the trainer keeps running), it
     rejoins, and the run ends as the uninterrupted baseline: the same weights, rewards and samples, every
-    sample group once in the committed HDF5 files."""
+    sample group once in the committed HDF5 files. In the first case the generator's vLLM is tensor-parallel
+    over 2 ranks (rollout.vllm.tensor_parallel_size), each a process of its own bound to a CPU of its own,
+    where the baseline's is one rank: the ranks end with their generator (none is left), the generator
+    started again runs two again, and its samples are still the baseline's."""
+    from toolkit.roles.engines.vllm_engine import cpu_binding
+
     roles = ("generator", "scorer")
     faults = list(zip(fault_moments("-".join(s.name for s in signals), roles), signals))
-    run_dir, out, victims, pids = run_with_faults(baseline, tiny, tmp_path, faults)
+    run_dir, out, victims, pids = run_with_faults(baseline, tiny, tmp_path, faults,
+                                                  rollout={"vllm": {"tensor_parallel_size": ranks}})
+    if ranks > 1:
+        log = (run_dir / "logs" / "generator-0.log").read_text()
+        binding = cpu_binding(ranks, sorted(os.sched_getaffinity(0)))  # ("0|1" on 2 cores)
+        assert log.count(f"VLLM_CPU_OMP_THREADS_BIND={binding!r}") == 2, log  # (both starts)
+        assert log.count(f"Worker_TP{ranks - 1} pid=") >= 2  # (vLLM names the lines of each rank's process)
     assert out.count("starting it again alone (restart ") == 2 and "restart 2 of run.max_worker_restarts 3" in out
     for role, how in zip(roles, signals):
         victim = pids[f"{role}:0"]

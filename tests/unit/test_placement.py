@@ -112,6 +112,10 @@ def test_placement_against_resources(tiny, tmp_path):
                    rollout={"vllm": {"tensor_parallel_size": 2}})
     assert "rollout.vllm.tensor_parallel_size (2) does not divide the GPUs of each generator worker (3)" in \
         error_of(tiny, tmp_path, data)
+    data = example("tiny-grpo.yaml", tiny, placement={"generator": {"cpus_per_worker": 1}},
+                   rollout={"backend": "vllm", "vllm": {"tensor_parallel_size": 2}})
+    assert ("rollout.vllm.tensor_parallel_size (2) is more than the CPUs of each generator worker (1); on CPUs each "
+            "rank needs one of its own: give placement.generator.cpus_per_worker at least 2") in error_of(tiny, tmp_path, data)
     data = example("tiny-grpo.yaml", tiny, placement={"strategy": "flattening", "all": {"workers": 2}},
                    rollout={"backend": "vllm"})
     assert "vLLM runs in the trainer's process only when that node group has one worker (one device), it has 2" \
@@ -138,3 +142,15 @@ def test_asynchronous_mode_needs_generators_of_their_own(tiny, tmp_path):
                                                      rollout={"max_policy_lag": 2})))
     assert cfg.behaviour_correction  # auto: on when asynchronous
     assert not load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny))).behaviour_correction
+
+
+def test_tensor_parallel_ranks_on_cpus_get_cpus_of_their_own():
+    """vLLM on CPU binds each tensor-parallel rank's threads to one NUMA node each unless told which CPUs
+    to take: a generator worker shares its CPUs among its ranks, and one left over stays unbound."""
+    from toolkit.roles.engines.vllm_engine import cpu_binding
+
+    assert cpu_binding(2, [0, 1]) == "0|1"
+    assert cpu_binding(2, [4, 5, 6, 7, 9]) == "4,5|6,7"
+    with pytest.raises(RuntimeError, match=r"tensor_parallel_size is 4, but this generator worker may use 3 CPU\(s\) "
+                                           r"\(0, 1, 2\).*cpus_per_worker at least 4"):
+        cpu_binding(4, [0, 1, 2])

@@ -417,6 +417,12 @@ class RunConfig(Section):
         if generators.gpus_per_worker and generators.gpus_per_worker % tp:
             raise ValueError(f"rollout.vllm.tensor_parallel_size ({tp}) does not divide the GPUs of each generator "
                              f"worker ({generators.gpus_per_worker}); make the GPUs a multiple of it")
+        if (tp > 1 and self.generation_backend == "vllm" and not generators.gpus_per_worker
+                and generators.cpus_per_worker and generators.cpus_per_worker < tp):
+            group = next(name for name, models, _ in layout if "generation" in models)
+            raise ValueError(f"rollout.vllm.tensor_parallel_size ({tp}) is more than the CPUs of each generator "
+                             f"worker ({generators.cpus_per_worker}); on CPUs each rank needs one of its own: give "
+                             f"placement.{group}.cpus_per_worker at least {tp}")
         sections = {name: g for name, _, g in layout}
         for name, g in sections.items():
             if g.same_nodes_as is None:

@@ -11,6 +11,18 @@ from toolkit.roles.engines import Completion
 EXTENSION = "toolkit.weights.vllm_extension.WeightSyncExtension"
 
 
+def cpu_binding(ranks: int, cpus: list[int], group: str = "generator") -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel ranks on `cpus`: as many CPUs for each,
+    in order ("0,1|2,3"); a CPU left over stays unbound, for the engine's own process."""
+    if len(cpus) < ranks:
+        raise RuntimeError(
+            f"rollout.vllm.tensor_parallel_size is {ranks}, but this generator worker may use {len(cpus)} CPU(s) "
+            f"({', '.join(map(str, cpus))}); on CPUs every tensor-parallel rank needs one of its own: give "
+            f"placement.{group}.cpus_per_worker at least {ranks}, or lower the size")
+    share = len(cpus) // ranks
+    return "|".join(",".join(map(str, cpus[r * share:(r + 1) * share])) for r in range(ranks))
+
+
 class VllmEngine:
     def __init__(self, cfg, device, beside_trainer: bool = False):
         """`beside_trainer`: in the trainer's process (Flattening on one device): the trainer loads its
@@ -27,6 +39,12 @@ class VllmEngine:
         vcfg = cfg.rollout.vllm
         self.cfg = cfg
         self.ranks = vcfg.tensor_parallel_size
+        if self.ranks > 1 and current_platform.is_cpu():
+            # vLLM binds each rank's threads to a NUMA node of its own, and fails where there are fewer
+            # nodes than ranks (one, on most nodes): give each rank its share of this worker's CPUs instead.
+            group = next(name for name, models, _ in cfg.placement.layout() if "generation" in models)
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                  cpu_binding(self.ranks, sorted(os.sched_getaffinity(0)), group))
         self.llm = LLM(
             model=cfg.model.actor,
             tokenizer=str(cfg.tokenizer_path),
