@@ -297,8 +297,8 @@ def main() -> None:
             torch.set_num_threads(worker.group.cpus_per_worker or 1)
             if cfg.run.deterministic:
                 torch.use_deterministic_algorithms(True, warn_only=True)
-                # ... without filling every torch.empty with NaN: DeepSpeed allocates 500M-element
-                # gradient buckets each micro-step (2 GB written per step, 40x slower training).
+                # ... without filling every torch.empty with NaN: DeepSpeed allocates a gradient bucket
+                # each micro-step (with its default size, 2 GB written per step: 40x slower training).
                 torch.utils.deterministic.fill_uninitialized_memory = False
         worker.run()
         log.info("worker %s done", wenv.worker_id)
