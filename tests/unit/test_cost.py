@@ -311,6 +311,20 @@ def llama_ppo(config: str) -> Workload:
                     prompt_tokens=1024, response_tokens=1024, dtype_bytes=2, switches=Switches(checkpointing=True))
 
 
+def test_the_planner_gives_vllm_only_tp_sizes_that_divide_the_policys_attention_heads():
+    """vLLM splits the attention heads over its tensor-parallel ranks and does not start where they do not
+    divide: Qwen2.5-7B's 28 heads take TP 1, 2 or 4 on nodes of 8 GPUs (the planner offered 8 too before),
+    Llama-2-7B's 32 heads TP 8 too."""
+    cluster = load_cluster(CLUSTERS / "2x8-h100.yaml")
+    sizes = {}
+    for config in ("Qwen--Qwen2.5-7B-Instruct.json", "meta-llama--Llama-2-7b-hf.json"):
+        found = search(cluster, llama_ppo(config), 3, strategies=("colocate_all_models",), keep=10**6)
+        sizes[config] = {c.setting.tensor_parallel for c in found.fit + found.rejected}
+    assert sizes == {"Qwen--Qwen2.5-7B-Instruct.json": {1, 2, 4}, "meta-llama--Llama-2-7b-hf.json": {1, 2, 4, 8}}
+    assert ModelShape.from_config(REPO / "tests" / "fixtures" / "model_configs" / "facebook--opt-13b.json").heads == 40
+    assert ModelShape.from_params(13e9).heads is None  # (a guessed shape: its heads are not known)
+
+
 def test_a_large_search_picks_the_trainers_settings_first_and_finds_the_same_best_plan():
     """Past `keep` layouts a strategy, each trainer size keeps only its fastest (ZeRO, micro-batch) that
     fits: far fewer plans are estimated, and the best plan is the one that trying every setting finds."""

@@ -73,6 +73,7 @@ class ModelShape:
     active_params: float | None = None  # a mixture of experts: what one token passes through (None: all)
     ffn: int | None = None              # the MLP's inner width (None: 4 x hidden)
     value_head: bool = False            # one output per token (critic, reward model), not the vocabulary
+    heads: int | None = None            # attention (query) heads, where known: vLLM's TP size must divide them
 
     @property
     def outputs(self) -> int:
@@ -91,8 +92,11 @@ class ModelShape:
 
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
-        n = count(json.loads(file.read_text()), str(file))
-        return cls(float(n.total), n.layers, n.hidden, n.vocab, n.kv_heads, n.head_dim, float(n.active), n.ffn)
+        config = json.loads(file.read_text())
+        n = count(config, str(file))
+        heads = next((config[k] for k in ("num_attention_heads", "n_head") if isinstance(config.get(k), int)), None)
+        return cls(float(n.total), n.layers, n.hidden, n.vocab, n.kv_heads, n.head_dim, float(n.active), n.ffn,
+                   heads=heads)
 
     @classmethod
     def from_params(cls, params: float, vocab: int = 32000) -> "ModelShape":

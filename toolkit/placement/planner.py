@@ -109,7 +109,9 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     closest: list = []  # (-peak, n, Candidate): the `keep` closest to fitting
     of_strategy: dict[str, tuple[float, Candidate]] = {}
     found = Found([], [], strategies=tuple(strategies))
-    tps = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node and cluster.gpus_per_node % t == 0] or [1]
+    # (vLLM gives each rank as many attention heads: a size that does not divide the policy's cannot start)
+    tps = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node and cluster.gpus_per_node % t == 0
+           and (w.actor.heads is None or w.actor.heads % t == 0)] or [1]
     usable = cluster.device.memory_gb * GB
     settings: dict = {}  # (trainer ranks, trainer groups): their (ZeRO stage, micro-batch) settings
 
