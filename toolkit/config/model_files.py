@@ -23,8 +23,13 @@ def head_dim(config: dict) -> int | None:
     if isinstance(config.get("head_dim"), int):
         return config["head_dim"]
     hidden = next((config[k] for k in ("hidden_size", "n_embd", "d_model") if isinstance(config.get(k), int)), None)
-    heads = next((config[k] for k in ("num_attention_heads", "n_head") if isinstance(config.get(k), int)), None)
+    heads = attention_heads(config)
     return hidden // heads if hidden and heads else None
+
+
+def attention_heads(config: dict) -> int | None:
+    """The number of attention (query) heads, where the config says."""
+    return next((config[k] for k in ("num_attention_heads", "n_head") if isinstance(config.get(k), int)), None)
 
 
 def vllm_cpu_problem(path: str | Path) -> str | None:

@@ -88,15 +88,15 @@ class ModelShape:
     @classmethod
     def from_config(cls, path: str | Path) -> "ModelShape":
         """From a Hugging Face `config.json` (or its directory), counted for its family (shapes.py)."""
+        from toolkit.config.model_files import attention_heads
         from toolkit.placement.shapes import count
 
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         config = json.loads(file.read_text())
         n = count(config, str(file))
-        heads = next((config[k] for k in ("num_attention_heads", "n_head") if isinstance(config.get(k), int)), None)
         return cls(float(n.total), n.layers, n.hidden, n.vocab, n.kv_heads, n.head_dim, float(n.active), n.ffn,
-                   heads=heads)
+                   heads=attention_heads(config))
 
     @classmethod
     def from_params(cls, params: float, vocab: int = 32000) -> "ModelShape":
