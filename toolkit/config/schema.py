@@ -327,6 +327,10 @@ class PlacementSection(Section):
         """Resources of the node group hosting `model`."""
         return next(g for _, models, g in self.layout() if model in models)
 
+    def name_with(self, model: str) -> str:
+        """The name of the node group hosting `model` (as its section is named under `placement`)."""
+        return next(name for name, models, _ in self.layout() if model in models)
+
     def generation_with_actor(self) -> bool:
         """Whether generation shares the actor's workers (it then generates with the actor itself)."""
         return generation_with_actor(models for _, models, _ in self.layout())
@@ -397,8 +401,7 @@ class RunConfig(Section):
                                  "the reference model, which with trainer.lora is the actor without its adapters, "
                                  "computed by the trainer; use a placement without a reference group of its own "
                                  "(e.g. separation)")
-        critic = next(name for name, models, _ in layout if "critic" in models)
-        actor = next(name for name, models, _ in layout if "actor" in models)
+        critic, actor = self.placement.name_with("critic"), self.placement.name_with("actor")
         if critic != actor:
             if self.run.algorithm != "ppo":
                 raise ValueError(f"placement.{critic} hosts the critic, but run.algorithm {self.run.algorithm} has "
@@ -419,7 +422,7 @@ class RunConfig(Section):
                              f"worker ({generators.gpus_per_worker}); make the GPUs a multiple of it")
         if (tp > 1 and self.generation_backend == "vllm" and not generators.gpus_per_worker
                 and generators.cpus_per_worker and generators.cpus_per_worker < tp):
-            group = next(name for name, models, _ in layout if "generation" in models)
+            group = self.placement.name_with("generation")
             raise ValueError(f"rollout.vllm.tensor_parallel_size ({tp}) is more than the CPUs of each generator "
                              f"worker ({generators.cpus_per_worker}); on CPUs each rank needs one of its own: give "
                              f"placement.{group}.cpus_per_worker at least {tp}")

@@ -42,9 +42,8 @@ class VllmEngine:
         if self.ranks > 1 and current_platform.is_cpu():
             # vLLM binds each rank's threads to a NUMA node of its own, and fails where there are fewer
             # nodes than ranks (one, on most nodes): give each rank its share of this worker's CPUs instead.
-            group = next(name for name, models, _ in cfg.placement.layout() if "generation" in models)
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                                  cpu_binding(self.ranks, sorted(os.sched_getaffinity(0)), group))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(
+                self.ranks, sorted(os.sched_getaffinity(0)), cfg.placement.name_with("generation")))
         self.llm = LLM(
             model=cfg.model.actor,
             tokenizer=str(cfg.tokenizer_path),
