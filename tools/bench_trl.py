@@ -17,7 +17,9 @@ FLOPs) to hold fewer activations; so TRL runs with it off, as we train, for the 
 its defaults, as a user who changes nothing gets it.
 
 Figures: the median step time over the steps after the first (slurm-rlhf: also the last, which
-exports), each phase's median where the system reports it, and the peak of the summed resident memory of
+exports), each phase's median (TRL's, timed around its methods by tools/trl_grpo.py: its generation;
+scoring, the rest of `_generate_and_score_completions`: reference log-probs, rewards, advantages; and
+training, the rest of the step), and the peak of the summed resident memory of
 every process of the run, as RSS and as PSS (which counts a page shared by several processes once); see
 `PeakMemory` for how it is sampled without slowing the run. The last line is `ratio R`: the lower of TRL's
 median step time over ours, for Separation and Flattening, TRL with the same switches. Our workers run
@@ -228,7 +230,11 @@ def theirs(model: Path, prompts: Path, tmp: Path, steps: int, preload: str | Non
                      str(steps + 1), str(out), *(["--free", str(VARIABLE_MAX)] if variable else []),
                      *(["--checkpointing"] if checkpointing else [])], env=env)
     result = json.loads(out.read_text())
-    return {"step_s": statistics.median(result["step_s"][1:]), "peak": peak.peak, "pss": peak.peak_pss,
+    steps = list(zip(result["step_s"], result["generate_s"], result["score_s"]))[1:]
+    # (TRL generates once per optimizer step; what is neither generation nor scoring is training)
+    phases = {"generate_s": statistics.median(g for _, g, _ in steps), "score_s": statistics.median(c for _, _, c in steps),
+              "train_s": statistics.median(s - g - c for s, g, c in steps), "sync_s": None}
+    return {"step_s": statistics.median(result["step_s"][1:]), **phases, "peak": peak.peak, "pss": peak.peak_pss,
             "version": result["trl"], "response_len": statistics.mean(result["response_len"][1:] or [float("nan")])}
 
 
@@ -264,20 +270,16 @@ def main() -> int:
     trl = results["TRL"]
     rows = [("system", "step s (median)", "mean response", "generate s", "score s", "train s", "sync s",
              "peak RSS GB", "peak PSS GB", "PSS / TRL's", "TRL / this")]
-    for key, label in (("TRL", f"TRL {trl['version']} GRPOTrainer, no act. checkpointing"),
-                       ("TRL+", f"TRL, {allocator} preloaded"),
-                       ("TRL defaults", "TRL, activation checkpointing (its default)")):
+    labels = [("TRL", f"TRL {trl['version']} GRPOTrainer, no act. checkpointing"),
+              ("TRL+", f"TRL, {allocator} preloaded"), ("TRL defaults", "TRL, activation checkpointing (its default)")]
+    labels += [(key, f"slurm-rlhf {label}, {allocator}") for key, _, _, label in runs]
+    for key, label in labels:
         if key in results:
             r = results[key]
-            rows.append((label, f"{r['step_s']:.2f}", f"{r['response_len']:.0f}", "", "", "", "",
+            rows.append((label, f"{r['step_s']:.2f}", f"{r['response_len']:.0f}",
+                         *("" if r[k] is None else f"{r[k]:.2f}" for k in ("generate_s", "score_s", "train_s", "sync_s")),
                          f"{r['peak'] / 1e9:.2f}", f"{r['pss'] / 1e9:.2f}", f"{r['pss'] / trl['pss']:.2f}",
                          f"{trl['step_s'] / r['step_s']:.2f}"))
-    for key, _, _, label in runs:
-        r = results[key]
-        rows.append((f"slurm-rlhf {label}, {allocator}", f"{r['step_s']:.2f}", f"{r['response_len']:.0f}",
-                     f"{r['generate_s']:.2f}", f"{r['score_s']:.2f}", f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}",
-                     f"{r['peak'] / 1e9:.2f}", f"{r['pss'] / 1e9:.2f}", f"{r['pss'] / trl['pss']:.2f}",
-                     f"{trl['step_s'] / r['step_s']:.2f}"))
     if args.variable:
         print(f"GRPO step: 26M-parameter Llama, 16 prompts x 4 samples, responses of geometric length (end of "
               f"sequence at 1/{round(1 / EOS_RATE)} a token, cut at {VARIABLE_MAX}), KL 0.04, fp32, "

@@ -3,8 +3,10 @@ TRL's own virtual environment (bench_trl.py makes it), so it imports nothing of 
 
     python tools/trl_grpo.py MODEL_DIR PROMPTS_JSONL STEPS OUT_JSON [--free MAX_NEW_TOKENS] [--checkpointing]
 
-Writes {"step_s": [seconds of each optimizer step], "response_len": [mean completion length of each
-step], "trl": version}. One optimizer step takes 64 samples (16 prompts x 4) in 4 micro-batches of 16,
+Writes {"step_s": [seconds of each optimizer step], "generate_s", "score_s": [seconds of each step in
+TRL's generation, and in the rest of its `_generate_and_score_completions` (reference log-probs,
+rewards, advantages)], "response_len": [mean completion length of each step], "trl": version}; the rest
+of a step is training. One optimizer step takes 64 samples (16 prompts x 4) in 4 micro-batches of 16,
 generates them once (transformers `generate`, forced to 128 new tokens; with `--free`, up to MAX_NEW_TOKENS
 and ending at end-of-sequence), and keeps a reference model for the KL term (beta 0.04), as the
 slurm-rlhf side does. `--checkpointing`: activation (gradient) checkpointing on, as GRPOConfig has it
@@ -64,6 +66,19 @@ def main() -> int:
                 self.lengths.append(logs["completions/mean_length"])
 
     clock = Clock()
+    phases = {"generate_s": [], "score_s": []}
+
+    def timed(method, key, inner=None):
+        """`method`, its seconds appended to phases[key] (less those of `inner` in the same call)."""
+        def call(*args, **kwargs):
+            before = sum(phases[inner]) if inner else 0.0
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                phases[key].append(time.perf_counter() - start - ((sum(phases[inner]) - before) if inner else 0.0))
+        return call
+
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(output_dir=tmp, per_device_train_batch_size=16, gradient_accumulation_steps=4,
                             num_generations=4, max_completion_length=max_new, beta=0.04, learning_rate=1e-5,
@@ -74,8 +89,12 @@ def main() -> int:
                             gradient_checkpointing=args.checkpointing)
         trainer = GRPOTrainer(model=args.model_dir, reward_funcs=reward, args=config, train_dataset=dataset,
                               callbacks=[clock])
+        # (one generation of all 64 samples per optimizer step: steps_per_generation = the accumulation steps)
+        trainer._generate = timed(trainer._generate, "generate_s")
+        trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "score_s",
+                                                        inner="generate_s")
         trainer.train()
-    result = {"step_s": clock.steps, "response_len": clock.lengths, "trl": trl.__version__}
+    result = {"step_s": clock.steps, **phases, "response_len": clock.lengths, "trl": trl.__version__}
     Path(args.out).write_text(json.dumps(result))
     return 0
 
