@@ -143,6 +143,56 @@ def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def set_eos_rate(model, rate: float) -> None:
+    """Make end-of-sequence have probability `rate` at every position of a random Llama (`model`, in place),
+    so that response lengths are geometric (mean about 1 / rate): residual dimension 0 holds the same value
+    at every position (each token's embedding sets it, no layer writes into it), and the LM head's
+    end-of-sequence row reads that dimension alone, so its logit is a constant, set against the other
+    tokens' (near 0 in a random model)."""
+    import math
+
+    import torch
+
+    config = model.config
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 2.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.mlp.down_proj.weight[0].zero_()
+        seen = {}
+        hook = model.model.norm.register_forward_hook(lambda _m, inputs, _o: seen.setdefault("x", inputs[0]))
+        model(torch.randint(0, config.vocab_size, (8, 64)))
+        hook.remove()
+        x = seen["x"]
+        normed = (x[..., 0] / x.pow(2).mean(-1).sqrt()).mean().item()  # dimension 0 after the final norm
+        logit = math.log((config.vocab_size - 1) * rate / (1 - rate))
+        model.lm_head.weight[config.eos_token_id].zero_()
+        model.lm_head.weight[config.eos_token_id, 0] = logit / normed
+
+
+def with_eos_rate(tiny: Path, out: Path, rate: float) -> Path:
+    """A copy of the tiny model set's policy (`tiny`/model) in `out`, whose responses end at end-of-sequence
+    with probability `rate` at every token (`set_eos_rate`): samples of different lengths, as real ones are."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny / "model", dtype=torch.float32)
+    set_eos_rate(model, rate)
+    model.save_pretrained(out)
+    copy_tokenizer(tiny / "model", out)
+    return out
+
+
+def copy_tokenizer(model_dir: Path, out: Path) -> None:
+    """The tokenizer files of `model_dir` into `out` (beside a model built from the same tokenizer)."""
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, out / name)
+
+
 def _response(rng: random.Random, digits: float) -> str:
     """A response of 6-12 words, each a number with probability `digits`."""
     return " ".join(str(rng.randint(0, 999)) if rng.random() < digits else rng.choice(WORDS)

@@ -139,17 +139,20 @@ class Worker:
     def run_stages(self, stage: str, payload) -> None:
         """Run `stage` and the stages after it that this worker hosts; send the result on to the next host."""
         from toolkit.placement.plan import next_stage
+        from toolkit.samples import SampleBatch
 
         if stage not in self.roles:
             raise RuntimeError(f"got samples for {stage!r}, which worker {self.id} does not host")
-        while True:
-            payload = self.roles[stage].handle(payload)
-            stage = next_stage(self.groups, stage)
-            if payload is None or stage is None:
-                return
-            if stage not in self.roles or (stage == "trainer" and self.rank > 0):
-                break
-        self.outbox_for(stage).send(*payload.to_message(stage), timeout_s=self.cfg.transport.step_timeout_s)
+        result = self.roles[stage].handle(payload)
+        after = next_stage(self.groups, stage)
+        # (a generator may send its samples on in parts, as they finish: rollout.stream_groups)
+        for part in ([] if result is None else [result] if isinstance(result, SampleBatch) else result):
+            if after is None:
+                continue
+            if after in self.roles and not (after == "trainer" and self.rank > 0):
+                self.run_stages(after, part)
+            else:
+                self.outbox_for(after).send(*part.to_message(after), timeout_s=self.cfg.transport.step_timeout_s)
 
     def outbox_for(self, stage: str):
         """The PUSH socket to the workers that take samples for `stage` (every rank, or rank 0 only)."""

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -62,13 +61,11 @@ EOS_RATE, VARIABLE_MAX = 1 / 64, 256  # --variable: the end-of-sequence token's 
 
 def build_model(tiny: Path, out: Path, eos_rate: float | None = None) -> None:
     """The benchmark's Llama with the tiny tokenizer. With `eos_rate`, end-of-sequence has that probability
-    at every position: residual dimension 0 holds the same value at every position (each token's embedding
-    sets it, no layer writes into it), and the LM head's end-of-sequence row reads that dimension alone, so
-    its logit is a constant, set against the other 511 tokens' (near 0 in a random model)."""
-    import math
-
+    at every position (`toolkit.tiny.set_eos_rate`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.tiny import copy_tokenizer, set_eos_rate
 
     torch.manual_seed(0)
     small = json.loads((tiny / "model" / "config.json").read_text())
@@ -78,24 +75,9 @@ def build_model(tiny: Path, out: Path, eos_rate: float | None = None) -> None:
                          pad_token_id=small["pad_token_id"], tie_word_embeddings=False)
     model = LlamaForCausalLM(config)
     if eos_rate:
-        with torch.no_grad():
-            model.model.embed_tokens.weight[:, 0] = 2.0
-            for layer in model.model.layers:
-                layer.self_attn.o_proj.weight[0].zero_()
-                layer.mlp.down_proj.weight[0].zero_()
-            seen = {}
-            hook = model.model.norm.register_forward_hook(lambda _m, inputs, _o: seen.setdefault("x", inputs[0]))
-            model(torch.randint(0, config.vocab_size, (8, 64)))
-            hook.remove()
-            x = seen["x"]
-            normed = (x[..., 0] / x.pow(2).mean(-1).sqrt()).mean().item()  # dimension 0 after the final norm
-            logit = math.log((config.vocab_size - 1) * eos_rate / (1 - eos_rate))
-            model.lm_head.weight[config.eos_token_id].zero_()
-            model.lm_head.weight[config.eos_token_id, 0] = logit / normed
+        set_eos_rate(model, eos_rate)
     model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tiny / "model" / name).exists():
-            shutil.copy(tiny / "model" / name, out / name)
+    copy_tokenizer(tiny / "model", out)
 
 
 def trl_python() -> Path:
@@ -193,7 +175,8 @@ def measured(command: list[str], **kwargs) -> PeakMemory:
 
 
 def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int, variable: bool = False,
-         lag: int = 0) -> dict:
+         lag: int = 0, rollout: dict | None = None, placement: dict | None = None, name: str = "") -> dict:
+    """Our run of the workload (`rollout`, `placement`: settings on top; `name`: of its run directory)."""
     config = {"run": {"name": f"bench-{strategy}", "algorithm": "grpo", "steps": steps + 2, "seed": 0},
               "data": {"prompts": str(prompts)}, "model": {"actor": str(model)},
               "rollout": {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 128, "ignore_eos": True,
@@ -208,14 +191,17 @@ def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int, varia
         config["trainer"]["micro_batch_tokens"] = 16 * (32 + VARIABLE_MAX)
         if lag:
             config["placement"].update({group: {"cpus_per_worker": 1} for group in ("generator", "scorer", "trainer")})
-    path = tmp / f"{strategy}-{lag}.yaml"
+    config["rollout"].update(rollout or {})
+    config["placement"].update(placement or {})
+    path = tmp / f"{strategy}-{lag}{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    run_dir = tmp / f"run-{strategy}-{lag}"
+    run_dir = tmp / f"run-{strategy}-{lag}{name}"
     peak = measured([sys.executable, "-m", "toolkit", "run", str(path), "--run-dir", str(run_dir)], cwd=REPO)
     steady = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:-1]
     phases = {k: statistics.median(m[k] for m in steady) for k in ("generate_s", "score_s", "train_s", "sync_s")}
     return {"step_s": statistics.median(m["step_s"] for m in steady), **phases, "peak": peak.peak, "pss": peak.peak_pss,
-            "response_len": statistics.mean(m["response_len_mean"] for m in steady)}
+            "response_len": statistics.mean(m["response_len_mean"] for m in steady),
+            "reward_mean": statistics.mean(m["reward_mean"] for m in steady)}
 
 
 def theirs(model: Path, prompts: Path, tmp: Path, steps: int, preload: str | None = None, variable: bool = False,

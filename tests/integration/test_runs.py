@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.torch import load_file
 
 from tests.conftest import REPO, alive, cli, example, write_config
 from toolkit.config import load_config
@@ -83,6 +85,46 @@ def test_grpo_run_two_generators(tiny, tmp_path):
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     assert_private(run_dir)
     assert_no_workers_left(run_dir)
+
+
+def test_a_generator_sends_its_samples_on_in_parts_as_they_finish(tiny, tmp_path):
+    """rollout.stream_groups: the vLLM generator sends prompt groups on as soon as their samples have all
+    finished (here samples of different lengths: end of sequence at 1/8 a token), in parts of at least 2
+    groups, and the scorer scores each part while the rest are generated. The samples, rewards and weights
+    are those of the same run whose generator sends all of them at once."""
+    from toolkit.tiny import with_eos_rate
+
+    model = with_eos_rate(tiny, tmp_path / "model-eos", 1 / 8)
+    runs = {}
+    for stream in (0, 2):
+        config = write_config(tmp_path / f"config-{stream}", example(
+            "tiny-grpo.yaml", tiny, run={"steps": 3, "name": "parts", "seed": 2, "deterministic": True},
+            model={"actor": str(model)}, rollout={"stream_groups": stream}))
+        runs[stream] = tmp_path / f"run-{stream}"
+        result = cli("run", config, "--run-dir", runs[stream])
+        assert result.returncode == 0, result.stdout + result.stderr
+    logs = {stream: (run_dir / "logs" / "generator-0.log").read_text() for stream, run_dir in runs.items()}
+    parts = [int(n) for n in re.findall(r"step \d+: 64 samples, \d+ tokens in [\d.]+ s \(sent on in (\d+) parts\)",
+                                        logs[2])]
+    assert len(parts) == 3 and min(parts) >= 2, logs[2]
+    assert "sent on in" not in logs[0]
+    for stream, per_step in ((0, [1, 1, 1]), (2, parts)):  # the scorer took each part on its own
+        timeline = [json.loads(line) for line in (runs[stream] / "timeline" / "scorer-0.jsonl").read_text().splitlines()]
+        # (its two roles, reference and reward, each mark the scoring of a part)
+        scorings = [sum(1 for t in timeline if t["phase"] == "scoring" and t["step"] == step) for step in range(3)]
+        assert scorings == [2 * n for n in per_step], (stream, scorings)
+    for step in range(3):
+        a, b = (experience.read(runs[s] / "experience" / experience.file_name(step)) for s in (0, 2))
+        lengths = np.diff(a["samples"]["response_offsets"])
+        assert lengths.min() < lengths.max() == 24  # (lengths differ; some run to max_new_tokens)
+        for key in ("prompt_ids", "group_index", "sample_index", "response_tokens", "reward_total"):
+            assert np.array_equal(a["samples"][key], b["samples"][key]), (step, key)
+        for key in ("behaviour_logprobs", "ref_logprobs"):
+            assert np.abs(a["samples"][key] - b["samples"][key]).max() <= 1e-6, (step, key)
+    weights = [load_file(run_dir / "export" / "model.safetensors") for run_dir in (runs[0], runs[2])]
+    assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0]) <= 1e-6
+    for a, b in zip(records(runs[0]), records(runs[2])):
+        assert a["samples"] == b["samples"] == 64 and b["generate_s"] > 0 and b["behaviour_logprob_diff"] < 1e-4
 
 
 def test_ppo_run_zero3_two_trainer_ranks(tiny, tmp_path):

@@ -109,6 +109,12 @@ class RolloutSection(Section):
     """Transformers engine (`hf`): samples a worker generates at once (None: all of its samples). Smaller
     batches need less memory (their KV cache, and the scores kept for log-probs) and take more decode
     steps. vLLM batches by its KV cache (`vllm.kv_cache_gb`) instead."""
+    stream_groups: Annotated[int, Field(ge=0)] = 0
+    """vLLM generators on workers of their own: send the samples on in parts, each of at least this many
+    prompt groups whose samples have all finished, as they finish, so that the scorers score them while
+    the rest are generated (samples of different lengths finish at different decode steps). 0: all of a
+    worker's samples in one message, once the last has finished. The samples are the same either way;
+    the scores of a part are computed in batches of that part."""
     max_policy_lag: Annotated[int, Field(ge=0)] = 0
     """0: synchronous, on-policy (a step generates with the weights of the step before). N > 0: asynchronous;
     generation of the next N steps overlaps training, so a sample may come from weights up to N updates

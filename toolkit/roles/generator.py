@@ -90,41 +90,82 @@ class GeneratorRole(Role):
         self.status.update(phase="idle", policy_version=version)
         self.worker.control.send("synced", version=version, sync_s=sync_s, check_diff=check_diff)
 
-    def handle(self, meta: dict) -> SampleBatch:
-        step, ids, texts, fields = meta["step"], meta["prompt_ids"], meta["prompts"], meta["fields"]
-        slots = meta["group_index"]
+    def handle(self, meta: dict):
+        """The samples of the prompts in `meta`: one SampleBatch, or with `rollout.stream_groups` an iterator
+        of SampleBatches of whole prompt groups, each sent on as soon as it is complete (`_stream`)."""
+        step, texts = meta["step"], meta["prompts"]
         group_size = self.cfg.rollout.group_size
         self.status.update(phase="generating", step=step)
         hold("generating", self.worker.wenv.run_dir)
         prompts = [self._tokenize(t) for t in texts]
-        flat_prompts, seeds, prompt_ids, group_index, sample_index = [], [], [], [], []
-        for pid, slot, tokens in zip(ids, slots, prompts):
-            for k in range(group_size):
-                flat_prompts.append(tokens)
-                seeds.append(sample_seed(self.cfg.run.seed, step, pid, k))
-                prompt_ids.append(pid)
-                group_index.append(slot)
-                sample_index.append(k)
+        per_prompt = lambda values: [v for v in values for _ in range(group_size)]  # noqa: E731
+        samples = {"prompts": per_prompt(prompts), "prompt_ids": per_prompt(meta["prompt_ids"]),
+                   "group_index": per_prompt(meta["group_index"]), "sample_index": list(range(group_size)) * len(prompts),
+                   "texts": per_prompt(texts), "fields": per_prompt(meta["fields"])}
+        samples["seeds"] = [sample_seed(self.cfg.run.seed, step, pid, k)
+                            for pid, k in zip(samples["prompt_ids"], samples["sample_index"])]
+        n = len(samples["prompts"])  # (sample i: of prompt i // group_size, its sample i % group_size)
+        if self.streams:
+            return self._stream(step, samples)
         started = time.monotonic()
-        completions = self.engine.generate(flat_prompts, seeds)
-        generate_s = time.monotonic() - started
-        prompt_tokens, prompt_offsets = ragged(flat_prompts, np.int32)
+        completions = self.engine.generate(samples["prompts"], samples["seeds"])
+        batch = self._batch(step, samples, list(range(n)), completions, time.monotonic() - started)
+        self._generated(step, n, len(batch.response_tokens), batch.timings["generate_s"])
+        return batch
+
+    @property
+    def streams(self) -> bool:
+        """Whether samples go on in parts: asked for, and vLLM on a worker without the trainer (beside the
+        trainer the parts would be trained on in this process, and vLLM must sleep after the last)."""
+        return bool(self.cfg.rollout.stream_groups) and hasattr(self.engine, "stream") and "trainer" not in self.worker.roles
+
+    def _stream(self, step: int, samples: dict):
+        """SampleBatches of at least `rollout.stream_groups` whole prompt groups (the last one: what is
+        left), each as soon as its groups' samples have all finished. A part's `generate_s` is the engine's
+        time since the part before, not the time spent sending it on, so a worker's parts add up to its
+        generation time."""
+        size, wanted = self.cfg.rollout.group_size, self.cfg.rollout.stream_groups
+        done: dict = {}
+        left = [size] * (len(samples["prompts"]) // size)  # (unfinished samples of each group)
+        ready: list[int] = []  # samples of whole groups not sent yet
+        total_s, tokens, parts = 0.0, 0, 0
+        started = time.monotonic()
+        for finished in self.engine.stream(samples["prompts"], samples["seeds"]):
+            for i, completion in finished:
+                done[i] = completion
+                left[i // size] -= 1
+                if left[i // size] == 0:
+                    ready.extend(range(i // size * size, i // size * size + size))
+            if ready and (len(ready) >= wanted * size or len(done) == len(samples["prompts"])):
+                seconds = time.monotonic() - started
+                part = self._batch(step, samples, sorted(ready), [done[j] for j in sorted(ready)], seconds)
+                total_s, tokens, parts, ready = total_s + seconds, tokens + len(part.response_tokens), parts + 1, []
+                yield part
+                started = time.monotonic()
+        self._generated(step, len(done), tokens, total_s, parts)
+
+    def _batch(self, step: int, samples: dict, chosen: list[int], completions: list, generate_s: float) -> SampleBatch:
+        """The SampleBatch of samples `chosen` (positions in `samples`), whose completions are given."""
+        pick = lambda key: [samples[key][i] for i in chosen]  # noqa: E731
+        prompt_tokens, prompt_offsets = ragged(pick("prompts"), np.int32)
         response_tokens, response_offsets = ragged([c.tokens for c in completions], np.int32)
         behaviour, _ = ragged([c.logprobs for c in completions], np.float32)
-        batch = SampleBatch(
-            step=step, prompt_ids=np.asarray(prompt_ids, np.int64), group_index=np.asarray(group_index, np.int32),
-            sample_index=np.asarray(sample_index, np.int32),
+        return SampleBatch(
+            step=step, prompt_ids=np.asarray(pick("prompt_ids"), np.int64),
+            group_index=np.asarray(pick("group_index"), np.int32), sample_index=np.asarray(pick("sample_index"), np.int32),
             policy_version=np.full(len(completions), self.version, np.int32), prompt_tokens=prompt_tokens,
             prompt_offsets=prompt_offsets, response_tokens=response_tokens, response_offsets=response_offsets,
             behaviour_logprobs=behaviour, finished=np.asarray([c.finished for c in completions], bool),
-            prompts=[t for t in texts for _ in range(group_size)], responses=[c.text for c in completions],
-            fields=[f for f in fields for _ in range(group_size)],
+            prompts=pick("texts"), responses=[c.text for c in completions], fields=pick("fields"),
             timings={"generate_s": generate_s, "generator": self.worker.id})
-        log.info("step %d: %d samples, %d tokens in %.2f s", step, len(batch), len(response_tokens), generate_s)
+
+    def _generated(self, step: int, samples: int, tokens: int, seconds: float, parts: int = 1) -> None:
+        """A step's samples have all gone: log it, and give the device back where vLLM sleeps."""
+        log.info("step %d: %d samples, %d tokens in %.2f s%s", step, samples, tokens, seconds,
+                 f" (sent on in {parts} parts)" if parts > 1 else "")
         if hasattr(self.engine, "sleep"):  # (vLLM in the trainer's process, on GPU: it gives its memory back
             self.engine.sleep()            # while the trainer works; a no-op anywhere else)
         self.status["phase"] = "idle"
-        return batch
 
     def on_command(self, msg) -> None:
         if msg.kind != "sync":

