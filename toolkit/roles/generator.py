@@ -137,8 +137,8 @@ class GeneratorRole(Role):
                 if left[i // size] == 0:
                     ready.extend(range(i // size * size, i // size * size + size))
             if ready and (len(ready) >= wanted * size or len(done) == len(samples["prompts"])):
-                seconds = time.monotonic() - started
-                part = self._batch(step, samples, sorted(ready), [done[j] for j in sorted(ready)], seconds)
+                seconds, chosen = time.monotonic() - started, sorted(ready)
+                part = self._batch(step, samples, chosen, [done[j] for j in chosen], seconds)
                 total_s, tokens, parts, ready = total_s + seconds, tokens + len(part.response_tokens), parts + 1, []
                 yield part
                 started = time.monotonic()
