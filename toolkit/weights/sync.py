@@ -267,13 +267,16 @@ class Prober(threading.Thread):
 
     def __init__(self, probe: Callable[[], torch.Tensor], device: torch.device):
         super().__init__(name="weight-sync-probe", daemon=True)
-        self.probe, self.device, self.logprobs, self.error = probe, device, None, None
+        self.probe, self.logprobs, self.error = probe, None, None
+        # (the current GPU is a thread's own: the thread takes the sender's, by index, as "cuda" alone names none)
+        self.gpu = (torch.cuda.current_device() if device.index is None else device.index) \
+            if device.type == "cuda" else None
         self.start()
 
     def run(self) -> None:
         try:
-            if self.device.type == "cuda":  # (the current device is the thread's own)
-                torch.cuda.set_device(self.device)
+            if self.gpu is not None:
+                torch.cuda.set_device(self.gpu)
             self.logprobs = self.probe()
         except BaseException as e:  # (raised again in the sending thread)
             self.error = e
