@@ -150,8 +150,9 @@ def one(name: str, model_dir: str, args) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "peak_device_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
             "mfu": flops / step_s / (args.peak_tflops * 1e12) if cuda else None,
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": args.dtype,
             "step_s": step_s, "losses": losses,
+            "skipped_steps": int(getattr(engine, "skipped_steps", 0)),  # (fp16: steps dropped on an overflow)
             "reduce_bucket": getattr(engine.optimizer, "reduce_bucket_size", None),  # (ZeRO's, in elements)
             "optimizer": type(engine.optimizer).__name__ + "/" + type(_optimizers(engine.optimizer)[0]).__name__}
 
@@ -207,8 +208,10 @@ def table(results: list[dict]) -> str:
 
     base = results[0]
     gpu = base["peak_device_mb"] is not None
+    fp16 = base.get("dtype") == "float16"
     rows = [("setting", "trainable", "optimizer states MB", "activations MB", "peak RSS MB",
-             *(("peak GPU MB", "MFU") if gpu else ()), "step s", "max loss diff", "activations ratio",
+             *(("peak GPU MB", "MFU") if gpu else ()), "step s", *(("skipped steps",) if fp16 else ()),
+             "max loss diff", "activations ratio",
              *(("GPU memory ratio",) if gpu else ()), "step ratio")]
     for r in results:
         if "failed" in r:
@@ -220,6 +223,7 @@ def table(results: list[dict]) -> str:
         rows.append((r["setting"], f"{r['trainable']:,}", f"{r['optimizer_state_bytes'] / 2**20:.1f}",
                      f"{r['saved_activation_bytes'] / 2**20:.1f}", f"{r['peak_rss_mb']:.0f}",
                      *((f"{r['peak_device_mb']:.0f}", f"{r['mfu']:.1%}") if gpu else ()), f"{r['step_s']:.3f}",
+                     *((str(r["skipped_steps"]),) if fp16 else ()),
                      f"{diff:.1e}" + ("" if same_weights else " (first)"),
                      f"{r['saved_activation_bytes'] / base['saved_activation_bytes']:.2f}",
                      *((f"{r['peak_device_mb'] / base['peak_device_mb']:.2f}",) if gpu else ()),
@@ -239,8 +243,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--config", help="a model's config.json to build (random weights) instead of the Llama shape")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda where there is one")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="default: bfloat16 on cuda (mixed precision), float32 on cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="default: bfloat16 on cuda (mixed precision), float32 on cpu; float16: DeepSpeed's "
+                             "fp16 mode (fp32 master weights, dynamic loss scaling)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense peak, for MFU")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset, baseline first")
     parser.add_argument("--json", help="also write the figures here")

@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,20 +48,22 @@ def two_layer_model():
         num_hidden_layers=2, max_window_layers=2, vocab_size=512, bos_token_id=1, eos_token_id=2)))
 
 
-@pytest.fixture(scope="module")
-def figures(tmp_path_factory) -> dict[str, dict]:
-    """bench_memory's figures for Qwen2.5-0.5B's shape cut to 4 layers, bf16 on the GPU."""
-    directory = tmp_path_factory.mktemp("bench")
+def bench_memory(directory: Path, dtype: str, settings: str) -> dict[str, dict]:
+    """bench_memory's figures for Qwen2.5-0.5B's shape cut to 4 layers, in `dtype` on the GPU."""
     config = directory / "config.json"
     config.write_text(json.dumps(qwen_config(num_hidden_layers=4, max_window_layers=4)))
     out = directory / "figures.json"
     done = subprocess.run([sys.executable, "tools/bench_memory.py", f"--config={config}", "--batch=4", "--seq=512",
-                           "--steps=3", "--dtype=bfloat16", f"--device={DEVICE.type}", f"--json={out}",
-                           "--settings=baseline,checkpointing,offload_optimizer,lora"],
-                          cwd=REPO, capture_output=True, text=True, timeout=1200)
+                           "--steps=3", f"--dtype={dtype}", f"--device={DEVICE.type}", f"--json={out}",
+                           f"--settings={settings}"], cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout + done.stderr
     print(done.stdout)
     return {r["setting"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory) -> dict[str, dict]:
+    return bench_memory(tmp_path_factory.mktemp("bench"), "bfloat16", "baseline,checkpointing,offload_optimizer,lora")
 
 
 def test_bf16_training_with_each_memory_switch(figures):
@@ -80,6 +83,20 @@ def test_bf16_training_with_each_memory_switch(figures):
     assert figures["offload_optimizer"]["peak_device_mb"] < base["peak_device_mb"] - 0.8 * states_mb
     assert figures["lora"]["peak_device_mb"] < base["peak_device_mb"] - 0.8 * states_mb
     assert figures["checkpointing"]["peak_device_mb"] < base["peak_device_mb"]
+
+
+@pytest.mark.skipif(ON_CPU, reason="DeepSpeed's fp16 mode needs a GPU")
+def test_fp16_training_with_loss_scaling(figures, tmp_path):
+    """DeepSpeed's fp16 mode (fp32 master weights, dynamic loss scaling): the first loss is bf16's (the same
+    model and tokens), not every step is dropped on an overflow, and each switch keeps the fp16 baseline's
+    losses (LoRA: its first)."""
+    fp16 = bench_memory(tmp_path, "float16", "baseline,checkpointing,lora")
+    base = fp16["baseline"]
+    assert all(r["skipped_steps"] < len(r["losses"]) for r in fp16.values()), fp16
+    assert abs(base["losses"][0] - figures["baseline"]["losses"][0]) < 0.05
+    assert max(abs(a - b) for a, b in zip(fp16["checkpointing"]["losses"], base["losses"])) < 0.02
+    assert abs(fp16["lora"]["losses"][0] - base["losses"][0]) < 0.02
+    assert fp16["lora"]["peak_device_mb"] < base["peak_device_mb"]
 
 
 def _engine(seed: int):
@@ -169,7 +186,16 @@ def test_weight_sync_between_two_processes_on_one_gpu():
     for p in procs:
         p.start()
     try:
-        got = [results.get(timeout=300) for _ in procs]
+        got = []
+        for _ in range(300):  # (a rank that dies fails the test at once, not after the wait)
+            while not results.empty():
+                got.append(results.get())
+            if len(got) == len(procs):
+                break
+            dead = [p.exitcode for p in procs if p.exitcode]
+            assert not dead, f"a sync rank exited with {dead} (its traceback is above)"
+            time.sleep(1)
+        assert len(got) == len(procs), f"the sync ranks gave {len(got)} of {len(procs)} results in 300 s"
     finally:
         for p in procs:
             p.join(60)

@@ -133,6 +133,7 @@ def test_bad_prompt_line_is_a_config_error(tiny, tmp_path):
     ({}, {"attn_implementation": "flash_attention_2"}, {}, "flash_attention_2 needs the flash-attn package"),
     ({}, {"attn_implementation": "fast"}, {}, "'sdpa', 'eager' or 'flash_attention_2'"),
     ({"micro_batch_tokens": 40}, {}, {}, "trainer.micro_batch_tokens is 40, less than one sample can have"),
+    ({}, {"dtype": "float16"}, {}, "model.dtype is float16, but placement.trainer trains on CPUs"),
 ])
 def test_memory_switch_errors_name_the_field_and_the_fix(tiny, tmp_path, trainer, model, placement, expected):
     data = example("tiny-grpo.yaml", tiny)
@@ -160,3 +161,8 @@ def test_stage_memory_switch_errors(tiny, tmp_path):
     packed = write_config(tmp_path, {"stage": "sft", **base, "train": {"packing": True},
                                      "model": {**base["model"], "attn_implementation": "flash_attention_2"}}, "p.yaml")
     assert "flash_attention_2" in error_of(packed)
+    fp16 = write_config(tmp_path, {"stage": "sft", **base, "model": {**base["model"], "dtype": "float16"}}, "f.yaml")
+    assert "model.dtype is float16, but placement.trainer trains on CPUs (gpus_per_worker 0)" in error_of(fp16)
+    on_gpus = {"stage": "sft", **base, "model": {**base["model"], "dtype": "float16"},
+               "placement": {"trainer": {"gpus_per_worker": 1}}}
+    assert load_config(write_config(tmp_path, on_gpus, "g.yaml")).model.dtype == "float16"

@@ -214,6 +214,15 @@ RESERVED_SBATCH = {"nodes", "ntasks", "ntasks-per-node", "cpus-per-task", "gpus"
                    "open-mode", "hetjob", "signal", "array", "nodelist", "requeue"}
 
 
+def fp16_problem(dtype: str, name: str, group: GroupSection) -> str | None:
+    """Why node group `name` cannot train in `dtype`, or None: DeepSpeed's fp16 mode (dynamic loss scaling)
+    runs on GPUs only, and a trainer on CPUs would fail at start-up, after the other roles had started."""
+    if dtype == "float16" and not group.gpus_per_worker:
+        return (f"model.dtype is float16, but placement.{name} trains on CPUs (gpus_per_worker 0), where DeepSpeed "
+                f"has no fp16 mode; use bfloat16 or float32, or give placement.{name}.gpus_per_worker")
+    return None
+
+
 class SlurmSection(Section):
     partition: str | None = None
     """Partition of every node group that names none."""

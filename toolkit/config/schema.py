@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSection, GroupSection, ModelDir,
                                  PositiveInt, Section, SlurmSection, TransportSection, WandbSection,
-                                 load_function)
+                                 fp16_problem, load_function)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import vllm_cpu_problem
 from toolkit.placement.layout import PRESETS, generation_with_actor
@@ -408,6 +408,12 @@ class RunConfig(Section):
                                  "computed by the trainer; use a placement without a reference group of its own "
                                  "(e.g. separation)")
         critic, actor = self.placement.name_with("critic"), self.placement.name_with("actor")
+        trainers_of = {actor: self.placement.group_with("actor")}
+        if self.run.algorithm == "ppo":
+            trainers_of[critic] = self.placement.group_with("critic")
+        for problem in (fp16_problem(self.model.dtype, name, group) for name, group in trainers_of.items()):
+            if problem:
+                raise ValueError(problem)
         if critic != actor:
             if self.run.algorithm != "ppo":
                 raise ValueError(f"placement.{critic} hosts the critic, but run.algorithm {self.run.algorithm} has "

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from toolkit.config.base import (Attention, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
-                                 Section, SlurmSection, TransportSection, WandbSection)
+                                 Section, SlurmSection, TransportSection, WandbSection, fp16_problem)
 from toolkit.config.data import DataSection
 
 
@@ -104,6 +104,9 @@ class StageConfig(Section):
         if self.train.packing and self.model.attn_implementation == "flash_attention_2":
             raise ValueError("train.packing keeps attention within each row with a block-diagonal mask, which "
                              "flash_attention_2 does not take; use model.attn_implementation: sdpa")
+        problem = fp16_problem(self.model.dtype, "trainer", self.placement.trainer)
+        if problem:
+            raise ValueError(problem)
         if self.train.lora is not None and self.stage == "rm":
             raise ValueError("train.lora is for causal LMs (the sft stage and the RL actor); the rm stage trains "
                              "every weight of the reward model: remove train.lora")
