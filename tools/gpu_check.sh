@@ -11,7 +11,8 @@
 #        each memory switch;
 # fp16   the same in fp16 (DeepSpeed's dynamic loss scaling), the switches that fp16 changes.
 # Each part has a time limit of its own and the next runs whatever it gave; tables and logs go to OUT_DIR.
-# All four take about 10 minutes on an H200, the CPU Adam build included.
+# All four: about 11 minutes on an H200 (their times in two sessions added up), the CPU Adam build included;
+# a 15-minute lease, the machine's start included, fits two or three of them.
 set -u
 parts=" ${PARTS:-tests sync bf16 fp16} "
 out=${1:-${OUT:-/tmp/gpu-check}}
