@@ -27,35 +27,23 @@ python3 -c "import sys, torch, transformers, peft, deepspeed; print('python', sy
 torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'deepspeed', deepspeed.__version__)"
 
 qwen=tests/fixtures/model_configs/Qwen--Qwen2.5-0.5B.json
+memory="tools/bench_memory.py --config $qwen --batch 8 --seq 1024 --steps 4 --threads 8"
 
-if [[ $parts == *" tests "* ]]; then
-    echo "== tests: pytest -m gpu tests/gpu"
-    started=$SECONDS
-    timeout 330 python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider > "$out/pytest.log" 2>&1
+# part NAME SECONDS LOG LINES COMMAND...: COMMAND, if NAME is one of the parts, within SECONDS; its output
+# goes to OUT_DIR/LOG and its last LINES lines are shown
+part() {
+    local name=$1 limit=$2 log=$3 lines=$4
+    shift 4
+    [[ $parts == *" $name "* ]] || return 0
+    echo "== $name: $*"
+    local started=$SECONDS
+    timeout "$limit" "$@" > "$out/$log" 2>&1
     echo "rc=$? in $((SECONDS - started)) s"
-    quiet < "$out/pytest.log" | tail -40
-fi
-if [[ $parts == *" sync "* ]]; then
-    echo "== sync: tools/bench_sync.py --device cuda"
-    started=$SECONDS
-    timeout 75 python3 tools/bench_sync.py --device cuda --repeats 5 > "$out/sync.log" 2>&1
-    echo "rc=$? in $((SECONDS - started)) s"
-    quiet < "$out/sync.log" | tail -12
-fi
-if [[ $parts == *" bf16 "* ]]; then
-    echo "== bf16: tools/bench_memory.py --config Qwen2.5-0.5B"
-    started=$SECONDS
-    timeout 220 python3 tools/bench_memory.py --config $qwen --batch 8 --seq 1024 --steps 4 --threads 8 \
-        --json "$out/memory.json" > "$out/memory.log" 2>&1
-    echo "rc=$? in $((SECONDS - started)) s"
-    quiet < "$out/memory.log" | tail -14
-fi
-if [[ $parts == *" fp16 "* ]]; then
-    echo "== fp16: tools/bench_memory.py --config Qwen2.5-0.5B --dtype float16"
-    started=$SECONDS
-    timeout 150 python3 tools/bench_memory.py --config $qwen --batch 8 --seq 1024 --steps 4 --threads 8 \
-        --dtype float16 --settings baseline,checkpointing,offload_optimizer,lora --json "$out/fp16.json" \
-        > "$out/fp16.log" 2>&1
-    echo "rc=$? in $((SECONDS - started)) s"
-    quiet < "$out/fp16.log" | tail -10
-fi
+    quiet < "$out/$log" | tail -"$lines"
+}
+
+part tests 330 pytest.log 40 python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider
+part sync 75 sync.log 12 python3 tools/bench_sync.py --device cuda --repeats 5
+part bf16 220 memory.log 14 python3 $memory --json "$out/memory.json"
+part fp16 150 fp16.log 10 python3 $memory --dtype float16 --settings baseline,checkpointing,offload_optimizer,lora \
+    --json "$out/fp16.json"
