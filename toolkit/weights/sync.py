@@ -269,8 +269,9 @@ class Prober(threading.Thread):
         super().__init__(name="weight-sync-probe", daemon=True)
         self.probe, self.logprobs, self.error = probe, None, None
         # (the current GPU is a thread's own: the thread takes the sender's, by index, as "cuda" alone names none)
-        self.gpu = (torch.cuda.current_device() if device.index is None else device.index) \
-            if device.type == "cuda" else None
+        self.gpu = None
+        if device.type == "cuda":
+            self.gpu = torch.cuda.current_device() if device.index is None else device.index
         self.start()
 
     def run(self) -> None:
