@@ -208,7 +208,7 @@ def table(results: list[dict]) -> str:
 
     base = results[0]
     gpu = base["peak_device_mb"] is not None
-    fp16 = base.get("dtype") == "float16"
+    fp16 = base["dtype"] == "float16"
     rows = [("setting", "trainable", "optimizer states MB", "activations MB", "peak RSS MB",
              *(("peak GPU MB", "MFU") if gpu else ()), "step s", *(("skipped steps",) if fp16 else ()),
              "max loss diff", "activations ratio",
