@@ -112,7 +112,6 @@ grep "^setup: ok" "$LOG" || { tail -n 40 "$LOG" >&2; echo "setup: the installed 
 if [ "$FLAVOUR" = cpu ]; then
     echo "setup: building DeepSpeed's CPU ops (communication, CPU Adam)"
     TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" pip_logged "$VENV/bin/python" -c \
-        "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()
-from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+        "from toolkit.training.ops import load_ops; load_ops(cpu_adam=True)"
 fi
 echo "$STAMP" > "$MARK"

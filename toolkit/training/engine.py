@@ -8,7 +8,7 @@ ZeRO-Offload of the optimizer (and under ZeRO-3 of the parameters) to host memor
 
 The optimizer is torch's AdamW (no C++ op to build, it works on every accelerator), except with
 `offload_optimizer`: then DeepSpeed's CPU Adam, the vectorised C++ Adam that ZeRO-Offload was built
-around (compiled on first use, or by tools/setup.sh). Both are AdamW with the same hyper-parameters.
+around (compiled on first use, or by tools/setup.sh; loaded by training/ops.py). Both are AdamW with the same hyper-parameters.
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ def build_engine(model: torch.nn.Module, settings, lr: float, dtype: str, world:
     The ranks are those of torch.distributed's default group (`Ranks.join`)."""
     import deepspeed
 
+    from toolkit.training.ops import load_ops
+
+    load_ops(cpu_adam=settings.offload_optimizer)  # (before DeepSpeed loads them, see training/ops.py)
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
     if settings.gradient_checkpointing:  # (before the adapters: it is the base model's layers that recompute)
@@ -110,6 +113,9 @@ def inference_engine(model: torch.nn.Module, dtype: str, world: int, offload_par
     pass, a collective: every rank must make the same number of passes."""
     import deepspeed
 
+    from toolkit.training.ops import load_ops
+
+    load_ops()
     zero = {"stage": 3}
     if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
