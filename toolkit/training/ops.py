@@ -5,8 +5,9 @@ DeepSpeed compiles these ops on first use with torch's `cpp_extension.load` into
 (tools/setup.sh builds them there ahead of time). Every process that loads one, even when it is built
 already, holds a lock file, `<folder>/<op>/lock`, while ninja checks the build; the file is removed when
 the load ends. A process killed in that moment (a SIGKILL, a worker's SIGTERM handler, a Slurm step
-cancelled) leaves the file behind, and every later load waits for it to go, without a timeout: every
-trainer of every later run hung at start-up (seen in CI, after the tests that stop runs at every moment).
+cancelled) leaves the file behind, and every later load waits for it to go, without a timeout, so every
+trainer of every later run hangs at start-up (reproduced with such a file; a CI run's trainers, RL and
+SFT, all hung at start-up from its tests that stop runs at every moment on, the same symptom).
 
 `load_ops` loads them before DeepSpeed does, holding a kernel lock (flock) beside torch's lock file. The
 kernel releases a flock when its holder dies, so a process holding it knows that any torch lock file of
