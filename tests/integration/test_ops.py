@@ -38,7 +38,7 @@ def load(extensions, wait_s: float = 300, timeout: float = 400) -> subprocess.Co
 
 def test_a_lock_file_left_by_a_killed_load_is_removed_and_the_op_loads(extensions):
     """torch's lock file as a process killed inside `cpp_extension.load` leaves it: plain DeepSpeed waits
-    for it to go, forever (every trainer of the CI run that found it hung); load_ops removes it."""
+    for it to go, forever (the symptom of a CI run whose trainers all hung at start-up); load_ops removes it."""
     (extensions / OP).mkdir(exist_ok=True)
     (extensions / OP / "lock").touch()
     done = load(extensions)

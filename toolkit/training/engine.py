@@ -8,7 +8,8 @@ ZeRO-Offload of the optimizer (and under ZeRO-3 of the parameters) to host memor
 
 The optimizer is torch's AdamW (no C++ op to build, it works on every accelerator), except with
 `offload_optimizer`: then DeepSpeed's CPU Adam, the vectorised C++ Adam that ZeRO-Offload was built
-around (compiled on first use, or by tools/setup.sh; loaded by training/ops.py). Both are AdamW with the same hyper-parameters.
+around (compiled on first use, or by tools/setup.sh; loaded through training/ops.py). Both are AdamW
+with the same hyper-parameters.
 """
 
 from __future__ import annotations

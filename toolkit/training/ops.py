@@ -11,8 +11,9 @@ SFT, all hung at start-up from its tests that stop runs at every moment on, the 
 
 `load_ops` loads them before DeepSpeed does, holding a kernel lock (flock) beside torch's lock file. The
 kernel releases a flock when its holder dies, so a process holding it knows that any torch lock file of
-that op was left by a dead process, and removes it. DeepSpeed keeps a loaded op for the process's life,
-so its own loads later find the op loaded and take no lock.
+that op was left by a dead process (every load of this installation's trainers and of tools/setup.sh
+comes through here), and removes it. DeepSpeed keeps a loaded op for the process's life, so its own
+loads later find the op loaded and take no lock.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ WAIT_S = 1800.0  # (another process may be compiling the op: 40 s on 2 idle core
 
 
 class OpLockTimeout(RuntimeError):
-    pass
+    """Another live process held an op's flock for longer than the wait."""
 
 
 def build_folder(name: str) -> str:
