@@ -182,7 +182,7 @@ def test_sigusr1_checkpoints_stops_and_resume_finishes_the_same(tiny, sft_run, t
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGUSR1)
         out = ""
-        while "stopping after step" not in out:  # (printed once the driver has sent its request)
+        while "stopping at the ranks' next step boundary" not in out:  # (printed once the driver has sent its request)
             line = proc.stdout.readline()
             assert line, proc.communicate()
             out += line
@@ -193,7 +193,7 @@ def test_sigusr1_checkpoints_stops_and_resume_finishes_the_same(tiny, sft_run, t
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out + err
-    assert "stopping after step" in out and "continue with: slurm-rlhf resume" in out
+    assert "stopping at the ranks' next step boundary" in out and "continue with: slurm-rlhf resume" in out
     stopped = metric_lines(run_dir)
     assert 3 <= stopped < 12 and json.loads((run_dir / "status.json").read_text())["state"] == "preempted"
     manifest = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]

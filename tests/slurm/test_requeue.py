@@ -14,16 +14,21 @@ import pytest
 from tests.conftest import cli, example, write_config
 from tests.slurm.test_submit import assert_nothing_left, squeue, wait_for_step
 from toolkit.errors import RunError
+from toolkit.hold import ENV
 from toolkit.launch.batch import requeue
 from toolkit.launch.rundir import RunDir
 from toolkit.store import experience
 
 pytestmark = pytest.mark.slurm
-# Enough that two attempts cannot finish the run: after the cut an attempt steps until 15 s before its
-# end, up to about 30 s, and a quiet run here takes about 0.2 s a step (a CI run at e3cb583 finished all
-# 240 steps in its second attempt, about 140 of them after the cut), so two attempts run at most about
-# 2 x (150 + 3) steps; a busy machine only makes the steps slower.
-STEPS = 600
+# Each attempt's trainer is held in its third step (HOLD) until its time limit is cut to end 26-30 s later
+# (cut_time_limit). When the attempt is signalled, the driver steps on while its estimate of a step (the
+# longest of the last three), a checkpoint (+5 s) and the stop (15 s) fit before the end
+# (Supervisor._time_for_a_step). An SFT rank is held outside its step's time: the stage steps on after the
+# cut. An RL step's time includes the hold: held 12 s or longer, it leaves no room, and the RL attempt
+# stops after its third step. So the RL run stops after steps 3 and 6 whatever the machine's speed, and a
+# few more steps end it in the third attempt.
+STEPS = 30
+HOLD = "training@3"
 LONG_MIN = 30  # a time limit no attempt reaches
 
 
@@ -79,41 +84,56 @@ def story(run_dir: Path) -> str:
 SHOWN = {"JobState", "Reason", "Restarts", "RunTime", "TimeLimit", "StartTime", "EndTime", "ExitCode"}
 
 
-def cut_time_limit(job_id: str) -> None:
-    """End the running attempt 20-45 s from now (Slurm's limits are whole minutes), and tell it as Slurm
+def cut_time_limit(job_id: str, run_dir: Path, held_s: float = 0.0) -> None:
+    """End the running attempt 26-30 s from now (Slurm's limits are whole minutes), and tell it as Slurm
     does (`--signal=B:USR1`). The limit comes from what the attempt has run, so a slow start on a busy
-    machine cannot use it up; the signal is sent here rather than left to slurmctld's periodic check."""
-    wait_until(lambda: 15 <= run_seconds(job_id) % 60 <= 40, "a moment 20-45 s before a whole minute")
+    machine cannot use it up; the signal is sent here rather than left to slurmctld's periodic check.
+    The attempt's trainer is held in its third step meanwhile (HOLD), at least `held_s`, and let go once
+    it is signalled."""
+    marker = run_dir / f"held-{HOLD.split('@')[0]}"
+    wait_until(lambda: marker.exists() and marker.read_text().strip(), "the attempt's trainer to hold", run_dir=run_dir)
+    since = time.monotonic()
+    wait_until(lambda: time.monotonic() - since >= held_s and 30 <= run_seconds(job_id) % 60 <= 34,
+               "a moment 26-30 s before a whole minute")
     set_time_limit(job_id, math.ceil(run_seconds(job_id) / 60))
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30, capture_output=True)
+    marker.unlink()
+
+
+def let_go(run_dir: Path) -> None:
+    """Let the last attempt's trainer go on from HOLD, where no time limit is cut."""
+    marker = run_dir / f"held-{HOLD.split('@')[0]}"
+    wait_until(lambda: marker.exists() and marker.read_text().strip(), "the last attempt's trainer to hold",
+               run_dir=run_dir)
+    marker.unlink()
 
 
 def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
-    """Twice, once an attempt has made progress, the job's time limit is cut to end 20-45 s later and the
-    job is signalled: the driver keeps stepping while a step and a checkpoint fit, checkpoints, requeues
-    the job, and the requeued job resumes by itself (the test gives it a long limit again). The third
-    attempt finishes the run."""
+    """Twice, once an attempt has made progress, the job's time limit is cut to end 26-30 s later and the
+    job is signalled: the driver sees that its last steps were too slow (one was held 12 s) for another
+    to fit, checkpoints, requeues the job, and the requeued job resumes by itself (the test gives it a long
+    limit again). The third attempt finishes the run: every step once, the periodic checkpoints too."""
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": STEPS, "name": "requeue"},
-                                            checkpoint={"every_steps": 50},
+                                            checkpoint={"every_steps": 10},
                                             slurm={"time_min": LONG_MIN, "signal_lead_s": 30, "max_requeues": 4}))
     run_dir = tmp_path / "run"
-    result = cli("submit", config, "--run-dir", run_dir, timeout=120)
+    result = cli("submit", config, "--run-dir", run_dir, env={ENV: HOLD}, timeout=120)
     assert result.returncode == 0, result.stderr
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
     for requeues in (1, 2):
-        first = steps_done(run_dir)
-        wait_until(lambda: steps_done(run_dir) >= first + 3, f"attempt {requeues} to run 3 steps", run_dir=run_dir)
-        cut_time_limit(job_id)
+        cut_time_limit(job_id, run_dir, held_s=12)
         wait_until(lambda: json.loads((run_dir / "job.json").read_text()).get("requeues", 0) >= requeues,
                    f"requeue {requeues}", run_dir=run_dir)
-        assert steps_done(run_dir) < STEPS
+        assert steps_done(run_dir) == 3 * requeues  # (its held third step, then no room for another)
         set_time_limit(job_id, LONG_MIN)  # (a requeued job keeps the limit it is given)
+    let_go(run_dir)
     wait_until(lambda: not squeue(job_id), "the job to end", run_dir=run_dir)
     job = json.loads((run_dir / "job.json").read_text())
     assert job["requeues"] == 2
     output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
     assert output.count("it will resume by itself") == 2 and output.count("resuming at step") == 2
     assert output.count("stopping after step") == 2  # the time-limit path: a checkpoint, then the stop
+    assert "stopping after step 3 (SIGUSR1)" in output and "stopping after step 6 (SIGUSR1)" in output
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished", status.get("error")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -164,28 +184,32 @@ def test_a_job_requeued_by_slurm_resumes_by_itself(tiny, tmp_path):
 
 
 def test_an_sft_stage_survives_its_time_limit_by_requeueing(tiny, tmp_path):
-    """The same path for a supervised stage: its ranks checkpoint at a step boundary, the job requeues
-    itself, and the requeued job resumes from that checkpoint and finishes every step once."""
-    steps = 400
+    """The same path for a supervised stage: after the cut its driver steps on while a step fits (on a quiet
+    machine here, about 40 steps; none on a busy one), its ranks checkpoint at a step boundary, the job
+    requeues itself, and the requeued job resumes from that checkpoint and finishes every step once."""
+    # After the cut the stage steps for at most 30 - 20.5 s (see STEPS): 3 + about 48 steps of 0.2 s here,
+    # fewer than `steps` on a machine four times as fast.
+    steps = 200
     config = {"stage": "sft", "run": {"name": "sft-requeue", "steps": steps, "seed": 1},
               "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]}, "model": {"base": str(tiny / "model")},
               "train": {"batch_size": 128, "micro_batch_size": 16, "max_tokens": 64, "eval_every": 100},
               "checkpoint": {"every_steps": 1000},
               "slurm": {"time_min": LONG_MIN, "signal_lead_s": 30, "max_requeues": 2}}
     run_dir = tmp_path / "run"
-    result = cli("submit", write_config(tmp_path, config), "--run-dir", run_dir, timeout=120)
+    result = cli("submit", write_config(tmp_path, config), "--run-dir", run_dir, env={ENV: HOLD}, timeout=120)
     assert result.returncode == 0, result.stderr
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
-    wait_until(lambda: steps_done(run_dir) >= 3, "the first steps", run_dir=run_dir)
-    cut_time_limit(job_id)
+    cut_time_limit(job_id, run_dir)
     wait_until(lambda: json.loads((run_dir / "job.json").read_text()).get("requeues", 0) >= 1, "the requeue",
                run_dir=run_dir)
     stopped = steps_done(run_dir)
-    assert stopped < steps, "the stage finished before its time limit was cut; raise its steps"
+    assert 3 <= stopped < steps, f"the first attempt stopped after {stopped} of {steps} steps"
     set_time_limit(job_id, LONG_MIN)
+    let_go(run_dir)
     wait_until(lambda: not squeue(job_id), "the job to end", run_dir=run_dir)
     output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
-    assert output.count("resuming at step") == 1 and output.count("stopping after step") == 1
+    assert output.count("resuming at step") == 1 and output.count("stopping at the ranks' next step boundary") == 1
+    assert f"checkpoint of step {stopped} saved" in output and f"resuming at step {stopped}: " in output
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
         list(range(steps))

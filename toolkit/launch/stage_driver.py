@@ -34,7 +34,8 @@ class StageDriver(Supervisor):
         """Ask rank 0 to checkpoint at its next step boundary; the steps it finished meanwhile are recorded
         (and if that was the last one, the stage simply finished)."""
         self.coordinator.send(self.trainer_id, "checkpoint")
-        self.echo(f"stopping after step {self.step + 1} (SIGUSR1): saving a checkpoint")
+        self.echo(f"stopping at the ranks' next step boundary (SIGUSR1; the last step they reported: "
+                  f"{self.step + 1}): saving a checkpoint")
         self._pump(lambda: self.checkpointed is not None or self.step + 1 + len(self.trained) >= self.steps,
                    self.cfg.transport.step_timeout_s, "the trainer's checkpoint")
         for step in sorted(self.trained):
