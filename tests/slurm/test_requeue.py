@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import cli, example, write_config
-from tests.slurm.test_submit import assert_nothing_left, squeue, wait_for_step
+from tests.slurm.test_submit import assert_nothing_left, squeue
 from toolkit.errors import RunError
 from toolkit.hold import ENV
 from toolkit.launch.batch import requeue
@@ -90,8 +90,7 @@ def cut_time_limit(job_id: str, run_dir: Path, held_s: float = 0.0) -> None:
     machine cannot use it up; the signal is sent here rather than left to slurmctld's periodic check.
     The attempt's trainer is held in its third step meanwhile (HOLD), at least `held_s`, and let go once
     it is signalled."""
-    marker = run_dir / f"held-{HOLD.split('@')[0]}"
-    wait_until(lambda: marker.exists() and marker.read_text().strip(), "the attempt's trainer to hold", run_dir=run_dir)
+    marker = wait_for_hold(run_dir)
     since = time.monotonic()
     wait_until(lambda: time.monotonic() - since >= held_s and 30 <= run_seconds(job_id) % 60 <= 34,
                "a moment 26-30 s before a whole minute")
@@ -100,12 +99,16 @@ def cut_time_limit(job_id: str, run_dir: Path, held_s: float = 0.0) -> None:
     marker.unlink()
 
 
+def wait_for_hold(run_dir: Path) -> Path:
+    """Wait until the attempt's trainer holds at HOLD; returns the marker it wrote (its pid)."""
+    marker = run_dir / f"held-{HOLD.split('@')[0]}"
+    wait_until(lambda: marker.exists() and marker.read_text().strip(), "the attempt's trainer to hold", run_dir=run_dir)
+    return marker
+
+
 def let_go(run_dir: Path) -> None:
     """Let the last attempt's trainer go on from HOLD, where no time limit is cut."""
-    marker = run_dir / f"held-{HOLD.split('@')[0]}"
-    wait_until(lambda: marker.exists() and marker.read_text().strip(), "the last attempt's trainer to hold",
-               run_dir=run_dir)
-    marker.unlink()
+    wait_for_hold(run_dir).unlink()
 
 
 def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
@@ -160,26 +163,29 @@ def test_a_requeue_past_its_limit_or_refused_by_slurm_is_a_named_error(tmp_path)
 
 
 def test_a_job_requeued_by_slurm_resumes_by_itself(tiny, tmp_path):
-    """Preemption with requeue, as Slurm does it: the running job is stopped (SIGTERM) and queued again;
-    the new start resumes from the committed experience and finishes the run."""
-    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 60, "name": "preempted"},
-                                            checkpoint={"every_steps": 20}))
+    """Preemption with requeue, as Slurm does it: the running job is stopped (SIGTERM) in its third step and
+    queued again; the new start resumes from the committed experience and finishes the run."""
+    steps = 12
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": steps, "name": "preempted"},
+                                            checkpoint={"every_steps": 5}))
     run_dir = tmp_path / "run"
-    result = cli("submit", config, "--run-dir", run_dir, timeout=120)
+    result = cli("submit", config, "--run-dir", run_dir, env={ENV: HOLD}, timeout=120)
     assert result.returncode == 0, result.stderr
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
-    wait_for_step(run_dir)
+    held = wait_for_hold(run_dir)
+    held_by = held.read_text()
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
     wait_until(lambda: not squeue(job_id), "the requeued job to finish", run_dir=run_dir)
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished", status.get("error")
     output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
     assert output.count("resuming at step") == 1
-    steps = sorted(json.loads(line)["step"] for line in (run_dir / "manifest.jsonl").read_text().splitlines()
-                   if '"kind": "experience"' in line)
-    assert steps == list(range(60))
+    committed = sorted(json.loads(line)["step"] for line in (run_dir / "manifest.jsonl").read_text().splitlines()
+                       if '"kind": "experience"' in line)
+    assert committed == list(range(steps))
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
-        list(range(60))
+        list(range(steps))
+    assert held.read_text() == held_by  # (a moment is held once a run: the new start went through)
     assert_nothing_left(run_dir, job_id)
 
 
@@ -223,15 +229,17 @@ def test_an_sft_stage_survives_its_time_limit_by_requeueing(tiny, tmp_path):
 def test_a_lost_node_requeues_the_job_and_it_finishes_on_the_nodes_left(tiny, tmp_path):
     """The generator's node set DOWN with scontrol (as Slurm does with a node that stops answering) and
     kept out (drained): Slurm cancels the job for the node failure and requeues it; the requeued job
-    runs on the three nodes left and resumes from the checkpoint, every step once."""
-    steps = 40
+    runs on the three nodes left and resumes from the checkpoint of step 5, every step once. (The node
+    goes while the trainer is held in step 7.)"""
+    steps = 12
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": steps, "name": "node-lost"},
                                             checkpoint={"every_steps": 5}, trainer={"micro_batch_size": 8}))
     run_dir = tmp_path / "run"
-    result = cli("submit", config, "--run-dir", run_dir, timeout=120)
+    result = cli("submit", config, "--run-dir", run_dir, env={ENV: "training@7"}, timeout=120)
     assert result.returncode == 0, result.stderr
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
-    wait_for_step(run_dir)
+    held = wait_for_hold(run_dir)
+    held_by = held.read_text()
     node = json.loads((run_dir / "status.json").read_text())["workers"]["generator:0"]["node"]
     try:
         for state in ("DOWN", "DRAIN"):
@@ -249,9 +257,10 @@ def test_a_lost_node_requeues_the_job_and_it_finishes_on_the_nodes_left(tiny, tm
     assert "DUE TO NODE FAILURE" in (slurm / f"{job_id}_0_log.err").read_text()
     output = (slurm / f"{job_id}_0_log.out").read_text()
     assert f"job {job_id}: started again by Slurm (SLURM_RESTART_COUNT 1)" in output
-    assert output.count("resuming at step") == 1
+    assert output.count("resuming at step") == 1 and "checkpoint checkpoints/step-000005" in output
     records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in records if r["kind"] == "experience") == list(range(steps))
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
         list(range(steps))
+    assert held.read_text() == held_by  # (a moment is held once a run: the new start went through)
     assert_nothing_left(run_dir, job_id)
