@@ -76,12 +76,10 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
 
 def mean_prompt_tokens(cfg, limit: int = 256) -> float:
     """Mean tokens of the first `limit` prompts the run draws (cut at max_prompt_tokens)."""
-    from transformers import AutoTokenizer
-
     from toolkit.data.prompts import read_prompts
-    from toolkit.data.tokens import render_prompt
+    from toolkit.data.tokens import counting_tokenizer, render_prompt
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+    tokenizer = counting_tokenizer(cfg.tokenizer_path)
     prompts = read_prompts(cfg.data, cfg.run.seed).next(limit)
     lengths = [min(len(render_prompt(tokenizer, p.prompt, cfg.data.chat_template)), cfg.rollout.max_prompt_tokens)
                for p in prompts]

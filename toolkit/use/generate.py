@@ -19,14 +19,14 @@ from toolkit.use.sampler import Sampler, Sampling
 BATCH = 64  # prompts per engine call (vLLM schedules within it)
 
 
-def read_prompts(path: str, tokenizer, chat_template: str) -> tuple[list[dict], list[list[int]]]:
-    """The rows of `path` and each row's prompt as token ids (ConfigError naming the file and line)."""
+def read_rows(path: str) -> list[tuple[str, dict, object]]:
+    """(location, row, prompt) of each line of `path`, checked before any model or tokenizer loads, so a bad
+    line is named at once (ConfigError naming the file and line)."""
     from toolkit.data.jsonl import rows
-    from toolkit.data.tokens import render_prompt
 
     if not Path(path).is_file():
         raise ConfigError(f"--input {path}: no such file")
-    data, prompts = [], []
+    found = []
     for row in rows(path):
         prompt = row.data.get("prompt", row.data.get("messages"))
         ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
@@ -35,22 +35,34 @@ def read_prompts(path: str, tokenizer, chat_template: str) -> tuple[list[dict], 
         if not ok:
             raise ConfigError(f"{row.location}: expected \"prompt\": a string or a list of {{\"role\", \"content\"}} "
                               f"messages, got {json.dumps(prompt)[:80] if prompt is not None else 'no prompt field'}")
+        found.append((row.location, row.data, prompt))
+    if not found:
+        raise ConfigError(f"--input {path}: no prompts in it")
+    return found
+
+
+def read_prompts(found: list[tuple[str, dict, object]], tokenizer, chat_template: str
+                 ) -> tuple[list[dict], list[list[int]]]:
+    """The rows `read_rows` found and each row's prompt as token ids (ConfigError naming the line)."""
+    from toolkit.data.tokens import render_prompt
+
+    data, prompts = [], []
+    for location, row, prompt in found:
         try:
             prompts.append(render_prompt(tokenizer, prompt, chat_template == "on"))
         except ValueError as e:
-            raise ConfigError(f"{row.location}: {e}") from None
-        data.append(row.data)
-    if not data:
-        raise ConfigError(f"--input {path}: no prompts in it")
+            raise ConfigError(f"{location}: {e}") from None
+        data.append(row)
     return data, prompts
 
 
 def generate(model: Path, input_path: str, output: str, params: Sampling, backend: str = "auto", seed: int = 0,
              chat_template: str = "auto", max_model_len: int | None = None, progress=None) -> int:
     """Sample every prompt of `input_path` into `output` ('-': standard output); the number of samples."""
+    found = read_rows(input_path)
     from transformers import AutoTokenizer
 
-    rows, prompts = read_prompts(input_path, AutoTokenizer.from_pretrained(str(model)), chat_template)
+    rows, prompts = read_prompts(found, AutoTokenizer.from_pretrained(str(model)), chat_template)
     needed = max(len(p) for p in prompts) + params.max_new_tokens
     sampler = Sampler(model, backend, max_model_len or needed, seed)
     out_path = None if output == "-" else Path(output).resolve()
