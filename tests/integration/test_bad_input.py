@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import cli, example, write_config
+from tests.integration.test_runs import assert_no_workers_left
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +70,9 @@ CASES = [
     ("a reward function that cannot be imported", "run", {"reward": {"functions": [{"function": "nomodule:f"}]}},
      None, 2, ["reward.functions.0: cannot import module 'nomodule'", "add its folder to PYTHONPATH"]),
     ("a reward function that raises", "run", {"reward": {"functions": [{"function": "badrewards:raises"}]}}, None, 1,
-     ["reward function 'raises' (badrewards:raises) failed on prompt id", "ValueError: no reward today"]),
+     # (the scorer's own report, not only its exit code: its last event got out before it exited)
+     ["scorer worker rank 0 (scorer:0", ") failed: RewardFunctionError: reward function 'raises' (badrewards:raises) "
+      "failed on prompt id", "ValueError: no reward today"]),
     ("a reward function that returns NaN", "run",
      {"reward": {"functions": [{"function": "badrewards:not_a_number"}]}}, None, 1,
      ["reward function 'not_a_number' (badrewards:not_a_number) returned nan for prompt id",
@@ -108,5 +111,6 @@ def test_bad_input_gets_a_clear_error_and_leaves_nothing_half_written(tiny, tmp_
         assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
         assert not list((run_dir / "experience").glob("step-*.h5")) if (run_dir / "experience").exists() else True
         assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+        assert_no_workers_left(run_dir)
     else:
         assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"

@@ -131,6 +131,8 @@ def test_ignore_eos_runs_every_response_to_full_length(tiny, tmp_path, backend):
                            rollout={"ignore_eos": True, "backend": backend, "max_new_tokens": 64})
     for m in metrics:
         assert m["response_len_mean"] == 64 and m["finished_frac"] == 0
+    # (run() asserted behaviour_logprob_diff < 1e-4 at each step: either engine samples with the trainer's weights)
+    assert f"starting the {backend} engine" in (run_dir / "logs" / "generator-0.log").read_text()
     eos = json.loads((tiny / "model" / "config.json").read_text())["eos_token_id"]
     past_eos = 0
     for step in range(2):  # some samples drew the end-of-sequence token and went on

@@ -153,17 +153,6 @@ def test_ppo_run_zero3_two_trainer_ranks(tiny, tmp_path):
     assert_no_workers_left(run_dir)
 
 
-def test_hf_generation_backend(tiny, tmp_path):
-    """The fallback engine (transformers generate) runs the same loop."""
-    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 2, "name": "h"},
-                                            rollout={"backend": "hf", "prompts_per_step": 8}))
-    result = cli("run", config, "--run-dir", tmp_path / "hf")
-    assert result.returncode == 0, result.stdout + result.stderr
-    rs = records(tmp_path / "hf")
-    assert len(rs) == 2 and all(r["behaviour_logprob_diff"] < 1e-4 for r in rs)
-    assert "starting the hf engine" in (tmp_path / "hf" / "logs" / "generator-0.log").read_text()
-
-
 def test_run_dir_is_never_reused(tiny, tmp_path):
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
     (tmp_path / "old").mkdir()
@@ -257,36 +246,6 @@ def test_hung_worker_is_detected_by_heartbeat(tiny, tmp_path):
     assert_no_workers_left(run_dir)
 
 
-def test_ctrl_c_stops_everything(tiny, tmp_path):
-    """Even when the run inherited SIGINT ignored, as every run started with `&` from a script does."""
-    with running(tiny, tmp_path) as (proc, run_dir):
-        os.kill(proc.pid, signal.SIGINT)
-        code, out, err, took = finish(proc, timeout=60)
-    assert code == 130 and "interrupted (SIGINT)" in err, err
-    assert took < 20
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
-    assert_no_workers_left(run_dir)
-
-
-def test_failing_reward_function_is_named(tiny, tmp_path):
-    (tmp_path / "myrewards.py").write_text(
-        "def picky(prompt, response, topic, **kw):\n"
-        "    if topic == 'stars':\n"
-        "        raise ValueError('no stars here')\n"
-        "    return 1.0\n")
-    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": "r"},
-                                            reward={"functions": [{"function": "myrewards:picky"}]}))
-    result = cli("run", config, "--run-dir", tmp_path / "run", env=env)
-    assert result.returncode == 1
-    assert "scorer worker rank 0 (scorer:0" in result.stderr
-    # The worker's own report (not only its exit code): its last event got out before it exited.
-    assert ") failed: RewardFunctionError: reward function 'picky' (myrewards:picky) failed on prompt id" \
-        in result.stderr
-    assert "ValueError: no stars here" in result.stderr
-    assert_no_workers_left(tmp_path / "run")
-
-
 def test_killed_driver_leaves_no_workers(tiny, tmp_path):
     """If the driver dies without cleaning up (SIGKILL, the OOM killer), its workers end themselves."""
     with running(tiny, tmp_path) as (proc, run_dir):
@@ -297,17 +256,6 @@ def test_killed_driver_leaves_no_workers(tiny, tmp_path):
         while alive(pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not alive(pids.values()), f"workers outlived the driver: {pids}"
-
-
-def test_cancel_stops_a_local_run(tiny, tmp_path):
-    """`slurm-rlhf cancel RUN_DIR` also stops a local run, through its driver."""
-    with running(tiny, tmp_path) as (proc, run_dir):
-        pids = worker_pids(run_dir)
-        result = cli("cancel", run_dir, timeout=120)
-        assert result.returncode == 0 and "stopped the local driver" in result.stdout, result.stderr
-        assert proc.wait(timeout=30) == 143  # 128 + SIGTERM, which `cancel` sends the driver
-        assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
-        assert not alive(pids.values())
 
 
 def test_a_role_that_exits_with_a_message_fails_the_run_and_says_why(tiny, tmp_path):
@@ -358,9 +306,9 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, momen
         if (run_dir / "status.json").exists():
             started |= set(worker_pids(run_dir).values())
         stopping = time.monotonic()
-        if stop == "cancel":
+        if stop == "cancel":  # (`slurm-rlhf cancel RUN_DIR` stops a local run through its driver)
             result = cli("cancel", run_dir, timeout=120)
-            assert result.returncode == 0, result.stdout + result.stderr
+            assert result.returncode == 0 and "stopped the local driver" in result.stdout, result.stdout + result.stderr
         else:
             os.kill(proc.pid, signal.SIGTERM if stop == "SIGTERM" else signal.SIGINT)
             if stop == "SIGINT twice":
@@ -373,6 +321,8 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, momen
             os.killpg(proc.pid, signal.SIGKILL)
     assert code == (130 if stop.startswith("SIGINT") else 143), err
     assert "interrupted" in err and took < 20, (took, err)
+    if stop == "SIGINT":  # (SIGINT inherited as ignored, as by every run started with `&` from a script)
+        assert "interrupted (SIGINT)" in err, err
     deadline = time.monotonic() + 15
     while alive(started) and time.monotonic() < deadline:
         time.sleep(0.2)
