@@ -65,10 +65,21 @@ def test_reinforce_pp_advantages_are_batch_normalised_returns(tiny, tmp_path):
     assert np.allclose(np.concatenate(per_sample(rec, "advantages")), expected, atol=1e-4)
 
 
-def test_ema_is_the_average_of_the_weights_and_is_exported(tiny, tmp_path):
-    decay = 0.5
-    run_dir, _ = run(tiny, tmp_path, "ema", run={"steps": 4}, trainer={"ema": decay},
-                     checkpoint={"every_steps": 1, "keep": 10})
+EMA_DECAY = 0.5
+
+
+@pytest.fixture(scope="module")
+def ema_run(tiny, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """A default GRPO run of 4 steps with trainer.ema (an average kept beside the weights, which it leaves
+    as they are) and a checkpoint at every step: the EMA test reads its checkpoints, and the test of the
+    skipped old log-prob pass takes it as its run without the pass."""
+    return run(tiny, tmp_path_factory.mktemp("ema"), "ema", run={"steps": 4}, trainer={"ema": EMA_DECAY},
+               checkpoint={"every_steps": 1, "keep": 10})
+
+
+def test_ema_is_the_average_of_the_weights_and_is_exported(tiny, ema_run):
+    decay = EMA_DECAY
+    run_dir, _ = ema_run
     names = list(load_file(tiny / "model" / "model.safetensors"))
     average = load_file(tiny / "model" / "model.safetensors")  # it starts from the initial weights
     for step in range(1, 5):
@@ -108,12 +119,14 @@ def test_reward_normalised_clipped_and_a_critic_from_the_reward_model(tiny, tmp_
     assert abs(rec["samples"]["reward_total"]).max() <= 0.3 + 1e-6 and "value_loss" in metrics[0]
 
 
-def test_grpo_with_one_update_takes_old_logprobs_from_the_training_forward(tiny, tmp_path):
+def test_grpo_with_one_update_takes_old_logprobs_from_the_training_forward(tiny, tmp_path, ema_run):
     """The separate old log-prob pass is skipped (GRPO, one update per batch): the same update as with it.
     The comparison run keeps the pass by turning the behaviour correction on, whose weights are 1 here
-    (on-policy samples) up to the generator's rounding."""
-    skip_dir, skipped = run(tiny, tmp_path, "skip")
-    full_dir, full = run(tiny, tmp_path, "full", algorithm={"behaviour_correction": "on"})
+    (on-policy samples) up to the generator's rounding. (The run without the pass is `ema_run`: the EMA
+    and the checkpoints change nothing in the updates.)"""
+    skip_dir, skipped = ema_run
+    full_dir, full = run(tiny, tmp_path, "full", run={"steps": 4}, algorithm={"behaviour_correction": "on"})
+    assert len(skipped) == len(full) == 4
     for a, b in zip(skipped, full):
         assert abs(a["loss"] - b["loss"]) < 1e-4 and abs(a["kl"] - b["kl"]) < 1e-5
         assert a["reward_mean"] == b["reward_mean"] or a["step"] > 0
