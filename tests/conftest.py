@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -119,6 +121,22 @@ def alive(pids) -> list[int]:
     return out
 
 
+def worker_pids(run_dir: Path) -> dict[str, int]:
+    """Each worker's pid, as the run's status.json lists it."""
+    status = json.loads((run_dir / "status.json").read_text())
+    return {w: entry["pid"] for w, entry in status["workers"].items() if entry.get("pid")}
+
+
+def assert_no_workers_left(run_dir: Path) -> None:
+    """Every worker status.json lists has ended (within 15 s)."""
+    pids = worker_pids(run_dir)
+    assert pids, "status.json lists no workers"
+    deadline = time.monotonic() + 15
+    while alive(pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(pids.values()), f"workers still running: {pids}"
+
+
 def experience_commits(run_dir: Path) -> int:
     """Experience batches the run's manifest lists as committed."""
     path = run_dir / "manifest.jsonl"
@@ -147,9 +165,7 @@ def run_and_kill(config: Path, run_dir: Path, after_commits: int | None = None, 
     `after_commits`-th experience commit (or once `until()` holds), as a crash would. With `hold` (a
     moment of toolkit/hold.py, e.g. `training@7`) the run waits there until it is killed, so the kill
     lands at that moment however busy the machine is."""
-    import json
     import signal
-    import time
 
     from toolkit.hold import ENV
 
@@ -205,7 +221,6 @@ def wandb_history(run_dir: Path) -> list[list[dict]]:
     """The history rows ({tag: value, "_step": step}) of every offline W&B run file under RUN_DIR/wandb, one
     list per file in the order written. The files are LevelDB-style logs (a 7-byte ':W&B' header, 32 KiB
     blocks of records [crc32, length, type] holding protobuf Records), read here as `wandb sync` reads them."""
-    import json
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb

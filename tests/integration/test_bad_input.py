@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli, example, write_config
-from tests.integration.test_runs import assert_no_workers_left
+from tests.conftest import assert_no_workers_left, cli, example, write_config
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, alive, cli, example, write_config
+from tests.conftest import REPO, alive, assert_no_workers_left, cli, example, worker_pids, write_config
 from toolkit.config import load_config
 from toolkit.launch import allocator
 from toolkit.store import experience
@@ -32,25 +32,11 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def worker_pids(run_dir: Path) -> dict[str, int]:
-    status = json.loads((run_dir / "status.json").read_text())
-    return {w: entry["pid"] for w, entry in status["workers"].items() if entry.get("pid")}
-
-
 def assert_private(run_dir: Path) -> None:
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE((run_dir / "secret").stat().st_mode) == 0o600
     for path in run_dir.rglob("*"):
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, f"{path} is readable by others"
-
-
-def assert_no_workers_left(run_dir: Path) -> None:
-    pids = worker_pids(run_dir)
-    assert pids, "status.json lists no workers"
-    deadline = time.monotonic() + 15
-    while alive(pids.values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not alive(pids.values()), f"workers still running: {pids}"
 
 
 def test_grpo_run_two_generators(tiny, tmp_path):
