@@ -167,11 +167,11 @@ def run_and_kill(config: Path, run_dir: Path, after_commits: int | None = None, 
     lands at that moment however busy the machine is."""
     import signal
 
-    from toolkit.hold import ENV
+    from toolkit.hold import ENV, held_file
 
     done = until or (lambda: experience_commits(run_dir) >= after_commits)
     if hold:  # (held there, and what `until` waits for written: the driver may lag behind the workers)
-        held, then = run_dir / f"held-{hold.split('@')[0]}", done if until else (lambda: True)
+        held, then = held_file(run_dir, hold), done if until else (lambda: True)
         done = lambda: held.exists() and then()  # noqa: E731
     env = {**os.environ, ENV: hold} if hold else None
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],

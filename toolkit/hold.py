@@ -25,6 +25,11 @@ MOMENTS = ("start-up", "registered", "loading", "generating", "scoring", "traini
 _reached: dict[str, int] = {}
 
 
+def held_file(run_dir, hold: str) -> Path:
+    """The file that the process held at `hold` (`<moment>` or `<moment>@N`) writes in `run_dir`."""
+    return Path(run_dir) / f"held-{hold.partition('@')[0]}"
+
+
 def hold(moment: str, run_dir) -> None:
     """Wait here for good when SLURM_RLHF_TEST_HOLD names `moment` (see the module docstring)."""
     nths = [int(nth or 1) for wanted, _, nth in (entry.partition("@") for entry in os.environ.get(ENV, "").split(","))
@@ -34,12 +39,12 @@ def hold(moment: str, run_dir) -> None:
     _reached[moment] = _reached.get(moment, 0) + 1
     if _reached[moment] not in nths:
         return
-    marker = Path(run_dir) / f"held-{moment}"
+    path = held_file(run_dir, moment)
     try:
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return  # (another process holds this moment already)
     with os.fdopen(fd, "w") as f:
         f.write(f"{os.getpid()}\n")
-    while marker.exists():
+    while path.exists():
         time.sleep(0.1)

@@ -34,7 +34,7 @@ ACTED = ("starting it again alone", "starting every worker again")
 
 def run(config: Path, run_dir: Path, steps: int, hold: str = "", how: signal.Signals | None = None) -> dict:
     """One run, faulted at `hold` with `how` if given: {wall_s, detected_s, back_s}."""
-    from toolkit.hold import ENV
+    from toolkit.hold import ENV, held_file
 
     sets = [f"run.steps={steps}", "run.seed=5", "run.deterministic=true", "checkpoint.every_steps=2",
             "transport.heartbeat_interval_s=0.5", "transport.heartbeat_timeout_s=4"]
@@ -50,7 +50,7 @@ def run(config: Path, run_dir: Path, steps: int, hold: str = "", how: signal.Sig
     signalled = None
     try:
         if how is not None:
-            marker = run_dir / f"held-{hold.split('@')[0]}"
+            marker = held_file(run_dir, hold)
             while not marker.exists() or not marker.read_text().strip():
                 if proc.poll() is not None or time.monotonic() - started > 600:
                     raise SystemExit(f"the run ended or stalled before {hold}")

@@ -233,7 +233,7 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
     group once in its HDF5 files, and no process that a signalled worker had started may be left."""
     import psutil
 
-    from toolkit.hold import ENV
+    from toolkit.hold import ENV, held_file
 
     run_dir = tmp_path / "run"
     print(f"faults (SLURM_RLHF_FAULT_SEED={FAULT_SEED}): " + ", ".join(f"{how.name} at {m}" for m, how in faults))
@@ -246,7 +246,7 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
     try:
         deadline = time.monotonic() + 300
         while left:
-            markers = {m: run_dir / f"held-{m.split('@')[0]}" for m in left}
+            markers = {m: held_file(run_dir, m) for m in left}
             held = [m for m, marker in markers.items() if marker.exists() and marker.read_text().strip()]
             if not held:
                 assert proc.poll() is None and time.monotonic() < deadline, f"the run ended or stalled before {left}"
@@ -375,7 +375,7 @@ def test_a_full_disk_is_named_and_the_last_checkpoint_is_left_untouched(tiny, tm
     file, not for the checkpoint after it): the run fails with an error that names the checkpoint's path
     and the free space, leaves no half-written checkpoint, and the last good one is intact (every file's
     SHA-256 as the manifest recorded it)."""
-    from toolkit.hold import ENV
+    from toolkit.hold import ENV, held_file
     from toolkit.store.manifest import Manifest, checkpoint_files
 
     run_dir = small_disk / "run"
@@ -383,7 +383,7 @@ def test_a_full_disk_is_named_and_the_last_checkpoint_is_left_untouched(tiny, tm
                              str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, ENV: "training@4"})
     try:
-        marker = run_dir / "held-training"
+        marker = held_file(run_dir, "training")
         deadline = time.monotonic() + 300
         while not marker.exists() or not marker.read_text().strip():
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 3"

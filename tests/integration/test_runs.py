@@ -269,7 +269,7 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, momen
     moment of it: the run ends with 130 or 143 and `interrupted`, no process it started is left, the
     committed experience and checkpoints are intact, and `resume` finishes the run. The moment is
     reached by waiting for the hook's file, not by sleeping."""
-    from toolkit.hold import ENV, MOMENTS
+    from toolkit.hold import ENV, MOMENTS, held_file
     from toolkit.store.manifest import plan_resume
 
     assert moment in MOMENTS
@@ -280,7 +280,7 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, momen
     run_dir = tmp_path / "run"
     proc = start(config, run_dir, env={ENV: moment})
     try:
-        marker = run_dir / f"held-{moment}"
+        marker = held_file(run_dir, moment)
         deadline = time.monotonic() + 240
         while not marker.exists() or not marker.read_text().strip():
             assert proc.poll() is None, f"the run ended before {moment}: {proc.communicate()[1]}"

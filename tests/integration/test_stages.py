@@ -165,7 +165,7 @@ def test_sigusr1_checkpoints_stops_and_resume_finishes_the_same(tiny, sft_run, t
 
     from tests.conftest import REPO
 
-    from toolkit.hold import ENV
+    from toolkit.hold import ENV, held_file
 
     config = write_config(tmp_path, stage_config(tiny, "sft", checkpoint={"every_steps": 100}))
     run_dir = tmp_path / "run"
@@ -176,7 +176,7 @@ def test_sigusr1_checkpoints_stops_and_resume_finishes_the_same(tiny, sft_run, t
                             env={**os.environ, ENV: "boundary@4"})
     try:
         deadline = time.monotonic() + 240
-        held = run_dir / "held-boundary"
+        held = held_file(run_dir, "boundary")
         while not held.exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
