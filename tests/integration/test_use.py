@@ -91,11 +91,18 @@ def samples(result) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
-def test_generate_greedy_agrees_between_vllm_and_transformers(trained, prompts):
+@pytest.fixture(scope="module")
+def greedy(trained, prompts) -> dict[str, list[dict]]:
+    """Greedy samples of the run's newest checkpoint from each engine, as `generate` writes them to
+    standard output."""
+    common = ["generate", trained, "--input", prompts, "--temperature", 0, "--max-new-tokens", 12]
+    return {backend: samples(cli(*common, "--backend", backend)) for backend in ("vllm", "hf")}
+
+
+def test_generate_greedy_agrees_between_vllm_and_transformers(greedy):
     """Greedy samples of the run's newest checkpoint: the same tokens and log-probs from either engine.
     The samples go to standard output, which stays clean JSON Lines (vLLM's logs go to stderr)."""
-    common = ["generate", trained, "--input", prompts, "--temperature", 0, "--max-new-tokens", 12]
-    vllm, hf = samples(cli(*common, "--backend", "vllm")), samples(cli(*common, "--backend", "hf"))
+    vllm, hf = greedy["vllm"], greedy["hf"]
     assert [s["id"] for s in vllm] == ["a", "b", "c"] and vllm[2]["extra"] == [1, 2]
     assert [s["response"] for s in vllm] == [s["response"] for s in hf]
     for v, h in zip(vllm, hf):
@@ -109,13 +116,13 @@ def test_generate_seeds_each_sample(trained, prompts, tmp_path):
     first = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(s["id"], s["sample"]) for s in first] == [(i, k) for i in "abc" for k in range(3)]
     assert len({s["response"] for s in first}) == 9  # no two samples share a random stream
-    assert cli(*common).returncode == 0
-    assert [json.loads(line) for line in out.read_text().splitlines()] == first  # the same seed, the same samples
-    # Each row's samples depend on its place in the file, not on the rows beside it.
-    one = tmp_path / "one.jsonl"
-    one.write_text(prompts.read_text().splitlines()[0] + "\n")
-    alone = samples(cli("generate", trained, "--input", one, "--n", 3, "--max-new-tokens", 12))
-    assert [s["response"] for s in alone] == [s["response"] for s in first[:3]]
+    # The same seed gives the same samples again, and each row's samples depend on its place in the file,
+    # not on the rows beside it: the first two rows alone (another batch) get the first two rows' samples.
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(prompts.read_text().splitlines(keepends=True)[:2]))
+    again = samples(cli("generate", trained, "--input", two, "--n", 3, "--max-new-tokens", 12))
+    assert [(s["id"], s["sample"], s["response"]) for s in again] == [(s["id"], s["sample"], s["response"])
+                                                                       for s in first[:6]]
 
 
 @pytest.mark.parametrize("line, message", [
@@ -131,19 +138,16 @@ def test_generate_names_the_bad_line(trained, tmp_path, line, message):
     assert not list(tmp_path.glob("*out.jsonl*"))  # nothing half written
 
 
-def test_chat_answers_each_turn_and_starts_over(trained, tmp_path):
-    """Greedy: the first answer is what `generate` gives for the same user message; after `clear` the
-    same question gets the same answer again; `quit` ends."""
+def test_chat_answers_each_turn_and_starts_over(trained, greedy):
+    """Greedy: the first answer is what `generate` gives for the same user message (prompt "b" of the
+    `prompts` file); after `clear` the same question gets the same answer again; `quit` ends."""
     turns = "count to 9\nand again\nclear\ncount to 9\nquit\nnever read\n"
     result = cli("chat", trained, "--temperature", 0, "--max-new-tokens", 12, input=turns)
     assert result.returncode == 0, result.stderr
     answers = [line.removeprefix("model> ") for line in result.stdout.splitlines() if line.startswith("model> ")]
     assert len(answers) == 3 and "(new conversation)" in result.stdout
     assert answers[0] == answers[2]
-    question = tmp_path / "q.jsonl"
-    question.write_text(json.dumps({"prompt": [{"role": "user", "content": "count to 9"}]}) + "\n")
-    greedy = samples(cli("generate", trained, "--input", question, "--temperature", 0, "--max-new-tokens", 12))
-    assert answers[0] == greedy[0]["response"].strip()
+    assert answers[0] == greedy["vllm"][1]["response"].strip()  # (chat samples with vLLM too: backend auto)
 
 
 def test_report_draws_the_run_from_its_files(trained, tmp_path):
