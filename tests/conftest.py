@@ -79,6 +79,26 @@ def tiny() -> Path:
     return build_tiny(REPO / "models" / "tiny")
 
 
+def two_generator_grpo(tiny: Path, directory: Path, name: str) -> Path:
+    """The config of a deterministic 6-step GRPO run with two vLLM generator workers, messages of at most
+    2 MB."""
+    return write_config(directory, example("tiny-grpo.yaml", tiny, run={"steps": 6, "seed": 3, "deterministic": True,
+                                                                        "name": name},
+                                           placement={"generator": {"workers": 2}}, transport={"max_message_mb": 2}))
+
+
+@pytest.fixture(scope="session")
+def two_generator_run(tiny, tmp_path_factory) -> Path:
+    """`two_generator_grpo` run in a directory whose path has a space and a quote: test_runs checks the run,
+    test_hostile_frames runs it again under attack and compares."""
+    tmp = tmp_path_factory.mktemp("two-generators")
+    run_dir = tmp / "my runs" / "it's grpo"
+    result = cli("run", two_generator_grpo(tiny, tmp, "quiet"), "--run-dir", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step   6/6" in result.stdout and "done in" in result.stdout
+    return run_dir
+
+
 def write_config(directory: Path, data: dict, name: str = "run.yaml") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / name

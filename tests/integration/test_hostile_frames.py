@@ -18,18 +18,16 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
 
-from tests.conftest import REPO, alive, cli, example, write_config
+from tests.conftest import REPO, alive, two_generator_grpo
 from toolkit.transport.wire import MAGIC, NONCE_BYTES, Codec, new_secret
 
 pytestmark = pytest.mark.integration
-STEPS = 6
 
 
 def hostile(kind: str, rng: np.random.Generator, secret: bytes, elsewhere: str) -> list[bytes]:
@@ -87,22 +85,13 @@ class Attacker(threading.Thread):
         ctx.destroy(linger=0)
 
 
-def config(tiny, tmp_path: Path, name: str) -> Path:
-    return write_config(tmp_path / name, example("tiny-grpo.yaml", tiny, run={"steps": STEPS, "seed": 3,
-                                                                              "deterministic": True, "name": name},
-                                                 placement={"generator": {"workers": 2}},
-                                                 transport={"max_message_mb": 2}))
-
-
-def test_hostile_frames_are_dropped_counted_and_change_nothing(tiny, tmp_path):
+def test_hostile_frames_are_dropped_counted_and_change_nothing(tiny, two_generator_run, tmp_path):
+    """The attacked run is `two_generator_run` again (the same config): it must compute the same."""
     import psutil
 
-    result = cli("run", config(tiny, tmp_path, "quiet"), "--run-dir", tmp_path / "quiet")
-    assert result.returncode == 0, result.stdout + result.stderr
-    run_dir = tmp_path / "attacked"
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config(tiny, tmp_path, "attacked")),
-                             "--run-dir", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    run_dir, config = tmp_path / "attacked", two_generator_grpo(tiny, tmp_path, "attacked")
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     attacker, peak_rss, pids = None, {}, {}
     try:
         deadline = time.monotonic() + 240
@@ -136,8 +125,8 @@ def test_hostile_frames_are_dropped_counted_and_change_nothing(tiny, tmp_path):
     assert not alive(pids.values())
     sent = attacker.sent
     assert all(n > 0 for n in sent.values()), sent
-    quiet, attacked = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-                       for d in ("quiet", "attacked"))
+    quiet, attacked = ([json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+                       for d in (two_generator_run, run_dir))
     for a, b in zip(quiet, attacked, strict=True):  # the same samples, rewards and updates
         assert (a["reward_mean"], a["loss"], a["kl"]) == (b["reward_mean"], b["loss"], b["kl"])
     status = json.loads((run_dir / "status.json").read_text())

@@ -39,16 +39,11 @@ def assert_private(run_dir: Path) -> None:
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, f"{path} is readable by others"
 
 
-def test_grpo_run_two_generators(tiny, tmp_path):
+def test_grpo_run_two_generators(two_generator_run):
     """GRPO with two vLLM generator workers; a run directory whose path has a space and a quote."""
-    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 4, "name": "t", "seed": 3},
-                                            placement={"generator": {"workers": 2}}))
-    run_dir = tmp_path / "my runs" / "it's grpo"
-    result = cli("run", config, "--run-dir", run_dir)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "step   4/4" in result.stdout and "done in" in result.stdout
+    run_dir = two_generator_run
     rs = records(run_dir)
-    assert [r["step"] for r in rs] == [0, 1, 2, 3]
+    assert [r["step"] for r in rs] == list(range(6))
     for r in rs:
         assert REQUIRED <= set(r)
         assert r["policy_version"] == r["step"] + 1  # one update per step
@@ -67,7 +62,7 @@ def test_grpo_run_two_generators(tiny, tmp_path):
     wanted = allocator.choice("auto")[0]
     for name in ("generator-0", "generator-1", "scorer-0", "trainer-0"):
         assert f"memory allocator: {wanted}\n" in (logs / f"{name}.log").read_text(), name
-    assert load_config(run_dir / "config.yaml").run.steps == 4  # the resolved config is in the run directory
+    assert load_config(run_dir / "config.yaml").run.steps == 6  # the resolved config is in the run directory
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     assert_private(run_dir)
     assert_no_workers_left(run_dir)
