@@ -39,11 +39,32 @@ def assert_same(a: list[dict], b: list[dict], what: str) -> None:
             assert abs(ra[key] - rb[key]) <= TOLERANCE, f"{what}: step {ra['step']} {key} {ra[key]} vs {rb[key]}"
 
 
-def test_three_strategies_same_rewards_and_losses(tiny, tmp_path):
+def interleaving_config(tiny, directory: Path, name: str) -> Path:
+    """6 steps of `run`'s workload under Interleaving, a checkpoint every 2 steps."""
+    data = example("tiny-grpo.yaml", tiny, placement={"strategy": "interleaving"}, checkpoint={"every_steps": 2},
+                   run={"steps": 6, "seed": 5, "deterministic": True, "name": name})
+    data["rollout"]["backend"] = "hf"
+    return write_config(directory / f"{name}-config", data)
+
+
+@pytest.fixture(scope="module")
+def interleaving_whole(tiny, tmp_path_factory) -> Path:
+    """An uninterrupted `interleaving_config` run. Its first 3 steps are also the Interleaving run that
+    test_three_strategies compares: the learning rate is constant, so they do not depend on the run's length."""
+    run_dir = tmp_path_factory.mktemp("interleaving") / "whole"
+    result = cli("run", interleaving_config(tiny, run_dir.parent, "whole"), "--run-dir", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return run_dir
+
+
+def test_three_strategies_same_rewards_and_losses(tiny, interleaving_whole, tmp_path):
     # (Flattening with offload: the trainer's optimizer states, master weights and gradients go to host
     # memory between updates, while the generator runs; here on CPU the calls run and move nothing.)
     results = {s: run(tiny, tmp_path, s, "grpo", placement={"strategy": s, "offload": s == "flattening"})
-               for s in ("separation", "flattening", "interleaving")}
+               for s in ("separation", "flattening")}
+    status = json.loads((interleaving_whole / "status.json").read_text())
+    interleaved = [json.loads(line) for line in (interleaving_whole / "metrics.jsonl").read_text().splitlines()]
+    results["interleaving"] = sorted(status["workers"]), interleaved[:3]
     assert results["separation"][0] == ["generator:0", "scorer:0", "trainer:0"]
     assert results["flattening"][0] == ["all:0"]
     assert results["interleaving"][0] == ["scorer:0", "trainer:0"]
@@ -142,22 +163,13 @@ def test_ppo_critic_on_ranks_of_its_own_trains_as_beside_the_actor_and_resumes(t
             [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)], (model, files)
 
 
-def test_interleaving_resumes_exactly_after_sigkill(tiny, tmp_path):
+def test_interleaving_resumes_exactly_after_sigkill(tiny, interleaving_whole, tmp_path):
     """A colocated placement (generation in the trainer's worker, weights never broadcast) killed after
     4 of 6 commits and resumed ends with the uninterrupted run's weights and rewards."""
     from safetensors.torch import load_file
 
-    def config(name: str) -> Path:
-        data = example("tiny-grpo.yaml", tiny, placement={"strategy": "interleaving"}, checkpoint={"every_steps": 2},
-                       run={"steps": 6, "seed": 5, "deterministic": True, "name": name})
-        data["rollout"]["backend"] = "hf"
-        return write_config(tmp_path / f"{name}-config", data)
-
-    whole = tmp_path / "whole"
-    result = cli("run", config("whole"), "--run-dir", whole)
-    assert result.returncode == 0, result.stdout + result.stderr
-    killed = tmp_path / "killed"
-    run_and_kill(config("killed"), killed, after_commits=4)
+    whole, killed = interleaving_whole, tmp_path / "killed"
+    run_and_kill(interleaving_config(tiny, tmp_path, "killed"), killed, after_commits=4)
     assert 4 <= experience_commits(killed) < 6
     result = cli("resume", killed)
     assert result.returncode == 0, result.stdout + result.stderr
