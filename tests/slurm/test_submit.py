@@ -1,7 +1,8 @@
 """`submit`, `status`, `cancel` on the real local Slurm cluster (bash slurm/up.sh 4; tools/test.sh does it).
 
 What ran where is read from Slurm itself (squeue's view of each job step while the run is going, the
-SLURMD_NODENAME each worker recorded) and compared with the plan.
+SLURMD_NODENAME each worker recorded) and compared with the plan; test_placement.py does it for a plain
+Separation run, each role on nodes of its own.
 """
 
 from __future__ import annotations
@@ -110,37 +111,6 @@ def assert_nothing_left(run_dir: Path, job_id: str) -> None:
 
 def squeue(job_id: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30).stdout.strip()
-
-
-def test_submit_runs_each_role_on_its_own_nodes(tiny, tmp_path):
-    config = run_config(tiny, tmp_path, placement={"trainer": {"workers": 2, "nodes": 2}})
-    run_dir = tmp_path / "runs" / "it's a run"
-    result, steps = submit_and_wait(config, run_dir)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "submitted slurm job" in result.stdout and "step   3/3" in result.stdout
-    job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["state"] == "finished" and status["launcher"] == "slurm"
-    planned = {"generator": 1, "scorer": 1, "trainer": 2}
-    seen_by_slurm = {}
-    for role, count in planned.items():
-        step, nodelist = steps[role]  # Slurm's own record of the role's job step
-        nodes = expand(nodelist)
-        assert len(nodes) == count, (role, nodes)
-        seen_by_slurm[role] = set(nodes)
-        # every worker of the role ran inside that step, on one of its nodes (SLURMD_NODENAME)
-        workers = {w: e for w, e in status["workers"].items() if w.startswith(role + ":")}
-        assert len(workers) == count
-        assert {e["slurm_step"] for e in workers.values()} == {step}
-        assert {e["node"] for e in workers.values()} == set(nodes)
-    all_nodes = [n for nodes in seen_by_slurm.values() for n in nodes]
-    assert len(all_nodes) == len(set(all_nodes)) == 4  # disjoint node sets covering the allocation
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["policy_version"] for r in records] == [1, 2, 3]
-    assert all(r["behaviour_logprob_diff"] < 1e-4 for r in records)
-    text = cli("status", run_dir, timeout=60).stdout
-    assert f"slurm job {job_id}: COMPLETED" in text and "run state: finished, steps done: 3/3" in text
-    assert_nothing_left(run_dir, str(job_id))
 
 
 def test_heterogeneous_job(tiny, tmp_path):
