@@ -1,14 +1,15 @@
 """The memory switches side by side: what each saves, and that the training result stays the same.
 
     python tools/bench_memory.py [--hidden 512 --layers 8 --heads 8 --intermediate 1376]
-                                 [--batch 8 --seq 256 --steps 4] [--json OUT]
+                                 [--batch 8 --seq 256 --steps 4] [--jobs 1] [--json OUT]
     python tools/bench_memory.py --config tests/fixtures/model_configs/Qwen--Qwen2.5-0.5B.json \
                                  --batch 8 --seq 1024          (on a GPU: bf16, peak GPU memory, MFU)
 
 Builds a random Llama of the given shape (the tiny tokenizer's 512 vocab), or a model of a public
 architecture from its `config.json` (`--config`), then trains it for a few steps on the same random tokens
 through `toolkit.training.engine.build_engine` (the engine every stage uses), once per setting, each in a
-fresh process, on `--device` (cuda where there is one) in `--dtype` (bf16 mixed precision on a GPU):
+fresh process (the baseline first, then `--jobs` at a time), on `--device` (cuda where there is one) in
+`--dtype` (bf16 mixed precision on a GPU):
 
     baseline              ZeRO-2, every weight trained
     checkpointing         + trainer.gradient_checkpointing
@@ -44,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,31 +172,35 @@ def _free_port() -> int:
 
 
 def measure(args, names: list[str]) -> list[dict]:
-    """Every setting in a fresh process (a process's peak memory is its own)."""
-    results = []
+    """Every setting in a fresh process (a process's peak memory is its own): the baseline, then the others
+    `args.jobs` at a time."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         build_model(model_dir, args)
-        for name in names:
-            env = {"TORCH_EXTENSIONS_DIR": os.path.join(sys.prefix, "torch_extensions"),  # where setup built the ops
-                   **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-                   "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                   **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {})}
-            command = [sys.executable, __file__, "--one", name, "--model-dir", str(model_dir), *_shape(args)]
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            if done.returncode != 0 or not lines:  # (named in the table; the others still run)
-                print(f"bench_memory: setting {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}",
-                      file=sys.stderr)
-                if name == "baseline":
-                    raise SystemExit("bench_memory: the baseline failed; nothing to compare with")
-                results.append({"setting": name, "failed": done.returncode})
-                continue
-            results.append(json.loads(lines[-1]))
-            r = results[-1]  # (as each setting ends: a run cut short by a time limit still shows what it measured)
-            print(f"{name}: step {r['step_s']:.3f} s, peak RSS {r['peak_rss_mb']:.0f} MB"
-                  + (f", peak GPU {r['peak_device_mb']:.0f} MB" if r["peak_device_mb"] is not None else ""), file=sys.stderr)
+        results = [measure_one(args, names[0], model_dir)]
+        if "failed" in results[0]:
+            raise SystemExit("bench_memory: the baseline failed; nothing to compare with")
+        with ThreadPoolExecutor(args.jobs) as pool:
+            results += pool.map(lambda name: measure_one(args, name, model_dir), names[1:])
     return results
+
+
+def measure_one(args, name: str, model_dir: Path) -> dict:
+    """Setting `name` measured in a process of its own: its figures, or {"setting", "failed": exit code}."""
+    env = {"TORCH_EXTENSIONS_DIR": os.path.join(sys.prefix, "torch_extensions"),  # where setup built the ops
+           **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {})}
+    command = [sys.executable, __file__, "--one", name, "--model-dir", str(model_dir), *_shape(args)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:  # (named in the table; the others still run)
+        print(f"bench_memory: setting {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr)
+        return {"setting": name, "failed": done.returncode}
+    r = json.loads(lines[-1])  # (as each setting ends: a run cut short by a time limit still shows what it measured)
+    print(f"{name}: step {r['step_s']:.3f} s, peak RSS {r['peak_rss_mb']:.0f} MB"
+          + (f", peak GPU {r['peak_device_mb']:.0f} MB" if r["peak_device_mb"] is not None else ""), file=sys.stderr)
+    return r
 
 
 def _shape(args) -> list[str]:
@@ -248,6 +254,9 @@ def main() -> int:
                              "fp16 mode (fp32 master weights, dynamic loss scaling)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense peak, for MFU")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset, baseline first")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="settings measured at once after the baseline (each in a process of its own, so its "
+                             "peak memory is its own; their step times then share the machine)")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -264,6 +273,8 @@ def main() -> int:
     unknown = [n for n in names if n not in SETTINGS]
     if unknown or names[0] != "baseline":
         parser.error(f"--settings: known settings are {', '.join(SETTINGS)}, baseline first")
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: at least 1")
     results = measure(args, names)
     shape = (f"{Path(args.config).stem}'s config" if args.config else
              f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, intermediate {args.intermediate}")

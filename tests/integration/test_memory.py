@@ -30,8 +30,10 @@ RANK = 8
 def figures(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("bench") / "figures.json"
     shape = [f"--{k}={v}" for k, v in SHAPE.items()]
+    # (two settings at a time, a thread each: nothing here compares their step times)
     done = subprocess.run([sys.executable, "tools/bench_memory.py", *shape, "--batch=4", "--seq=64", "--steps=3",
-                           f"--json={out}"], cwd=REPO, capture_output=True, text=True, timeout=1200)
+                           "--jobs=2", "--threads=1", f"--json={out}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=1200)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "max loss diff" in done.stdout  # the table
     return {r["setting"]: r for r in json.loads(out.read_text())}
