@@ -150,11 +150,13 @@ def _as_a_background_job() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def start(config: Path, run_dir: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, **(env or {})},
-                            preexec_fn=_as_a_background_job)
+def start(config: Path | None, run_dir: Path, env: dict | None = None) -> subprocess.Popen:
+    """`slurm-rlhf run CONFIG --run-dir RUN_DIR`, or `slurm-rlhf resume RUN_DIR` without a config, started
+    as a background job in a session of its own."""
+    args = ["run", str(config), "--run-dir", str(run_dir)] if config else ["resume", str(run_dir)]
+    return subprocess.Popen([sys.executable, "-m", "toolkit", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})}, preexec_fn=_as_a_background_job)
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, timeout: float = 240) -> None:
@@ -258,21 +260,36 @@ STOPS = [("start-up", "SIGINT"), ("registered", "SIGTERM"), ("loading", "cancel"
          ("scoring", "SIGTERM"), ("training", "SIGINT"), ("syncing", "cancel"), ("checkpointing", "SIGTERM")]
 
 
-@pytest.mark.parametrize("moment,stop", STOPS)
-def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, moment, stop):
+def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path):
     """SIGINT (once or twice), SIGTERM or `slurm-rlhf cancel` while a process of the run is busy in each
-    moment of it: the run ends with 130 or 143 and `interrupted`, no process it started is left, the
-    committed experience and checkpoints are intact, and `resume` finishes the run. The moment is
-    reached by waiting for the hook's file, not by sleeping."""
-    from toolkit.hold import ENV, MOMENTS, held_file
+    moment of it, one after the other in one run: started, stopped at the first moment, resumed and stopped
+    at the next, and so on. Each time the run ends with 130 or 143 and `interrupted`, no process it started
+    is left and the committed experience and checkpoints are intact; the last `resume` finishes the run,
+    every step once. The moment is reached by waiting for the hook's file, not by sleeping."""
+    from toolkit.hold import MOMENTS
+
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": "stop"},
+                                            checkpoint={"every_steps": 1}))
+    run_dir = tmp_path / "run"
+    for i, (moment, stop) in enumerate(STOPS):
+        assert moment in MOMENTS
+        took = stop_at(config if i == 0 else None, run_dir, moment, stop)
+        print(f"{moment}, {stop}: ended in {took:.1f} s")
+    result = cli("resume", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    assert result.stdout.count("resuming at step") == 1
+
+
+def stop_at(config: Path | None, run_dir: Path, moment: str, stop: str) -> float:
+    """Start the run (`config`) or resume it (None), stop it with `stop` once a process of it holds at
+    `moment`, and check how it ended; returns the seconds from the stop to the end."""
+    import psutil
+
+    from toolkit.hold import ENV, held_file
     from toolkit.store.manifest import plan_resume
 
-    assert moment in MOMENTS
-    # (vLLM where the moment is its own; the faster-starting transformers engine elsewhere)
-    backend = "vllm" if moment in ("loading", "generating") else "hf"
-    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": "stop"},
-                                            checkpoint={"every_steps": 1}, rollout={"backend": backend}))
-    run_dir = tmp_path / "run"
     proc = start(config, run_dir, env={ENV: moment})
     try:
         marker = held_file(run_dir, moment)
@@ -281,8 +298,6 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, momen
             assert proc.poll() is None, f"the run ended before {moment}: {proc.communicate()[1]}"
             assert time.monotonic() < deadline, f"the run never reached {moment}"
             time.sleep(0.1)
-        import psutil
-
         started = {proc.pid, int(marker.read_text()), *(p.pid for p in psutil.Process(proc.pid).children(True))}
         if (run_dir / "status.json").exists():
             started |= set(worker_pids(run_dir).values())
@@ -300,18 +315,14 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, momen
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert code == (130 if stop.startswith("SIGINT") else 143), err
-    assert "interrupted" in err and took < 20, (took, err)
+    assert code == (130 if stop.startswith("SIGINT") else 143), (moment, err)
+    assert "interrupted" in err and took < 20, (moment, took, err)
     if stop == "SIGINT":  # (SIGINT inherited as ignored, as by every run started with `&` from a script)
-        assert "interrupted (SIGINT)" in err, err
+        assert "interrupted (SIGINT)" in err, (moment, err)
     deadline = time.monotonic() + 15
     while alive(started) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not alive(started), f"processes of the run still running: {alive(started)}"
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
-    assert not plan_resume(run_dir).problems  # every committed file whole
-    result = cli("resume", run_dir)
-    assert result.returncode == 0, result.stdout + result.stderr
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2]
-    print(f"{moment}, {stop}: ended in {took:.1f} s")
+    assert not alive(started), f"{moment}: processes of the run still running: {alive(started)}"
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted", moment
+    assert not plan_resume(run_dir).problems, moment  # every committed file whole
+    return took
