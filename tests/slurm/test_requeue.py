@@ -20,16 +20,19 @@ from toolkit.launch.rundir import RunDir
 from toolkit.store import experience
 
 pytestmark = pytest.mark.slurm
-# Each attempt's trainer is held in its third step (HOLD) until its time limit is cut to end 26-30 s later
-# (cut_time_limit). When the attempt is signalled, the driver steps on while its estimate of a step (the
-# longest of the last three), a checkpoint (+5 s) and the stop (15 s) fit before the end
-# (Supervisor._time_for_a_step). An SFT rank is held outside its step's time: the stage steps on after the
-# cut. An RL step's time includes the hold: held 12 s or longer, it leaves no room, and the RL attempt
-# stops after its third step. So the RL run stops after steps 3 and 6 whatever the machine's speed, and a
-# few more steps end it in the third attempt.
+# Each attempt's trainer is held in its third step (HOLD) until the test cuts its time limit to end at the
+# first whole minute of the attempt's run at least 27 s away (cut_time_limit; Slurm's limits are whole
+# minutes, so 27-87 s later) and signals it. The driver steps on while its estimate of a step (the longest
+# of the last three), a checkpoint (+5 s) and slurm.stop_margin_s fit before the end
+# (Supervisor._time_for_a_step). The RL run keeps a margin of 90 s, longer than any time left after the
+# cut: each attempt stops after its held third step whatever the moment and the machine's speed, so the
+# run stops after steps 3 and 6, and a few more steps end it in the third attempt. An SFT rank is held
+# outside its step's time, with the default margin (15 s): its cut ends the attempt 27-31 s later, and
+# the stage steps on after it.
 STEPS = 30
 HOLD = "training@3"
 LONG_MIN = 30  # a time limit no attempt reaches
+MARGIN_S = 90
 
 
 def run_seconds(job_id: str) -> int:
@@ -84,17 +87,24 @@ def story(run_dir: Path) -> str:
 SHOWN = {"JobState", "Reason", "Restarts", "RunTime", "TimeLimit", "StartTime", "EndTime", "ExitCode"}
 
 
-def cut_time_limit(job_id: str, run_dir: Path, held_s: float = 0.0) -> None:
-    """End the running attempt 26-30 s from now (Slurm's limits are whole minutes), and tell it as Slurm
-    does (`--signal=B:USR1`). The limit comes from what the attempt has run, so a slow start on a busy
-    machine cannot use it up; the signal is sent here rather than left to slurmctld's periodic check.
-    The attempt's trainer is held in its third step meanwhile (HOLD), at least `held_s`, and let go once
-    it is signalled."""
+def cut_time_limit(job_id: str, run_dir: Path, left_s: tuple[int, int] = (27, 87)) -> None:
+    """Once the attempt's trainer holds at HOLD, end the attempt at the first whole minute of its run at
+    least left_s[0] s away, once that is at most left_s[1] s away, and tell it as Slurm does
+    (`--signal=B:USR1`); then let the trainer go on. The limit comes from what the attempt has run, so a
+    slow start on a busy machine cannot use it up; the signal is sent here rather than left to
+    slurmctld's periodic check."""
     marker = wait_for_hold(run_dir)
-    since = time.monotonic()
-    wait_until(lambda: time.monotonic() - since >= held_s and 30 <= run_seconds(job_id) % 60 <= 34,
-               "a moment 26-30 s before a whole minute")
-    set_time_limit(job_id, math.ceil(run_seconds(job_id) / 60))
+    low, high = left_s
+    minutes = 0
+
+    def in_reach() -> bool:
+        nonlocal minutes
+        ran = run_seconds(job_id)
+        minutes = math.ceil((ran + low) / 60)
+        return minutes * 60 - ran <= high
+
+    wait_until(in_reach, f"a moment {low}-{high} s before a whole minute of the attempt's run")
+    set_time_limit(job_id, minutes)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30, capture_output=True)
     marker.unlink()
 
@@ -112,19 +122,20 @@ def let_go(run_dir: Path) -> None:
 
 
 def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
-    """Twice, once an attempt has made progress, the job's time limit is cut to end 26-30 s later and the
-    job is signalled: the driver sees that its last steps were too slow (one was held 12 s) for another
-    to fit, checkpoints, requeues the job, and the requeued job resumes by itself (the test gives it a long
-    limit again). The third attempt finishes the run: every step once, the periodic checkpoints too."""
+    """Twice, once an attempt has made progress, the job's time limit is cut to end 27-87 s later and the
+    job is signalled: the driver sees that another step, its checkpoint and the stop margin do not fit,
+    checkpoints, requeues the job, and the requeued job resumes by itself (the test gives it a long limit
+    again). The third attempt finishes the run: every step once, the periodic checkpoints too."""
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": STEPS, "name": "requeue"},
                                             checkpoint={"every_steps": 10},
-                                            slurm={"time_min": LONG_MIN, "signal_lead_s": 30, "max_requeues": 4}))
+                                            slurm={"time_min": LONG_MIN, "signal_lead_s": 30, "max_requeues": 4,
+                                                   "stop_margin_s": MARGIN_S}))
     run_dir = tmp_path / "run"
     result = cli("submit", config, "--run-dir", run_dir, env={ENV: HOLD}, timeout=120)
     assert result.returncode == 0, result.stderr
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
     for requeues in (1, 2):
-        cut_time_limit(job_id, run_dir, held_s=12)
+        cut_time_limit(job_id, run_dir)
         wait_until(lambda: json.loads((run_dir / "job.json").read_text()).get("requeues", 0) >= requeues,
                    f"requeue {requeues}", run_dir=run_dir)
         assert steps_done(run_dir) == 3 * requeues  # (its held third step, then no room for another)
@@ -193,8 +204,8 @@ def test_an_sft_stage_survives_its_time_limit_by_requeueing(tiny, tmp_path):
     """The same path for a supervised stage: after the cut its driver steps on while a step fits (on a quiet
     machine here, about 40 steps; none on a busy one), its ranks checkpoint at a step boundary, the job
     requeues itself, and the requeued job resumes from that checkpoint and finishes every step once."""
-    # After the cut the stage steps for at most 30 - 20.5 s (see STEPS): 3 + about 48 steps of 0.2 s here,
-    # fewer than `steps` on a machine four times as fast.
+    # After the cut the stage steps for at most 31 - 20.5 s (a step, a checkpoint's 5 s and the 15 s margin
+    # before the end): 3 + about 50 steps of 0.2 s here, fewer than `steps` on a machine four times as fast.
     steps = 200
     config = {"stage": "sft", "run": {"name": "sft-requeue", "steps": steps, "seed": 1},
               "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]}, "model": {"base": str(tiny / "model")},
@@ -205,7 +216,7 @@ def test_an_sft_stage_survives_its_time_limit_by_requeueing(tiny, tmp_path):
     result = cli("submit", write_config(tmp_path, config), "--run-dir", run_dir, env={ENV: HOLD}, timeout=120)
     assert result.returncode == 0, result.stderr
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
-    cut_time_limit(job_id, run_dir)
+    cut_time_limit(job_id, run_dir, left_s=(27, 31))
     wait_until(lambda: json.loads((run_dir / "job.json").read_text()).get("requeues", 0) >= 1, "the requeue",
                run_dir=run_dir)
     stopped = steps_done(run_dir)

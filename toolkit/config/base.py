@@ -250,6 +250,10 @@ class SlurmSection(Section):
     """Seconds before the time limit at which the job is told (SIGUSR1) to checkpoint and requeue itself."""
     max_requeues: int = Field(default=5, ge=0)
     """How many times a job may requeue itself on reaching its time limit (0: never)."""
+    stop_margin_s: float = Field(default=15.0, gt=0)
+    """Seconds kept free before the time limit after the last step's checkpoint, for the requeue and the
+    workers' stop: after SIGUSR1 the driver runs another step only if it, a checkpoint and this margin fit.
+    Raise it where stopping takes long (a slow shared file system, many workers)."""
 
     @model_validator(mode="after")
     def _options(self) -> "SlurmSection":

@@ -33,7 +33,6 @@ from toolkit.store.manifest import Manifest, plan_resume, set_aside
 
 log = logging.getLogger("toolkit.driver")
 STATUS_EVERY_S = 2.0  # status.json is rewritten this often while the run waits on its workers
-STOP_MARGIN_S = 15.0  # kept free before the job's end for the requeue, with room for a busy machine
 REPORT_GRACE_S = 2.0  # on a failure, how long to look for its cause: a worker's last report, a peer's death
 
 
@@ -256,7 +255,7 @@ class Supervisor:
         ran = [r for r in [*self.history, *records] if "step_s" in r]
         step_s = max((r["step_s"] for r in ran[-3:]), default=30.0)
         checkpoint_s = max((r.get("checkpoint_s") or 0.0 for r in ran), default=0.0) + 5.0
-        return time.time() + step_s + checkpoint_s + STOP_MARGIN_S < self.end_time
+        return time.time() + step_s + checkpoint_s + self.cfg.slurm.stop_margin_s < self.end_time
 
     def _shutdown(self) -> None:
         self.stopping = True
