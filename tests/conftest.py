@@ -99,6 +99,25 @@ def two_generator_run(tiny, tmp_path_factory) -> Path:
     return run_dir
 
 
+def exact_grpo(tiny: Path, directory: Path, **sections) -> Path:
+    """The config of a deterministic 6-step GRPO run: vLLM, seed 5, a checkpoint every 2 steps, an EMA of the
+    actor, W&B offline; `sections` merged in."""
+    return write_config(directory, example("tiny-grpo.yaml", tiny, run={"steps": 6, "name": "exact", "seed": 5,
+                                                                        "deterministic": True},
+                                           checkpoint={"every_steps": 2}, trainer={"ema": 0.9},
+                                           wandb={"project": "resume-test", "mode": "offline"}, **sections))
+
+
+@pytest.fixture(scope="session")
+def exact_run(tiny, tmp_path_factory) -> Path:
+    """An uninterrupted `exact_grpo` run: the baseline of test_resume's interrupted runs, and the Separation
+    run that test_placement's Flattening run with vLLM is compared with (its first 5 steps)."""
+    tmp = tmp_path_factory.mktemp("exact")
+    result = cli("run", exact_grpo(tiny, tmp), "--run-dir", tmp / "run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return tmp / "run"
+
+
 def write_config(directory: Path, data: dict, name: str = "run.yaml") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / name

@@ -25,7 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, alive, cli, example, run_and_kill, tensorboard_scalars, wandb_history, write_config
+from tests.conftest import (REPO, alive, cli, exact_grpo, example, run_and_kill, tensorboard_scalars, wandb_history,
+                            write_config)
 from tests.conftest import experience_commits as commits
 from toolkit.store import experience
 
@@ -33,19 +34,12 @@ pytestmark = pytest.mark.integration
 STEPS, KILL_AFTER = 6, 4
 
 
-def config(tiny, tmp_path: Path, **sections) -> Path:
-    return write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": STEPS, "name": "exact", "seed": 5,
-                                                                      "deterministic": True},
-                                          checkpoint={"every_steps": 2}, trainer={"ema": 0.9},
-                                          wandb={"project": "resume-test", "mode": "offline"}, **sections))
+config = exact_grpo  # (STEPS steps)
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny, tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("baseline")
-    result = cli("run", config(tiny, tmp), "--run-dir", tmp / "run")
-    assert result.returncode == 0, result.stdout + result.stderr
-    return tmp / "run"
+def baseline(exact_run) -> Path:
+    return exact_run
 
 
 @pytest.fixture(scope="module")
