@@ -255,12 +255,14 @@ def test_a_role_that_exits_with_a_message_fails_the_run_and_says_why(tiny, tmp_p
 
 
 # Each moment of a run (toolkit/hold.py holds one process there), and a way to stop it; every way comes
-# twice or more over the moments.
+# twice or more over the moments. The moments before the first step are reached with vLLM (loading and
+# generating are its own), the others with the faster-starting transformers engine.
 STOPS = [("start-up", "SIGINT"), ("registered", "SIGTERM"), ("loading", "cancel"), ("generating", "SIGINT twice"),
          ("scoring", "SIGTERM"), ("training", "SIGINT"), ("syncing", "cancel"), ("checkpointing", "SIGTERM")]
 
 
-def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path):
+@pytest.mark.parametrize("backend,stops", [("vllm", STOPS[:4]), ("hf", STOPS[4:])], ids=["vllm", "hf"])
+def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backend, stops):
     """SIGINT (once or twice), SIGTERM or `slurm-rlhf cancel` while a process of the run is busy in each
     moment of it, one after the other in one run: started, stopped at the first moment, resumed and stopped
     at the next, and so on. Each time the run ends with 130 or 143 and `interrupted`, no process it started
@@ -269,9 +271,9 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path):
     from toolkit.hold import MOMENTS
 
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": "stop"},
-                                            checkpoint={"every_steps": 1}))
+                                            checkpoint={"every_steps": 1}, rollout={"backend": backend}))
     run_dir = tmp_path / "run"
-    for i, (moment, stop) in enumerate(STOPS):
+    for i, (moment, stop) in enumerate(stops):
         assert moment in MOMENTS
         took = stop_at(config if i == 0 else None, run_dir, moment, stop)
         print(f"{moment}, {stop}: ended in {took:.1f} s")
@@ -279,7 +281,6 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2]
-    assert result.stdout.count("resuming at step") == 1
 
 
 def stop_at(config: Path | None, run_dir: Path, moment: str, stop: str) -> float:
