@@ -51,6 +51,8 @@ def slurm_conf_without_controller(tmp_path: Path) -> dict:
     return {"SLURM_CONF": str(path)}
 
 
+HF = {"rollout": {"backend": "hf"}}  # (where the scorer fails: the transformers engine starts faster than vLLM)
+
 # (case, command, how to change the config: {section: {key: value}} or a function of (tiny, tmp_path),
 #  env (or a function of tmp_path), exit code, what the error says)
 CASES = [
@@ -68,16 +70,16 @@ CASES = [
      ["prompts.jsonl:2: not valid JSON"]),
     ("a reward function that cannot be imported", "run", {"reward": {"functions": [{"function": "nomodule:f"}]}},
      None, 2, ["reward.functions.0: cannot import module 'nomodule'", "add its folder to PYTHONPATH"]),
-    ("a reward function that raises", "run", {"reward": {"functions": [{"function": "badrewards:raises"}]}}, None, 1,
+    ("a reward function that raises", "run", {"reward": {"functions": [{"function": "badrewards:raises"}]}, **HF}, None, 1,
      # (the scorer's own report, not only its exit code: its last event got out before it exited)
      ["scorer worker rank 0 (scorer:0", ") failed: RewardFunctionError: reward function 'raises' (badrewards:raises) "
       "failed on prompt id", "ValueError: no reward today"]),
     ("a reward function that returns NaN", "run",
-     {"reward": {"functions": [{"function": "badrewards:not_a_number"}]}}, None, 1,
+     {"reward": {"functions": [{"function": "badrewards:not_a_number"}]}, **HF}, None, 1,
      ["reward function 'not_a_number' (badrewards:not_a_number) returned nan for prompt id",
       "rewards must be finite numbers"]),
     ("a reward function that returns a non-number", "run",
-     {"reward": {"functions": [{"function": "badrewards:text"}]}}, None, 1,
+     {"reward": {"functions": [{"function": "badrewards:text"}]}, **HF}, None, 1,
      ["reward function 'text' (badrewards:text) failed on prompt id", "could not convert string to float: 'high'"]),
     ("a tokenizer without a pad token (fine: the run goes on)", "run",
      lambda tiny, tmp: {"model": {"tokenizer": no_pad_tokenizer(tiny, tmp)}}, None, 0, []),

@@ -247,7 +247,8 @@ def test_a_role_that_exits_with_a_message_fails_the_run_and_says_why(tiny, tmp_p
                                           "    raise SystemExit('out of API quota')\n")
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 2, "name": "q"},
-                                            reward={"functions": [{"function": "quitting:reward"}]}))
+                                            reward={"functions": [{"function": "quitting:reward"}]},
+                                            rollout={"backend": "hf"}))
     result = cli("run", config, "--run-dir", tmp_path / "run", env=env)
     assert result.returncode == 1, result.stdout + result.stderr
     assert ") failed: SystemExit: out of API quota" in result.stderr, result.stderr
