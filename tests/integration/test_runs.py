@@ -217,8 +217,10 @@ def test_killed_generator_stops_the_run_with_a_named_error(tiny, tmp_path):
 
 
 def test_hung_worker_is_detected_by_heartbeat(tiny, tmp_path):
+    """The scorer stopped (SIGSTOP): alive, but its heartbeats stop. (Transformers generation: it starts
+    faster than vLLM.)"""
     with running(tiny, tmp_path, transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4},
-                 run={"max_worker_restarts": 0}) as (proc, run_dir):
+                 run={"max_worker_restarts": 0}, rollout={"backend": "hf"}) as (proc, run_dir):
         pids = worker_pids(run_dir)
         os.kill(pids["scorer:0"], signal.SIGSTOP)  # alive but silent
         code, out, err, took = finish(proc, timeout=60)
