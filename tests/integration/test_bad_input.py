@@ -70,7 +70,8 @@ CASES = [
      ["prompts.jsonl:2: not valid JSON"]),
     ("a reward function that cannot be imported", "run", {"reward": {"functions": [{"function": "nomodule:f"}]}},
      None, 2, ["reward.functions.0: cannot import module 'nomodule'", "add its folder to PYTHONPATH"]),
-    ("a reward function that raises", "run", {"reward": {"functions": [{"function": "badrewards:raises"}]}, **HF}, None, 1,
+    ("a reward function that raises", "run", {"reward": {"functions": [{"function": "badrewards:raises"}]}, **HF},
+     None, 1,
      # (the scorer's own report, not only its exit code: its last event got out before it exited)
      ["scorer worker rank 0 (scorer:0", ") failed: RewardFunctionError: reward function 'raises' (badrewards:raises) "
       "failed on prompt id", "ValueError: no reward today"]),

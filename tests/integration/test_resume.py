@@ -31,10 +31,7 @@ from tests.conftest import experience_commits as commits
 from toolkit.store import experience
 
 pytestmark = pytest.mark.integration
-STEPS, KILL_AFTER = 6, 4
-
-
-config = exact_grpo  # (STEPS steps)
+STEPS, KILL_AFTER = 6, 4  # (the steps of exact_grpo's run)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +45,7 @@ def killed(tiny, tmp_path_factory) -> Path:
     step's experience is committed and trained on, the checkpoint after it not written yet."""
     tmp = tmp_path_factory.mktemp("killed")
     run_dir = tmp / "run"
-    run_and_kill(config(tiny, tmp), run_dir, hold=f"syncing@{KILL_AFTER}")
+    run_and_kill(exact_grpo(tiny, tmp), run_dir, hold=f"syncing@{KILL_AFTER}")
     assert commits(run_dir) == KILL_AFTER
     return run_dir
 
@@ -231,11 +228,10 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
 
     run_dir = tmp_path / "run"
     print(f"faults (SLURM_RLHF_FAULT_SEED={FAULT_SEED}): " + ", ".join(f"{how.name} at {m}" for m, how in faults))
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run",
-                             str(config(tiny, tmp_path, transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4},
-                                        **sections)),
-                             "--run-dir", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env={**os.environ, ENV: ",".join(m for m, _ in faults)})
+    config = exact_grpo(tiny, tmp_path, transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4}, **sections)
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, ENV: ",".join(m for m, _ in faults)})
     victims, offspring, pids, left = [], [], {}, dict(faults)
     try:
         deadline = time.monotonic() + 300
@@ -333,13 +329,14 @@ def test_a_hung_trainer_then_a_dead_one_restart_every_worker_from_the_checkpoint
     hung = rng.randint(1, 2)  # (the first trainer's syncs: one after each step's update; its first checkpoint
     # (policy_version 2) comes after the second sync)
     killed = rng.randint(hung + 1, STEPS)  # (the trainer started again counts the batches it trains again too)
-    run_dir, out, victims, pids = run_with_faults(baseline, tiny, tmp_path,
-                                                  [(f"syncing@{hung}", signal.SIGSTOP), (f"training@{killed}", signal.SIGKILL)])
+    faults = [(f"syncing@{hung}", signal.SIGSTOP), (f"training@{killed}", signal.SIGKILL)]
+    run_dir, out, victims, pids = run_with_faults(baseline, tiny, tmp_path, faults)
     assert victims[0] == pids["trainer:0"] and len(set(victims)) == 2, (victims, pids)
     for victim, how in zip(victims, (signal.SIGSTOP, signal.SIGKILL)):
         assert f"trainer worker rank 0 (trainer:0, pid {victim} on node" in out and WHY[how] in out, out
     first, second = out.split("starting every worker again from the last checkpoint (restart ")[1:]
-    assert first.startswith("1 of run.max_trainer_restarts 2)") and second.startswith("2 of run.max_trainer_restarts 2)")
+    assert first.startswith("1 of run.max_trainer_restarts 2)"), first
+    assert second.startswith("2 of run.max_trainer_restarts 2)"), second
     assert "the initial weights (policy_version 0)" in first, first
     # The trainer started again checkpoints after the steps it runs (not the ones it trains again), each
     # second policy_version: the last before the training it was killed in.
@@ -378,7 +375,7 @@ def test_a_full_disk_is_named_and_the_last_checkpoint_is_left_untouched(tiny, tm
     from toolkit.store.manifest import Manifest, checkpoint_files
 
     run_dir = small_disk / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config(tiny, tmp_path)), "--run-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(exact_grpo(tiny, tmp_path)), "--run-dir",
                              str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, ENV: "training@4"})
     try:
