@@ -121,23 +121,6 @@ def let_go(run_dir: Path) -> None:
     wait_for_hold(run_dir).unlink()
 
 
-def start_requeued_at_once(job_id: str, restarts: int) -> None:
-    """Slurm holds a requeued job back for about 10 s (pending, Reason=BeginTime); once the job is pending
-    for its attempt number `restarts` + 1, start it at once instead (`scontrol update StartTime=now`): the
-    same job, started again by Slurm as it would have been, 10 s sooner."""
-    state = {}
-
-    def requeued() -> bool:
-        shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30)
-        state.update(w.split("=", 1) for w in shown.stdout.split() if "=" in w)
-        return state.get("JobState") == "PENDING" or int(state.get("Restarts", 0)) >= restarts and \
-            state.get("JobState") != "COMPLETING"
-
-    wait_until(requeued, f"the job to be requeued ({restarts})", 120)
-    if state["JobState"] == "PENDING":  # (not if it started meanwhile)
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30, capture_output=True)
-
-
 def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
     """Twice, once an attempt has made progress, the job's time limit is cut to end 27-87 s later and the
     job is signalled: the driver sees that another step, its checkpoint and the stop margin do not fit,
@@ -157,7 +140,6 @@ def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
                    f"requeue {requeues}", run_dir=run_dir)
         assert steps_done(run_dir) == 3 * requeues  # (its held third step, then no room for another)
         set_time_limit(job_id, LONG_MIN)  # (a requeued job keeps the limit it is given)
-        start_requeued_at_once(job_id, requeues)
     let_go(run_dir)
     wait_until(lambda: not squeue(job_id), "the job to end", run_dir=run_dir)
     job = json.loads((run_dir / "job.json").read_text())
@@ -204,7 +186,6 @@ def test_a_job_requeued_by_slurm_resumes_by_itself(tiny, tmp_path):
     held = wait_for_hold(run_dir)
     held_by = held.read_text()
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
-    start_requeued_at_once(job_id, 1)
     wait_until(lambda: not squeue(job_id), "the requeued job to finish", run_dir=run_dir)
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished", status.get("error")
@@ -241,7 +222,6 @@ def test_an_sft_stage_survives_its_time_limit_by_requeueing(tiny, tmp_path):
     stopped = steps_done(run_dir)
     assert 3 <= stopped < steps, f"the first attempt stopped after {stopped} of {steps} steps"
     set_time_limit(job_id, LONG_MIN)
-    start_requeued_at_once(job_id, 1)
     let_go(run_dir)
     wait_until(lambda: not squeue(job_id), "the job to end", run_dir=run_dir)
     output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
@@ -276,7 +256,6 @@ def test_a_lost_node_requeues_the_job_and_it_finishes_on_the_nodes_left(tiny, tm
         for state in ("DOWN", "DRAIN"):
             subprocess.run(["scontrol", "update", f"NodeName={node}", f"State={state}", "Reason=slurm-rlhf-test"],
                            check=True, timeout=30, capture_output=True)
-        start_requeued_at_once(job_id, 1)
         wait_until(lambda: not squeue(job_id), "the requeued job to finish", run_dir=run_dir)
     finally:  # (the node back for the tests after this one: idle, and answering again)
         subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], timeout=30, capture_output=True)
