@@ -142,9 +142,8 @@ class Driver(Supervisor):
         """Metrics of steps trained again on a resume, for steps whose metrics were never written."""
         done = {r["step"] for r in read_metrics(self.run_dir.metrics)} if self.run_dir.metrics.exists() else set()
         for record in self.trainer_ready.get("replayed", []):
-            if record["step"] not in done:  # (as `_record` writes a step's: the restarts so far, the time)
-                self._write_metrics({**record, "restarts": self.restarts, "worker_restarts": self.worker_restarts,
-                                     "time": time.time()})
+            if record["step"] not in done:
+                self._write_metrics(record)
             self.last_metrics = record
             self.echo(f"replayed {progress_line(record, self.cfg.run.steps)}")
 

@@ -157,9 +157,7 @@ class Supervisor:
 
     def _record(self, step: int, **extra) -> dict:
         """Write the metrics of trained `step` (what the trainer reported, plus `extra`) and show them."""
-        record = {"step": step, **self.trained.pop(step), **extra, "restarts": self.restarts,
-                  "worker_restarts": self.worker_restarts, "time": time.time()}
-        self._write_metrics(record)
+        record = self._write_metrics({"step": step, **self.trained.pop(step), **extra})
         self.step = step
         self._show(record)
         self._write_status(last=record)
@@ -174,10 +172,13 @@ class Supervisor:
         else:
             self.echo(line)
 
-    def _write_metrics(self, record: dict) -> None:
-        """A step's metrics record to metrics.jsonl and to the TensorBoard curves (steps in order)."""
+    def _write_metrics(self, record: dict) -> dict:
+        """A step's metrics record, with the restarts so far and the time, to metrics.jsonl and to the
+        TensorBoard curves (steps in order); returns what it wrote."""
+        record = {**record, "restarts": self.restarts, "worker_restarts": self.worker_restarts, "time": time.time()}
         self.run_dir.append_metrics(record)
         self.curves.add(record)
+        return record
 
     def _plan_resume(self) -> dict:
         """Resume from what the run directory holds (nothing, for a new run): the newest whole checkpoint
