@@ -95,6 +95,12 @@ def test_resume_after_sigkill_ends_with_the_same_weights(baseline, killed, tmp_p
     assert sorted(r["step"] for r in records if r["kind"] == "experience") == list(range(STEPS))
     resume = [r for r in records if r["kind"] == "resume"]
     assert len(resume) == 1 and resume[0]["replay"] == [f"experience/{experience.file_name(s)}" for s in range(2, n)]
+    # the replay passed policy_version 4, due a checkpoint (every 2 steps): it ends with that checkpoint,
+    # before any new step is committed, so that a second failure would not train on the same batches again
+    after = records[records.index(resume[0]) + 1:]
+    assert after[0]["kind"] == "checkpoint" and after[0]["step"] == n == 4, after[0]
+    assert any(f"replayed step   {n}/{STEPS}  v{n}  " in line and "  ckpt " in line
+               for line in result.stdout.splitlines()), result.stdout
     for step in range(STEPS):
         rec = experience.read(run_dir / "experience" / experience.file_name(step))
         s = rec["samples"]
@@ -338,9 +344,10 @@ def test_a_hung_trainer_then_a_dead_one_restart_every_worker_from_the_checkpoint
     assert first.startswith("1 of run.max_trainer_restarts 2)"), first
     assert second.startswith("2 of run.max_trainer_restarts 2)"), second
     assert "the initial weights (policy_version 0)" in first, first
-    # The trainer started again checkpoints after the steps it runs (not the ones it trains again), each
-    # second policy_version: the last before the training it was killed in.
-    version = max((v for v in range(hung + 1, killed) if v % 2 == 0), default=0)
+    # The trainer started again checkpoints each second policy_version, at the end of its replay too (hung
+    # in the sync after step 2, its replay reaches policy_version 2): the last before the training it was
+    # killed in.
+    version = max((v for v in range(hung, killed) if v % 2 == 0), default=0)
     assert (f"checkpoint checkpoints/step-{version:06d} (policy_version {version})" if version
             else "the initial weights (policy_version 0)") in second, second
     status = json.loads((run_dir / "status.json").read_text())

@@ -9,7 +9,8 @@ the way); every `checkpoint.every_steps` a model checkpoint is saved, and after 
 (and its EMA) is exported to RUN_DIR/export (export-ema).
 
 On a resume (`start` carries the plan) the trainer loads the checkpoint and trains again on the
-committed experience after it, from the stored tensors, before the first new step.
+committed experience after it, from the stored tensors, before the first new step; a replay that passed a
+step due a checkpoint ends with one.
 
 Rank 0 hosts the run's TCPStore: the trainer group and the weight-sync group rendezvous on it, and it
 tells the other ranks what to do next with a broadcast command (train, checkpoint, sync, stop).
@@ -192,8 +193,14 @@ class TrainerRole(Role):
             metrics.update(_batch_metrics(batch), step=batch.step, policy_version=self.version, replayed=True)
             replayed.append(metrics)
             log.info("trained again on %s (policy_version now %d)", path, self.version)
-        if replayed and self.version == self.cfg.run.steps:  # killed after the last commit: finish the run's end
-            self._checkpoint()
+        # A replay that passed a step due a checkpoint ends with one (of its last policy_version), so that a
+        # second failure soon after does not train on the same batches again; one killed after the last
+        # commit finishes the run's end.
+        every, last = self.cfg.checkpoint.every_steps, self.version == self.cfg.run.steps
+        if any((m["step"] + 1) % every == 0 for m in replayed) or (replayed and last):
+            replayed[-1]["checkpoint_s"], replayed[-1]["checkpoint_mb"] = self._checkpoint()
+            log.info("saved a checkpoint after the replay (policy_version %d)", self.version)
+        if replayed and last:
             self._export()
         return replayed
 
