@@ -30,6 +30,16 @@ def held_file(run_dir, hold: str) -> Path:
     return Path(run_dir) / f"held-{hold.partition('@')[0]}"
 
 
+def held_pid(run_dir, hold: str) -> int | None:
+    """The pid of the process held at `hold`, once it has written it (None before: the file is created
+    empty, then written)."""
+    try:
+        text = held_file(run_dir, hold).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text else None
+
+
 def hold(moment: str, run_dir) -> None:
     """Wait here for good when SLURM_RLHF_TEST_HOLD names `moment` (see the module docstring)."""
     nths = [int(nth or 1) for wanted, _, nth in (entry.partition("@") for entry in os.environ.get(ENV, "").split(","))

@@ -230,7 +230,7 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
     group once in its HDF5 files, and no process that a signalled worker had started may be left."""
     import psutil
 
-    from toolkit.hold import ENV, held_file
+    from toolkit.hold import ENV, held_pid
 
     run_dir = tmp_path / "run"
     print(f"faults (SLURM_RLHF_FAULT_SEED={FAULT_SEED}): " + ", ".join(f"{how.name} at {m}" for m, how in faults))
@@ -242,17 +242,16 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
     try:
         deadline = time.monotonic() + 300
         while left:
-            markers = {m: held_file(run_dir, m) for m in left}
-            held = [m for m, marker in markers.items() if marker.exists() and marker.read_text().strip()]
+            held = {m: pid for m in left if (pid := held_pid(run_dir, m))}
             if not held:
                 assert proc.poll() is None and time.monotonic() < deadline, f"the run ended or stalled before {left}"
                 time.sleep(0.1)
                 continue
-            victim = int(markers[held[0]].read_text())
+            moment, victim = next(iter(held.items()))
             workers = json.loads((run_dir / "status.json").read_text())["workers"]
             pids = pids or {w: e["pid"] for w, e in workers.items()}
             offspring += [child.pid for child in psutil.Process(victim).children(recursive=True)]
-            os.kill(victim, left.pop(held[0]))
+            os.kill(victim, left.pop(moment))
             victims.append(victim)
         out, _ = proc.communicate(timeout=600)
     finally:
@@ -378,7 +377,7 @@ def test_a_full_disk_is_named_and_the_last_checkpoint_is_left_untouched(tiny, tm
     file, not for the checkpoint after it): the run fails with an error that names the checkpoint's path
     and the free space, leaves no half-written checkpoint, and the last good one is intact (every file's
     SHA-256 as the manifest recorded it)."""
-    from toolkit.hold import ENV, held_file
+    from toolkit.hold import ENV, held_file, held_pid
     from toolkit.store.manifest import Manifest, checkpoint_files
 
     run_dir = small_disk / "run"
@@ -386,9 +385,8 @@ def test_a_full_disk_is_named_and_the_last_checkpoint_is_left_untouched(tiny, tm
                              str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, ENV: "training@4"})
     try:
-        marker = held_file(run_dir, "training")
         deadline = time.monotonic() + 300
-        while not marker.exists() or not marker.read_text().strip():
+        while not held_pid(run_dir, "training"):
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 3"
             time.sleep(0.1)
         used = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
@@ -396,7 +394,7 @@ def test_a_full_disk_is_named_and_the_last_checkpoint_is_left_untouched(tiny, tm
         filler = small_disk / "filler"
         with open(filler, "wb") as f:
             os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(small_disk).free - 3 * experience_bytes - (256 << 10))
-        marker.unlink()
+        held_file(run_dir, "training").unlink()
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

@@ -291,18 +291,17 @@ def stop_at(config: Path | None, run_dir: Path, moment: str, stop: str) -> float
     `moment`, and check how it ended; returns the seconds from the stop to the end."""
     import psutil
 
-    from toolkit.hold import ENV, held_file
+    from toolkit.hold import ENV, held_pid
     from toolkit.store.manifest import plan_resume
 
     proc = start(config, run_dir, env={ENV: moment})
     try:
-        marker = held_file(run_dir, moment)
         deadline = time.monotonic() + 240
-        while not marker.exists() or not marker.read_text().strip():
+        while not (held := held_pid(run_dir, moment)):
             assert proc.poll() is None, f"the run ended before {moment}: {proc.communicate()[1]}"
             assert time.monotonic() < deadline, f"the run never reached {moment}"
             time.sleep(0.1)
-        started = {proc.pid, int(marker.read_text()), *(p.pid for p in psutil.Process(proc.pid).children(True))}
+        started = {proc.pid, held, *(p.pid for p in psutil.Process(proc.pid).children(True))}
         if (run_dir / "status.json").exists():
             started |= set(worker_pids(run_dir).values())
         stopping = time.monotonic()

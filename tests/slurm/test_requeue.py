@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import cli, example, write_config
 from tests.slurm.test_submit import assert_nothing_left, squeue
 from toolkit.errors import RunError
-from toolkit.hold import ENV, held_file
+from toolkit.hold import ENV, held_file, held_pid
 from toolkit.launch.batch import requeue
 from toolkit.launch.rundir import RunDir
 from toolkit.store import experience
@@ -111,9 +111,8 @@ def cut_time_limit(job_id: str, run_dir: Path, left_s: tuple[int, int] = (27, 87
 
 def wait_for_hold(run_dir: Path) -> Path:
     """Wait until the attempt's trainer holds at HOLD; returns the marker it wrote (its pid)."""
-    marker = held_file(run_dir, HOLD)
-    wait_until(lambda: marker.exists() and marker.read_text().strip(), "the attempt's trainer to hold", run_dir=run_dir)
-    return marker
+    wait_until(lambda: held_pid(run_dir, HOLD), "the attempt's trainer to hold", run_dir=run_dir)
+    return held_file(run_dir, HOLD)
 
 
 def let_go(run_dir: Path) -> None:

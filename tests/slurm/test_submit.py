@@ -215,7 +215,7 @@ def test_a_cancelled_generator_step_is_started_again_alone_in_the_same_allocatio
     """scancel of the generator's job step while it generates step 2: the driver starts the generator again
     alone, as a new step of the same job on the same node; the trainer's step goes on, and the run
     finishes with every step's experience whole."""
-    from toolkit.hold import ENV, held_file
+    from toolkit.hold import ENV, held_pid
     from toolkit.store import experience
 
     run_dir = tmp_path / "gen"
@@ -223,8 +223,8 @@ def test_a_cancelled_generator_step_is_started_again_alone_in_the_same_allocatio
                  timeout=120)
     assert result.returncode == 0, result.stderr
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
-    marker, deadline = held_file(run_dir, "generating"), time.monotonic() + 300
-    while not marker.exists() or not marker.read_text().strip():
+    deadline = time.monotonic() + 300
+    while not held_pid(run_dir, "generating"):
         assert squeue(job_id) and time.monotonic() < deadline, "the job ended or stalled before step 2"
         time.sleep(0.2)
     before = json.loads((run_dir / "status.json").read_text())["workers"]
