@@ -196,11 +196,10 @@ class TrainerRole(Role):
         # A replay that passed a step due a checkpoint ends with one (of its last policy_version), so that a
         # second failure soon after does not train on the same batches again; one killed after the last
         # commit finishes the run's end.
-        every, last = self.cfg.checkpoint.every_steps, self.version == self.cfg.run.steps
-        if any((m["step"] + 1) % every == 0 for m in replayed) or (replayed and last):
+        if any(self._checkpoint_due(m["step"]) for m in replayed):
             replayed[-1]["checkpoint_s"], replayed[-1]["checkpoint_mb"] = self._checkpoint()
             log.info("saved a checkpoint after the replay (policy_version %d)", self.version)
-        if replayed and last:
+        if replayed and self.version == self.cfg.run.steps:
             self._export()
         return replayed
 
@@ -370,14 +369,17 @@ class TrainerRole(Role):
         if self.rank == 0 and self.sender is not None:
             self.worker.control.send("weights_ready", step=batch.step, version=self.version, to=self.sender.names)
         metrics["sync_s"], metrics["sync_mb"] = self._sync()
-        last = batch.step + 1 == self.cfg.run.steps
-        if (batch.step + 1) % self.cfg.checkpoint.every_steps == 0 or last:
+        if self._checkpoint_due(batch.step):
             metrics["checkpoint_s"], metrics["checkpoint_mb"] = self._checkpoint()
-        if last:
+        if batch.step + 1 == self.cfg.run.steps:
             self._export()
         elif (park_s := self._park()) is not None:
             metrics["park_s"] = park_s
         return metrics
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint follows the update of `step`: each `checkpoint.every_steps`, and the last."""
+        return (step + 1) % self.cfg.checkpoint.every_steps == 0 or step + 1 == self.cfg.run.steps
 
     def _park(self) -> float | None:
         """With `placement.offload` and a generator in this worker: the engines' optimizer states, master
