@@ -1,6 +1,10 @@
 """Whole runs on tiny random models of the architecture families users bring, tied and untied, dense and
 mixture-of-experts: after every weight sync vLLM samples with exactly the trainer's weights.
 
+Each run has two workers, a vLLM generator and a trainer that also holds the reference and the reward
+(`colocate_all_models`): the sync under test is the broadcast between them, and a scorer of its own
+would only add a process's start-up (about 6 s a family).
+
 `behaviour_logprob_diff` (generator vs trainer log-probs of every sampled token) and `sync_check_diff`
 (the probe check after each sync) stay below 1e-4 at every step. Before the repair in
 `toolkit/weights/vllm_extension.py`, the tied families drifted to 0.05-0.1 within 6 steps at this
@@ -26,7 +30,8 @@ def test_weight_sync_exact_for_every_family(family, tiny, tmp_path):
     model_dir = build_family(REPO / "models" / f"tiny-{family}", family)
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": family, "seed": 1},
                                             model={"actor": str(model_dir)},
-                                            rollout={"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 16}))
+                                            rollout={"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 16},
+                                            placement={"strategy": "colocate_all_models"}))
     result = cli("run", config, "--run-dir", tmp_path / "run")
     assert result.returncode == 0, result.stdout + result.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
