@@ -99,3 +99,23 @@ def test_init_writes_a_config_that_validates_for_every_cluster_file(tiny, tmp_pa
         assert backend in ("vllm", "hf"), cluster.name
         if cfg.placement.generation_with_actor() and generators.workers > 1:
             assert backend == "hf", cluster.name
+
+
+def test_init_fits_the_samples_into_a_short_context(tiny, tmp_path):
+    """The starter's 256 prompt + 256 new tokens would not fit a model of 300 positions, which validation
+    refuses: `init` splits the model's context between them instead."""
+    import shutil
+
+    from toolkit.config.load import load_config
+    from toolkit.config.starter import write_starter
+
+    model = tmp_path / "short"
+    shutil.copytree(tiny / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 300}))
+    write_starter(str(model), str(tmp_path / "run.yaml"))
+    rollout = load_config(tmp_path / "run.yaml").rollout
+    assert (rollout.max_prompt_tokens, rollout.max_new_tokens) == (150, 150)
+    write_starter(str(tiny / "model"), str(tmp_path / "long.yaml"))  # 512 positions: the starter's own sizes
+    rollout = load_config(tmp_path / "long.yaml").rollout
+    assert (rollout.max_prompt_tokens, rollout.max_new_tokens) == (256, 256)

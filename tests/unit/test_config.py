@@ -166,3 +166,41 @@ def test_stage_memory_switch_errors(tiny, tmp_path):
     on_gpus = {"stage": "sft", **base, "model": {**base["model"], "dtype": "float16"},
                "placement": {"trainer": {"gpus_per_worker": 1}}}
     assert load_config(write_config(tmp_path, on_gpus, "g.yaml")).model.dtype == "float16"
+
+
+def _model_with(tmp_path, tiny, name: str, **config) -> str:
+    """A copy of the tiny model's config.json (enough for validation) with `config` changed."""
+    import json
+
+    model = tmp_path / name
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**json.loads((tiny / "model" / "config.json").read_text()), **config}))
+    return str(model)
+
+
+def test_samples_longer_than_a_model_takes_are_a_config_error(tiny, tmp_path):
+    """vLLM refuses a context over the model's positions only once its worker has started (and learned
+    positions fail in the trainer): validation says it first, for every model that reads whole samples."""
+    path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))  # 256 prompt + 24 new tokens
+    assert load_config(path, ["rollout.max_new_tokens=256"]).rollout.max_new_tokens == 256  # 512: exactly fits
+    msg = error_of(path, ["rollout.max_new_tokens=257"])
+    assert "model.actor takes at most 512 tokens (max_position_embeddings 512 in " in msg
+    assert "rollout.max_prompt_tokens + max_new_tokens allow 513; lower them to 512 in all" in msg
+    short = _model_with(tmp_path, tiny, "short", max_position_embeddings=200)
+    for field, section in [("model.reference", {"model": {"reference": short}}),
+                           ("reward.models.0.path", {"reward": {"models": [{"path": short}]}})]:
+        msg = error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny, **section)))
+        assert f"{field} takes at most 200 tokens" in msg and "allow 280" in msg
+    # GPT-2's name for it; a linear RoPE scaling multiplies it (4 x 100 = 400 >= 280)
+    gpt2 = _model_with(tmp_path, tiny, "gpt2-named", max_position_embeddings=None, n_positions=100)
+    assert "(n_positions 100 in " in error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny, model={"actor": gpt2})))
+    scaled = _model_with(tmp_path, tiny, "scaled", max_position_embeddings=100,
+                         rope_scaling={"rope_type": "linear", "factor": 4.0})
+    load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, model={"actor": scaled},
+                                               rollout={"backend": "hf"})))
+    ptx = {"coef": 1.0, "max_tokens": 600, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]}}
+    assert "model.actor takes at most 512 tokens" in error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny, ptx=ptx)))
+    stage = {"stage": "sft", "run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
+             "model": {"base": str(tiny / "model")}, "train": {"max_tokens": 1024}}
+    msg = error_of(write_config(tmp_path, stage, "sft.yaml"))
+    assert "model.base takes at most 512 tokens" in msg and "train.max_tokens allow 1024" in msg

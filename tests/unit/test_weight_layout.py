@@ -1,15 +1,18 @@
-"""What weight sync sends: buckets in the generator's (checkpoint) layout, the probe, the head-size check."""
+"""What weight sync sends: buckets in the generator's (checkpoint) layout, the probe; what vLLM can serve:
+the head-size and KV-cache checks."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from tests.conftest import REPO, example, write_config
 from tests.unit.test_config import error_of
-from toolkit.config.model_files import VLLM_CPU_HEAD_SIZES, head_dim, vllm_cpu_problem
+from toolkit.config.model_files import VLLM_CPU_HEAD_SIZES, head_dim, kv_cache_problem, vllm_cpu_problem
 from toolkit.modeling import without_dropout
 from toolkit.tiny import build_family
 from toolkit.weights import probe
@@ -63,6 +66,28 @@ def test_head_size_vllm_cannot_serve_on_cpu_is_a_config_error(tiny, tmp_path):
     assert vllm_cpu_problem(tiny / "model") is None  # head size 64 is fine
     # the same model with the transformers engine is accepted
     write_config(tmp_path, example("tiny-grpo.yaml", tiny, model={"actor": str(model)}, rollout={"backend": "hf"}))
+
+
+def test_a_kv_cache_too_small_for_one_sample_is_a_config_error_and_vllm_agrees(tiny, tmp_path):
+    """vLLM checks its KV cache only after its worker has started and loaded the model; validation does the
+    same sum first. Its bound is a lower one (vLLM rounds up to blocks): the real engine refuses it too."""
+    tokens = 256 + 24  # the example's rollout.max_prompt_tokens + max_new_tokens
+    need = tokens * 2 * 2 * 2 * 64 * 4  # 2 layers x (K, V) x 2 KV heads x head size 64 x 4 bytes (float32)
+    msg = error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny, rollout={
+        "backend": "vllm", "vllm": {"kv_cache_gb": 0.99 * need / 2**30}})))
+    assert "rollout.vllm.kv_cache_gb is 0.000529, but one sample of 280 tokens" in msg
+    assert "needs at least 0.000534 GiB of KV cache" in msg and "2 layers x 2 x 2 KV heads x 64 x 4 bytes" in msg
+    assert kv_cache_problem(tiny / "model", tokens, "float32", 1, need / 2**30) is None
+    assert "needs at least 0.000267 GiB" in kv_cache_problem(tiny / "model", tokens, "bfloat16", 1, 1e-6)
+    assert "1 KV heads" in kv_cache_problem(tiny / "model", tokens, "float32", 2, 1e-6)  # (split over TP ranks)
+    # the transformers engine has no such cache
+    write_config(tmp_path, example("tiny-grpo.yaml", tiny, rollout={"backend": "hf", "vllm": {"kv_cache_gb": 1e-6}}))
+    pytest.importorskip("vllm")
+    script = ("import os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\nfrom vllm import LLM\n"
+              f"LLM(model={str(tiny / 'model')!r}, dtype='float32', max_model_len={tokens}, "
+              f"kv_cache_memory_bytes={need}, enforce_eager=True)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "To serve at least one request with the model's max seq len (280)" in result.stderr
 
 
 def test_head_sizes_match_the_installed_vllm():

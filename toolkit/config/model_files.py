@@ -39,3 +39,61 @@ def vllm_cpu_problem(path: str | Path) -> str | None:
         return (f"{path} has attention heads of size {size}, which vLLM's CPU attention does not support "
                 f"(sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))})")
     return None
+
+
+# Keys that bound a model's positions (the smallest present counts, as in vLLM) and RoPE scalings whose
+# `factor` extends them (the others, e.g. yarn and llama3, already give the extended length).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len")
+EXTENDING_ROPE = ("linear", "dynamic")
+
+
+def context_limit(path: str | Path) -> tuple[int, str] | None:
+    """(tokens, where it is said) of the longest sequence the model at `path` takes, where its config says."""
+    config = model_config(path)
+    sizes = [(config[k], k) for k in CONTEXT_KEYS if isinstance(config.get(k), int) and config[k] > 0]
+    if not sizes:
+        return None
+    tokens, key = min(sizes)
+    where = f"{key} {tokens} in {Path(path) / 'config.json'}"
+    rope = config.get("rope_scaling") or config.get("rope_parameters")
+    if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) in EXTENDING_ROPE:
+        factor = rope.get("factor")
+        if isinstance(factor, (int, float)) and factor > 1:
+            tokens = int(tokens * factor)
+            where += f", x {factor:g} by its RoPE scaling"
+    return tokens, where
+
+
+def context_problem(path: str | Path, tokens: int, field: str, settings: str) -> str | None:
+    """Why `tokens` tokens (prompt and response, set by `settings`) do not fit the model of `field`, if not."""
+    limit = context_limit(path)
+    if limit is None or tokens <= limit[0]:
+        return None
+    return (f"{field} takes at most {limit[0]} tokens ({limit[1]}), but {settings} allow {tokens}; lower them "
+            f"to {limit[0]} in all")
+
+
+def kv_cache_problem(path: str | Path, tokens: int, dtype: str, ranks: int, kv_cache_gb: float) -> str | None:
+    """Why a vLLM engine of `ranks` tensor-parallel ranks, each with `kv_cache_gb` GiB of KV cache, cannot hold
+    one sequence of `tokens` tokens of the model at `path`, if it surely cannot (the blocks vLLM rounds up
+    to, and sliding windows, which hold less, are not counted)."""
+    from toolkit.placement.cost import DTYPE_BYTES, ModelShape
+
+    config = model_config(path)
+    window = config.get("sliding_window")
+    if isinstance(window, int) and window < tokens and config.get("use_sliding_window", True):
+        return None
+    try:
+        shape = ModelShape.from_config(path)
+    except Exception:  # (a family the planner does not count: vLLM will say)
+        return None
+    kv_heads = max(1, shape.kv_heads // ranks)
+    dtype_bytes = DTYPE_BYTES[dtype]
+    need = tokens * 2 * shape.layers * kv_heads * shape.head_dim * dtype_bytes / 2**30
+    if need <= kv_cache_gb:
+        return None
+    return (f"rollout.vllm.kv_cache_gb is {kv_cache_gb:.3g}, but one sample of {tokens} tokens (rollout.max_prompt_tokens "
+            f"+ max_new_tokens) of {path} needs at least {need:.3g} GiB of KV cache on each of its {ranks} "
+            f"tensor-parallel rank(s) ({shape.layers} layers x 2 x {kv_heads} KV heads x {shape.head_dim} x "
+            f"{dtype_bytes} bytes a token; vLLM rounds up to whole blocks); raise kv_cache_gb well above that, so "
+            "that many samples generate at once")

@@ -15,7 +15,7 @@ from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSec
                                  PositiveInt, Section, SlurmSection, TransportSection, WandbSection,
                                  fp16_problem, load_function)
 from toolkit.config.data import DataSection
-from toolkit.config.model_files import vllm_cpu_problem
+from toolkit.config.model_files import context_problem, kv_cache_problem, vllm_cpu_problem
 from toolkit.placement.layout import PRESETS, generation_with_actor
 
 SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
@@ -393,6 +393,14 @@ class RunConfig(Section):
         if budget is not None and budget < longest:
             raise ValueError(f"trainer.micro_batch_tokens is {budget}, less than one sample can have "
                              f"(rollout.max_prompt_tokens + max_new_tokens = {longest}); raise it to at least {longest}")
+        for field, path in self.sequence_models():
+            problem = context_problem(path, longest, field, "rollout.max_prompt_tokens + max_new_tokens")
+            if problem:
+                raise ValueError(problem)
+        if self.ptx.coef > 0:
+            problem = context_problem(self.model.actor, self.ptx.max_tokens, "model.actor", "ptx.max_tokens")
+            if problem:
+                raise ValueError(problem)
         if budget is not None and self.ptx.coef > 0:
             raise ValueError("trainer.micro_batch_tokens with ptx.coef > 0 is not supported (PTX text comes in "
                              "micro_batch_size rows per micro-batch); remove one of them")
@@ -478,6 +486,11 @@ class RunConfig(Section):
                              f"{generators.workers} generator worker(s): (lag + 2) x workers = {ahead}; raise it")
         if self.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.backend is 'vllm' but vLLM is not installed; install it or use backend: hf")
+        if self.generation_backend == "vllm":
+            problem = kv_cache_problem(self.model.actor, longest, self.model.dtype, tp,
+                                       self.rollout.vllm.kv_cache_gb)
+            if problem:
+                raise ValueError(problem)
         if self.generation_backend == "vllm" and not generators.gpus_per_worker:
             problem = vllm_cpu_problem(self.model.actor)
             if problem:
@@ -489,6 +502,15 @@ class RunConfig(Section):
     def sync_check_tolerance(self) -> float:
         """`rollout.sync_check_tolerance`, or the default for `model.dtype` (`SYNC_CHECK_TOLERANCE`)."""
         return self.rollout.sync_check_tolerance or SYNC_CHECK_TOLERANCE[self.model.dtype]
+
+    def sequence_models(self) -> list[tuple[str, str]]:
+        """(field, directory) of every model that runs over whole samples (prompt and response)."""
+        models = [("model.actor", self.model.actor)]
+        if self.model.reference and self.hosts("reference"):
+            models.append(("model.reference", self.model.reference))
+        if self.model.critic and self.hosts("critic"):
+            models.append(("model.critic", self.model.critic))
+        return models + [(f"reward.models.{i}.path", rm.path) for i, rm in enumerate(self.reward.models)]
 
     def hosts(self, model: str) -> bool:
         """Whether the run has `model` as a model of its own: only PPO has a critic; with LoRA the reference

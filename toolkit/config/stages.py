@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from toolkit.config.base import (Attention, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
                                  Section, SlurmSection, TransportSection, WandbSection, fp16_problem)
 from toolkit.config.data import DataSection
+from toolkit.config.model_files import context_problem
 
 
 class StageRunSection(Section):
@@ -110,6 +111,9 @@ class StageConfig(Section):
         if self.train.lora is not None and self.stage == "rm":
             raise ValueError("train.lora is for causal LMs (the sft stage and the RL actor); the rm stage trains "
                              "every weight of the reward model: remove train.lora")
+        problem = context_problem(self.model.base, self.train.max_tokens, "model.base", "train.max_tokens")
+        if problem:
+            raise ValueError(problem)
         if self.train.batch_size % per_step:
             raise ValueError(f"train.batch_size ({self.train.batch_size}) is not a multiple of train.micro_batch_size "
                              f"{self.train.micro_batch_size} x trainer workers {ranks} = {per_step}; change one of them")
