@@ -266,7 +266,12 @@ def cmd_inspect(args) -> int:
         return 0
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
-    print(summary(path))
+    try:
+        text = summary(path)
+    except (OSError, ValueError, KeyError) as e:  # (h5py: not HDF5; ours: another schema; a group missing)
+        raise ConfigError(f"{path}: not an experience file this version reads ({e}); give a run's "
+                          "experience/step-NNNNNN.h5, or the run directory to list them") from None
+    print(text)
     return 0
 
 

@@ -122,3 +122,17 @@ def test_a_pipeline_directory_is_named_with_its_stages(tmp_path, command):
     result = cli(*args, timeout=60)
     assert result.returncode == 2 and "is a pipeline directory" in result.stderr, result.stderr
     assert all(str(tmp_path / "p" / s) in result.stderr for s in ("sft", "rm", "rl"))
+
+
+def test_inspect_of_a_file_that_is_not_experience_names_it(tmp_path):
+    import h5py
+
+    text, other = tmp_path / "prompts.jsonl", tmp_path / "other.h5"
+    text.write_text('{"prompt": "a"}\n')
+    with h5py.File(other, "w") as f:
+        f.attrs["schema_version"] = 99
+    for path, why in [(text, "file signature not found"), (other, "experience schema 99, this version reads")]:
+        result = cli("inspect", path, timeout=60)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert f"{path}: not an experience file this version reads (" in result.stderr and why in result.stderr
+        assert "experience/step-NNNNNN.h5" in result.stderr
