@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", choices=("auto", "on"), default="auto",
                    help="auto: chat messages through the tokenizer's chat template, text as it is; on: text too, "
                         "as a user message")
+    p.add_argument("--force", action="store_true", help="replace --output if it exists")
 
     p = sub.add_parser("chat", help="talk to a run's checkpoint or any Hugging Face model, one turn per line "
                                     "('clear' starts over, 'quit' or Ctrl-D ends)")
@@ -457,6 +458,8 @@ def cmd_generate(args) -> int:
     from toolkit.use.source import resolve
 
     params = _sampling(args)
+    if args.output != "-" and Path(args.output).exists() and not args.force:
+        raise ConfigError(f"--output {args.output} exists; choose another name, or --force to replace it")
     source = resolve(args.model, args.step, args.ema)
     print(f"sampling from {source.describe()}", file=sys.stderr, flush=True)
     count = generate(source.path, args.input, args.output, params, args.backend, args.seed, args.chat_template,

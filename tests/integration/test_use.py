@@ -120,7 +120,12 @@ def test_generate_seeds_each_sample(trained, prompts, tmp_path):
     # not on the rows beside it: the first two rows alone (another batch) get the first two rows' samples.
     two = tmp_path / "two.jsonl"
     two.write_text("".join(prompts.read_text().splitlines(keepends=True)[:2]))
-    again = samples(cli("generate", trained, "--input", two, "--n", 3, "--max-new-tokens", 12))
+    refused = cli("generate", trained, "--input", two, "--n", 3, "--max-new-tokens", 12, "--output", out)
+    assert refused.returncode == 2 and f"--output {out} exists; choose another name, or --force" in refused.stderr
+    assert [json.loads(line) for line in out.read_text().splitlines()] == first  # (untouched)
+    assert cli("generate", trained, "--input", two, "--n", 3, "--max-new-tokens", 12, "--output", out,
+               "--force").returncode == 0
+    again = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(s["id"], s["sample"], s["response"]) for s in again] == [(s["id"], s["sample"], s["response"])
                                                                        for s in first[:6]]
 
