@@ -218,13 +218,23 @@ def cmd_run(args, stage: str | None = None) -> int:
 
 def cmd_resume(args) -> int:
     from toolkit.config import load_config
-    from toolkit.launch.jobs import follow, open_run
+    from toolkit.launch.jobs import follow, live_job, open_run
     from toolkit.launch.pipeline import PipelineDir, is_pipeline_dir
 
     if is_pipeline_dir(args.run_dir):
         return _resume_pipeline(PipelineDir(args.run_dir), args)
     run_dir = open_run(args.run_dir)
     cfg = load_config(run_dir.config)
+    job = live_job(run_dir)
+    if job:
+        raise ConfigError(f"{run_dir.path} is still running: its {job}; let it end (a requeued job resumes by "
+                          f"itself), or stop it with `slurm-rlhf cancel {run_dir.path}`, then resume")
+    run_dir.hold_lock()  # (a local driver still running holds it)
+    status = run_dir.read_json(run_dir.status)
+    if status.get("state") == "finished" and (cfg.run.steps or 0) <= status.get("steps", 0):
+        print(f"{run_dir.path}: the run finished all its {status['steps']} steps, nothing to resume (to train "
+              f"longer, raise run.steps in {run_dir.config}, then resume)", flush=True)
+        return 0
     if not args.submit:
         from toolkit.launch.here import run_here
 
@@ -233,6 +243,7 @@ def cmd_resume(args) -> int:
     from toolkit.launch.submit import submit
     from toolkit.placement.plan import plan
 
+    run_dir.release_lock()  # (the job's driver runs the directory now)
     job_id = submit(cfg, plan_allocation(plan(cfg), cfg.slurm.heterogeneous), run_dir)
     run_dir.update_job(job_id=job_id, submitted=time.time(), requeues=0)
     print(f"submitted slurm job {job_id} to resume {run_dir.path}", flush=True)

@@ -284,6 +284,16 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
     assert result.returncode == 0, result.stdout + result.stderr
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2]
+    resumes = resume_records(run_dir)
+    again = cli("resume", run_dir, timeout=60)  # (a finished run: nothing to start)
+    assert again.returncode == 0 and "the run finished all its 3 steps, nothing to resume" in again.stdout
+    assert "started" not in again.stdout and resume_records(run_dir) == resumes
+
+
+def resume_records(run_dir: Path) -> int:
+    from toolkit.store.manifest import Manifest
+
+    return sum(1 for r in Manifest(run_dir).records() if r["kind"] == "resume")
 
 
 def stop_at(config: Path | None, run_dir: Path, moment: str, stop: str) -> float:
@@ -304,6 +314,10 @@ def stop_at(config: Path | None, run_dir: Path, moment: str, stop: str) -> float
         started = {proc.pid, held, *(p.pid for p in psutil.Process(proc.pid).children(True))}
         if (run_dir / "status.json").exists():
             started |= set(worker_pids(run_dir).values())
+        resumes = resume_records(run_dir)  # (a second driver on the directory is refused before it writes)
+        second = cli("resume", run_dir, timeout=60)
+        assert second.returncode == 2 and "is still running: its local driver" in second.stderr, second.stderr
+        assert "holds driver.lock" in second.stderr and resume_records(run_dir) == resumes, moment
         stopping = time.monotonic()
         if stop == "cancel":  # (`slurm-rlhf cancel RUN_DIR` stops a local run through its driver)
             result = cli("cancel", run_dir, timeout=120)

@@ -18,6 +18,7 @@ def run_here(cfg, run_dir: RunDir, verbose: bool = False) -> int:
     from toolkit.log import setup_logging
     from toolkit.progress import Progress
 
+    run_dir.hold_lock()  # (before anything is written: a second driver of the directory stops here)
     setup_logging("driver", level=logging.DEBUG if verbose else logging.WARNING, file=str(run_dir.logs / "driver.log"))
     kind = "run" if cfg.stage == "rl" else f"{cfg.stage} run"
     print(f"{kind} {cfg.run.name!r} ({cfg.summary}) in {run_dir.path}", flush=True)

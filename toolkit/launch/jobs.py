@@ -1,4 +1,5 @@
-"""`slurm-rlhf status RUN_DIR` and `slurm-rlhf cancel RUN_DIR`, for Slurm jobs and local runs alike.
+"""`slurm-rlhf status RUN_DIR` and `slurm-rlhf cancel RUN_DIR`, for Slurm jobs and local runs alike, and
+whether a run's Slurm job is still queued or running.
 
 Both read the run directory: job.json (the Slurm job id, or the local driver's pid) and status.json
 (the driver's view: state, step, and every worker's node, step id, phase and policy_version).
@@ -133,6 +134,16 @@ def follow(rd: RunDir, job_id: str) -> int:
     print(f"error: slurm job {job_id} ended {state}; run state {status.get('state', 'unknown')}"
           + (f": {status['error']}" if status.get("error") else f" (job output: {out})"), file=sys.stderr)
     return 1
+
+
+def live_job(rd: RunDir) -> str | None:
+    """The run's Slurm job while it is queued or running, in words; None if it has ended (or the run is local,
+    or Slurm's commands are not here)."""
+    job_id = rd.read_json(rd.job).get("job_id")
+    if not job_id or shutil.which("squeue") is None:
+        return None
+    state = slurm_job(str(job_id))["state"]
+    return None if state.split()[0] in ENDED or state.startswith("UNKNOWN") else f"slurm job {job_id} is {state}"
 
 
 def cancel(rd: RunDir, timeout_s: float = 60) -> str:

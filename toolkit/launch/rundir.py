@@ -6,11 +6,14 @@
     RUN_DIR/metrics.jsonl   one JSON object per step
     RUN_DIR/status.json     state of the run and of every worker (rewritten atomically)
     RUN_DIR/job.json        the Slurm job (id, batch node, driver pid), for `status` and `cancel`
+    RUN_DIR/driver.lock     locked (flock) while a local driver runs the directory: `resume` cannot start
+                            a second one beside it (a Slurm job's driver is one by Slurm's own count)
     RUN_DIR/slurm/          the batch script, Submitit's files and the job's own output
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -23,6 +26,7 @@ from toolkit.transport.wire import new_secret
 class RunDir:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path).resolve()
+        self._lock = None  # (driver.lock, open and locked while this process runs the directory)
 
     config = property(lambda self: self.path / "config.yaml")
     secret = property(lambda self: self.path / "secret")
@@ -44,6 +48,30 @@ class RunDir:
         with os.fdopen(fd, "wb") as f:
             f.write(new_secret())
         return self
+
+    def hold_lock(self) -> None:
+        """Lock the directory for this process's lifetime (or until `release_lock`); ConfigError if another
+        process holds it. Where the file system has no locks, nothing is held."""
+        if self._lock is not None:
+            return
+        lock = os.fdopen(os.open(self.path / "driver.lock", os.O_WRONLY | os.O_CREAT, 0o600), "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            pid = self.read_json(self.status).get("driver", {}).get("pid")
+            raise ConfigError(f"{self.path} is still running: its local driver{f' (pid {pid})' if pid else ''} "
+                              f"holds driver.lock; let it end, or stop it with `slurm-rlhf cancel {self.path}`, "
+                              "then resume") from None
+        except OSError:
+            lock.close()
+            return
+        self._lock = lock
+
+    def release_lock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.close()
 
     def rendered_only(self) -> bool:
         """Whether the directory holds a config that `render` wrote and nothing has run from: no job
