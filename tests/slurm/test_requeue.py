@@ -184,6 +184,8 @@ def test_a_job_requeued_by_slurm_resumes_by_itself(tiny, tmp_path):
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
     held = wait_for_hold(run_dir)
     held_by = held.read_text()
+    busy = cli("resume", run_dir, timeout=60)  # (a second driver beside the job's is refused)
+    assert busy.returncode == 2 and f"its slurm job {job_id} is RUNNING" in busy.stderr, busy.stderr
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
     wait_until(lambda: not squeue(job_id), "the requeued job to finish", run_dir=run_dir)
     status = json.loads((run_dir / "status.json").read_text())
@@ -197,6 +199,9 @@ def test_a_job_requeued_by_slurm_resumes_by_itself(tiny, tmp_path):
         list(range(steps))
     assert held.read_text() == held_by  # (a moment is held once a run: the new start went through)
     assert_nothing_left(run_dir, job_id)
+    done = cli("resume", run_dir, "--submit", timeout=60)  # (nothing submitted for a finished run)
+    assert done.returncode == 0 and "nothing to resume" in done.stdout, done.stdout + done.stderr
+    assert str(json.loads((run_dir / "job.json").read_text())["job_id"]) == job_id  # (no new job)
 
 
 def test_an_sft_stage_survives_its_time_limit_by_requeueing(tiny, tmp_path):
