@@ -253,12 +253,20 @@ def cmd_resume(args) -> int:
 def _resume_pipeline(pd, args) -> int:
     """Continue a pipeline from its first stage that did not finish (here, or as chained Slurm jobs)."""
     from toolkit.config.pipeline import load_pipeline
+    from toolkit.launch.jobs import live_job
     from toolkit.launch.pipeline import follow_pipeline, run_pipeline_here, submit_pipeline
 
     configs = _pipeline_configs(load_pipeline(pd.source()), pd.path)
+    for stage in pd.stages():
+        job = live_job(pd.stage(stage))
+        if job:
+            raise ConfigError(f"{pd.path} is still running: stage {stage}'s {job}; let it end, or stop the "
+                              f"pipeline with `slurm-rlhf cancel {pd.path}`, then resume")
     if not args.submit:
         return run_pipeline_here(configs, pd, args.verbose)
     jobs = submit_pipeline(configs, pd)
+    if not jobs:
+        print(f"{pd.path}: every stage finished, nothing to resume", flush=True)
     for stage, job_id in jobs:
         print(f"submitted slurm job {job_id} for stage {stage}", flush=True)
     return follow_pipeline(pd, jobs) if args.wait and jobs else 0

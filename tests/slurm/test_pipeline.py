@@ -46,6 +46,9 @@ def test_pipeline_runs_as_three_chained_jobs(tiny, tmp_path):
     assert scontrol(jobs["rl"])["Dependency"].startswith(f"afterok:{jobs['rm']}")
     live = cli("status", run_dir, timeout=60).stdout
     assert all(f" {job} " in live for job in jobs.values()) and "waits for job" in live
+    busy = cli("resume", run_dir, "--submit", timeout=60)  # (its jobs are queued: none submitted twice)
+    assert busy.returncode == 2 and f"is still running: stage sft's slurm job {jobs['sft']} is " in busy.stderr, \
+        busy.stderr
     deadline = time.monotonic() + 900
     while any(squeue(job) for job in jobs.values()) and time.monotonic() < deadline:
         time.sleep(2)
@@ -56,6 +59,9 @@ def test_pipeline_runs_as_three_chained_jobs(tiny, tmp_path):
         assert (run_dir / stage / "export" / "config.json").exists()
         assert f"model: {run_dir / stage / 'export'}" in final
     assert final.count("COMPLETED") == 3
+    done = cli("resume", run_dir, "--submit", timeout=60)
+    assert done.returncode == 0 and "every stage finished, nothing to resume" in done.stdout, done.stdout + done.stderr
+    assert {stage: str(job_of(run_dir / stage)["job_id"]) for stage in jobs} == jobs  # (nothing submitted)
     # the SFT ranks ran as one job step on two nodes
     sft = json.loads((run_dir / "sft" / "status.json").read_text())["workers"]
     assert sorted(w["node"] for w in sft.values()) == ["n1", "n2"]
