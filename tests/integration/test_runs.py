@@ -288,6 +288,14 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
     again = cli("resume", run_dir, timeout=60)  # (a finished run: nothing to start)
     assert again.returncode == 0 and "the run finished all its 3 steps, nothing to resume" in again.stdout
     assert "started" not in again.stdout and resume_records(run_dir) == resumes
+    if backend == "hf":  # (raised run.steps: it trains on from the last checkpoint)
+        config_text = (run_dir / "config.yaml").read_text()
+        assert "\n  steps: 3\n" in config_text
+        (run_dir / "config.yaml").write_text(config_text.replace("\n  steps: 3\n", "\n  steps: 4\n"))
+        longer = cli("resume", run_dir)
+        assert longer.returncode == 0 and "resuming at step 3: checkpoint checkpoints/step-000003" in longer.stdout
+        steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [0, 1, 2, 3]
 
 
 def resume_records(run_dir: Path) -> int:
