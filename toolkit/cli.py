@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--submit", action="store_true", help="resume as a new Slurm job instead of on this machine")
     p.add_argument("--wait", action="store_true", help="with --submit: follow the job until it ends")
+    p.add_argument("--data-changed", action="store_true",
+                   help="go on with the data files as they are now, though they changed since the run started "
+                        "(the next steps draw from a new order of the rows)")
     p.add_argument("--verbose", "-v", action="store_true", help="show worker registration and debug records")
 
     p = sub.add_parser("inspect", help="summarise an experience file (or every one of a run directory)")
@@ -235,6 +238,8 @@ def cmd_resume(args) -> int:
         print(f"{run_dir.path}: the run finished all its {status['steps']} steps, nothing to resume (to train "
               f"longer, raise run.steps in {run_dir.config}, then resume)", flush=True)
         return 0
+    if args.data_changed:
+        _accept_data(run_dir, cfg)
     if not args.submit:
         from toolkit.launch.here import run_here
 
@@ -250,8 +255,18 @@ def cmd_resume(args) -> int:
     return follow(run_dir, job_id) if args.wait else 0
 
 
+def _accept_data(run_dir, cfg) -> None:
+    """Record the data files as they are now as the run's (resume --data-changed)."""
+    from toolkit.data.fingerprint import fingerprint
+    from toolkit.store.manifest import Manifest
+
+    Manifest(run_dir.path).append({"kind": "data", "files": fingerprint(cfg), "accepted": True})
+    print(f"{run_dir.path}: going on with the data files as they are now", flush=True)
+
+
 def _resume_pipeline(pd, args) -> int:
     """Continue a pipeline from its first stage that did not finish (here, or as chained Slurm jobs)."""
+    from toolkit.config import load_config
     from toolkit.config.pipeline import load_pipeline
     from toolkit.launch.jobs import live_job
     from toolkit.launch.pipeline import follow_pipeline, run_pipeline_here, submit_pipeline
@@ -262,6 +277,11 @@ def _resume_pipeline(pd, args) -> int:
         if job:
             raise ConfigError(f"{pd.path} is still running: stage {stage}'s {job}; let it end, or stop the "
                               f"pipeline with `slurm-rlhf cancel {pd.path}`, then resume")
+    if args.data_changed:  # (each stage that started and did not finish)
+        for stage in pd.stages():
+            rd = pd.stage(stage)
+            if rd.config.exists() and rd.read_json(rd.status).get("state") != "finished":
+                _accept_data(rd, load_config(rd.config))
     if not args.submit:
         return run_pipeline_here(configs, pd, args.verbose)
     jobs = submit_pipeline(configs, pd)

@@ -273,8 +273,11 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
     every step once. The moment is reached by waiting for the hook's file, not by sleeping."""
     from toolkit.hold import MOMENTS
 
+    prompts = tmp_path / "prompts.jsonl"  # (its own copy: a resume below finds it changed)
+    prompts.write_bytes((tiny / "prompts.jsonl").read_bytes())
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": "stop"},
-                                            checkpoint={"every_steps": 1}, rollout={"backend": backend}))
+                                            checkpoint={"every_steps": 1}, rollout={"backend": backend},
+                                            data={"prompts": str(prompts)}))
     run_dir = tmp_path / "run"
     for i, (moment, stop) in enumerate(stops):
         assert moment in MOMENTS
@@ -292,7 +295,16 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
         config_text = (run_dir / "config.yaml").read_text()
         assert "\n  steps: 3\n" in config_text
         (run_dir / "config.yaml").write_text(config_text.replace("\n  steps: 3\n", "\n  steps: 4\n"))
-        longer = cli("resume", run_dir)
+        before = prompts.stat().st_size  # a row added since the run started: refused, nothing started
+        prompts.write_text(prompts.read_text() + '{"prompt": "one more"}\n')
+        changed = cli("resume", run_dir, timeout=120)
+        assert changed.returncode == 1 and "started" not in changed.stdout, changed.stdout + changed.stderr
+        assert (f"the run's data changed since it started: {prompts} (data.sources.0.path): other contents "
+                f"({before} bytes then, {prompts.stat().st_size} now)") in changed.stderr, changed.stderr
+        assert f"slurm-rlhf resume {run_dir} --data-changed" in changed.stderr
+        assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+        longer = cli("resume", run_dir, "--data-changed")
+        assert "going on with the data files as they are now" in longer.stdout
         assert longer.returncode == 0 and "resuming at step 3: checkpoint checkpoints/step-000003" in longer.stdout
         steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert steps == [0, 1, 2, 3]

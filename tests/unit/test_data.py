@@ -190,3 +190,39 @@ def test_a_split_that_leaves_a_stage_nothing_is_named(tmp_path):
     section = data(sources=[{"path": path}], split={"sft": 1, "rm": 1000})
     with pytest.raises(ConfigError, match="none of its 1 rows is left for training the sft stage"):
         StageData(section, "sft", "sft", 0)
+
+
+def test_a_fingerprint_finds_data_that_changed_and_reads_only_what_may_have():
+    """resume's check (toolkit/data/fingerprint.py): edited, added and removed files of a file source and
+    of a directory source; a file touched with the same bytes is the same data; a file whose size and
+    time did not change is not read again."""
+    import os
+    import tempfile
+    from types import SimpleNamespace
+
+    from toolkit.data.fingerprint import changes, fingerprint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, shards = Path(tmp) / "rows.jsonl", Path(tmp) / "saved"
+        rows.write_text('{"prompt": "a"}\n')
+        shards.mkdir()
+        (shards / "part-0.arrow").write_bytes(b"0" * 100)
+        source = lambda path: SimpleNamespace(path=str(path))  # noqa: E731
+        cfg = SimpleNamespace(data=SimpleNamespace(sources=[source(rows), source(shards)]), ptx=None)
+        then = fingerprint(cfg)
+        assert set(then) == {"data.sources.0.path", "data.sources.1.path"}
+        assert changes(then, fingerprint(cfg, then)) == []
+        os.utime(rows, ns=(1, 1))  # touched, the same bytes
+        assert changes(then, fingerprint(cfg, then)) == []
+        rows.write_text('{"prompt": "b"}\n')  # the same size, other bytes
+        assert changes(then, fingerprint(cfg, then)) == [
+            f"{rows} (data.sources.0.path): other contents (16 bytes then, 16 now)"]
+        (shards / "part-1.arrow").write_bytes(b"1")
+        (shards / "part-0.arrow").unlink()
+        assert changes(then, fingerprint(cfg, then))[1:] == [
+            f"{shards / 'part-0.arrow'} (data.sources.1.path): gone",
+            f"{shards / 'part-1.arrow'} (data.sources.1.path): a new file"]
+        # unchanged size and time: the recorded checksum is kept, not computed again
+        now = fingerprint(cfg)
+        now["data.sources.0.path"]["files"]["."][2] = "xxh3_128:recorded"
+        assert fingerprint(cfg, now)["data.sources.0.path"]["files"]["."][2] == "xxh3_128:recorded"

@@ -183,6 +183,7 @@ class Supervisor:
     def _plan_resume(self) -> dict:
         """Resume from what the run directory holds (nothing, for a new run): the newest whole checkpoint
         and the committed experience after it; the trainer's part of the plan."""
+        self._check_data()
         plan = plan_resume(self.run_dir.path)
         for problem in plan.problems:
             self.echo(f"resume: {problem}")
@@ -202,6 +203,22 @@ class Supervisor:
         self.step = plan.next_step - 1
         return {"checkpoint": plan.checkpoint["dir"] if plan.checkpoint else None,
                 "replay": [str(p) for p in plan.replay], "next_step": plan.next_step}
+
+    def _check_data(self) -> None:
+        """Record the data files at the run's first start; later, fail if any changed since (fingerprint.py)."""
+        from toolkit.data.fingerprint import changes, fingerprint
+
+        manifest = Manifest(self.run_dir.path)
+        then = next((r["files"] for r in reversed(manifest.records()) if r["kind"] == "data"), None)
+        now = fingerprint(self.cfg, then)
+        changed = changes(then, now) if then is not None else []
+        if changed:
+            raise RunError("the run's data changed since it started: " + "; ".join(changed) + ". Its next "
+                           "steps would draw other rows than the order it began with (some twice, some never). "
+                           "Put the data back as it was, or go on with it as it is now: slurm-rlhf resume "
+                           f"{self.run_dir.path} --data-changed")
+        if now != then:  # (the first start, or a file touched but the same)
+            manifest.append({"kind": "data", "files": now})
 
     def _keep_metrics_before(self, step: int) -> None:
         """Drop metrics of steps that will run again (and a line cut short by a crash)."""

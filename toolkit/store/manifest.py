@@ -7,6 +7,8 @@ short by a crash is ignored when read. Records:
     {"kind": "checkpoint", "step": v, "dir": "checkpoints/step-NNNNNN", "files": {relpath: [checksum, bytes]}}
     {"kind": "removed", "dir": ...}          an old checkpoint deleted to keep only the newest ones
     {"kind": "resume", ...}                  what a resume used, replayed and set aside
+    {"kind": "data", "files": {field: {"path", "files": {name: [bytes, mtime_ns, checksum]}}}}
+                                             the data files at the first start (toolkit/data/fingerprint.py)
 
 Checksums: see toolkit/store/checksum.py; manifests of earlier versions name an experience file's
 checksum "sha256".
