@@ -66,11 +66,13 @@ def requeue(rd, max_requeues: int) -> None:
     """Put this job back in the queue; the requeued job resumes the run by itself."""
     import subprocess
 
+    from toolkit.launch.pipeline import resume_target
+
     job = rd.read_json(rd.job)
     count = job.get("requeues", 0)
     if count >= max_requeues:
         raise RunError(f"the job's time is up and it was already requeued {count} times (slurm.max_requeues); "
-                       f"continue with: slurm-rlhf resume {rd.path} --submit")
+                       f"continue with: slurm-rlhf resume {resume_target(rd.path)} --submit")
     rd.update_job(requeues=count + 1)
     print(f"requeueing job {job['job_id']} ({count + 1} of at most {max_requeues}); it will resume by itself",
           flush=True)
@@ -80,7 +82,7 @@ def requeue(rd, max_requeues: int) -> None:
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
         said = (getattr(e, "stderr", None) or "").strip() or str(e)
         raise RunError(f"`scontrol requeue {job['job_id']}` failed ({said}); the checkpoint is saved: continue "
-                       f"with: slurm-rlhf resume {rd.path} --submit") from None
+                       f"with: slurm-rlhf resume {resume_target(rd.path)} --submit") from None
 
 
 def main(argv: list[str] | None = None) -> int:

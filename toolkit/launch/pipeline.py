@@ -51,6 +51,13 @@ def is_pipeline_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / "pipeline.json").exists()
 
 
+def resume_target(run_dir: str | os.PathLike) -> str:
+    """What to give `slurm-rlhf resume` to continue the run in `run_dir`: its pipeline's directory when it is
+    a stage of one (the stages after it then run too), else itself; quoted for a shell."""
+    path = Path(run_dir)
+    return shlex.quote(str(path.parent if is_pipeline_dir(path.parent) else path))
+
+
 def stage_dirs(path: str | os.PathLike) -> list[Path]:
     """The run directories of a pipeline directory's stages."""
     return sorted(p for p in Path(path).iterdir() if (p / "config.yaml").exists())

@@ -183,8 +183,9 @@ class Supervisor:
     def _plan_resume(self) -> dict:
         """Resume from what the run directory holds (nothing, for a new run): the newest whole checkpoint
         and the committed experience after it; the trainer's part of the plan."""
-        self._check_data()
         plan = plan_resume(self.run_dir.path)
+        self.step = plan.next_step - 1  # (what status.json says if the data check fails)
+        self._check_data()
         for problem in plan.problems:
             self.echo(f"resume: {problem}")
         moved = set_aside(self.run_dir.path, plan)
@@ -207,6 +208,7 @@ class Supervisor:
     def _check_data(self) -> None:
         """Record the data files at the run's first start; later, fail if any changed since (fingerprint.py)."""
         from toolkit.data.fingerprint import changes, fingerprint
+        from toolkit.launch.pipeline import resume_target
 
         manifest = Manifest(self.run_dir.path)
         then = next((r["files"] for r in reversed(manifest.records()) if r["kind"] == "data"), None)
@@ -216,7 +218,7 @@ class Supervisor:
             raise RunError("the run's data changed since it started: " + "; ".join(changed) + ". Its next "
                            "steps would draw other rows than the order it began with (some twice, some never). "
                            "Put the data back as it was, or go on with it as it is now: slurm-rlhf resume "
-                           f"{self.run_dir.path} --data-changed")
+                           f"{resume_target(self.run_dir.path)} --data-changed")
         if now != then:  # (the first start, or a file touched but the same)
             manifest.append({"kind": "data", "files": now})
 

@@ -45,6 +45,8 @@ def explain(what: str, path: Path, error: BaseException, run_dir: Path) -> BaseE
     """The error to raise for a write of `what` into `path` (of the run in `run_dir`) that failed with
     `error`, called before the partial files are removed: `DiskFull` naming the path when the disk is
     full, else `error` itself."""
+    from toolkit.launch.pipeline import resume_target
+
     free = free_bytes(path)
     if not says_no_space(error) and (free is None or free >= NEARLY_FULL_BYTES):
         return error
@@ -52,5 +54,5 @@ def explain(what: str, path: Path, error: BaseException, run_dir: Path) -> BaseE
     return DiskFull(errno.ENOSPC, f"no space left to write the {what} {path} ({room}; {type(error).__name__}: "
                                   f"{str(error).strip()[:200]}). What was written of it is removed, and what was "
                                   "committed before is untouched: free space (or move the run directory to a "
-                                  f"larger file system), then `slurm-rlhf resume {run_dir}` goes on from the last "
+                                  f"larger file system), then `slurm-rlhf resume {resume_target(run_dir)}` goes on from the last "
                                   "checkpoint")
