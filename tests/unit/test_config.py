@@ -174,7 +174,8 @@ def _model_with(tmp_path, tiny, name: str, **config) -> str:
 
     model = tmp_path / name
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({**json.loads((tiny / "model" / "config.json").read_text()), **config}))
+    tiny_config = json.loads((tiny / "model" / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**tiny_config, **config}))
     return str(model)
 
 
@@ -193,13 +194,15 @@ def test_samples_longer_than_a_model_takes_are_a_config_error(tiny, tmp_path):
         assert f"{field} takes at most 200 tokens" in msg and "allow 280" in msg
     # GPT-2's name for it; a linear RoPE scaling multiplies it (4 x 100 = 400 >= 280)
     gpt2 = _model_with(tmp_path, tiny, "gpt2-named", max_position_embeddings=None, n_positions=100)
-    assert "(n_positions 100 in " in error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny, model={"actor": gpt2})))
+    gpt2_config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, model={"actor": gpt2}))
+    assert "(n_positions 100 in " in error_of(gpt2_config)
     scaled = _model_with(tmp_path, tiny, "scaled", max_position_embeddings=100,
                          rope_scaling={"rope_type": "linear", "factor": 4.0})
     load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, model={"actor": scaled},
                                                rollout={"backend": "hf"})))
     ptx = {"coef": 1.0, "max_tokens": 600, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]}}
-    assert "model.actor takes at most 512 tokens" in error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny, ptx=ptx)))
+    ptx_config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, ptx=ptx))
+    assert "model.actor takes at most 512 tokens" in error_of(ptx_config)
     stage = {"stage": "sft", "run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
              "model": {"base": str(tiny / "model")}, "train": {"max_tokens": 1024}}
     msg = error_of(write_config(tmp_path, stage, "sft.yaml"))

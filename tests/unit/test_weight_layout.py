@@ -87,7 +87,8 @@ def test_a_kv_cache_too_small_for_one_sample_is_a_config_error_and_vllm_agrees(t
               f"LLM(model={str(tiny / 'model')!r}, dtype='float32', max_model_len={tokens}, "
               f"kv_cache_memory_bytes={need}, enforce_eager=True)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0 and "To serve at least one request with the model's max seq len (280)" in result.stderr
+    assert result.returncode != 0, result.stdout
+    assert "To serve at least one request with the model's max seq len (280)" in result.stderr
 
 
 def test_head_sizes_match_the_installed_vllm():

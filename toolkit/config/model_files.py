@@ -92,8 +92,8 @@ def kv_cache_problem(path: str | Path, tokens: int, dtype: str, ranks: int, kv_c
     need = tokens * 2 * shape.layers * kv_heads * shape.head_dim * dtype_bytes / 2**30
     if need <= kv_cache_gb:
         return None
-    return (f"rollout.vllm.kv_cache_gb is {kv_cache_gb:.3g}, but one sample of {tokens} tokens (rollout.max_prompt_tokens "
-            f"+ max_new_tokens) of {path} needs at least {need:.3g} GiB of KV cache on each of its {ranks} "
+    return (f"rollout.vllm.kv_cache_gb is {kv_cache_gb:.3g}, but one sample of {tokens} tokens "
+            f"(rollout.max_prompt_tokens + max_new_tokens) of {path} needs at least {need:.3g} GiB of KV cache on each of its {ranks} "
             f"tensor-parallel rank(s) ({shape.layers} layers x 2 x {kv_heads} KV heads x {shape.head_dim} x "
             f"{dtype_bytes} bytes a token; vLLM rounds up to whole blocks); raise kv_cache_gb well above that, so "
             "that many samples generate at once")

@@ -28,8 +28,8 @@ def data_files(cfg) -> dict[str, str]:
 
 def fingerprint(cfg, known: dict | None = None) -> dict:
     """{field: {"path", "files": {name: [bytes, mtime_ns, checksum]}}} of the config's data (a directory
-    source: each file under it, by its path below it; a file source: "."). A file that `known` (an earlier fingerprint) has with the same size and
-    time keeps its checksum there, unread."""
+    source: each file under it, by its path below it; a file source: "."). A file that `known` (an earlier
+    fingerprint) has with the same size and time keeps its checksum there, unread."""
     out = {}
     for field, path in data_files(cfg).items():
         root = Path(path)

@@ -54,5 +54,5 @@ def explain(what: str, path: Path, error: BaseException, run_dir: Path) -> BaseE
     return DiskFull(errno.ENOSPC, f"no space left to write the {what} {path} ({room}; {type(error).__name__}: "
                                   f"{str(error).strip()[:200]}). What was written of it is removed, and what was "
                                   "committed before is untouched: free space (or move the run directory to a "
-                                  f"larger file system), then `slurm-rlhf resume {resume_target(run_dir)}` goes on from the last "
-                                  "checkpoint")
+                                  f"larger file system), then `slurm-rlhf resume {resume_target(run_dir)}` goes on "
+                                  "from the last checkpoint")
