@@ -330,7 +330,6 @@ def _prepare(args, cfg=None):
 
 
 def cmd_submit(args) -> int:
-    from toolkit.errors import RunError
     from toolkit.launch.allocation import placement_table
     from toolkit.launch.jobs import follow
     from toolkit.launch.rundir import RunDir
@@ -349,7 +348,7 @@ def cmd_submit(args) -> int:
     run_dir.create(cfg)
     try:
         job_id = submit(cfg, allocation, run_dir)
-    except RunError:
+    except ToolkitError:
         shutil.rmtree(run_dir.path)  # made a moment ago for this job, which does not exist
         raise
     run_dir.update_job(job_id=job_id, submitted=time.time())

@@ -278,3 +278,19 @@ def test_cancel_leaves_nothing_behind(tiny, tmp_path):
     assert f"cancelled slurm job {job_id}" in result.stdout and time.monotonic() - started < 60
     assert_nothing_left(run_dir, job_id)
     assert "CANCELLED" in cli("status", run_dir, timeout=60).stdout
+
+
+def test_a_job_larger_than_its_partition_is_not_submitted(tiny, tmp_path):
+    """Five nodes from the 4-node default partition: this cluster's Slurm would queue such a job and never
+    start it (PartitionNodeLimit); `submit` says so instead, and nothing is queued or left."""
+    from tests.slurm.conftest import jobs_of_this_checkout
+
+    config = run_config(tiny, tmp_path, placement={"trainer": {"workers": 3, "nodes": 3}},
+                        trainer={"micro_batch_size": 4}, rollout={"prompts_per_step": 12})
+    before = jobs_of_this_checkout()
+    result = cli("submit", config, "--run-dir", tmp_path / "run", timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "the job needs 5 nodes in partition debug, which has 4 (sinfo)" in result.stderr
+    assert "placement.<group>.nodes" in result.stderr
+    assert not (tmp_path / "run").exists() and jobs_of_this_checkout() == before
+    assert cli("submit", config, "--run-dir", tmp_path / "run", "--dry-run").returncode == 0  # (pure: no sinfo)

@@ -9,9 +9,10 @@ a heterogeneous job, which Submitit's own script cannot.
 from __future__ import annotations
 
 import shlex
+import subprocess
 import sys
 
-from toolkit.errors import RunError, ToolkitError
+from toolkit.errors import ConfigError, RunError, ToolkitError
 from toolkit.launch.allocation import Allocation
 from toolkit.launch.sbatch import sbatch_script
 
@@ -28,10 +29,46 @@ def submit_script(cfg, allocation: Allocation, run_dir: str, depends_on: str | N
                          depends_on=depends_on)
 
 
+def partitions() -> tuple[dict[str, int], str | None]:
+    """({partition: nodes}, the default partition) as `sinfo` shows them to this user; ({}, None) where
+    `sinfo` is not here or fails."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-s", "-o", "%P %F"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}, None
+    sizes, default = {}, None
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        name, _, counts = line.strip().partition(" ")  # (counts: allocated/idle/other/total)
+        total = counts.split("/")[-1]
+        if total.isdigit():
+            if name.endswith("*"):
+                name = default = name[:-1]
+            sizes[name] = int(total)
+    return sizes, default
+
+
+def check_partitions(allocation: Allocation) -> None:
+    """A job that asks a partition for more nodes than it has, which Slurm may queue and never start
+    (PartitionNodeLimit), is a ConfigError before it is submitted."""
+    sizes, default = partitions()
+    need: dict[str | None, int] = {}
+    for component in allocation.components:
+        name = component.partition or default
+        need[name] = need.get(name, 0) + component.nodes
+    for name, nodes in need.items():
+        have = sizes.get(name) if name else None
+        if have is not None and nodes > have:
+            raise ConfigError(f"the job needs {nodes} nodes in partition {name}, which has {have} (sinfo): Slurm "
+                              "would keep it waiting (PartitionNodeLimit); give the node groups fewer nodes "
+                              "(placement.<group>.nodes) or a larger partition (slurm.partition, "
+                              "placement.<group>.partition)")
+
+
 def submit(cfg, allocation: Allocation, run_dir, depends_on: str | None = None) -> str:
     """Submit the run in `run_dir` (already created), after job `depends_on` if given; the Slurm job id."""
     import submitit
 
+    check_partitions(allocation)
     script = submit_script(cfg, allocation, str(run_dir.path), depends_on)
 
     class Executor(submitit.SlurmExecutor):
