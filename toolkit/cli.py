@@ -269,7 +269,7 @@ def _resume_pipeline(pd, args) -> int:
     from toolkit.config import load_config
     from toolkit.config.pipeline import load_pipeline
     from toolkit.launch.jobs import live_job
-    from toolkit.launch.pipeline import follow_pipeline, run_pipeline_here, submit_pipeline
+    from toolkit.launch.pipeline import finished, follow_pipeline, run_pipeline_here, submit_pipeline
 
     configs = _pipeline_configs(load_pipeline(pd.source()), pd.path)
     for stage in pd.stages():
@@ -280,7 +280,7 @@ def _resume_pipeline(pd, args) -> int:
     if args.data_changed:  # (each stage that started and did not finish)
         for stage in pd.stages():
             rd = pd.stage(stage)
-            if rd.config.exists() and rd.read_json(rd.status).get("state") != "finished":
+            if rd.config.exists() and not finished(rd):
                 _accept_data(rd, load_config(rd.config))
     if not args.submit:
         return run_pipeline_here(configs, pd, args.verbose)

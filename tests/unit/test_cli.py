@@ -57,6 +57,16 @@ def test_cancel_never_signals_a_process_that_reused_the_drivers_pid(tmp_path):
         other.wait()
 
 
+def test_a_slurm_job_has_ended_in_the_states_slurm_gives_back():
+    from toolkit.launch.jobs import ended
+
+    for state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                  "UNKNOWN (no longer known to slurmctld)"):
+        assert ended(state), state
+    for state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "SUSPENDED", "?", ""):
+        assert not ended(state), state
+
+
 def test_a_non_editable_install_renders_the_batch_script(tiny, tmp_path):
     """`pip install .` (not editable) carries the batch script's template, so `render` and `submit` work
     outside the source tree: before, the template lived in templates/, which is not packaged."""

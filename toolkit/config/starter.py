@@ -57,8 +57,9 @@ def starter_data(model: Path, prompts: Path, out_dir: Path, reward_model: Path |
         "checkpoint": {"every_steps": 20, "keep": 2},
     }
     limits = [limit[0] for limit in map(context_limit, filter(None, (model, reward_model))) if limit]
-    if limits and min(limits) < 512:  # (the default 256 prompt + 256 new tokens would not fit)
-        data["rollout"].update(max_prompt_tokens=min(limits) // 2, max_new_tokens=min(limits) - min(limits) // 2)
+    context = min(limits, default=512)
+    if context < 512:  # (the default 256 prompt + 256 new tokens would not fit)
+        data["rollout"].update(max_prompt_tokens=context // 2, max_new_tokens=context - context // 2)
     if algorithm == "ppo":
         data["model"]["critic"] = rel(reward_model) if reward_model else rel(model)
     return data

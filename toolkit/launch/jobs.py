@@ -24,6 +24,12 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
          "DEADLINE"}
 
 
+def ended(state: str) -> bool:
+    """Whether a Slurm job in this state will not run again (UNKNOWN: slurmctld no longer knows it)."""
+    word = (state.split() or [""])[0]
+    return word in ENDED or word == "UNKNOWN"
+
+
 def open_run(path: str) -> RunDir:
     rd = RunDir(path)
     if not rd.config.exists():
@@ -118,7 +124,7 @@ def follow(rd: RunDir, job_id: str) -> int:
                 for line in text[shown:text.rfind("\n") + 1].splitlines():
                     progress(line)
                 shown = max(shown, text.rfind("\n") + 1)
-            if state in ENDED or state == "UNKNOWN":
+            if ended(state):
                 break
             status = rd.read_json(rd.status)
             last = status.get("last_metrics") or {}
@@ -143,7 +149,7 @@ def live_job(rd: RunDir) -> str | None:
     if not job_id or shutil.which("squeue") is None:
         return None
     state = slurm_job(str(job_id))["state"]
-    return None if state.split()[0] in ENDED or state.startswith("UNKNOWN") else f"slurm job {job_id} is {state}"
+    return None if ended(state) else f"slurm job {job_id} is {state}"
 
 
 def cancel(rd: RunDir, timeout_s: float = 60) -> str:
@@ -157,7 +163,7 @@ def cancel(rd: RunDir, timeout_s: float = 60) -> str:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             state = slurm_job(job_id)["state"]
-            if state.split()[0] in ENDED or state.startswith("UNKNOWN"):
+            if ended(state):
                 return f"cancelled slurm job {job_id} ({state})"
             time.sleep(0.5)
         raise RunError(f"slurm job {job_id} still not ended {timeout_s:.0f} s after scancel")

@@ -56,7 +56,7 @@ def check_partitions(allocation: Allocation) -> None:
         name = component.partition or default
         need[name] = need.get(name, 0) + component.nodes
     for name, nodes in need.items():
-        have = sizes.get(name) if name else None
+        have = sizes.get(name)
         if have is not None and nodes > have:
             raise ConfigError(f"the job needs {nodes} nodes in partition {name}, which has {have} (sinfo): Slurm "
                               "would keep it waiting (PartitionNodeLimit); give the node groups fewer nodes "
