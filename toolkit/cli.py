@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import shutil
 import sys
@@ -445,6 +446,11 @@ def cmd_plan(args) -> int:
         if args.nodes < 1:
             raise ConfigError(f"--nodes {args.nodes}: at least 1")
         cluster = cluster.model_copy(update={"nodes": args.nodes})
+    if args.top is not None and args.top < 1:
+        raise ConfigError(f"--top {args.top}: at least 1")
+    for flag, tokens in (("--prompt-tokens", args.prompt_tokens), ("--response-tokens", args.response_tokens)):
+        if tokens is not None and not (math.isfinite(tokens) and tokens >= 1):
+            raise ConfigError(f"{flag} {tokens:g}: a mean token count, at least 1")
     params = {}
     for item in args.params:
         name, _, count = item.partition("=")
@@ -454,6 +460,8 @@ def cmd_plan(args) -> int:
             raise ConfigError(f"--params {item!r}: expected MODEL=COUNT, e.g. actor=7e9") from None
         if name not in ("actor", "reference", "critic", "reward"):
             raise ConfigError(f"--params {item!r}: MODEL is one of actor, reference, critic, reward")
+        if not (math.isfinite(params[name]) and params[name] > 0):
+            raise ConfigError(f"--params {item!r}: COUNT is a positive number of parameters, e.g. actor=7e9")
     for strategy in args.strategy or []:
         if strategy not in STRATEGIES:
             raise ConfigError(f"--strategy {strategy!r}: one of {', '.join(STRATEGIES)}")

@@ -391,6 +391,11 @@ def test_every_cluster_file_loads_and_plan_takes_a_node_count(tiny, tmp_path):
     assert "separation" in {p["strategy"] for p in out["plans"]}  # (3 groups: possible on 3 nodes, not on 1)
     result = cli("plan", config, "--cluster", CLUSTERS / "1x8-h200.yaml", "--nodes", "0", timeout=120)
     assert result.returncode != 0 and "--nodes 0: at least 1" in result.stderr
+    for args, message in ((["--top", "0"], "--top 0: at least 1"),
+                          (["--prompt-tokens", "-10"], "--prompt-tokens -10: a mean token count, at least 1"),
+                          (["--params", "actor=nan"], "'actor=nan': COUNT is a positive number of parameters")):
+        result = cli("plan", config, "--cluster", CLUSTERS / "1x8-h200.yaml", *args, timeout=120)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, args
 
 
 def test_a_vllm_generator_holds_what_its_kv_cache_budget_allows_and_generates_in_waves():
