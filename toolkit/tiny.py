@@ -13,8 +13,12 @@ same files. Layout of OUT_DIR:
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 from pathlib import Path
+
+from toolkit.errors import ConfigError
 
 TOPICS = ["apples", "rivers", "stars", "trains", "music", "clocks", "maps", "birds", "games", "bridges",
           "coins", "lamps", "ships", "gardens", "storms", "books"]
@@ -109,15 +113,38 @@ def build_family(out_dir: str | Path, family: str, seed: int = 0) -> Path:
 
 
 def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the tiny model set into `out_dir` (skipped when already built with this seed)."""
+    """Write the tiny model set into `out_dir` (skipped when already built with this seed). It is built beside
+    it and moved in whole, and replaces only an empty directory or an earlier tiny model set."""
     out = Path(out_dir)
     stamp = out / "BUILT"
     if stamp.exists() and stamp.read_text() == f"{LAYOUT_VERSION} {seed}":
         return out
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file: give a directory to build the tiny model set in")
+    if out.is_dir() and not stamp.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} is not empty and holds no tiny model set (no BUILT file): give a new or empty "
+                          "directory, so that nothing in it is replaced")
+    target = out.resolve()
+    building = target.with_name(f".{target.name}.building-{os.getpid()}")
+    replaced = building.with_name(building.name + "-replaced")
+    shutil.rmtree(building, ignore_errors=True)
+    building.mkdir(parents=True)
+    try:
+        _build(building, seed)
+        if target.exists():  # (an empty directory, or a tiny model set of another seed or layout)
+            target.rename(replaced)
+        building.rename(target)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+        shutil.rmtree(replaced, ignore_errors=True)
+    return out
+
+
+def _build(out: Path, seed: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-    out.mkdir(parents=True, exist_ok=True)
+    stamp = out / "BUILT"
     tokenizer = build_tokenizer(out / "model", seed)
     build_tokenizer(out / "reward_model", seed)
     # head_dim = 128 / 2 = 64: vLLM's CPU attention rejects head_dim 16.
@@ -140,7 +167,6 @@ def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
         for row in preference_rows(3000, seed):
             f.write(json.dumps(row) + "\n")
     stamp.write_text(f"{LAYOUT_VERSION} {seed}")
-    return out
 
 
 def set_eos_rate(model, rate: float) -> None:

@@ -67,6 +67,15 @@ def test_a_slurm_job_has_ended_in_the_states_slurm_gives_back():
         assert not ended(state), state
 
 
+def test_tiny_replaces_nothing_of_the_users(tmp_path):
+    (tmp_path / "prompts.jsonl").write_text("mine\n")
+    result = cli("tiny", tmp_path, timeout=60)
+    assert result.returncode == 2 and "is not empty and holds no tiny model set" in result.stderr
+    result = cli("tiny", tmp_path / "prompts.jsonl", timeout=60)
+    assert result.returncode == 2 and "is a file" in result.stderr
+    assert (tmp_path / "prompts.jsonl").read_text() == "mine\n" and os.listdir(tmp_path) == ["prompts.jsonl"]
+
+
 def test_a_non_editable_install_renders_the_batch_script(tiny, tmp_path):
     """`pip install .` (not editable) carries the batch script's template, so `render` and `submit` work
     outside the source tree: before, the template lived in templates/, which is not packaged."""
