@@ -74,12 +74,19 @@ def test_init_takes_the_planners_plan_for_a_cluster(tiny, tmp_path):
     (["--model", "/nonexistent"], "--model /nonexistent: no config.json there"),
     (["--model", "{tiny}/model", "--reward-model", "{tiny}"], "no config.json there"),
     (["--model", "{tiny}/model", "--cluster", "/nonexistent.yaml"], "/nonexistent.yaml"),
+    (["--model", "{tiny}/model", "--prompts", "/nonexistent.jsonl"], "--prompts /nonexistent.jsonl: no such file"),
 ])
 def test_init_names_what_is_wrong(tiny, tmp_path, args, message):
     args = [a.format(tiny=tiny) for a in args]
     result = cli("init", *args, "--out", tmp_path / "x.yaml")
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not (tmp_path / "x.yaml").exists()
+
+
+def test_init_out_a_directory_is_named_even_with_force(tiny, tmp_path):
+    result = cli("init", "--model", tiny / "model", "--out", tmp_path, "--force")
+    assert result.returncode == 2 and f"--out {tmp_path} is a directory" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_init_writes_a_config_that_validates_for_every_cluster_file(tiny, tmp_path):

@@ -77,6 +77,10 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
         raise ConfigError(f"--model {model}: no config.json there; give a Hugging Face model directory")
     if reward_model and not (Path(reward_model) / "config.json").is_file():
         raise ConfigError(f"--reward-model {reward_model}: no config.json there; give a Hugging Face model directory")
+    if prompts is not None and not Path(prompts).is_file():
+        raise ConfigError(f"--prompts {prompts}: no such file; give a JSON Lines file, one {{\"prompt\": ...}} a line")
+    if target.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give the config file to write, e.g. {target / 'run.yaml'}")
     if target.exists() and not force:
         raise ConfigError(f"{out} exists; choose another name, or --force to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
