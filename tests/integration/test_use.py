@@ -196,6 +196,9 @@ def test_report_draws_the_run_from_its_files(trained, tmp_path):
 
     result = cli("report", trained, "--out", tmp_path / "r2", "--samples-at", "9")
     assert result.returncode == 2 and "--samples-at 9: no committed experience at that step" in result.stderr
+    (tmp_path / "a-file").write_text("mine\n")
+    result = cli("report", trained, "--out", tmp_path / "a-file")
+    assert result.returncode == 2 and "is a file" in result.stderr and (tmp_path / "a-file").read_text() == "mine\n"
 
 
 def test_the_report_renders_in_a_headless_browser(trained, tmp_path):

@@ -100,6 +100,8 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
     if not metrics:
         raise ConfigError(f"{run_dir}: no step has finished yet (metrics.jsonl is empty); nothing to report")
     target = Path(out) if out else run / "report"
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"--out {target} is a file; give a directory to write the report into")
     if not target.exists():
         target.mkdir(parents=True)
         os.chmod(target, 0o700)  # (samples and config: for the run's owner, as the run directory is)
