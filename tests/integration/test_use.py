@@ -130,6 +130,18 @@ def test_generate_seeds_each_sample(trained, prompts, tmp_path):
                                                                        for s in first[:6]]
 
 
+@pytest.mark.parametrize("length, message", [
+    (8, "--max-model-len 8: the context must hold a prompt and --max-new-tokens 8"),
+    (100000, "a context of 100000 tokens (--max-model-len, else the longest prompt and --max-new-tokens) is more "
+             "than the model takes: 512 (max_position_embeddings 512 in"),
+])
+def test_generate_names_a_context_that_does_not_fit(tiny, prompts, tmp_path, length, message):
+    result = cli("generate", tiny / "model", "--input", prompts, "--output", tmp_path / "out.jsonl", "--backend",
+                 "hf", "--max-new-tokens", 8, "--max-model-len", length)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"id": 1}', 'bad.jsonl:2: expected "prompt": a string or a list of {"role", "content"} messages'),
     ('{"prompt": [{"role": "user"}]}', "bad.jsonl:2: expected \"prompt\""),

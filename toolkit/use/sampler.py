@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.config.model_files import context_limit
 from toolkit.errors import ConfigError
 
 
@@ -57,13 +58,13 @@ class Sampler:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.seed = seed
         config = json.loads((Path(model) / "config.json").read_text())
-        limit = next((config[k] for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
-                      if isinstance(config.get(k), int)), None)
+        limit = context_limit(model)
         if max_model_len is None:
-            max_model_len = min(limit or 2048, 2048)
-        elif limit is not None and max_model_len > limit:
-            raise ConfigError(f"{max_model_len} tokens of context (prompt + new tokens) are more than the model "
-                              f"takes ({limit}, {Path(model) / 'config.json'}); shorten the prompts or --max-new-tokens")
+            max_model_len = min(limit[0] if limit else 2048, 2048)
+        elif limit is not None and max_model_len > limit[0]:
+            raise ConfigError(f"a context of {max_model_len} tokens (--max-model-len, else the longest prompt and "
+                              f"--max-new-tokens) is more than the model takes: {limit[0]} ({limit[1]}); shorten the "
+                              "prompts, or lower --max-new-tokens or --max-model-len")
         self.max_model_len = max_model_len
         if dtype == "auto":  # (the model's own dtype: vLLM's "auto" would turn float32 into bfloat16 on CPU)
             dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
