@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, alive, assert_no_workers_left, cli, example, worker_pids, write_config
+from tests.conftest import EXAMPLES, REPO, alive, assert_no_workers_left, cli, example, worker_pids, write_config
 from toolkit.config import load_config
 from toolkit.launch import allocator
 from toolkit.store import experience
@@ -140,6 +140,16 @@ def test_run_dir_is_never_reused(tiny, tmp_path):
     (tmp_path / "old" / "config.yaml").write_text("run: {}\n")
     result = cli("run", config, "--run-dir", tmp_path / "old", timeout=60)
     assert result.returncode == 2 and "already holds a run" in result.stderr
+    # A directory of the user's that is not a run (here: the config's own) is neither filled, made private, nor
+    # (by a submission that fails) removed; nor is a pipeline's; a file is not a run directory.
+    before = sorted(p.name for p in tmp_path.iterdir()), tmp_path.stat().st_mode
+    for command, source in (("run", config), ("submit", config), ("run", EXAMPLES / "tiny-pipeline.yaml")):
+        result = cli(command, source, "--run-dir", tmp_path, timeout=60)
+        assert result.returncode == 2 and f"--run-dir {tmp_path} is not empty and holds no " in result.stderr, \
+            result.stderr
+        assert (sorted(p.name for p in tmp_path.iterdir()), tmp_path.stat().st_mode) == before
+    result = cli("run", config, "--run-dir", config, timeout=60)
+    assert result.returncode == 2 and f"--run-dir {config} is a file" in result.stderr
 
 
 # ----- failures: named errors, bounded time, no process left ------------------------------------------------

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from toolkit.errors import ConfigError, RunError
-from toolkit.launch.rundir import RunDir
+from toolkit.launch.rundir import RunDir, check_new
 from toolkit.table import text_table
 
 
@@ -39,6 +39,7 @@ class PipelineDir:
         if self.file.exists():
             raise ConfigError(f"{self.path} already holds a pipeline; choose another --run-dir, remove it, or "
                               f"continue it with: slurm-rlhf resume {shlex.quote(str(self.path))}")
+        check_new(self.path, "pipeline")
         os.umask(0o077)
         self.path.mkdir(parents=True, exist_ok=True)
         self.path.chmod(0o700)
