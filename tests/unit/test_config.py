@@ -207,3 +207,16 @@ def test_samples_longer_than_a_model_takes_are_a_config_error(tiny, tmp_path):
              "model": {"base": str(tiny / "model")}, "train": {"max_tokens": 1024}}
     msg = error_of(write_config(tmp_path, stage, "sft.yaml"))
     assert "model.base takes at most 512 tokens" in msg and "train.max_tokens allow 1024" in msg
+    # In a pipeline, a stage's export is not written yet when the file is validated: the model it starts from
+    # stands in (the RL stage would otherwise fail only after the SFT and reward model stages had run).
+    from tests.conftest import EXAMPLES
+    from toolkit.config.pipeline import load_pipeline
+
+    for overrides, field in [([f"sft.model.base={short}"], "rl: model.actor"),
+                             ([f"sft.model.base={short}", f"rl.model.actor={tiny / 'model'}"],
+                              "rl: reward.models.0.path")]:  # (rm: from sft, from `short`)
+        with pytest.raises(ConfigError) as info:
+            load_pipeline(EXAMPLES / "tiny-pipeline.yaml", overrides).configs(tmp_path / "pipeline")
+        assert f"{field} takes at most 200 tokens (max_position_embeddings 200 in {short}/config.json)" in str(
+            info.value) and "allow 280" in str(info.value), str(info.value)
+    assert len(load_pipeline(EXAMPLES / "tiny-pipeline.yaml").configs(tmp_path / "pipeline")) == 3

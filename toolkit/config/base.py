@@ -37,6 +37,12 @@ def _model_dir(value: Any, info: ValidationInfo) -> str:
     return str(path)
 
 
+def model_files(path: str, info: ValidationInfo) -> str:
+    """The directory whose config.json describes the model at `path`: itself, or, for the export of a pipeline's
+    earlier stage (not written yet), the model that stage starts from, whose architecture it keeps."""
+    return (info.context or {}).get("pending_models", {}).get(path, path)
+
+
 def _existing_file(value: Any, info: ValidationInfo) -> str:
     path = _resolve(value, info)
     if not path.is_file():

@@ -60,10 +60,11 @@ def load_config(path: str | Path, overrides: list[str] = (), stage: str | None =
 
 
 def validate(data: dict, base_dir: Path, source: Path | str = "<config>", text: str | None = None,
-             overridden: dict[tuple, str] | None = None, expect: str | None = None, pending_models=(),
-             prefix: tuple = ()):
+             overridden: dict[tuple, str] | None = None, expect: str | None = None,
+             pending_models: dict | None = None, prefix: tuple = ()):
     """Validate a config mapping (its `stage` picks the schema); relative paths resolve against `base_dir`.
-    `pending_models`: model directories a pipeline's earlier stage will write (not checked yet);
+    `pending_models`: {model directory a pipeline's earlier stage will write: the model directory it is made
+    from} (the first is not checked for files yet; the second's config.json stands in for its own);
     `prefix`: where the mapping sits in the file (a pipeline's stage section), for errors."""
     stage = data.get("stage", "rl")
     if stage not in CONFIGS:
@@ -74,7 +75,7 @@ def validate(data: dict, base_dir: Path, source: Path | str = "<config>", text: 
     schema = CONFIGS[stage]
     try:
         return schema.model_validate(data, context={"base_dir": str(base_dir),
-                                                    "pending_models": {str(p) for p in pending_models}})
+                                                    "pending_models": {str(k): str(v) for k, v in (pending_models or {}).items()}})
     except ValidationError as e:
         lines = [_explain(err, source, text, overridden or {}, schema, prefix) for err in e.errors()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None

@@ -39,7 +39,7 @@ class Pipeline:
 
     def configs(self, directory: Path) -> list:
         """Every stage's validated config for a pipeline in `directory` (stage references resolved)."""
-        out, pending = [], []
+        out, pending = [], {}  # (a stage's export: the model it starts from, whose architecture it keeps)
         for stage, data in self.stages.items():
             data = copy.deepcopy(data)
             for path in MODEL_FIELDS[stage]:
@@ -47,7 +47,8 @@ class Pipeline:
             cfg = validate({**data, "stage": stage}, base_dir=self.source.resolve().parent, source=self.source,
                            text=self.text, prefix=(stage,), pending_models=pending)
             out.append(cfg)
-            pending.append(directory / stage / "export")
+            if stage != "rl":
+                pending[str(directory / stage / "export")] = pending.get(cfg.model.base, cfg.model.base)
         return out
 
 

@@ -9,11 +9,11 @@ import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSection, GroupSection, ModelDir,
                                  PositiveInt, Section, SlurmSection, TransportSection, WandbSection,
-                                 fp16_problem, load_function)
+                                 fp16_problem, load_function, model_files)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import context_problem, kv_cache_problem, vllm_cpu_problem
 from toolkit.placement.layout import PRESETS, generation_with_actor
@@ -373,7 +373,7 @@ class RunConfig(Section):
     """A language-modelling loss on unsupervised text mixed into the RL loss."""
 
     @model_validator(mode="after")
-    def _consistent(self) -> "RunConfig":
+    def _consistent(self, info: ValidationInfo) -> "RunConfig":
         if self.run.algorithm in ("grpo", "rloo") and self.rollout.group_size < 2:
             raise ValueError(
                 f"rollout.group_size is {self.rollout.group_size}; {self.run.algorithm.upper()} needs >= 2 samples "
@@ -394,11 +394,13 @@ class RunConfig(Section):
             raise ValueError(f"trainer.micro_batch_tokens is {budget}, less than one sample can have "
                              f"(rollout.max_prompt_tokens + max_new_tokens = {longest}); raise it to at least {longest}")
         for field, path in self.sequence_models():
-            problem = context_problem(path, longest, field, "rollout.max_prompt_tokens + max_new_tokens")
+            problem = context_problem(model_files(path, info), longest, field,
+                                      "rollout.max_prompt_tokens + max_new_tokens")
             if problem:
                 raise ValueError(problem)
         if self.ptx.coef > 0:
-            problem = context_problem(self.model.actor, self.ptx.max_tokens, "model.actor", "ptx.max_tokens")
+            problem = context_problem(model_files(self.model.actor, info), self.ptx.max_tokens, "model.actor",
+                                      "ptx.max_tokens")
             if problem:
                 raise ValueError(problem)
         if budget is not None and self.ptx.coef > 0:
@@ -487,12 +489,12 @@ class RunConfig(Section):
         if self.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.backend is 'vllm' but vLLM is not installed; install it or use backend: hf")
         if self.generation_backend == "vllm":
-            problem = kv_cache_problem(self.model.actor, longest, self.model.dtype, tp,
+            problem = kv_cache_problem(model_files(self.model.actor, info), longest, self.model.dtype, tp,
                                        self.rollout.vllm.kv_cache_gb)
             if problem:
                 raise ValueError(problem)
         if self.generation_backend == "vllm" and not generators.gpus_per_worker:
-            problem = vllm_cpu_problem(self.model.actor)
+            problem = vllm_cpu_problem(model_files(self.model.actor, info))
             if problem:
                 raise ValueError(f"model.actor: {problem}; use rollout.backend: hf, or give the generator node group "
                                  "GPUs (placement.<group>.gpus_per_worker)")

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, model_validator
 
 from toolkit.config.base import (Attention, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
-                                 Section, SlurmSection, TransportSection, WandbSection, fp16_problem)
+                                 Section, SlurmSection, TransportSection, WandbSection, fp16_problem, model_files)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import context_problem
 
@@ -99,7 +99,7 @@ class StageConfig(Section):
     """How `slurm-rlhf submit` and `render` ask Slurm for the allocation."""
 
     @model_validator(mode="after")
-    def _batches(self) -> "StageConfig":
+    def _batches(self, info: ValidationInfo) -> "StageConfig":
         ranks = self.placement.trainer.workers
         per_step = self.train.micro_batch_size * ranks
         if self.train.packing and self.model.attn_implementation == "flash_attention_2":
@@ -111,7 +111,8 @@ class StageConfig(Section):
         if self.train.lora is not None and self.stage == "rm":
             raise ValueError("train.lora is for causal LMs (the sft stage and the RL actor); the rm stage trains "
                              "every weight of the reward model: remove train.lora")
-        problem = context_problem(self.model.base, self.train.max_tokens, "model.base", "train.max_tokens")
+        problem = context_problem(model_files(self.model.base, info), self.train.max_tokens, "model.base",
+                                  "train.max_tokens")
         if problem:
             raise ValueError(problem)
         if self.train.batch_size % per_step:
