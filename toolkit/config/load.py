@@ -74,8 +74,8 @@ def validate(data: dict, base_dir: Path, source: Path | str = "<config>", text: 
                           f"configs (use `slurm-rlhf {'run' if stage == 'rl' else stage}`)")
     schema = CONFIGS[stage]
     try:
-        return schema.model_validate(data, context={"base_dir": str(base_dir),
-                                                    "pending_models": {str(k): str(v) for k, v in (pending_models or {}).items()}})
+        pending = {str(export): str(origin) for export, origin in (pending_models or {}).items()}
+        return schema.model_validate(data, context={"base_dir": str(base_dir), "pending_models": pending})
     except ValidationError as e:
         lines = [_explain(err, source, text, overridden or {}, schema, prefix) for err in e.errors()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
