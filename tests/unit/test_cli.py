@@ -129,9 +129,10 @@ def test_every_dependency_in_pyproject_is_installed():
     assert not missing, f"in pyproject.toml but not installed (add them to tools/setup.sh): {missing}"
 
 
-@pytest.mark.parametrize("command", [["report"], ["export", "OUT"], ["generate", "--input", "x.jsonl"]])
+@pytest.mark.parametrize("command", [["report"], ["export", "OUT"], ["generate", "--input", "x.jsonl"], ["inspect"]])
 def test_a_pipeline_directory_is_named_with_its_stages(tmp_path, command):
-    """`report`, `export` and `generate` take one stage's run directory; given a pipeline's, they list its stages."""
+    """`report`, `export`, `generate` and `inspect` take one stage's run directory; given a pipeline's, they
+    list its stages."""
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "pipeline.json").write_text("{}")
     for stage in ("sft", "rm", "rl"):
@@ -155,3 +156,5 @@ def test_inspect_of_a_file_that_is_not_experience_names_it(tmp_path):
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert f"{path}: not an experience file this version reads (" in result.stderr and why in result.stderr
         assert "experience/step-NNNNNN.h5" in result.stderr
+    result = cli("inspect", tmp_path, timeout=60)  # (a directory, not a run's)
+    assert result.returncode == 2 and f"{tmp_path} is not a run directory (no config.yaml)" in result.stderr
