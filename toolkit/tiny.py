@@ -13,12 +13,10 @@ same files. Layout of OUT_DIR:
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 from pathlib import Path
 
-from toolkit.errors import ConfigError
+from toolkit.newdir import build_beside, check_new
 
 TOPICS = ["apples", "rivers", "stars", "trains", "music", "clocks", "maps", "birds", "games", "bridges",
           "coins", "lamps", "ships", "gardens", "storms", "books"]
@@ -119,24 +117,9 @@ def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
     stamp = out / "BUILT"
     if stamp.exists() and stamp.read_text() == f"{LAYOUT_VERSION} {seed}":
         return out
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out} is a file: give a directory to build the tiny model set in")
-    if out.is_dir() and not stamp.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} is not empty and holds no tiny model set (no BUILT file): give a new or empty "
-                          "directory, so that nothing in it is replaced")
-    target = out.resolve()
-    building = target.with_name(f".{target.name}.building-{os.getpid()}")
-    replaced = building.with_name(building.name + "-replaced")
-    shutil.rmtree(building, ignore_errors=True)
-    building.mkdir(parents=True)
-    try:
-        _build(building, seed)
-        if target.exists():  # (an empty directory, or a tiny model set of another seed or layout)
-            target.rename(replaced)
-        building.rename(target)
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
-        shutil.rmtree(replaced, ignore_errors=True)
+    if not stamp.exists():
+        check_new(out, str(out), "tiny model set")
+    build_beside(out, lambda tmp: _build(tmp, seed))
     return out
 
 

@@ -81,7 +81,7 @@ def test_export_refuses_a_damaged_copy_and_a_used_target(trained, tmp_path):
     assert cli("export", copy, tmp_path / "out", "--step", 3).returncode == 0  # an older one is whole
 
     result = cli("export", trained, tmp_path / "out")
-    assert result.returncode == 2 and "exists and is not empty" in result.stderr
+    assert result.returncode == 2 and "is not empty; give a new or empty directory for the export" in result.stderr
     result = cli("export", trained / "export", tmp_path / "x")
     assert result.returncode == 2 and "is a model directory already" in result.stderr
 

@@ -70,7 +70,8 @@ def test_a_slurm_job_has_ended_in_the_states_slurm_gives_back():
 def test_tiny_replaces_nothing_of_the_users(tmp_path):
     (tmp_path / "prompts.jsonl").write_text("mine\n")
     result = cli("tiny", tmp_path, timeout=60)
-    assert result.returncode == 2 and "is not empty and holds no tiny model set" in result.stderr
+    assert result.returncode == 2
+    assert "is not empty; give a new or empty directory for the tiny model set" in result.stderr
     result = cli("tiny", tmp_path / "prompts.jsonl", timeout=60)
     assert result.returncode == 2 and "is a file" in result.stderr
     assert (tmp_path / "prompts.jsonl").read_text() == "mine\n" and os.listdir(tmp_path) == ["prompts.jsonl"]

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from toolkit.errors import ConfigError, RunError
-from toolkit.launch.rundir import RunDir, check_new
+from toolkit.launch.rundir import RunDir
+from toolkit.newdir import check_new
 from toolkit.table import text_table
 
 
@@ -39,7 +40,7 @@ class PipelineDir:
         if self.file.exists():
             raise ConfigError(f"{self.path} already holds a pipeline; choose another --run-dir, remove it, or "
                               f"continue it with: slurm-rlhf resume {shlex.quote(str(self.path))}")
-        check_new(self.path, "pipeline")
+        check_new(self.path, f"--run-dir {self.path}", "pipeline")
         os.umask(0o077)
         self.path.mkdir(parents=True, exist_ok=True)
         self.path.chmod(0o700)
@@ -62,6 +63,7 @@ def resume_target(run_dir: str | os.PathLike) -> str:
 def stage_dirs(path: str | os.PathLike) -> list[Path]:
     """The run directories of a pipeline directory's stages."""
     return sorted(p for p in Path(path).iterdir() if (p / "config.yaml").exists())
+
 
 
 def finished(rd: RunDir) -> bool:

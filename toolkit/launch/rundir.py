@@ -20,17 +20,8 @@ from pathlib import Path
 
 from toolkit.config import RunConfig, dump_config
 from toolkit.errors import ConfigError
+from toolkit.newdir import check_new
 from toolkit.transport.wire import new_secret
-
-
-def check_new(path: Path, what: str) -> None:
-    """A run (or pipeline) is made only in a new or empty directory: nothing of the user's is mixed with its
-    files, made private with them (chmod 0700), or removed with them (a submission that fails)."""
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--run-dir {path} is a file; give a new directory for the {what}")
-    if path.is_dir() and any(path.iterdir()):
-        raise ConfigError(f"--run-dir {path} is not empty and holds no {what}; give a new or empty directory "
-                          f"for the {what}, so that nothing in it is mixed with the {what}'s files")
 
 
 class RunDir:
@@ -50,7 +41,7 @@ class RunDir:
         if self.config.exists():
             raise ConfigError(f"{self.path} already holds a run (config.yaml); choose another --run-dir "
                               "or remove that directory")
-        check_new(self.path, "run")
+        check_new(self.path, f"--run-dir {self.path}", "run")
         os.umask(0o077)
         self.logs.mkdir(parents=True, exist_ok=True)
         self.path.chmod(0o700)

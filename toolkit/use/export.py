@@ -9,11 +9,11 @@ where it came from.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 from toolkit.errors import ConfigError
+from toolkit.newdir import build_beside, check_new
 from toolkit.use.source import resolve
 
 
@@ -21,20 +21,12 @@ def export(run_dir: str, out: str, step: int | None = None, ema: bool = False) -
     source = resolve(run_dir, step, ema)
     if source.run_dir is None:
         raise ConfigError(f"{run_dir} is a model directory already; export copies a run's checkpoint")
-    target = Path(out).resolve()
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ConfigError(f"{out} exists and is not empty; choose a new directory, or remove it first")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        shutil.copytree(source.path, tmp)
+    check_new(Path(out), out, "export")
+
+    def build(tmp: Path) -> None:
+        shutil.copytree(source.path, tmp, dirs_exist_ok=True)
         (tmp / "slurm_rlhf.json").write_text(json.dumps(
             {"run_dir": str(source.run_dir), "step": source.step, "ema": ema,
              "lora_merged": (tmp / "adapter").is_dir()}, indent=1) + "\n")
-        if target.exists():
-            target.rmdir()
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return build_beside(out, build)
