@@ -294,18 +294,15 @@ def _resume_pipeline(pd, args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from toolkit.launch.pipeline import is_pipeline_dir, stage_dirs
+    from toolkit.launch.jobs import open_run
+    from toolkit.launch.pipeline import refuse_pipeline_dir
     from toolkit.store.experience import summary
     from toolkit.store.manifest import Manifest
 
     path = Path(args.path)
-    if is_pipeline_dir(path):
-        raise ConfigError(f"{path} is a pipeline directory; inspect one of its stages: "
-                          + ", ".join(map(str, stage_dirs(path))))
-    if path.is_dir() and not (path / "config.yaml").exists():
-        raise ConfigError(f"{path} is not a run directory (no config.yaml); give a run directory, or one of its "
-                          "experience/step-NNNNNN.h5 files")
+    refuse_pipeline_dir(path, "inspect")
     if path.is_dir():
+        open_run(path, "; give a run directory, or one of its experience/step-NNNNNN.h5 files")
         records = [r for r in Manifest(path).records() if r["kind"] in ("experience", "checkpoint")]
         if not records:
             raise ConfigError(f"{path}: no experience or checkpoint in its manifest")

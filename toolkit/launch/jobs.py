@@ -30,10 +30,11 @@ def ended(state: str) -> bool:
     return word in ENDED or word == "UNKNOWN"
 
 
-def open_run(path: str) -> RunDir:
+def open_run(path: str | os.PathLike, hint: str = "") -> RunDir:
+    """The run in `path`; ConfigError if it holds none (`hint`: what else the command takes)."""
     rd = RunDir(path)
     if not rd.config.exists():
-        raise ConfigError(f"{rd.path} is not a run directory (no config.yaml)")
+        raise ConfigError(f"{rd.path} is not a run directory (no config.yaml){hint}")
     return rd
 
 

@@ -65,6 +65,12 @@ def stage_dirs(path: str | os.PathLike) -> list[Path]:
     return sorted(p for p in Path(path).iterdir() if (p / "config.yaml").exists())
 
 
+def refuse_pipeline_dir(path: str | os.PathLike, verb: str) -> None:
+    """ConfigError when `path` is a pipeline directory, naming its stages: the user is to `verb` one of them."""
+    if is_pipeline_dir(path):
+        raise ConfigError(f"{path} is a pipeline directory; {verb} one of its stages: "
+                          + ", ".join(map(str, stage_dirs(path))))
+
 
 def finished(rd: RunDir) -> bool:
     """The stage ran to its end and wrote its export."""

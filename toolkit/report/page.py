@@ -85,17 +85,14 @@ def _figure(name: str, fig, out: Path, alt: str) -> str:
 def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | None = None,
                  last_steps: int = 4) -> Path:
     """Write the report of `run_dir` into `out` (default RUN_DIR/report); the page's path."""
+    from toolkit.launch.jobs import open_run
+    from toolkit.launch.pipeline import refuse_pipeline_dir
     from toolkit.report import plots
     from toolkit.timeline import read_timelines
 
-    from toolkit.launch.pipeline import is_pipeline_dir, stage_dirs
-
     run = Path(run_dir)
-    if is_pipeline_dir(run):
-        raise ConfigError(f"{run_dir} is a pipeline directory; report one of its stages: "
-                          + ", ".join(map(str, stage_dirs(run))))
-    if not (run / "config.yaml").exists():
-        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+    refuse_pipeline_dir(run, "report")
+    open_run(run)
     metrics = _metrics(run)
     if not metrics:
         raise ConfigError(f"{run_dir}: no step has finished yet (metrics.jsonl is empty); nothing to report")

@@ -38,16 +38,14 @@ def checkpoints(run_dir: Path) -> dict[int, dict]:
 
 def resolve(name: str, step: int | None = None, ema: bool = False) -> ModelSource:
     """The model that `name` (a run directory or a model directory) means; ConfigError if there is none."""
-    from toolkit.launch.pipeline import is_pipeline_dir, stage_dirs
+    from toolkit.launch.pipeline import refuse_pipeline_dir
     from toolkit.store.manifest import verify
 
     path = Path(name)
     if not path.is_dir():
         raise ConfigError(f"{name}: no such directory; give a run directory (runs/NAME) or a Hugging Face "
                           "model directory (with config.json)")
-    if is_pipeline_dir(path):
-        raise ConfigError(f"{name} is a pipeline directory; name one of its stages: "
-                          + ", ".join(map(str, stage_dirs(path))))
+    refuse_pipeline_dir(path, "name")
     if not (path / "config.yaml").exists():
         if (step is not None or ema):
             raise ConfigError(f"{name} is not a run directory (no config.yaml): --step and --ema pick a "
