@@ -81,6 +81,28 @@ def test_invalid_yaml_names_line(tmp_path):
     assert f"{path}:4" in error_of(path) and "not valid YAML" in error_of(path)
 
 
+def test_a_key_given_twice_is_refused_not_overwritten(tiny, tmp_path):
+    """YAML keeps the last of two equal keys silently: a second `rollout:` section would drop the first's fields.
+    Merge keys (<<: *anchor) still work, and a cluster file is read the same way."""
+    from toolkit.config.load import parse_yaml
+    from toolkit.placement.cluster import load_cluster
+
+    text = write_config(tmp_path, example("tiny-grpo.yaml", tiny)).read_text()
+    first = next(i for i, line in enumerate(text.splitlines(), 1) if line == "rollout:")
+    path = tmp_path / "twice.yaml"
+    path.write_text(text + "rollout:\n  group_size: 8\n")
+    assert f"{path}:{len(text.splitlines()) + 1}:1: not valid YAML: key 'rollout' is given twice (first on line " \
+           f"{first}); keep one" in error_of(path)
+    path.write_text(text.replace("  group_size: 4\n", "  group_size: 4\n  group_size: 2\n"))
+    assert "key 'group_size' is given twice" in error_of(path)
+    assert parse_yaml("a: &x {b: 1, c: 2}\nd: {<<: *x, b: 3}\n", "m.yaml") == {"a": {"b": 1, "c": 2},
+                                                                           "d": {"b": 3, "c": 2}}
+    clusters = tmp_path / "c.yaml"
+    clusters.write_text("name: a\nname: b\n")
+    with pytest.raises(ConfigError, match=f"{clusters}:2:1: not valid YAML: key 'name' is given twice"):
+        load_cluster(clusters)
+
+
 def test_overrides(tiny, tmp_path):
     path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
     cfg = load_config(path, ["rollout.group_size=8", "trainer.lr=2e-6", "reward.functions.0.weight=0.5",

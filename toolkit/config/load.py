@@ -21,6 +21,34 @@ from toolkit.errors import ConfigError
 CONFIGS = {"rl": RunConfig, "sft": SFTConfig, "rm": RMConfig}
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: YAML keeps the last one silently, so a
+    second `rollout:` section would drop every field of the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (first on line {seen[key]}); keep one",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str, path: str | Path) -> Any:
+    """The YAML document in `text` (read from `path`); ConfigError naming the file, line and column if it is
+    not valid YAML or gives a key twice."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+
+
 def read_yaml(path: str | Path) -> tuple[dict, str]:
     """(mapping, text) of a YAML config file; ConfigError naming the file (and line) if it is not one."""
     path = Path(path)
@@ -28,12 +56,7 @@ def read_yaml(path: str | Path) -> tuple[dict, str]:
         text = path.read_text()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    data = parse_yaml(text, path)
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from toolkit.config.load import parse_yaml
 from toolkit.errors import ConfigError
 
 
@@ -90,11 +90,10 @@ class Cluster(_Section):
 def load_cluster(path: str | Path) -> Cluster:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the cluster file ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    data = parse_yaml(text, path)
     try:
         return Cluster.model_validate(data)
     except ValidationError as e:
