@@ -162,6 +162,16 @@ def test_bad_rows_are_named_by_file_and_line(tmp_path, text, kind, expected):
     assert str(path) in str(info.value)
 
 
+def test_jsonl_is_utf8_with_or_without_a_byte_order_mark(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "caf\xc3\xa9"}\n{"prompt": "b"}\n')  # (as some Windows editors save)
+    assert [(r.location, r.data["prompt"]) for r in read_source(str(path))] == [(f"{path}:1", "caf\u00e9"),
+                                                                              (f"{path}:2", "b")]
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')  # Latin-1: a named error, not a traceback
+    with pytest.raises(ConfigError, match=re.escape(f"{path}:2: not UTF-8 (byte 0xe9 at column 16)")):
+        read_source(str(path))
+
+
 def test_bad_files_are_named(tmp_path):
     rows = [{"prompt": "a", "response": "b"}] * 3
     broken = tmp_path / "broken.parquet"

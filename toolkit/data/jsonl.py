@@ -1,4 +1,4 @@
-"""JSON Lines: one JSON object per line (blank lines are skipped; a row's index is its line number - 1)."""
+"""JSON Lines: one JSON object per line, in UTF-8 (blank lines are skipped; a row's index is its line number - 1)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ from toolkit.errors import ConfigError
 
 
 def rows(path: str) -> Iterator[Row]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:  # (a byte-order mark, as some Windows editors write, is not part of the first row)
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}:{number}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                  "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
