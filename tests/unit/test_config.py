@@ -60,6 +60,8 @@ def test_missing_model_path(tiny, tmp_path):
     msg = error_of(path)
     assert "model.actor: got 'no/such/model': no such directory" in msg
     assert str(tmp_path / "no/such/model") in msg  # resolved against the config's directory
+    assert f"data.prompts: got '{tmp_path}': '{tmp_path}' is a directory, not a file" in error_of(
+        path, [f"data.prompts={tmp_path}", f"model.actor={tiny / 'model'}"])
 
 
 def test_reward_function_not_importable(tiny, tmp_path):

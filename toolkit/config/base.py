@@ -45,6 +45,8 @@ def model_files(path: str, info: ValidationInfo) -> str:
 
 def _existing_file(value: Any, info: ValidationInfo) -> str:
     path = _resolve(value, info)
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory, not a file")
     if not path.is_file():
         raise ValueError(f"no such file {str(path)!r}")
     return str(path)
