@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -62,6 +64,41 @@ def test_missing_model_path(tiny, tmp_path):
     assert str(tmp_path / "no/such/model") in msg  # resolved against the config's directory
     assert f"data.prompts: got '{tmp_path}': '{tmp_path}' is a directory, not a file" in error_of(
         path, [f"data.prompts={tmp_path}", f"model.actor={tiny / 'model'}"])
+
+
+def test_a_model_with_the_wrong_head_is_a_config_error(tiny, tmp_path):
+    """transformers gives a reward model as the actor a new random LM head, and a causal LM as a reward model
+    a new random score head, with a warning only: validation refuses both, and names the pipeline stage that
+    exports the wrong kind."""
+    from tests.conftest import EXAMPLES
+    from toolkit.config.pipeline import load_pipeline
+
+    lm, rm = str(tiny / "model"), str(tiny / "reward_model")
+    path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    for overrides, expected in [([f"model.actor={rm}"], f"model.actor: {rm} is a sequence-classification model "
+                                                        "(LlamaForSequenceClassification)"),
+                                ([f"model.reference={rm}"], "model.reference needs a causal LM"),
+                                ([f"reward.models=[{{path: {lm}}}]"], f"reward.models.0.path: {lm} is a causal LM "
+                                                                      "(LlamaForCausalLM) without a score head")]:
+        assert expected in error_of(path, overrides)
+    cfg = load_config(path, [f"reward.models=[{{path: {rm}}}]", "run.algorithm=ppo", f"model.critic={rm}"])
+    assert cfg.model.critic == rm  # (a critic starts from either)
+    sft = {"stage": "sft", "run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
+           "model": {"base": rm}}
+    assert "model.base: " + rm + " is a sequence-classification model" in error_of(write_config(tmp_path, sft, "s.yaml"))
+    for override, expected in [("rl.model.actor=rm", "rl.model.actor: the rm stage exports a reward model, but this "
+                                                     "field takes a causal LM: name 'sft'"),
+                               ("rl.reward.models.0.path=sft", "rl.reward.models.0.path: the sft stage exports a causal "
+                                                               "LM, but this field takes a reward model: name 'rm'")]:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            load_pipeline(EXAMPLES / "tiny-pipeline.yaml", [override]).configs(tmp_path / "pipeline")
+    from toolkit.config.starter import write_starter  # (init names its flag, before anything is written)
+
+    with pytest.raises(ConfigError, match=re.escape(f"--reward-model: {lm} is a causal LM")):
+        write_starter(lm, str(tmp_path / "init.yaml"), reward_model=lm)
+    with pytest.raises(ConfigError, match=re.escape(f"--model: {rm} is a sequence-classification model")):
+        write_starter(rm, str(tmp_path / "init.yaml"))
+    assert not list(tmp_path.glob("*init.yaml*"))
 
 
 def test_reward_function_not_importable(tiny, tmp_path):

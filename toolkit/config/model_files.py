@@ -41,6 +41,29 @@ def vllm_cpu_problem(path: str | Path) -> str | None:
     return None
 
 
+# Heads by the class names of config.json's `architectures`: a language-model head (what generates and is
+# trained as a policy) or a one-label score head (what a reward model reads a sequence with).
+LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+SCORE_HEADS = ("ForSequenceClassification",)
+
+
+def head_problem(path: str | Path, field: str, wants: str) -> str | None:
+    """Why the model at `path` has the wrong head for `field` (`wants`: "lm" or "score"), if its config.json
+    says which head it has: an actor with a score head, or a reward model without one, would each run with a
+    new random head (transformers only warns)."""
+    names = model_config(path).get("architectures") or []
+    lm = next((n for n in names if n.endswith(LM_HEADS)), None)
+    score = next((n for n in names if n.endswith(SCORE_HEADS)), None)
+    if wants == "lm" and score and not lm:
+        return (f"{field}: {path} is a sequence-classification model ({score}), as a reward model is; "
+                f"{field} needs a causal LM (e.g. LlamaForCausalLM): its language-model head gives the log-probs")
+    if wants == "score" and lm and not score:
+        return (f"{field}: {path} is a causal LM ({lm}) without a score head, so its rewards would come from a new "
+                "random head; give a reward model (e.g. LlamaForSequenceClassification, one label), such as the "
+                "export of an rm stage (`slurm-rlhf rm`)")
+    return None
+
+
 # Keys that bound a model's positions (the smallest present counts, as in vLLM) and RoPE scalings whose
 # `factor` extends them (the others, e.g. yarn and llama3, already give the extended length).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len")

@@ -28,6 +28,9 @@ SHARED = ("data", "slurm")
 MODEL_FIELDS = {"sft": [("model", "base"), ("model", "tokenizer")], "rm": [("model", "base"), ("model", "tokenizer")],
                 "rl": [("model", "actor"), ("model", "tokenizer"), ("model", "reference"), ("model", "critic"),
                        ("reward", "models", "*", "path")]}
+# Fields that take only one kind of stage export: sft's is a causal LM, rm's a reward model (the others, a
+# tokenizer or PPO's critic, take either).
+EXPORT_OF = {("model", "actor"): "sft", ("model", "reference"): "sft", ("reward", "models", "*", "path"): "rm"}
 
 
 @dataclass
@@ -88,22 +91,33 @@ def load_pipeline(path: str | Path, overrides: list[str] = ()) -> Pipeline:
     return Pipeline(name, path, text, stages)
 
 
-def _resolve_references(data: dict, path: tuple, stage: str, stages: dict, directory: Path, source: Path) -> None:
-    """Replace a model path naming a stage by that stage's export directory (it must come earlier)."""
-    node = data
-    for i, key in enumerate(path[:-1]):
-        if key == "*":
-            for item in node if isinstance(node, list) else []:
-                _resolve_references(item, path[i + 1:], stage, stages, directory, source)
-            return
-        node = node.get(key) if isinstance(node, dict) else None
-        if node is None:
-            return
-    last = path[-1]
-    if not isinstance(node, dict) or not isinstance(node.get(last), str) or node[last] not in ORDER:
-        return
-    named = node[last]
-    if named not in stages or ORDER.index(named) >= ORDER.index(stage):
-        raise ConfigError(f"{source}: {stage}.{'.'.join(path)}: {named!r} names a stage that does not come before "
-                          f"{stage} in this pipeline (stages: {', '.join(stages)})")
-    node[last] = str(directory / named / "export")
+def _resolve_references(data: dict, pattern: tuple, stage: str, stages: dict, directory: Path, source: Path) -> None:
+    """Replace a model path naming a stage by that stage's export directory (it must come earlier, and export
+    the kind of model the field takes)."""
+    kind = {"sft": "causal LM", "rm": "reward model"}
+    for node, key, where in _places(data, pattern):
+        named = node[key]
+        if not isinstance(named, str) or named not in ORDER:
+            continue
+        field = f"{stage}.{'.'.join(map(str, where))}"
+        if named not in stages or ORDER.index(named) >= ORDER.index(stage):
+            raise ConfigError(f"{source}: {field}: {named!r} names a stage that does not come before {stage} in this "
+                              f"pipeline (stages: {', '.join(stages)})")
+        wants = EXPORT_OF.get(pattern, named)
+        if named != wants:
+            raise ConfigError(f"{source}: {field}: the {named} stage exports a {kind[named]}, but this field takes a "
+                              f"{kind[wants]}: name {wants!r}")
+        node[key] = str(directory / named / "export")
+
+
+def _places(node, pattern: tuple, where: tuple = ()):
+    """(mapping, key, where) of each value that `pattern` (a key path; `*` walks a list) reaches in `node`."""
+    key, rest = pattern[0], pattern[1:]
+    if key == "*":
+        for index, item in enumerate(node if isinstance(node, list) else []):
+            yield from _places(item, rest, where + (index,))
+    elif isinstance(node, dict) and key in node:
+        if rest:
+            yield from _places(node[key], rest, where + (key,))
+        else:
+            yield node, key, where + (key,)

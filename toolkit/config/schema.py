@@ -15,7 +15,7 @@ from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSec
                                  PositiveInt, Section, SlurmSection, TransportSection, WandbSection,
                                  fp16_problem, load_function, model_files)
 from toolkit.config.data import DataSection
-from toolkit.config.model_files import context_problem, kv_cache_problem, vllm_cpu_problem
+from toolkit.config.model_files import context_problem, head_problem, kv_cache_problem, vllm_cpu_problem
 from toolkit.placement.layout import PRESETS, generation_with_actor
 
 SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
@@ -396,6 +396,12 @@ class RunConfig(Section):
         for field, path in self.sequence_models():
             problem = context_problem(model_files(path, info), longest, field,
                                       "rollout.max_prompt_tokens + max_new_tokens")
+            if problem:
+                raise ValueError(problem)
+        pending = (info.context or {}).get("pending_models", {})  # (a pipeline checks which stage they name)
+        for field, path in self.sequence_models():
+            wants = {"model.actor": "lm", "model.reference": "lm", "model.critic": None}.get(field, "score")
+            problem = head_problem(path, field, wants) if wants and path not in pending else None
             if problem:
                 raise ValueError(problem)
         if self.ptx.coef > 0:

@@ -11,7 +11,7 @@ from pydantic import Field, ValidationInfo, model_validator
 from toolkit.config.base import (Attention, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
                                  Section, SlurmSection, TransportSection, WandbSection, fp16_problem, model_files)
 from toolkit.config.data import DataSection
-from toolkit.config.model_files import context_problem
+from toolkit.config.model_files import context_problem, head_problem
 
 
 class StageRunSection(Section):
@@ -115,6 +115,10 @@ class StageConfig(Section):
                                   "train.max_tokens")
         if problem:
             raise ValueError(problem)
+        if self.stage == "sft":
+            problem = head_problem(self.model.base, "model.base", "lm")
+            if problem:
+                raise ValueError(problem)
         if self.train.batch_size % per_step:
             raise ValueError(f"train.batch_size ({self.train.batch_size}) is not a multiple of train.micro_batch_size "
                              f"{self.train.micro_batch_size} x trainer workers {ranks} = {per_step}; change one of them")

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from toolkit.config.model_files import context_limit
+from toolkit.config.model_files import context_limit, head_problem
 from toolkit.errors import ConfigError
 
 EXAMPLE_PROMPTS = ["Explain what a Slurm job step is in two sentences.",
@@ -77,6 +77,10 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
         raise ConfigError(f"--model {model}: no config.json there; give a Hugging Face model directory")
     if reward_model and not (Path(reward_model) / "config.json").is_file():
         raise ConfigError(f"--reward-model {reward_model}: no config.json there; give a Hugging Face model directory")
+    for flag, path, wants in (("--model", model, "lm"), ("--reward-model", reward_model, "score")):
+        problem = head_problem(path, flag, wants) if path else None
+        if problem:
+            raise ConfigError(problem)
     if prompts is not None and not Path(prompts).is_file():
         raise ConfigError(f"--prompts {prompts}: no such file; give a JSON Lines file, one {{\"prompt\": ...}} a line")
     if target.is_dir():
