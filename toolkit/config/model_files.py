@@ -50,7 +50,7 @@ SCORE_HEADS = ("ForSequenceClassification",)
 def head_problem(path: str | Path, field: str, wants: str) -> str | None:
     """Why the model at `path` has the wrong head for `field` (`wants`: "lm" or "score"), if its config.json
     says which head it has: an actor with a score head, or a reward model without one, would each run with a
-    new random head (transformers only warns)."""
+    new random head (transformers warns at most)."""
     names = model_config(path).get("architectures") or []
     lm = next((n for n in names if n.endswith(LM_HEADS)), None)
     score = next((n for n in names if n.endswith(SCORE_HEADS)), None)
