@@ -68,8 +68,8 @@ def test_missing_model_path(tiny, tmp_path):
 
 def test_a_model_with_the_wrong_head_is_a_config_error(tiny, tmp_path):
     """transformers gives a reward model as the actor a new random LM head, and a causal LM as a reward model
-    a new random score head, with a warning only: validation refuses both, and names the pipeline stage that
-    exports the wrong kind."""
+    a new random score head, with a warning at most: validation refuses both, and names the pipeline stage
+    that exports the wrong kind; init and generate/chat refuse them too."""
     from tests.conftest import EXAMPLES
     from toolkit.config.pipeline import load_pipeline
 
@@ -99,6 +99,10 @@ def test_a_model_with_the_wrong_head_is_a_config_error(tiny, tmp_path):
     with pytest.raises(ConfigError, match=re.escape(f"--model: {rm} is a sequence-classification model")):
         write_starter(rm, str(tmp_path / "init.yaml"))
     assert not list(tmp_path.glob("*init.yaml*"))
+    from toolkit.use.sampler import Sampler  # (generate and chat)
+
+    with pytest.raises(ConfigError, match=re.escape(f"MODEL: {rm} is a sequence-classification model")):
+        Sampler(tiny / "reward_model", backend="hf")
 
 
 def test_reward_function_not_importable(tiny, tmp_path):

@@ -56,7 +56,7 @@ def head_problem(path: str | Path, field: str, wants: str) -> str | None:
     score = next((n for n in names if n.endswith(SCORE_HEADS)), None)
     if wants == "lm" and score and not lm:
         return (f"{field}: {path} is a sequence-classification model ({score}), as a reward model is; "
-                f"{field} needs a causal LM (e.g. LlamaForCausalLM): its language-model head gives the log-probs")
+                f"{field} needs a causal LM (e.g. LlamaForCausalLM), which has a language-model head")
     if wants == "score" and lm and not score:
         return (f"{field}: {path} is a causal LM ({lm}) without a score head, so its rewards would come from a new "
                 "random head; give a reward model (e.g. LlamaForSequenceClassification, one label), such as the "

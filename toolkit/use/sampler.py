@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.config.model_files import context_limit
+from toolkit.config.model_files import context_limit, head_problem
 from toolkit.errors import ConfigError
 
 
@@ -53,6 +53,9 @@ class Sampler:
         """`max_model_len`: the context length (default: the model's, at most 2048)."""
         from transformers import AutoTokenizer
 
+        problem = head_problem(model, "MODEL", "lm")  # (a reward model would sample from a new random head)
+        if problem:
+            raise ConfigError(problem)
         self.backend = pick_backend(backend)
         self.model_dir = str(model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
