@@ -285,3 +285,18 @@ def test_samples_longer_than_a_model_takes_are_a_config_error(tiny, tmp_path):
         assert f"{field} takes at most 200 tokens (max_position_embeddings 200 in {short}/config.json)" in str(
             info.value) and "allow 280" in str(info.value), str(info.value)
     assert len(load_pipeline(EXAMPLES / "tiny-pipeline.yaml").configs(tmp_path / "pipeline")) == 3
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["pipeline.stages=[rl]"], "pipeline: unknown key(s) stages; it has only `name`"),
+    (["dpo={}"], "unknown section(s) dpo; a pipeline file has pipeline, data, slurm and the stages sft, rm, rl"),
+    (["sft=[1]"], "sft: expected the stage's config (a mapping)"),
+    (["sft.stage=sft"], "sft.stage: not needed in a pipeline"),
+    (["rm.model.base=rl"], "rm.model.base: 'rl' names a stage that does not come before rm in this pipeline"),
+])
+def test_pipeline_file_errors_name_the_section(tmp_path, overrides, expected):
+    from tests.conftest import EXAMPLES
+    from toolkit.config.pipeline import load_pipeline
+
+    with pytest.raises(ConfigError, match=re.escape(f"tiny-pipeline.yaml: {expected}")):
+        load_pipeline(EXAMPLES / "tiny-pipeline.yaml", overrides).configs(tmp_path / "pipeline")

@@ -70,6 +70,10 @@ def load_pipeline(path: str | Path, overrides: list[str] = ()) -> Pipeline:
     head = data.pop("pipeline", None) or {}
     if not isinstance(head, dict) or not isinstance(head.get("name", ""), str):
         raise ConfigError(f"{path}: pipeline: expected {{name: ...}}")
+    unknown = sorted(map(str, set(head) - {"name"}))
+    if unknown:
+        raise ConfigError(f"{path}: pipeline: unknown key(s) {', '.join(unknown)}; it has only `name` (the stages "
+                          "are the sft, rm and rl sections present)")
     shared = {key: data.pop(key) for key in SHARED if key in data}
     unknown = sorted(set(data) - set(ORDER))
     if unknown:
