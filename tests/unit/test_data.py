@@ -172,6 +172,22 @@ def test_jsonl_is_utf8_with_or_without_a_byte_order_mark(tmp_path):
         read_source(str(path))
 
 
+def test_a_json_file_may_hold_one_array_of_objects(tmp_path):
+    """Alpaca-style data: one JSON array, pretty-printed or on one line; rows are named by their item."""
+    path = tmp_path / "alpaca.json"
+    path.write_text('[\n  {"prompt": "a", "response": "x"},\n  {"prompt": "b", "response": "y"}\n]\n')
+    assert [(r.index, r.location, r.data["prompt"]) for r in read_source(str(path))] == [
+        (0, f"{path}: item 1", "a"), (1, f"{path}: item 2", "b")]
+    section = data(sources=[{"path": str(path)}])
+    assert sorted(e.response for e in StageData(section, "sft", "sft", 0).train[0]) == ["x", "y"]
+    for text, expected in [('[{"prompt": "a"},\n 3]', f"{path}: item 2 of the array: expected a JSON object"),
+                           ('[{"prompt": "a"},\n {"prompt": "b",}]', f"{path}:2: not valid JSON"),
+                           ('[{"prompt": "a"}]\n{"prompt": "b"}\n', f"{path}:2: not valid JSON (Extra data")]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            read_source(str(path))
+
+
 def test_bad_files_are_named(tmp_path):
     rows = [{"prompt": "a", "response": "b"}] * 3
     broken = tmp_path / "broken.parquet"
