@@ -105,6 +105,36 @@ def test_a_model_with_the_wrong_head_is_a_config_error(tiny, tmp_path):
         Sampler(tiny / "reward_model", backend="hf")
 
 
+def test_a_model_without_a_tokenizer_is_a_config_error(tiny, tmp_path):
+    """A checkpoint saved without its tokenizer failed in the worker that loaded it, with transformers' advice
+    to install sentencepiece; validation names the field and the way out."""
+    import shutil
+
+    from toolkit.config.starter import write_starter
+    from toolkit.use.sampler import check_model
+
+    bare, bare_rm = tmp_path / "bare", tmp_path / "bare-rm"
+    for source, target in ((tiny / "model", bare), (tiny / "reward_model", bare_rm)):
+        target.mkdir()
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(source / name, target / name)
+    path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    msg = error_of(path, [f"model.actor={bare}"])
+    assert f"model.actor: {bare} holds no tokenizer (none of tokenizer.json, " in msg
+    assert "or set model.tokenizer to a directory that holds it" in msg
+    assert load_config(path, [f"model.actor={bare}", f"model.tokenizer={tiny / 'model'}"]).tokenizer_path == tiny / "model"
+    assert f"model.tokenizer: {bare} holds no tokenizer" in error_of(path, [f"model.tokenizer={bare}"])
+    msg = error_of(path, [f"reward.models=[{{path: {bare_rm}}}]"])
+    assert f"reward.models.0.path: {bare_rm} holds no tokenizer" in msg and "model.tokenizer" not in msg
+    sft = {"stage": "sft", "run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
+           "model": {"base": str(bare)}}
+    assert f"model.base: {bare} holds no tokenizer" in error_of(write_config(tmp_path, sft, "s.yaml"))
+    with pytest.raises(ConfigError, match=re.escape(f"--model: {bare} holds no tokenizer")):
+        write_starter(str(bare), str(tmp_path / "init.yaml"))
+    with pytest.raises(ConfigError, match=re.escape(f"MODEL: {bare} holds no tokenizer")):
+        check_model(bare)
+
+
 def test_reward_function_not_importable(tiny, tmp_path):
     data = example("tiny-grpo.yaml", tiny)
     data["reward"]["functions"][0]["function"] = "nosuchpkg.rewards:score"
@@ -234,13 +264,16 @@ def test_stage_memory_switch_errors(tiny, tmp_path):
 
 
 def _model_with(tmp_path, tiny, name: str, **config) -> str:
-    """A copy of the tiny model's config.json (enough for validation) with `config` changed."""
+    """A copy of the tiny model's config.json with `config` changed, and its tokenizer (enough for validation)."""
     import json
+
+    from toolkit.tiny import copy_tokenizer
 
     model = tmp_path / name
     model.mkdir()
     tiny_config = json.loads((tiny / "model" / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**tiny_config, **config}))
+    copy_tokenizer(tiny / "model", model)
     return str(model)
 
 

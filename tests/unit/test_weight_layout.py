@@ -14,7 +14,7 @@ from tests.conftest import REPO, example, write_config
 from tests.unit.test_config import error_of
 from toolkit.config.model_files import VLLM_CPU_HEAD_SIZES, head_dim, kv_cache_problem, vllm_cpu_problem
 from toolkit.modeling import without_dropout
-from toolkit.tiny import build_family
+from toolkit.tiny import build_family, copy_tokenizer
 from toolkit.weights import probe
 from toolkit.weights.hf_format import checkpoint_converter
 from toolkit.weights.sync import plan_layout
@@ -58,6 +58,7 @@ def test_head_size_vllm_cannot_serve_on_cpu_is_a_config_error(tiny, tmp_path):
     model.mkdir()
     cfg = json.loads((tiny / "model" / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16}))
+    copy_tokenizer(tiny / "model", model)
     assert head_dim(json.loads((model / "config.json").read_text())) == 16
     assert head_dim({"n_embd": 768, "n_head": 12}) == 64  # GPT-2 names, no head_dim
     msg = error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny, model={"actor": str(model)},

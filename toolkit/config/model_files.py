@@ -64,6 +64,28 @@ def head_problem(path: str | Path, field: str, wants: str) -> str | None:
     return None
 
 
+# Files of which a directory with a tokenizer has at least one (fast, sentencepiece, BPE and WordPiece ones).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def tokenizer_problem(path: str | Path, field: str, or_else: str = "") -> str | None:
+    """Why the directory of `field` cannot give a tokenizer, if it surely cannot (a checkpoint saved without
+    one fails only in the worker that loads it, with transformers' advice to install sentencepiece).
+    `or_else`: the other fix, if there is one."""
+    if any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return (f"{field}: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the model's "
+            f"tokenizer there (tokenizer.save_pretrained){or_else}")
+
+
+def main_tokenizer_problem(path: str | Path, model_field: str, own_tokenizer: bool) -> str | None:
+    """`tokenizer_problem` of a config's tokenizer: `model.tokenizer`, else the model of `model_field`."""
+    if own_tokenizer:
+        return tokenizer_problem(path, "model.tokenizer")
+    return tokenizer_problem(path, model_field, ", or set model.tokenizer to a directory that holds it")
+
+
 # Keys that bound a model's positions (the smallest present counts, as in vLLM) and RoPE scalings whose
 # `factor` extends them (the others, e.g. yarn and llama3, already give the extended length).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len")

@@ -15,7 +15,8 @@ from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSec
                                  PositiveInt, Section, SlurmSection, TransportSection, WandbSection,
                                  fp16_problem, load_function, model_files)
 from toolkit.config.data import DataSection
-from toolkit.config.model_files import context_problem, head_problem, kv_cache_problem, vllm_cpu_problem
+from toolkit.config.model_files import (context_problem, head_problem, kv_cache_problem, main_tokenizer_problem,
+                                        tokenizer_problem, vllm_cpu_problem)
 from toolkit.placement.layout import PRESETS, generation_with_actor
 
 SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
@@ -404,6 +405,13 @@ class RunConfig(Section):
             problem = head_problem(path, field, wants) if wants and path not in pending else None
             if problem:
                 raise ValueError(problem)
+        # (each reward model reads the texts with its own tokenizer; an export of a pipeline stage will hold one)
+        problems = [main_tokenizer_problem(self.tokenizer_path, "model.actor", bool(self.model.tokenizer))
+                    if str(self.tokenizer_path) not in pending else None]
+        problems += [tokenizer_problem(rm.path, f"reward.models.{i}.path") for i, rm in enumerate(self.reward.models)
+                     if rm.path not in pending]
+        if any(problems):
+            raise ValueError(next(filter(None, problems)))
         if self.ptx.coef > 0:
             problem = context_problem(model_files(self.model.actor, info), self.ptx.max_tokens, "model.actor",
                                       "ptx.max_tokens")

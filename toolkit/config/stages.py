@@ -11,7 +11,7 @@ from pydantic import Field, ValidationInfo, model_validator
 from toolkit.config.base import (Attention, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
                                  Section, SlurmSection, TransportSection, WandbSection, fp16_problem, model_files)
 from toolkit.config.data import DataSection
-from toolkit.config.model_files import context_problem, head_problem
+from toolkit.config.model_files import context_problem, head_problem, main_tokenizer_problem
 
 
 class StageRunSection(Section):
@@ -117,6 +117,10 @@ class StageConfig(Section):
             raise ValueError(problem)
         if self.stage == "sft":
             problem = head_problem(self.model.base, "model.base", "lm")
+            if problem:
+                raise ValueError(problem)
+        if str(self.tokenizer_path) not in (info.context or {}).get("pending_models", {}):
+            problem = main_tokenizer_problem(self.tokenizer_path, "model.base", bool(self.model.tokenizer))
             if problem:
                 raise ValueError(problem)
         if self.train.batch_size % per_step:

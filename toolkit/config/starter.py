@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from toolkit.config.model_files import context_limit, head_problem
+from toolkit.config.model_files import context_limit, head_problem, tokenizer_problem
 from toolkit.errors import ConfigError
 
 EXAMPLE_PROMPTS = ["Explain what a Slurm job step is in two sentences.",
@@ -78,7 +78,7 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
     if reward_model and not (Path(reward_model) / "config.json").is_file():
         raise ConfigError(f"--reward-model {reward_model}: no config.json there; give a Hugging Face model directory")
     for flag, path, wants in (("--model", model, "lm"), ("--reward-model", reward_model, "score")):
-        problem = head_problem(path, flag, wants) if path else None
+        problem = head_problem(path, flag, wants) or tokenizer_problem(path, flag) if path else None
         if problem:
             raise ConfigError(problem)
     if prompts is not None and not Path(prompts).is_file():

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from toolkit.errors import ConfigError
-from toolkit.use.sampler import Sampler, Sampling
+from toolkit.use.sampler import Sampler, Sampling, check_model
 
 BATCH = 64  # prompts per engine call (vLLM schedules within it)
 
@@ -60,6 +60,7 @@ def generate(model: Path, input_path: str, output: str, params: Sampling, backen
              chat_template: str = "auto", max_model_len: int | None = None, progress=None) -> int:
     """Sample every prompt of `input_path` into `output` ('-': standard output); the number of samples."""
     found = read_rows(input_path)
+    check_model(model)
     from transformers import AutoTokenizer
 
     rows, prompts = read_prompts(found, AutoTokenizer.from_pretrained(str(model)), chat_template)

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.config.model_files import context_limit, head_problem
+from toolkit.config.model_files import context_limit, head_problem, tokenizer_problem
 from toolkit.errors import ConfigError
 
 
@@ -47,15 +47,21 @@ def pick_backend(backend: str) -> str:
     return backend
 
 
+def check_model(model: Path) -> None:
+    """ConfigError unless `model` can sample: a causal LM (a reward model has no LM head, and transformers would
+    give it a new random one) with a tokenizer."""
+    problem = head_problem(model, "MODEL", "lm") or tokenizer_problem(model, "MODEL")
+    if problem:
+        raise ConfigError(problem)
+
+
 class Sampler:
     def __init__(self, model: Path, backend: str = "auto", max_model_len: int | None = None, seed: int = 0,
                  dtype: str = "auto", kv_cache_gb: float = 1.0):
         """`max_model_len`: the context length (default: the model's, at most 2048)."""
         from transformers import AutoTokenizer
 
-        problem = head_problem(model, "MODEL", "lm")  # (a reward model would sample from a new random head)
-        if problem:
-            raise ConfigError(problem)
+        check_model(model)
         self.backend = pick_backend(backend)
         self.model_dir = str(model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
