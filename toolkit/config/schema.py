@@ -399,19 +399,18 @@ class RunConfig(Section):
                                       "rollout.max_prompt_tokens + max_new_tokens")
             if problem:
                 raise ValueError(problem)
-        pending = (info.context or {}).get("pending_models", {})  # (a pipeline checks which stage they name)
-        for field, path in self.sequence_models():
+        pending = (info.context or {}).get("pending_models", {})  # (a pipeline checks which stage's export they
+        for field, path in self.sequence_models():                # name, and an export holds its tokenizer)
             wants = {"model.actor": "lm", "model.reference": "lm", "model.critic": None}.get(field, "score")
             problem = head_problem(path, field, wants) if wants and path not in pending else None
+            if wants == "score" and path not in pending:  # (a reward model reads the texts with its own tokenizer)
+                problem = problem or tokenizer_problem(path, field)
             if problem:
                 raise ValueError(problem)
-        # (each reward model reads the texts with its own tokenizer; an export of a pipeline stage will hold one)
-        problems = [main_tokenizer_problem(self.tokenizer_path, "model.actor", bool(self.model.tokenizer))
-                    if str(self.tokenizer_path) not in pending else None]
-        problems += [tokenizer_problem(rm.path, f"reward.models.{i}.path") for i, rm in enumerate(self.reward.models)
-                     if rm.path not in pending]
-        if any(problems):
-            raise ValueError(next(filter(None, problems)))
+        if str(self.tokenizer_path) not in pending:
+            problem = main_tokenizer_problem(self.tokenizer_path, "model.actor", bool(self.model.tokenizer))
+            if problem:
+                raise ValueError(problem)
         if self.ptx.coef > 0:
             problem = context_problem(model_files(self.model.actor, info), self.ptx.max_tokens, "model.actor",
                                       "ptx.max_tokens")
