@@ -3,15 +3,20 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from tests.conftest import example, write_config
 from tests.unit.test_samples_and_modeling import batch as make_batch
 from toolkit.config import load_config
+from toolkit.data.dataset import check_data
+from toolkit.errors import ConfigError
 from toolkit.roles.scorer import RewardRole
 from toolkit.tiny import build_tokenizer
 
@@ -51,3 +56,44 @@ def test_a_long_prompt_loses_its_start_not_the_response(tiny, tmp_path):
     total = b.rewards @ np.array([1.0, 0.5], np.float32)
     assert np.allclose(b.reward_total, np.clip(total, -0.75, 0.75))
     assert b.reward_names == ["digit_ratio", "rm"] and b.rewards[1, 0] == 1.0
+
+
+def trl_style(completions, **kwargs):  # (TRL's convention: lists of samples)
+    return [0.0] * len(completions)
+
+
+def needs_answer(prompt, response, answer, **fields):
+    return float(answer in response)
+
+
+def no_fields(prompt, response):
+    return 0.0
+
+
+def test_a_reward_function_that_cannot_be_called_so_is_a_config_error(tiny, tmp_path):
+    """The scorer calls function(prompt=..., response=..., **fields, **args) per sample; a function that
+    cannot take that for the RL rows (their fields read from the data) is refused before any process starts,
+    naming the function and a row (it failed at the first scoring)."""
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(8)))
+
+    def config(name: str, args=None, prompts=None):
+        data = example("tiny-grpo.yaml", tiny, reward={"functions": [
+            {"function": "toolkit.rewards.examples:digit_ratio"},
+            {"function": f"tests.unit.test_scorer:{name}", "args": args or {}}]})
+        data["data"]["prompts"] = str(prompts or tiny / "prompts.jsonl")
+        return load_config(write_config(tmp_path, data))
+
+    topics = f"{tiny / 'prompts.jsonl'}:1 (prompt, response, topic)"
+    for name, prompts, args, expected in [
+        ("trl_style", None, None, f"reward.functions.1: tests.unit.test_scorer:trl_style(completions, **kwargs) "
+                                  f"cannot be called with what the scorer gives it for {topics}: missing a required "
+                                  "argument: 'completions'. A reward function scores one sample"),
+        ("needs_answer", None, None, "missing a required argument: 'answer'"),
+        ("no_fields", qa, None, f"for {qa}:1 (prompt, response, answer): got an unexpected keyword argument 'answer'"),
+        ("needs_answer", qa, {"answer": "4"}, f"reward.functions.1.args: answer is given by the scorer too (the "
+                                              f"prompt, the response, or a field of {qa}:1); rename it"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            check_data(config(name, args, prompts))
+    check_data(config("needs_answer", None, qa))  # (the rows have the field it needs)

@@ -59,8 +59,13 @@ KIND = {"sft": "sft", "rm": "pair", "rl": "prompt"}  # the examples each stage t
 
 
 def check_data(cfg) -> StageData:
-    """Read a stage config's data as its workers will (a bad row is a ConfigError before any process starts)."""
+    """Read a stage config's data as its workers will (a bad row is a ConfigError before any process starts), and
+    check that the reward functions can be called with the RL rows' fields."""
     data = StageData(cfg.data, cfg.stage, KIND[cfg.stage], cfg.run.seed)
+    if cfg.stage == "rl":
+        from toolkit.rewards.calls import check_calls
+
+        check_calls(cfg.reward.functions, [e for part in data.train for e in part] + data.eval)
     ptx = getattr(cfg, "ptx", None)
     if ptx is not None and ptx.coef:
         StageData(ptx.data, "ptx", "text", cfg.run.seed)
