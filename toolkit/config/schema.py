@@ -399,8 +399,10 @@ class RunConfig(Section):
                                       "rollout.max_prompt_tokens + max_new_tokens")
             if problem:
                 raise ValueError(problem)
-        pending = (info.context or {}).get("pending_models", {})  # (a pipeline checks which stage's export they
-        for field, path in self.sequence_models():                # name, and an export holds its tokenizer)
+        # Heads and tokenizers: a pipeline checks which stage's export a field names (pipeline.EXPORT_OF), and
+        # an export holds its tokenizer.
+        pending = (info.context or {}).get("pending_models", {})
+        for field, path in self.sequence_models():
             wants = {"model.actor": "lm", "model.reference": "lm", "model.critic": None}.get(field, "score")
             problem = head_problem(path, field, wants) if wants and path not in pending else None
             if wants == "score" and path not in pending:  # (a reward model reads the texts with its own tokenizer)
