@@ -26,9 +26,19 @@ def _resolve(value: str | Path, info: ValidationInfo) -> Path:
     return path.resolve()
 
 
+def _pending(info: ValidationInfo) -> dict[str, str]:
+    """{export of a pipeline's earlier stage, not written yet: the model directory that stage starts from}."""
+    return (info.context or {}).get("pending_models", {})
+
+
+def pending_export(path: str | Path, info: ValidationInfo) -> bool:
+    """Whether `path` is the export of a pipeline's earlier stage, not written when the pipeline is validated."""
+    return str(path) in _pending(info)
+
+
 def _model_dir(value: Any, info: ValidationInfo) -> str:
     path = _resolve(value, info)
-    if str(path) in (info.context or {}).get("pending_models", ()):  # a pipeline's stage exports it later
+    if pending_export(path, info):  # nothing to read yet; the checks that need config.json use model_files
         return str(path)
     if not path.is_dir():
         raise ValueError(f"no such directory {str(path)!r}; give the path of a Hugging Face model directory")
@@ -40,7 +50,7 @@ def _model_dir(value: Any, info: ValidationInfo) -> str:
 def model_files(path: str, info: ValidationInfo) -> str:
     """The directory whose config.json describes the model at `path`: itself, or, for the export of a pipeline's
     earlier stage (not written yet), the model that stage starts from, whose architecture it keeps."""
-    return (info.context or {}).get("pending_models", {}).get(path, path)
+    return _pending(info).get(path, path)
 
 
 def _existing_file(value: Any, info: ValidationInfo) -> str:

@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSection, GroupSection, ModelDir,
                                  PositiveInt, Section, SlurmSection, TransportSection, WandbSection,
-                                 fp16_problem, load_function, model_files)
+                                 fp16_problem, load_function, model_files, pending_export)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import (context_problem, head_problem, kv_cache_problem, main_tokenizer_problem,
                                         tokenizer_problem, vllm_cpu_problem)
@@ -401,15 +401,15 @@ class RunConfig(Section):
                 raise ValueError(problem)
         # Heads and tokenizers: a pipeline checks which stage's export a field names (pipeline.EXPORT_OF), and
         # an export holds its tokenizer.
-        pending = (info.context or {}).get("pending_models", {})
         for field, path in self.sequence_models():
             wants = {"model.actor": "lm", "model.reference": "lm", "model.critic": None}.get(field, "score")
-            problem = head_problem(path, field, wants) if wants and path not in pending else None
-            if wants == "score" and path not in pending:  # (a reward model reads the texts with its own tokenizer)
+            pending = pending_export(path, info)
+            problem = head_problem(path, field, wants) if wants and not pending else None
+            if wants == "score" and not pending:  # (a reward model reads the texts with its own tokenizer)
                 problem = problem or tokenizer_problem(path, field)
             if problem:
                 raise ValueError(problem)
-        if str(self.tokenizer_path) not in pending:
+        if not pending_export(self.tokenizer_path, info):
             problem = main_tokenizer_problem(self.tokenizer_path, "model.actor", bool(self.model.tokenizer))
             if problem:
                 raise ValueError(problem)

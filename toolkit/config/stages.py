@@ -9,7 +9,8 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, model_validator
 
 from toolkit.config.base import (Attention, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
-                                 Section, SlurmSection, TransportSection, WandbSection, fp16_problem, model_files)
+                                 Section, SlurmSection, TransportSection, WandbSection, fp16_problem, model_files,
+                                 pending_export)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import context_problem, head_problem, main_tokenizer_problem
 
@@ -119,7 +120,7 @@ class StageConfig(Section):
             problem = head_problem(self.model.base, "model.base", "lm")
             if problem:
                 raise ValueError(problem)
-        if str(self.tokenizer_path) not in (info.context or {}).get("pending_models", {}):
+        if not pending_export(self.tokenizer_path, info):
             problem = main_tokenizer_problem(self.tokenizer_path, "model.base", bool(self.model.tokenizer))
             if problem:
                 raise ValueError(problem)
