@@ -19,16 +19,17 @@ def check_calls(functions, examples) -> None:
     for example in examples:
         rows.setdefault(tuple(sorted(example.fields)), example.location)
     for i, function in enumerate(functions):
+        try:
+            signature = inspect.signature(load_function(function.function))
+        except (TypeError, ValueError):  # (a builtin without a signature: its first call will tell)
+            signature = None
         for names, location in rows.items():
             clash = sorted(({"prompt", "response"} | set(names)) & set(function.args))
             if clash:
                 raise ConfigError(f"reward.functions.{i}.args: {', '.join(clash)} is given by the scorer too (the "
                                   f"prompt, the response, or a field of {location}); rename it")
-        try:
-            signature = inspect.signature(load_function(function.function))
-        except (TypeError, ValueError):  # (a builtin without a signature: its first call will tell)
-            continue
-        for names, location in rows.items():
+            if signature is None:
+                continue
             try:
                 signature.bind(prompt="", response="", **dict.fromkeys(names), **function.args)
             except TypeError as e:
