@@ -188,6 +188,29 @@ def test_a_json_file_may_hold_one_array_of_objects(tmp_path):
             read_source(str(path))
 
 
+def test_alpaca_rows_join_the_input_to_the_instruction(tmp_path):
+    """Alpaca's {instruction, input, output}: with input_key the input follows the instruction after a blank
+    line where it is not empty; without it (the default) prompts are the instruction alone."""
+    rows = [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+            {"instruction": "Name a colour.", "input": "", "output": "Red"}]
+    path = tmp_path / "alpaca.json"
+    path.write_text(json.dumps(rows, indent=2))
+    keys = {"sources": [{"path": str(path)}], "prompt_key": "instruction", "response_key": "output"}
+    sft = StageData(data(**keys, input_key="input"), "sft", "sft", 0).train[0]
+    assert sorted((e.prompt, e.response) for e in sft) == [("Add the numbers.\n\n2 and 3", "5"),
+                                                          ("Name a colour.", "Red")]
+    rl = StageData(data(**keys, input_key="input"), "rl", "prompt", 0).train[0]
+    assert sorted(e.prompt for e in rl) == ["Add the numbers.\n\n2 and 3", "Name a colour."]
+    assert sorted(e.prompt for e in StageData(data(**keys), "sft", "sft", 0).train[0]) == [
+        "Add the numbers.", "Name a colour."]
+    path.write_text(json.dumps([{**rows[0], "input": ["2", "3"]}]))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: item 1: field 'input' (data.input_key) is list, "
+                                                    "not text")):
+        StageData(data(**keys, input_key="input"), "sft", "sft", 0)
+    with pytest.raises(ValueError, match="data.input_key is the prompt's own field"):
+        data(**keys, input_key="instruction")
+
+
 def test_bad_files_are_named(tmp_path):
     rows = [{"prompt": "a", "response": "b"}] * 3
     broken = tmp_path / "broken.parquet"

@@ -62,6 +62,10 @@ class DataSection(Section):
     """Shuffle the rows (seeded by run.seed) on every pass."""
     prompt_key: str = "prompt"
     """Field with the prompt: text, or chat messages [{role, content}, ...]."""
+    input_key: str | None = None
+    """Alpaca-style rows `{instruction, input, output}`: the field whose text, where a row has it and it is
+    not empty, follows a text prompt after a blank line (`prompt_key: instruction, input_key: input,
+    response_key: output`). None: prompts are the prompt field alone."""
     response_key: str = "response"
     """SFT: field with the response (text, or the assistant's message). Rows with `chosen_key` and no
     response train on the chosen one; rows with only `messages_key` train on the last assistant message."""
@@ -86,4 +90,7 @@ class DataSection(Section):
             self.prompts = None
         if not self.sources:
             raise ValueError("no data: give data.sources: [{path: ...}] (or data.prompts: FILE.jsonl)")
+        if self.input_key is not None and self.input_key == self.prompt_key:
+            raise ValueError(f"data.input_key is the prompt's own field ({self.input_key!r}); name the field that "
+                             "holds the input (Alpaca: input_key: input, prompt_key: instruction)")
         return self

@@ -7,7 +7,8 @@
 
 A prompt is text, or chat messages [{role, content}, ...] (rendered with the tokenizer's chat template).
 Rows as users have them: {prompt, response}; {prompt, chosen, rejected} (SFT trains on the chosen one);
-{messages: [...]} (the last assistant message is the response); chosen/rejected as whole conversations.
+{messages: [...]} (the last assistant message is the response); chosen/rejected as whole conversations;
+Alpaca's {instruction, input, output} (data.input_key joins the input to the instruction).
 """
 
 from __future__ import annotations
@@ -70,13 +71,24 @@ def _prompt(data: dict, keys, where: str, messages: list | None, conversation: l
         value = data[keys.prompt_key]
         if isinstance(value, list):
             return _messages(value, where, keys.prompt_key)
-        return _text(data, keys.prompt_key, where, "prompt")
+        return _with_input(_text(data, keys.prompt_key, where, "prompt"), data, keys.input_key, where)
     for found in (messages, conversation):
         if found:
             return found
     raise ConfigError(f"{where}: no non-empty string field {keys.prompt_key!r} (text or chat messages) and no "
                       f"{keys.messages_key!r} (fields: {sorted(data)}); set data.prompt_key to the field holding "
                       "the prompt")
+
+
+def _with_input(prompt: str, data: dict, key: str | None, where: str) -> str:
+    """An Alpaca-style prompt: the instruction, then the row's input (data.input_key) after a blank line."""
+    value = data.get(key) if key else None
+    if value is None or value == "":
+        return prompt
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: field {key!r} (data.input_key) is {type(value).__name__}, not text; give "
+                          "text (or \"\" for none), or unset data.input_key")
+    return f"{prompt}\n\n{value}"
 
 
 def _text(data: dict, key: str, where: str, what: str) -> str:
