@@ -156,7 +156,7 @@ def test_invalid_yaml_names_line(tmp_path):
 
 def test_a_key_given_twice_is_refused_not_overwritten(tiny, tmp_path):
     """YAML keeps the last of two equal keys silently: a second `rollout:` section would drop the first's fields.
-    Merge keys (<<: *anchor) still work, and a cluster file is read the same way."""
+    Merge keys (<<: *anchor) still work, and a cluster file and a --set value are read the same way."""
     from toolkit.config.load import parse_yaml
     from toolkit.placement.cluster import load_cluster
 
@@ -170,6 +170,10 @@ def test_a_key_given_twice_is_refused_not_overwritten(tiny, tmp_path):
     assert "key 'group_size' is given twice" in error_of(path)
     assert parse_yaml("a: &x {b: 1, c: 2}\nd: {<<: *x, b: 3}\n", "m.yaml") == {"a": {"b": 1, "c": 2},
                                                                            "d": {"b": 3, "c": 2}}
+    assert error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny)),
+                    ["reward.functions=[{function: a:b, function: c:d}]"]) == (
+        "--set 'reward.functions=[{function: a:b, function: c:d}]': key 'function' is given twice (first on line "
+        "1); keep one")
     clusters = tmp_path / "c.yaml"
     clusters.write_text("name: a\nname: b\n")
     with pytest.raises(ConfigError, match=f"{clusters}:2:1: not valid YAML: key 'name' is given twice"):

@@ -21,6 +21,10 @@ from toolkit.errors import ConfigError
 CONFIGS = {"rl": RunConfig, "sft": SFTConfig, "rm": RMConfig}
 
 
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    pass
+
+
 class _StrictLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping: YAML keeps the last one silently, so a
     second `rollout:` section would drop every field of the first."""
@@ -31,7 +35,7 @@ class _StrictLoader(yaml.SafeLoader):
             if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
                 key = self.construct_object(key_node)
                 if key in seen:
-                    raise yaml.constructor.ConstructorError(
+                    raise _DuplicateKey(
                         None, None, f"key {key!r} is given twice (first on line {seen[key]}); keep one",
                         key_node.start_mark)
                 seen[key] = key_node.start_mark.line + 1
@@ -111,8 +115,10 @@ def apply_override(data: dict, expr: str) -> tuple:
         raise ConfigError(f"--set {expr!r}: expected KEY=VALUE, e.g. --set rollout.group_size=8")
     parts: list[Any] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = yaml.load(raw, Loader=_StrictLoader) if raw.strip() else ""
+    except _DuplicateKey as e:
+        raise ConfigError(f"--set {expr!r}: {e.problem}") from None
+    except yaml.YAMLError:  # (not YAML: the text itself)
         value = raw
     node = data
     for i, part in enumerate(parts[:-1]):
