@@ -144,7 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="sample responses to a JSON Lines file of prompts, from a run's "
                                         "checkpoint or any Hugging Face model directory")
     _add_model_args(p)
-    p.add_argument("--input", required=True, help='JSON Lines, one {"prompt": text or chat messages} per line')
+    p.add_argument("--input", required=True, help='JSON Lines, one {"prompt": text or chat messages} per line '
+                                                  "(or a .json array of such rows)")
+    p.add_argument("--prompt-key", default="prompt", metavar="KEY",
+                   help="the field with the prompt (default prompt; a row without it may give messages)")
+    p.add_argument("--input-key", metavar="KEY", help="Alpaca's input field (e.g. input), joined to a text "
+                                                     "prompt after a blank line where not empty")
     p.add_argument("--output", default="-", help="JSON Lines to write, one line per sample (default: standard "
                                                  "output)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
@@ -516,7 +521,8 @@ def cmd_generate(args) -> int:
     source = resolve(args.model, args.step, args.ema)
     print(f"sampling from {source.describe()}", file=sys.stderr, flush=True)
     count = generate(source.path, args.input, args.output, params, args.backend, args.seed, args.chat_template,
-                     args.max_model_len, progress=Progress(sys.stderr))
+                     args.max_model_len, progress=Progress(sys.stderr), prompt_key=args.prompt_key,
+                     input_key=args.input_key)
     print(f"wrote {count} samples to {'standard output' if args.output == '-' else args.output}", file=sys.stderr)
     return 0
 

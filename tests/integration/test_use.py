@@ -142,6 +142,28 @@ def test_generate_names_a_context_that_does_not_fit(tiny, prompts, tmp_path, len
     assert not list(tmp_path.iterdir())
 
 
+def test_generate_reads_alpaca_rows_by_their_keys(tiny, tmp_path):
+    """A .json array of Alpaca rows: --prompt-key names the instruction, --input-key joins the input after a blank
+    line (as data.input_key does in training); greedy, the same samples as the joined text given as "prompt"."""
+    rows = [{"instruction": "Count on.", "input": "1 2 3", "output": "4"},
+            {"instruction": "Say hello.", "input": "", "output": "hello"}]
+    alpaca, joined = tmp_path / "alpaca.json", tmp_path / "joined.jsonl"
+    alpaca.write_text(json.dumps(rows, indent=2))
+    joined.write_text(json.dumps({"prompt": "Count on.\n\n1 2 3"}) + "\n" + json.dumps({"prompt": "Say hello."}) + "\n")
+    common = ["generate", tiny / "model", "--backend", "hf", "--temperature", 0, "--max-new-tokens", 8]
+    refused = cli(*common, "--input", alpaca)
+    assert refused.returncode == 2 and (f'{alpaca}: item 1: expected "prompt": a string or a list of {{"role", '
+                                        '"content"} messages, got no such field (fields: [\'input\', \'instruction\', '
+                                        "'output']); --prompt-key names the prompt's field") in refused.stderr
+    by_keys = samples(cli(*common, "--input", alpaca, "--prompt-key", "instruction", "--input-key", "input"))
+    assert [s["output"] for s in by_keys] == ["4", "hello"]  # (the rows' own fields are kept)
+    same = samples(cli(*common, "--input", joined))
+    assert [(s["response"], round(s["logprob"], 4)) for s in by_keys] == [(s["response"], round(s["logprob"], 4))
+                                                                         for s in same]
+    alone = samples(cli(*common, "--input", alpaca, "--prompt-key", "instruction"))  # (the input does count)
+    assert abs(alone[0]["logprob"] - by_keys[0]["logprob"]) > 1e-3 and alone[1] == by_keys[1]
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"id": 1}', 'bad.jsonl:2: expected "prompt": a string or a list of {"role", "content"} messages'),
     ('{"prompt": [{"role": "user"}]}', "bad.jsonl:2: expected \"prompt\""),

@@ -71,7 +71,7 @@ def _prompt(data: dict, keys, where: str, messages: list | None, conversation: l
         value = data[keys.prompt_key]
         if isinstance(value, list):
             return _messages(value, where, keys.prompt_key)
-        return _with_input(_text(data, keys.prompt_key, where, "prompt"), data, keys.input_key, where)
+        return with_input(_text(data, keys.prompt_key, where, "prompt"), data, keys.input_key, where)
     for found in (messages, conversation):
         if found:
             return found
@@ -80,14 +80,15 @@ def _prompt(data: dict, keys, where: str, messages: list | None, conversation: l
                       "the prompt")
 
 
-def _with_input(prompt: str, data: dict, key: str | None, where: str) -> str:
-    """An Alpaca-style prompt: the instruction, then the row's input (data.input_key) after a blank line."""
+def with_input(prompt: str, data: dict, key: str | None, where: str, setting: str = "data.input_key") -> str:
+    """An Alpaca-style prompt: the instruction, then the row's input (field `key`, given by `setting`) after a
+    blank line where it is not empty."""
     value = data.get(key) if key else None
     if value is None or value == "":
         return prompt
     if not isinstance(value, str):
-        raise ConfigError(f"{where}: field {key!r} (data.input_key) is {type(value).__name__}, not text; give "
-                          "text (or \"\" for none), or unset data.input_key")
+        raise ConfigError(f"{where}: field {key!r} ({setting}) is {type(value).__name__}, not text; give text (or "
+                          f"\"\" for none), or leave out {setting}")
     return f"{prompt}\n\n{value}"
 
 

@@ -1,7 +1,8 @@
 """`slurm-rlhf generate MODEL --input prompts.jsonl --output samples.jsonl`: batch sampling.
 
 Input: JSON Lines, one prompt per line: {"prompt": "text"} or {"prompt": [{"role", "content"}, ...]} (or
-"messages" for the latter), with any other fields. Output: one line per sample, the input row's fields
+"messages" for the latter), with any other fields (or a .json array of such rows); `--prompt-key` names
+another field, `--input-key` Alpaca's input, joined to a text prompt as `data.input_key` joins it. Output: one line per sample, the input row's fields
 plus `sample` (0..n-1), `response`, `response_tokens`, `finished` and `logprob`. The output file is
 written under a temporary name and renamed when complete.
 """
@@ -19,22 +20,27 @@ from toolkit.use.sampler import Sampler, Sampling, check_model
 BATCH = 64  # prompts per engine call (vLLM schedules within it)
 
 
-def read_rows(path: str) -> list[tuple[str, dict, object]]:
+def read_rows(path: str, prompt_key: str = "prompt", input_key: str | None = None
+              ) -> list[tuple[str, dict, object]]:
     """(location, row, prompt) of each line of `path`, checked before any model or tokenizer loads, so a bad
     line is named at once (ConfigError naming the file and line)."""
+    from toolkit.data.examples import with_input
     from toolkit.data.jsonl import rows
 
     if not Path(path).is_file():
         raise ConfigError(f"--input {path}: no such file")
     found = []
     for row in rows(path):
-        prompt = row.data.get("prompt", row.data.get("messages"))
+        prompt = row.data.get(prompt_key, row.data.get("messages"))
         ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in prompt))
         if not ok:
-            raise ConfigError(f"{row.location}: expected \"prompt\": a string or a list of {{\"role\", \"content\"}} "
-                              f"messages, got {json.dumps(prompt)[:80] if prompt is not None else 'no prompt field'}")
+            got = json.dumps(prompt)[:80] if prompt is not None else f"no such field (fields: {sorted(row.data)})"
+            raise ConfigError(f"{row.location}: expected {json.dumps(prompt_key)}: a string or a list of "
+                              f"{{\"role\", \"content\"}} messages, got {got}; --prompt-key names the prompt's field")
+        if isinstance(prompt, str):
+            prompt = with_input(prompt, row.data, input_key, row.location, "--input-key")
         found.append((row.location, row.data, prompt))
     if not found:
         raise ConfigError(f"--input {path}: no prompts in it")
@@ -57,9 +63,11 @@ def read_prompts(found: list[tuple[str, dict, object]], tokenizer, chat_template
 
 
 def generate(model: Path, input_path: str, output: str, params: Sampling, backend: str = "auto", seed: int = 0,
-             chat_template: str = "auto", max_model_len: int | None = None, progress=None) -> int:
-    """Sample every prompt of `input_path` into `output` ('-': standard output); the number of samples."""
-    found = read_rows(input_path)
+             chat_template: str = "auto", max_model_len: int | None = None, progress=None,
+             prompt_key: str = "prompt", input_key: str | None = None) -> int:
+    """Sample every prompt of `input_path` (its `prompt_key` field, Alpaca's `input_key` joined) into `output`
+    ('-': standard output); the number of samples."""
+    found = read_rows(input_path, prompt_key, input_key)
     check_model(model)
     from transformers import AutoTokenizer
 
