@@ -227,6 +227,7 @@ def cmd_run(args, stage: str | None = None) -> int:
 
 def cmd_resume(args) -> int:
     from toolkit.config import load_config
+    from toolkit.data.dataset import check_data
     from toolkit.launch.jobs import follow, live_job, open_run
     from toolkit.launch.pipeline import PipelineDir, is_pipeline_dir
 
@@ -240,10 +241,14 @@ def cmd_resume(args) -> int:
                           f"itself), or stop it with `slurm-rlhf cancel {run_dir.path}`, then resume")
     run_dir.hold_lock()  # (a local driver still running holds it)
     status = run_dir.read_json(run_dir.status)
-    if status.get("state") == "finished" and (cfg.run.steps or 0) <= status.get("steps", 0):
-        print(f"{run_dir.path}: the run finished all its {status['steps']} steps, nothing to resume (to train "
-              f"longer, raise run.steps in {run_dir.config}, then resume)", flush=True)
-        return 0
+    if status.get("state") == "finished":
+        by_epochs = cfg.stage != "rl" and not cfg.run.steps  # (an sft or rm stage's steps follow from its rows)
+        planned = cfg.total_steps(check_data(cfg).train_rows) if by_epochs else cfg.run.steps
+        if planned <= status.get("steps", 0):
+            print(f"{run_dir.path}: the run finished all its {status['steps']} steps, nothing to resume (to train "
+                  f"longer, raise {'run.epochs' if by_epochs else 'run.steps'} in {run_dir.config}, then resume)",
+                  flush=True)
+            return 0
     if args.data_changed:
         _accept_data(run_dir, cfg)
     if not args.submit:

@@ -93,6 +93,26 @@ def test_sft_killed_and_resumed_equals_an_uninterrupted_run(tiny, sft_run, tmp_p
     assert [r["step"] for r in records(run_dir)] == list(range(12))  # no step twice in the metrics
 
 
+def test_a_stage_sized_by_epochs_trains_on_when_they_are_raised(tiny, tmp_path):
+    """A finished stage without run.steps: `resume` says so and names run.epochs; with run.epochs raised in its
+    config.yaml it trains on from its last checkpoint to the steps the new epochs give, and exports again."""
+    run_dir = run_stage(tiny, tmp_path, "sft", run={"steps": None, "epochs": 0.1})
+    rows = json.loads((run_dir / "status.json").read_text())["steps"]
+    first = weights(run_dir)
+    again = cli("resume", run_dir, timeout=120)
+    assert again.returncode == 0 and (f"the run finished all its {rows} steps, nothing to resume (to train longer, "
+                                      f"raise run.epochs in {run_dir / 'config.yaml'}") in again.stdout, again.stdout
+    text = (run_dir / "config.yaml").read_text()
+    assert "\n  epochs: 0.1\n" in text
+    (run_dir / "config.yaml").write_text(text.replace("\n  epochs: 0.1\n", "\n  epochs: 0.2\n"))
+    more = cli("resume", run_dir)
+    assert more.returncode == 0, more.stdout + more.stderr
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished" and status["steps"] >= 2 * rows - 1
+    assert [r["step"] for r in records(run_dir)] == list(range(status["steps"]))
+    assert max((weights(run_dir)[k] - first[k]).abs().max().item() for k in first) > 1e-4  # (a new export)
+
+
 def test_packing_computes_the_same_loss_without_padding(tiny, tmp_path):
     one = {"run": {"steps": 1}, "train": {"eval_every": 1}}
     plain = run_stage(tiny, tmp_path / "plain", "sft", **one)

@@ -4,6 +4,8 @@ RL ones: the same data, engine, placement (one node group of trainer ranks), che
 
 from __future__ import annotations
 
+import math
+
 from typing import Literal
 
 from pydantic import Field, ValidationInfo, model_validator
@@ -131,6 +133,10 @@ class StageConfig(Section):
 
     def hosts(self, model: str) -> bool:
         return True
+
+    def total_steps(self, train_rows: int) -> int:
+        """Optimizer steps of the stage: run.steps, else ceil(run.epochs x training rows / train.batch_size)."""
+        return self.run.steps or max(1, math.ceil(self.run.epochs * train_rows / self.train.batch_size))
 
     @property
     def summary(self) -> str:

@@ -52,7 +52,7 @@ class SupervisedRole(Role):
         self.task = _task(cfg, self.tokenizer)
         self.data = StageData(cfg.data, cfg.stage, KIND[cfg.stage], cfg.run.seed)
         t = cfg.train
-        self.steps = cfg.run.steps or max(1, math.ceil(cfg.run.epochs * self.data.train_rows / t.batch_size))
+        self.steps = cfg.total_steps(self.data.train_rows)
         self.per_rank = t.batch_size // self.ranks.world
         accumulation = self.per_rank // t.micro_batch_size
         model = self.task.model(torch_dtype(cfg.model.dtype))
