@@ -191,6 +191,9 @@ def test_overrides(tiny, tmp_path):
     assert "--set rollout.temperature=0" in error_of(path, ["rollout.temperature=0"])
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         load_config(path, ["rollout.group_size"])
+    for name in ("", "..", "a/b"):  # (the run directory runs/<name>: '' was runs/ itself, '..' its parent)
+        assert (f"run.name: got {name!r}: the name is the run directory runs/<name>: one directory name, not empty, "
+                "without '/'") in error_of(path, [f"run.name={name}"])
 
 
 def test_resolved_config_round_trips(tiny, tmp_path):
@@ -330,6 +333,7 @@ def test_samples_longer_than_a_model_takes_are_a_config_error(tiny, tmp_path):
     (["sft=[1]"], "sft: expected the stage's config (a mapping)"),
     (["sft.stage=sft"], "sft.stage: not needed in a pipeline"),
     (["rm.model.base=rl"], "rm.model.base: 'rl' names a stage that does not come before rm in this pipeline"),
+    (["pipeline.name=../x"], "pipeline.name: got '../x'; the name is the run directory runs/<name>"),
 ])
 def test_pipeline_file_errors_name_the_section(tmp_path, overrides, expected):
     from tests.conftest import EXAMPLES

@@ -84,6 +84,22 @@ def load_function(import_path: str):
     return fn
 
 
+def name_problem(name: str) -> str | None:
+    """What is wrong with `name` as a run's (or pipeline's) name, the directory `runs/<name>`; None if nothing."""
+    if not name.strip() or name in (".", "..") or "/" in name or "\0" in name:
+        return ("the name is the run directory runs/<name>: one directory name, not empty, without '/' (e.g. "
+                "my-run; --run-dir chooses another place)")
+    return None
+
+
+def _run_name(value: str) -> str:
+    problem = name_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+RunName = Annotated[str, AfterValidator(_run_name)]
 ModelDir = Annotated[str, AfterValidator(_model_dir)]
 ExistingFile = Annotated[str, AfterValidator(_existing_file)]
 ExistingPath = Annotated[str, AfterValidator(_existing_path)]

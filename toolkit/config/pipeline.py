@@ -19,6 +19,7 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.config.base import name_problem
 from toolkit.config.load import apply_override, read_yaml, validate
 from toolkit.errors import ConfigError
 
@@ -83,6 +84,9 @@ def load_pipeline(path: str | Path, overrides: list[str] = ()) -> Pipeline:
     if not stages:
         raise ConfigError(f"{path}: no stages; give at least one of {', '.join(ORDER)}")
     name = head.get("name") or path.stem
+    problem = name_problem(name)
+    if problem:
+        raise ConfigError(f"{path}: pipeline.name: got {name!r}; {problem}")
     for stage, section in stages.items():
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: {stage}: expected the stage's config (a mapping)")

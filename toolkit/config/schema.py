@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSection, GroupSection, ModelDir,
-                                 PositiveInt, Section, SlurmSection, TransportSection, WandbSection,
+                                 PositiveInt, RunName, Section, SlurmSection, TransportSection, WandbSection,
                                  fp16_problem, load_function, model_files, pending_export)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import (context_problem, head_problem, kv_cache_problem, main_tokenizer_problem,
@@ -23,7 +23,7 @@ SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 
 
 class RunSection(Section):
-    name: str = "run"
+    name: RunName = "run"
     """Name of the run (used for the default run directory `runs/<name>` and the Slurm job name)."""
     algorithm: Literal["grpo", "ppo", "rloo", "reinforce_pp"] = "grpo"
     """`grpo`: group-relative advantages (KL in the loss). `ppo`: a critic, GAE, clipped value loss.

@@ -11,14 +11,14 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, model_validator
 
 from toolkit.config.base import (Attention, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
-                                 Section, SlurmSection, TransportSection, WandbSection, fp16_problem, model_files,
-                                 pending_export)
+                                 RunName, Section, SlurmSection, TransportSection, WandbSection, fp16_problem,
+                                 model_files, pending_export)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import context_problem, head_problem, main_tokenizer_problem
 
 
 class StageRunSection(Section):
-    name: str = "stage"
+    name: RunName = "stage"
     """Name of the run (the default run directory `runs/<name>` and the Slurm job name)."""
     steps: PositiveInt | None = None
     """Optimizer steps; none: `epochs` passes over the stage's training rows."""

@@ -41,7 +41,7 @@ def starter_data(model: Path, prompts: Path, out_dir: Path, reward_model: Path |
 
     name = model.resolve().name
     if name in ("model", "hf", "export") or name.startswith("step-"):
-        name = model.resolve().parent.name
+        name = model.resolve().parent.name or "run"  # (a model at /model: the file system's root is no name)
     big = params >= 1e9
     data = {
         "run": {"name": name, "algorithm": algorithm, "steps": 200, "seed": 0},
