@@ -5,7 +5,6 @@ RL ones: the same data, engine, placement (one node group of trainer ranks), che
 from __future__ import annotations
 
 import math
-
 from typing import Literal
 
 from pydantic import Field, ValidationInfo, model_validator

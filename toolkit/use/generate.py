@@ -2,9 +2,9 @@
 
 Input: JSON Lines, one prompt per line: {"prompt": "text"} or {"prompt": [{"role", "content"}, ...]} (or
 "messages" for the latter), with any other fields (or a .json array of such rows); `--prompt-key` names
-another field, `--input-key` Alpaca's input, joined to a text prompt as `data.input_key` joins it. Output: one line per sample, the input row's fields
-plus `sample` (0..n-1), `response`, `response_tokens`, `finished` and `logprob`. The output file is
-written under a temporary name and renamed when complete.
+another field, `--input-key` Alpaca's input, joined to a text prompt as `data.input_key` joins it.
+Output: one line per sample, the input row's fields plus `sample` (0..n-1), `response`, `response_tokens`,
+`finished` and `logprob`. The output file is written under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
