@@ -254,16 +254,17 @@ def test_killed_driver_leaves_no_workers(tiny, tmp_path):
 
 
 def test_a_role_that_exits_with_a_message_fails_the_run_and_says_why(tiny, tmp_path):
-    """SystemExit("message") inside a role (here a reward function) is a failure, reported as such."""
+    """SystemExit("message") inside a role (here a reward function) is a failure, reported as such. The function
+    is given as a file beside the config (`quitting.py:reward`), which the scorer worker loads by its path."""
     (tmp_path / "quitting.py").write_text("def reward(prompt, response, **kw):\n"
                                           "    raise SystemExit('out of API quota')\n")
-    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 2, "name": "q"},
-                                            reward={"functions": [{"function": "quitting:reward"}]},
+                                            reward={"functions": [{"function": "quitting.py:reward"}]},
                                             rollout={"backend": "hf"}))
-    result = cli("run", config, "--run-dir", tmp_path / "run", env=env)
+    result = cli("run", config, "--run-dir", tmp_path / "run")
     assert result.returncode == 1, result.stdout + result.stderr
     assert ") failed: SystemExit: out of API quota" in result.stderr, result.stderr
+    assert f"function: {tmp_path / 'quitting.py'}:reward\n" in (tmp_path / "run" / "config.yaml").read_text()
     assert_no_workers_left(tmp_path / "run")
 
 

@@ -9,6 +9,7 @@ import yaml
 
 from tests.conftest import cli, example, write_config
 from toolkit.config import dump_config, load_config
+from toolkit.config.base import load_function
 from toolkit.errors import ConfigError
 
 
@@ -141,6 +142,29 @@ def test_reward_function_not_importable(tiny, tmp_path):
     assert "cannot import module 'nosuchpkg.rewards'" in error_of(write_config(tmp_path, data))
     data["reward"]["functions"][0]["function"] = "toolkit.rewards.examples:nope"
     assert "has no function 'nope'" in error_of(write_config(tmp_path, data))
+
+
+def test_reward_function_from_a_file_beside_the_config(tiny, tmp_path):
+    """`file.py:function` is read relative to the config's folder and kept as an absolute path (the workers
+    load the same file wherever they start); two files of one name are two modules; errors name the file."""
+    (tmp_path / "rewards.py").write_text("def score(prompt, response, **fields):\n    return 1.0\n")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "rewards.py").write_text("def score(prompt, response, **fields):\n    return 2.0\n")
+    data = example("tiny-grpo.yaml", tiny)
+    data["reward"]["functions"] = [{"function": "rewards.py:score"}, {"function": "other/rewards.py:score",
+                                                                      "name": "other"}]
+    cfg = load_config(write_config(tmp_path, data))
+    functions = [f.function for f in cfg.reward.functions]
+    assert functions == [f"{tmp_path}/rewards.py:score", f"{tmp_path}/other/rewards.py:score"]
+    assert [load_function(f)("p", "r") for f in functions] == [1.0, 2.0] and cfg.reward.functions[0].name == "score"
+    (tmp_path / "broken.py").write_text("def score(prompt, response, **fields):\n    return 1 +\n")
+    for given, says in [("nothere.py:score", f"no such file '{tmp_path}/nothere.py'"),
+                        ("rewards.py:nope", f"file '{tmp_path}/rewards.py' has no function 'nope'"),
+                        ("broken.py:score", f"{tmp_path}/broken.py failed to load: SyntaxError: invalid syntax"),
+                        ("rewards.py", "give `package.module:function` (importable) or `path/to/file.py:function`"),
+                        ("two words:f", "give `package.module:function`")]:
+        data["reward"]["functions"] = [{"function": given}]
+        assert says in error_of(write_config(tmp_path, data)), given
 
 
 def test_no_reward(tiny, tmp_path):

@@ -70,18 +70,56 @@ def _existing_path(value: Any, info: ValidationInfo) -> str:
 
 
 def load_function(import_path: str):
-    """Import `package.module:function` and return the callable; ValueError says what is wrong."""
-    module_name, _, attr = import_path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"cannot import module {module_name!r} of {import_path!r} ({e}); install it or add its folder to PYTHONPATH"
-        ) from None
+    """The callable at `package.module:function`, or at `/path/to/file.py:function`; ValueError says what is
+    wrong."""
+    module_name, _, attr = import_path.rpartition(":")
+    if module_name.endswith(".py"):
+        module = _load_file(Path(module_name))
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"cannot import module {module_name!r} of {import_path!r} ({e}); install it, add its "
+                             "folder to PYTHONPATH, or give the file: path/to/rewards.py:function") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"module {module_name!r} has no function {attr!r}")
+        raise ValueError(f"{'file' if module_name.endswith('.py') else 'module'} {module_name!r} has no function "
+                         f"{attr!r}")
     return fn
+
+
+def _load_file(path: Path):
+    """The module of a Python file, run once per process (under a name of its own: two files both called
+    rewards.py are two modules)."""
+    import hashlib
+    import sys
+
+    name = "slurm_rlhf_file_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    if name in sys.modules:
+        return sys.modules[name]
+    if not path.is_file():
+        raise ValueError(f"no such file {str(path)!r}")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # (the user's code: a syntax error, an import it lacks, ...)
+        raise ValueError(f"{path} failed to load: {type(e).__name__}: {e}") from None
+    sys.modules[name] = module
+    return module
+
+
+def _function_path(value: str, info: ValidationInfo) -> str:
+    """`module:function` as given, or `file.py:function` with the file's path resolved against the config's
+    folder (so the workers, wherever they start, load the same file)."""
+    module, sep, attr = value.rpartition(":")
+    if module.endswith(".py"):
+        module = str(_resolve(module, info))
+    elif not re.fullmatch(r"[A-Za-z_][\w.]*", module):
+        module = ""
+    if not sep or not module or not re.fullmatch(r"[A-Za-z_]\w*", attr):
+        raise ValueError("give `package.module:function` (importable) or `path/to/file.py:function`")
+    return f"{module}:{attr}"
 
 
 def name_problem(name: str) -> str | None:
@@ -100,6 +138,7 @@ def _run_name(value: str) -> str:
 
 
 RunName = Annotated[str, AfterValidator(_run_name)]
+FunctionPath = Annotated[str, AfterValidator(_function_path)]
 ModelDir = Annotated[str, AfterValidator(_model_dir)]
 ExistingFile = Annotated[str, AfterValidator(_existing_file)]
 ExistingPath = Annotated[str, AfterValidator(_existing_path)]

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
-from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSection, GroupSection, ModelDir,
-                                 PositiveInt, RunName, Section, SlurmSection, TransportSection, WandbSection,
+from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSection, FunctionPath, GroupSection,
+                                 ModelDir, PositiveInt, RunName, Section, SlurmSection, TransportSection, WandbSection,
                                  fp16_problem, load_function, model_files, pending_export)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import (context_problem, head_problem, kv_cache_problem, main_tokenizer_problem,
@@ -133,9 +133,10 @@ class RolloutSection(Section):
 
 
 class RewardFunction(Section):
-    function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-    """Import path `package.module:function`; called as `function(prompt=..., response=..., **fields, **args)`
-    and must return a number."""
+    function: FunctionPath
+    """`package.module:function` (installed, or on PYTHONPATH), or `path/to/file.py:function` (a file, relative to
+    the config's folder); called as `function(prompt=..., response=..., **fields, **args)` and must return a
+    number."""
     weight: float = 1.0
     """Weight of this component in the total reward."""
     name: str | None = None
@@ -147,7 +148,7 @@ class RewardFunction(Section):
     def _importable(self) -> "RewardFunction":
         load_function(self.function)
         if self.name is None:
-            self.name = self.function.split(":")[1]
+            self.name = self.function.rpartition(":")[2]
         return self
 
 

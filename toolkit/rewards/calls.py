@@ -37,5 +37,5 @@ def check_calls(functions, examples) -> None:
                 raise ConfigError(
                     f"reward.functions.{i}: {function.function}{signature} cannot be called with what the scorer "
                     f"gives it for {location} ({given}): {e}. A reward function scores one sample: def "
-                    f"{function.function.split(':')[1]}(prompt, response, **fields), not lists as TRL's; a row "
+                    f"{function.function.rpartition(':')[2]}(prompt, response, **fields), not lists as TRL's; a row "
                     "field or an `args` entry it needs is a keyword of that name") from None
