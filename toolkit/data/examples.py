@@ -7,7 +7,8 @@
 
 A prompt is text, or chat messages [{role, content}, ...] (rendered with the tokenizer's chat template).
 Rows as users have them: {prompt, response}; {prompt, chosen, rejected} (SFT trains on the chosen one);
-{messages: [...]} (the last assistant message is the response); chosen/rejected as whole conversations;
+{messages: [...]} (the last assistant message is the response); chosen/rejected as whole conversations,
+as messages or as text with the prompt inside both (HH-RLHF's; the prompt is the text they share);
 Alpaca's {instruction, input, output} (data.input_key joins the input to the instruction).
 """
 
@@ -37,6 +38,13 @@ def example_of(row: Row, kind: str, keys, id: int) -> Example:
         return Example(id, where, text=_text(data, keys.text_key, where, "text"))
     messages = _messages(data[keys.messages_key], where, keys.messages_key) if keys.messages_key in data else None
     ex = Example(id, where)
+    implicit = _implicit(data, keys, where) if messages is None and keys.prompt_key not in data else None
+    if implicit and kind == "pair":
+        ex.prompt, ex.chosen, ex.rejected = implicit
+        return ex
+    if implicit and kind == "sft" and keys.response_key not in data:
+        ex.prompt, ex.response = implicit[:2]  # (SFT trains on the chosen response)
+        return ex
     if kind == "pair":
         chosen = data.get(keys.chosen_key)
         ex.chosen = _reply(chosen, where, keys.chosen_key, "the preferred response")
@@ -60,7 +68,7 @@ def example_of(row: Row, kind: str, keys, id: int) -> Example:
         return ex
     if messages and messages[-1]["role"] == "assistant":
         messages = messages[:-1]
-    ex.prompt = _prompt(data, keys, where, messages)
+    ex.prompt = implicit[0] if implicit else _prompt(data, keys, where, messages)
     # (a reward function takes `prompt` and `response` itself: a row's fields of those names are not passed)
     ex.fields = {k: v for k, v in data.items() if k not in (keys.prompt_key, keys.messages_key, "prompt", "response")}
     return ex
@@ -78,6 +86,28 @@ def _prompt(data: dict, keys, where: str, messages: list | None, conversation: l
     raise ConfigError(f"{where}: no non-empty string field {keys.prompt_key!r} (text or chat messages) and no "
                       f"{keys.messages_key!r} (fields: {sorted(data)}); set data.prompt_key to the field holding "
                       "the prompt")
+
+
+def _implicit(data: dict, keys, where: str) -> tuple[str, str, str] | None:
+    """(prompt, chosen, rejected) of a row whose prompt is inside both texts, as Anthropic's HH-RLHF has them
+    ({chosen: "\\n\\nHuman: ...\\n\\nAssistant: ...", rejected: ...}): the prompt is the text they share,
+    up to its last whitespace (which starts the responses, as a tokenizer joins a space to the word after it).
+    None when the row has no such pair of texts."""
+    chosen, rejected = data.get(keys.chosen_key), data.get(keys.rejected_key)
+    if not (isinstance(chosen, str) and isinstance(rejected, str) and chosen and rejected):
+        return None
+    if chosen == rejected:
+        raise ConfigError(f"{where}: {keys.chosen_key!r} and {keys.rejected_key!r} are the same text (and the row "
+                          f"has no {keys.prompt_key!r}); a pair needs two different responses")
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    cut = max((i for i in range(shared) if chosen[i].isspace()), default=0)
+    if cut == 0:
+        raise ConfigError(f"{where}: no {keys.prompt_key!r} field, and {keys.chosen_key!r} and {keys.rejected_key!r} "
+                          "share no text before their responses to take as the prompt; set data.prompt_key to the "
+                          "field holding the prompt")
+    return chosen[:cut], chosen[cut:], rejected[cut:]
 
 
 def with_input(prompt: str, data: dict, key: str | None, where: str, setting: str = "data.input_key") -> str:
