@@ -236,6 +236,25 @@ def test_hh_rows_take_the_text_both_responses_share_as_the_prompt(tmp_path):
             StageData(data(sources=[{"path": jsonl(tmp_path / "bad.jsonl", [row])}]), "rm", "pair", 0)
 
 
+def test_gzipped_json_files_are_read_as_they_come(tmp_path):
+    """HH-RLHF comes as train.jsonl.gz: a .jsonl.gz (or .json.gz array) reads the same rows as the plain file;
+    a cut-off gzip file is named."""
+    import gzip
+
+    plain = jsonl(tmp_path / "d.jsonl", ROWS[:5])
+    packed = tmp_path / "d.jsonl.gz"
+    packed.write_bytes(gzip.compress(Path(plain).read_bytes()))
+    array = tmp_path / "a.json.gz"
+    array.write_bytes(gzip.compress(json.dumps(ROWS[:5]).encode()))
+    assert [r.data for r in read_source(str(packed))] == [r.data for r in read_source(str(array))] == ROWS[:5]
+    assert read_source(str(packed))[1].location == f"{packed}:2"
+    sft = StageData(data(sources=[{"path": str(packed)}]), "sft", "sft", 0).train[0]
+    assert sorted(e.response for e in sft) == sorted(r["response"] for r in ROWS[:5])
+    packed.write_bytes(packed.read_bytes()[:-12])
+    with pytest.raises(ConfigError, match=re.escape(f"{packed}: not a whole gzip file")):
+        read_source(str(packed))
+
+
 def test_bad_files_are_named(tmp_path):
     rows = [{"prompt": "a", "response": "b"}] * 3
     broken = tmp_path / "broken.parquet"

@@ -14,8 +14,9 @@ STAGES = ("sft", "rm", "rl")
 
 class DataSource(Section):
     path: ExistingPath
-    """A JSON Lines file (`.jsonl`; or `.json`, which may also hold one array of objects), a Parquet file
-    (`.parquet`), or a directory written by Hugging Face `datasets`' `save_to_disk`."""
+    """A JSON Lines file (`.jsonl`; or `.json`, which may also hold one array of objects; either may be gzipped,
+    `.jsonl.gz`), a Parquet file (`.parquet`), or a directory written by Hugging Face `datasets`'
+    `save_to_disk`."""
     format: Literal["auto", "jsonl", "parquet", "datasets"] = "auto"
     """`auto`: from the file name (.jsonl/.json, .parquet) or the directory (datasets)."""
     weight: float = Field(default=1.0, gt=0)

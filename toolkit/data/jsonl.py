@@ -1,10 +1,11 @@
 """JSON in UTF-8: JSON Lines, one object per line (blank lines are skipped; a row's index is its line number
-- 1), or one JSON array of objects, as Alpaca-style `.json` files hold (a row's index is its position)."""
+- 1), or one JSON array of objects, as Alpaca-style `.json` files hold (a row's index is its position).
+A file whose name ends in .gz is read through gzip, as HH-RLHF's `train.jsonl.gz` comes."""
 
 from __future__ import annotations
 
+import gzip
 import json
-from pathlib import Path
 from typing import Iterator
 
 from toolkit.data import Row
@@ -14,29 +15,41 @@ BOM = b"\xef\xbb\xbf"  # (a byte-order mark, as some Windows editors write: not 
 
 
 def rows(path: str) -> Iterator[Row]:
-    with open(path, "rb") as f:
-        if f.read(1 << 16).removeprefix(BOM).lstrip().startswith(b"["):
-            yield from _array_rows(path)
-            return
-        f.seek(0)
-        for number, raw in enumerate(f, start=1):
-            line = _decode(raw.removeprefix(BOM) if number == 1 else raw, path, number)
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}); "
-                                  "each line must be one JSON object (or the file one JSON array of them)") from None
-            if not isinstance(data, dict):
-                raise ConfigError(f"{path}:{number}: expected a JSON object, got {type(data).__name__}")
-            yield Row(number - 1, f"{path}:{number}", data)
-
-
-def _array_rows(path: str) -> Iterator[Row]:
-    raw = Path(path).read_bytes().removeprefix(BOM)
     try:
-        items = json.loads(_decode(raw, path, 1))
+        with _open(path) as f:
+            if f.read(1 << 16).removeprefix(BOM).lstrip().startswith(b"["):
+                f.seek(0)
+                yield from _array_rows(f.read(), path)
+                return
+            f.seek(0)
+            for number, raw in enumerate(f, start=1):
+                yield from _line_row(raw.removeprefix(BOM) if number == 1 else raw, path, number)
+    except (gzip.BadGzipFile, EOFError) as e:
+        raise ConfigError(f"{path}: not a whole gzip file ({e}); compress it again, or name it without .gz if it "
+                          "is plain text") from None
+
+
+def _open(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _line_row(raw: bytes, path: str, number: int) -> Iterator[Row]:
+    line = _decode(raw, path, number)
+    if not line.strip():
+        return
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}); "
+                          "each line must be one JSON object (or the file one JSON array of them)") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}:{number}: expected a JSON object, got {type(data).__name__}")
+    yield Row(number - 1, f"{path}:{number}", data)
+
+
+def _array_rows(raw: bytes, path: str) -> Iterator[Row]:
+    try:
+        items = json.loads(_decode(raw.removeprefix(BOM), path, 1))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno}); the file starts with "
                           "'[', so it must be one JSON array of objects") from None

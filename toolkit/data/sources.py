@@ -17,12 +17,12 @@ def format_of(path: str, declared: str = "auto") -> str:
     p = Path(path)
     if p.is_dir():
         return "datasets"
-    if p.suffix in (".jsonl", ".json", ".ndjson"):
+    if p.suffix in (".jsonl", ".json", ".ndjson") or p.suffixes[-2:] in ([".jsonl", ".gz"], [".json", ".gz"]):
         return "jsonl"
     if p.suffix in (".parquet", ".pq"):
         return "parquet"
-    raise ConfigError(f"{path}: cannot tell the format from the name; name it .jsonl or .parquet, or set "
-                      f"data.sources[].format to one of {', '.join(FORMATS)}")
+    raise ConfigError(f"{path}: cannot tell the format from the name; name it .jsonl (or .jsonl.gz) or .parquet, "
+                      f"or set data.sources[].format to one of {', '.join(FORMATS)}")
 
 
 def read_source(path: str, declared: str = "auto") -> list[Row]:
