@@ -71,7 +71,8 @@ class DataSection(Section):
     """SFT: field with the response (text, or the assistant's message). Rows with `chosen_key` and no
     response train on the chosen one; rows with only `messages_key` train on the last assistant message."""
     chosen_key: str = "chosen"
-    """Reward model: field with the preferred response."""
+    """Reward model: field with the preferred response. A row without a prompt whose chosen and rejected are
+    whole texts (HH-RLHF's) takes the text the two share, up to its last whitespace, as the prompt."""
     rejected_key: str = "rejected"
     """Reward model: field with the other response."""
     messages_key: str = "messages"
