@@ -23,7 +23,9 @@ def rows(path: str) -> Iterator[Row]:
                 return
             f.seek(0)
             for number, raw in enumerate(f, start=1):
-                yield from _line_row(raw.removeprefix(BOM) if number == 1 else raw, path, number)
+                row = _line_row(raw.removeprefix(BOM) if number == 1 else raw, path, number)
+                if row is not None:
+                    yield row
     except (gzip.BadGzipFile, EOFError) as e:
         raise ConfigError(f"{path}: not a whole gzip file ({e}); compress it again, or name it without .gz if it "
                           "is plain text") from None
@@ -33,10 +35,11 @@ def _open(path: str):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-def _line_row(raw: bytes, path: str, number: int) -> Iterator[Row]:
+def _line_row(raw: bytes, path: str, number: int) -> Row | None:
+    """The row of line `number` (None for a blank line)."""
     line = _decode(raw, path, number)
     if not line.strip():
-        return
+        return None
     try:
         data = json.loads(line)
     except json.JSONDecodeError as e:
@@ -44,7 +47,7 @@ def _line_row(raw: bytes, path: str, number: int) -> Iterator[Row]:
                           "each line must be one JSON object (or the file one JSON array of them)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}:{number}: expected a JSON object, got {type(data).__name__}")
-    yield Row(number - 1, f"{path}:{number}", data)
+    return Row(number - 1, f"{path}:{number}", data)
 
 
 def _array_rows(raw: bytes, path: str) -> Iterator[Row]:
