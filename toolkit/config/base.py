@@ -72,20 +72,26 @@ def _existing_path(value: Any, info: ValidationInfo) -> str:
 def load_function(import_path: str):
     """The callable at `package.module:function`, or at `/path/to/file.py:function`; ValueError says what is
     wrong."""
-    module_name, _, attr = import_path.rpartition(":")
-    if module_name.endswith(".py"):
-        module = _load_file(Path(module_name))
+    where, attr, is_file = split_function(import_path)
+    if is_file:
+        module = _load_file(Path(where))
     else:
         try:
-            module = importlib.import_module(module_name)
+            module = importlib.import_module(where)
         except ImportError as e:
-            raise ValueError(f"cannot import module {module_name!r} of {import_path!r} ({e}); install it, add its "
+            raise ValueError(f"cannot import module {where!r} of {import_path!r} ({e}); install it, add its "
                              "folder to PYTHONPATH, or give the file: path/to/rewards.py:function") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"{'file' if module_name.endswith('.py') else 'module'} {module_name!r} has no function "
-                         f"{attr!r}")
+        raise ValueError(f"{'file' if is_file else 'module'} {where!r} has no function {attr!r}")
     return fn
+
+
+def split_function(value: str) -> tuple[str, str, bool]:
+    """(module or file, function name, whether it is a file) of `package.module:function` or
+    `path/to/file.py:function` (the last `:` splits them)."""
+    where, _, attr = value.rpartition(":")
+    return where, attr, where.endswith(".py")
 
 
 def _load_file(path: Path):
@@ -112,14 +118,14 @@ def _load_file(path: Path):
 def _function_path(value: str, info: ValidationInfo) -> str:
     """`module:function` as given, or `file.py:function` with the file's path resolved against the config's
     folder (so the workers, wherever they start, load the same file)."""
-    module, sep, attr = value.rpartition(":")
-    if module.endswith(".py"):
-        module = str(_resolve(module, info))
-    elif not re.fullmatch(r"[A-Za-z_][\w.]*", module):
-        module = ""
-    if not sep or not module or not re.fullmatch(r"[A-Za-z_]\w*", attr):
+    where, attr, is_file = split_function(value)
+    if is_file:
+        where = str(_resolve(where, info))
+    elif not re.fullmatch(r"[A-Za-z_][\w.]*", where):
+        where = ""
+    if not where or not re.fullmatch(r"[A-Za-z_]\w*", attr):
         raise ValueError("give `package.module:function` (importable) or `path/to/file.py:function`")
-    return f"{module}:{attr}"
+    return f"{where}:{attr}"
 
 
 def name_problem(name: str) -> str | None:

@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSection, FunctionPath, GroupSection,
                                  ModelDir, PositiveInt, RunName, Section, SlurmSection, TransportSection, WandbSection,
-                                 fp16_problem, load_function, model_files, pending_export)
+                                 fp16_problem, load_function, model_files, pending_export, split_function)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import (context_problem, head_problem, kv_cache_problem, main_tokenizer_problem,
                                         tokenizer_problem, vllm_cpu_problem)
@@ -148,7 +148,7 @@ class RewardFunction(Section):
     def _importable(self) -> "RewardFunction":
         load_function(self.function)
         if self.name is None:
-            self.name = self.function.rpartition(":")[2]
+            self.name = split_function(self.function)[1]
         return self
 
 
