@@ -227,7 +227,6 @@ def cmd_run(args, stage: str | None = None) -> int:
 
 def cmd_resume(args) -> int:
     from toolkit.config import load_config
-    from toolkit.data.dataset import check_data
     from toolkit.launch.jobs import follow, live_job, open_run
     from toolkit.launch.pipeline import PipelineDir, is_pipeline_dir
 
@@ -243,7 +242,7 @@ def cmd_resume(args) -> int:
     status = run_dir.read_json(run_dir.status)
     if status.get("state") == "finished":
         by_epochs = cfg.stage != "rl" and not cfg.run.steps  # (an sft or rm stage's steps follow from its rows)
-        planned = cfg.total_steps(check_data(cfg).train_rows) if by_epochs else cfg.run.steps
+        planned = cfg.total_steps(_train_rows(status, cfg, args.data_changed)) if by_epochs else cfg.run.steps
         if planned <= status.get("steps", 0):
             print(f"{run_dir.path}: the run finished all its {status['steps']} steps, nothing to resume (to train "
                   f"longer, raise {'run.epochs' if by_epochs else 'run.steps'} in {run_dir.config}, then resume)",
@@ -264,6 +263,16 @@ def cmd_resume(args) -> int:
     run_dir.update_job(job_id=job_id, submitted=time.time(), requeues=0)
     print(f"submitted slurm job {job_id} to resume {run_dir.path}", flush=True)
     return follow(run_dir, job_id) if args.wait else 0
+
+
+def _train_rows(status: dict, cfg, data_changed: bool) -> int:
+    """The training rows of a finished supervised stage: as its driver recorded them in status.json, unless
+    the data files changed since (then, or for a run that did not record them, the data is read)."""
+    if "train_rows" in status and not data_changed:
+        return status["train_rows"]
+    from toolkit.data.dataset import check_data
+
+    return check_data(cfg).train_rows
 
 
 def _accept_data(run_dir, cfg) -> None:

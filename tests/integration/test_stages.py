@@ -5,10 +5,12 @@ uninterrupted run's weights; packing computes the same loss without padding; two
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from tests.conftest import assert_clean_logs, cli, metric_lines, run_and_kill, write_config
@@ -97,10 +99,13 @@ def test_a_stage_sized_by_epochs_trains_on_when_they_are_raised(tiny, tmp_path):
     """A finished stage without run.steps: `resume` says so and names run.epochs; with run.epochs raised in its
     config.yaml it trains on from its last checkpoint to the steps the new epochs give, and exports again."""
     run_dir = run_stage(tiny, tmp_path, "sft", run={"steps": None, "epochs": 0.1})
-    rows = json.loads((run_dir / "status.json").read_text())["steps"]
+    status = json.loads((run_dir / "status.json").read_text())
+    batch = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["batch_size"]
+    steps = status["steps"]  # (resume reads the stage's rows here, not from the data again)
+    assert status["train_rows"] > 0 and steps == max(1, math.ceil(0.1 * status["train_rows"] / batch))
     first = weights(run_dir)
     again = cli("resume", run_dir, timeout=120)
-    assert again.returncode == 0 and (f"the run finished all its {rows} steps, nothing to resume (to train longer, "
+    assert again.returncode == 0 and (f"the run finished all its {steps} steps, nothing to resume (to train longer, "
                                       f"raise run.epochs in {run_dir / 'config.yaml'}") in again.stdout, again.stdout
     text = (run_dir / "config.yaml").read_text()
     assert "\n  epochs: 0.1\n" in text
@@ -108,7 +113,7 @@ def test_a_stage_sized_by_epochs_trains_on_when_they_are_raised(tiny, tmp_path):
     more = cli("resume", run_dir)
     assert more.returncode == 0, more.stdout + more.stderr
     status = json.loads((run_dir / "status.json").read_text())
-    assert status["state"] == "finished" and status["steps"] >= 2 * rows - 1
+    assert status["state"] == "finished" and status["steps"] >= 2 * steps - 1
     assert [r["step"] for r in records(run_dir)] == list(range(status["steps"]))
     assert max((weights(run_dir)[k] - first[k]).abs().max().item() for k in first) > 1e-4  # (a new export)
 

@@ -9,10 +9,10 @@ from toolkit.launch.supervisor import Supervisor
 
 class StageDriver(Supervisor):
     def _loop(self, resume: dict, secret: bytes, records: list[dict]) -> None:
-        self.steps = self.trainer_ready["steps"]
+        self.steps, self.train_rows = self.trainer_ready["steps"], self.trainer_ready["train_rows"]
         first = self.trainer_ready["step"]
         self.step = first - 1
-        self.echo(f"{self.cfg.stage}: {self.trainer_ready['train_rows']} training rows, "
+        self.echo(f"{self.cfg.stage}: {self.train_rows} training rows, "
                   f"{self.trainer_ready['eval_rows']} eval rows; steps {first + 1}..{self.steps} of "
                   f"{self.cfg.train.batch_size} rows")
         def stop() -> bool:

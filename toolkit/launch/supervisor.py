@@ -46,6 +46,7 @@ class Supervisor:
         self.trainer_ids = group_of(self.groups, "trainer" if cfg.stage == "rl" else cfg.stage).worker_ids()
         self.trainer_id = self.trainer_ids[0]
         self.steps: int | None = getattr(cfg.run, "steps", None)  # (a supervised stage says it when ready)
+        self.train_rows: int | None = None  # (a supervised stage's, which its steps follow from; said when ready)
         self.book: dict[str, dict] = {}
         self.ready: set[str] = set()
         self.trained: dict[int, dict] = {}  # metrics the trainer reported, by step, not written yet
@@ -515,7 +516,8 @@ class Supervisor:
             for w in workers.values():
                 w["phase"], w["step"] = "ended", self.step
         status = {"state": self.state, "stage": self.cfg.stage, "step": self.step, "running_step": self.running_step,
-                  "steps": self.steps, "launcher": self.launcher.name, "error": self.error,
+                  "steps": self.steps, **({"train_rows": self.train_rows} if self.train_rows is not None else {}),
+                  "launcher": self.launcher.name, "error": self.error,
                   "driver": {"pid": os.getpid(), "node": node_name(), "started": _started()}, "workers": workers,
                   "last_metrics": self.last_metrics, "worker_restarts": self.generation}
         self.run_dir.write_status(status)
