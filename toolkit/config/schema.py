@@ -79,7 +79,8 @@ class VllmSection(Section):
     tensor_parallel_size: PositiveInt = 1
     """vLLM tensor-parallel size of each generator worker."""
     enforce_eager: bool = True
-    """Skip torch.compile/graph capture: start in seconds instead of ~20 s (slower decode on GPU)."""
+    """Skip torch.compile/graph capture: start in seconds instead of ~20 s (slower decode on GPU). On CPU,
+    vLLM's small compiled helpers run eagerly too (TORCH_COMPILE_DISABLE=0 keeps compiling them)."""
 
 
 class RolloutSection(Section):

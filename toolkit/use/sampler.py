@@ -84,6 +84,9 @@ class Sampler:
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
             from vllm import LLM
 
+            from toolkit.roles.engines.vllm_engine import eager_helpers_on_cpu
+
+            eager_helpers_on_cpu()  # (with enforce_eager, as below)
             self.llm = LLM(model=self.model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                            kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enforce_eager=True)
         else:

@@ -23,6 +23,21 @@ def cpu_binding(ranks: int, cpus: list[int], group: str = "generator") -> str:
     return "|".join(",".join(map(str, cpus[r * share:(r + 1) * share])) for r in range(ranks))
 
 
+def eager_helpers_on_cpu() -> None:
+    """On CPU, with enforce_eager, vLLM still compiles a few small helpers with torch.compile when they are
+    first called (the rank of each sampled token among the log-probs; with tensor parallelism, the vocabulary
+    mask): a C++ build of about 3.5 s in every process that starts an engine, before its first sample, for
+    integer kernels that take microseconds here. Run them eagerly instead: the same numbers (the compiled
+    form exists to save GPU memory). The environment carries it to vLLM's tensor-parallel rank processes;
+    TORCH_COMPILE_DISABLE=0 set by the user keeps compiling."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and os.environ.setdefault("TORCH_COMPILE_DISABLE", "1") == "1":
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+
+
 class VllmEngine:
     def __init__(self, cfg, device, beside_trainer: bool = False):
         """`beside_trainer`: in the trainer's process (Flattening on one device): the trainer loads its
@@ -45,6 +60,8 @@ class VllmEngine:
             # nodes than ranks (one, on most nodes): give each rank its share of this worker's CPUs instead.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(
                 self.ranks, sorted(os.sched_getaffinity(0)), cfg.placement.name_with("generation")))
+        if vcfg.enforce_eager:
+            eager_helpers_on_cpu()
         self.llm = LLM(
             model=cfg.model.actor,
             tokenizer=str(cfg.tokenizer_path),
