@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slurm
 # run stops after steps 3 and 6, and a few more steps end it in the third attempt. An SFT rank is held
 # outside its step's time, with the default margin (15 s): its cut ends the attempt 27-31 s later, and
 # the stage steps on after it.
-STEPS = 30
+STEPS = 12
 HOLD = "training@3"
 LONG_MIN = 30  # a time limit no attempt reaches
 MARGIN_S = 90
@@ -126,7 +126,7 @@ def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
     checkpoints, requeues the job, and the requeued job resumes by itself (the test gives it a long limit
     again). The third attempt finishes the run: every step once, the periodic checkpoints too."""
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": STEPS, "name": "requeue"},
-                                            checkpoint={"every_steps": 10},
+                                            checkpoint={"every_steps": 5},
                                             slurm={"time_min": LONG_MIN, "signal_lead_s": 30, "max_requeues": 4,
                                                    "stop_margin_s": MARGIN_S}))
     run_dir = tmp_path / "run"
