@@ -3,7 +3,8 @@
 generator CONFIG BACKEND HOST PORT OUT SEQS [REFRESH]
                                                join the sync group as rank 1, record the log-probs of the
                                                whole vocabulary at every position of SEQS, before and
-                                               after receiving one version of the weights, and the sync check
+                                               after receiving one version of the weights, the sync check,
+                                               and how many frames torch.compile compiled meanwhile
 zero3 RANK CONFIG DIR                          a ZeRO-3 trainer rank (of 2): one training step, then sync
 receiver CONFIG DIR                            an HF engine that receives the ZeRO-3 trainer's weights
 """
@@ -49,9 +50,12 @@ def generator(config, backend, host, port, out, seqs, refresh="refresh") -> None
             probe.check(expected, probe.engine_logprobs(engine, joined["probe"]), 1e-3, version, "the peer"))
     except probe.WeightSyncError as e:
         check = str(e)
+    from torch._dynamo.utils import counters
+
     as_json = lambda runs: [[{str(k): v for k, v in pos.items()} for pos in run] for run in runs]  # noqa: E731
     Path(out).write_text(json.dumps({"version": version, "before": as_json(before), "after": as_json(after),
-                                     "weights": joined["weights"], "check": check}))
+                                     "weights": joined["weights"], "check": check,
+                                     "compiled_frames": counters["frames"]["total"]}))
 
 
 def _wait_port(directory: Path) -> int:

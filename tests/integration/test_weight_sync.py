@@ -99,6 +99,9 @@ def test_generator_logprobs_equal_trainer_after_sync(backend, family, tiny, tmp_
           f"probe check {result['check']}")
     assert after <= 1e-5, after
     assert isinstance(result["check"], float) and result["check"] <= 1e-5  # the probe agrees
+    # nothing compiled: vLLM's torch.compile helpers (each log-prob's rank) ran eagerly on this CPU
+    # (vllm_engine.eager_helpers_on_cpu), with the log-probs above still the trainer's
+    assert result["compiled_frames"] == 0, result["compiled_frames"]
 
 
 def test_without_the_check_no_probe_is_computed_or_sent(tiny, tmp_path):
