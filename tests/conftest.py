@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -166,10 +167,18 @@ def worker_pids(run_dir: Path) -> dict[str, int]:
     return {w: entry["pid"] for w, entry in status["workers"].items() if entry.get("pid")}
 
 
+def fork_server_pids(run_dir: Path) -> list[int]:
+    """The pids of the local launcher's fork servers (toolkit/launch/forkserver.py) the run's attempts and
+    resumes started, from their log."""
+    log = run_dir / "logs" / "fork-server.log"
+    return [int(pid) for pid in re.findall(r"fork server \(pid (\d+)\)", log.read_text())] if log.exists() else []
+
+
 def assert_no_workers_left(run_dir: Path) -> None:
-    """Every worker status.json lists has ended (within 15 s)."""
+    """Every worker status.json lists, and the fork server that started them, has ended (within 15 s)."""
     pids = worker_pids(run_dir)
     assert pids, "status.json lists no workers"
+    pids.update({f"fork server {i}": pid for i, pid in enumerate(fork_server_pids(run_dir))})
     deadline = time.monotonic() + 15
     while alive(pids.values()) and time.monotonic() < deadline:
         time.sleep(0.2)

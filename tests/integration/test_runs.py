@@ -14,10 +14,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import EXAMPLES, REPO, alive, assert_no_workers_left, cli, example, worker_pids, write_config
+from tests.conftest import (EXAMPLES, REPO, alive, assert_no_workers_left, cli, example, fork_server_pids, worker_pids,
+                            write_config)
 from toolkit.config import load_config
 from toolkit.launch import allocator
 from toolkit.store import experience
@@ -242,9 +244,15 @@ def test_hung_worker_is_detected_by_heartbeat(tiny, tmp_path):
 
 
 def test_killed_driver_leaves_no_workers(tiny, tmp_path):
-    """If the driver dies without cleaning up (SIGKILL, the OOM killer), its workers end themselves."""
+    """If the driver dies without cleaning up (SIGKILL, the OOM killer), its workers end themselves, and so does
+    the fork server they were started from (on this machine without GPUs, every worker is its fork)."""
     with running(tiny, tmp_path) as (proc, run_dir):
         pids = worker_pids(run_dir)
+        servers = fork_server_pids(run_dir)
+        assert len(servers) == 1 and {psutil.Process(pid).ppid() for pid in pids.values()} == set(servers)
+        assert psutil.Process(servers[0]).ppid() == proc.pid
+        assert all(os.getpgid(pid) == pid for pid in pids.values())  # (each worker leads a session of its own)
+        pids["fork server"] = servers[0]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 20

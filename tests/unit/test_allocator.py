@@ -18,7 +18,7 @@ PROGRAM = ("import json, os; from toolkit.launch import allocator; allocator.ree
 
 
 def started(wanted: str | None, **extra) -> tuple[int, dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV, allocator._DONE)}
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV, allocator.CHECKED)}
     env.update(extra)
     if wanted is not None:
         env[allocator.ENV] = wanted
@@ -53,7 +53,7 @@ def test_system_or_nothing_asked_keeps_glibc_and_a_missing_library_is_named():
         pid, got = started(wanted)
         assert got["pid"] == pid and got["loaded"] == "system" and got["preload"] == ""
     # once looked (the marker is set), a process is not started again, and its log line says what to install
-    _, got = started("jemalloc", **{allocator._DONE: "1"})
+    _, got = started("jemalloc", **{allocator.CHECKED: "1"})
     assert got["loaded"] == "system"
     assert "run.allocator jemalloc: jemalloc not found on this node; install" in got["line"]
 

@@ -18,7 +18,7 @@ import sys
 
 from toolkit.launch.env import ALLOCATOR as ENV  # the allocator the launcher asks for (run.allocator)
 
-_DONE = "SLURM_RLHF_ALLOCATOR_CHECKED"    # set before the exec: a process looks only once
+CHECKED = "SLURM_RLHF_ALLOCATOR_CHECKED"    # set before the exec: a process looks only once
 # The libraries, by the name ld.so finds them under (Debian: libtcmalloc-minimal4, libjemalloc2).
 LIBRARIES = {"tcmalloc": ("tcmalloc_minimal", "libtcmalloc_minimal.so.4"), "jemalloc": ("jemalloc", "libjemalloc.so.2")}
 # `auto`, in the order tried. (Where the trainer runs vLLM in its own process, Flattening, `auto` took
@@ -55,10 +55,10 @@ def reexec_with_allocator() -> None:
     process was started without it, replace this process by itself with the library preloaded. Returns
     when nothing is to be done."""
     wanted = os.environ.get(ENV)
-    if not wanted or os.environ.get(_DONE) or loaded() != "system":
+    if not wanted or os.environ.get(CHECKED) or loaded() != "system":
         return
     name, lib = choice(wanted)
-    os.environ[_DONE] = "1"
+    os.environ[CHECKED] = "1"
     if lib is None:
         return
     os.environ["LD_PRELOAD"] = " ".join(filter(None, (lib, os.environ.get("LD_PRELOAD"))))

@@ -3,12 +3,12 @@
 The embedded default: a laptop or CI runs a whole RL job with no Slurm. Workers get the same
 environment contract as under Slurm. Each worker leads its own process group, so stopping a worker
 also stops whatever it started (vLLM engine processes, compile workers); workers also receive SIGTERM
-if the driver dies (PR_SET_PDEATHSIG), so none outlives its run.
+if the driver dies (PR_SET_PDEATHSIG), so none outlives its run. On a machine without GPUs, workers are
+forks of a process that has imported torch and transformers once for all of them (forkserver.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -16,17 +16,9 @@ import sys
 import time
 from toolkit.launch import env as E
 from toolkit.launch.exits import Exit, wait_all
+from toolkit.launch.forkserver import ForkServer, die_with_parent, usable
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import WorkerGroup
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 class LocalLauncher:
@@ -37,8 +29,11 @@ class LocalLauncher:
         self.procs: dict[str, subprocess.Popen] = {}
         self.envs: dict[str, dict[str, str]] = {}  # each worker's environment, to start it again
         self._reported: set[str] = set()
+        self.server: ForkServer | None = None  # (toolkit/launch/forkserver.py)
 
     def start(self, groups: list[WorkerGroup], env: dict[str, str]) -> None:
+        if usable(groups):
+            self.server = ForkServer({**os.environ, **env}, self.run_dir.logs / "fork-server.log")
         next_gpu = 0
         for group in groups:
             for rank, worker_id in enumerate(group.worker_ids()):
@@ -55,10 +50,15 @@ class LocalLauncher:
                 self._spawn(worker_id, child_env)
 
     def _spawn(self, worker_id: str, env: dict[str, str]) -> None:
+        if self.server and self.server.fits(env):
+            forked = self.server.spawn(worker_id, env, self.run_dir.log_file(worker_id))
+            if forked:
+                self.procs[worker_id] = forked
+                return
         with open(self.run_dir.log_file(worker_id), "ab") as log:
             self.procs[worker_id] = subprocess.Popen(
                 [sys.executable, "-m", "toolkit.worker"], env=env, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
 
     def can_restart(self, worker_id: str) -> bool:
         return True  # (each worker is its own process)
@@ -122,6 +122,8 @@ class LocalLauncher:
         deadline = time.monotonic() + 10
         while _members(groups) and time.monotonic() < deadline:
             time.sleep(0.1)
+        if self.server:
+            self.server.close()
 
 
 def _signal_group(pgid: int, sig: int) -> None:

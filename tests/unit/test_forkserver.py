@@ -1,0 +1,50 @@
+"""The local launcher's fork server (toolkit/launch/forkserver.py), a real one: which environments it takes,
+what it reports of a worker it forked, and what happens when it is gone. (Whole runs through it, stopped and
+killed at every moment, are in tests/integration.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.conftest import alive
+from toolkit.launch.forkserver import ForkServer, usable
+from toolkit.placement.plan import WorkerGroup
+
+
+def test_a_fork_server_starts_workers_reports_their_end_and_is_not_used_once_gone(tmp_path):
+    server = ForkServer({**os.environ}, tmp_path / "fork-server.log")
+    try:
+        # What differs is read at run time (our contract, gloo's interface, the thread count): a fork is the
+        # same worker. Anything else (here PYTHONPATH, read when the interpreter starts) is not.
+        assert server.fits({**os.environ, "SLURM_RLHF_GROUP": "g", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+        assert not server.fits({**os.environ, "PYTHONPATH": "/elsewhere"})
+        assert not server.fits({k: v for k, v in os.environ.items() if k != "PATH"})
+
+        # A worker without the launcher's contract fails at once, as `python -m toolkit.worker` would.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_RLHF_")}
+        worker = server.spawn("w:0", env, tmp_path / "w-0.log")
+        assert worker is not None and worker.pid != server.proc.pid
+        assert worker.wait(timeout=120) == 1 and worker.poll() == 1
+        log = (tmp_path / "w-0.log").read_text()
+        assert "SLURM_RLHF_RUN_DIR" in log, log  # (the missing variable is named in the worker's own log)
+        assert f"fork server (pid {server.proc.pid}): importing torch" in (tmp_path / "fork-server.log").read_text()
+        assert "fork server: ready in" in (tmp_path / "fork-server.log").read_text()
+    finally:
+        server.proc.send_signal(signal.SIGKILL)  # (as if it died: the launcher then starts workers itself)
+        server.proc.wait(timeout=10)
+    assert server.spawn("w:1", env, tmp_path / "w-1.log") is None
+    server.close()  # (nothing left to end)
+    assert not alive([server.proc.pid])
+
+
+@pytest.mark.parametrize("gpus,switch,expected", [(0, None, True), (1, None, False), (0, "0", False)])
+def test_the_fork_server_is_used_only_without_gpus_and_unless_switched_off(monkeypatch, gpus, switch, expected):
+    monkeypatch.delenv("SLURM_RLHF_FORK_SERVER", raising=False)
+    if switch is not None:
+        monkeypatch.setenv("SLURM_RLHF_FORK_SERVER", switch)
+    groups = [WorkerGroup("trainer", ("trainer",), 1, 0, gpus)]
+    on_this_machine = not any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/kfd"))
+    assert usable(groups) == (expected and on_this_machine)
