@@ -199,10 +199,10 @@ def long_run(tiny, tmp_path, run: dict | None = None, **sections):
 
 
 @contextlib.contextmanager
-def running(tiny, tmp_path, **sections):
+def running(tiny, tmp_path, env: dict | None = None, **sections):
     """A long local run, past its first step; its whole process group is killed on the way out."""
     run_dir = tmp_path / "run"
-    proc = start(long_run(tiny, tmp_path, **sections), run_dir)
+    proc = start(long_run(tiny, tmp_path, **sections), run_dir, env)
     try:
         wait_for_step(proc, run_dir)
         yield proc, run_dir
@@ -245,8 +245,9 @@ def test_hung_worker_is_detected_by_heartbeat(tiny, tmp_path):
 
 def test_killed_driver_leaves_no_workers(tiny, tmp_path):
     """If the driver dies without cleaning up (SIGKILL, the OOM killer), its workers end themselves, and so does
-    the fork server they were started from (on this machine without GPUs, every worker is its fork)."""
-    with running(tiny, tmp_path) as (proc, run_dir):
+    the fork server they were started from (asked for whatever the number of cores; on a machine without GPUs
+    every worker is its fork)."""
+    with running(tiny, tmp_path, env={"SLURM_RLHF_FORK_SERVER": "1"}) as (proc, run_dir):
         pids = worker_pids(run_dir)
         servers = fork_server_pids(run_dir)
         assert len(servers) == 1 and {psutil.Process(pid).ppid() for pid in pids.values()} == set(servers)

@@ -40,11 +40,17 @@ def test_a_fork_server_starts_workers_reports_their_end_and_is_not_used_once_gon
     assert not alive([server.proc.pid])
 
 
-@pytest.mark.parametrize("gpus,switch,expected", [(0, None, True), (1, None, False), (0, "0", False)])
-def test_the_fork_server_is_used_only_without_gpus_and_unless_switched_off(monkeypatch, gpus, switch, expected):
+@pytest.mark.parametrize("more_workers_than_cores,gpus,switch,expected",
+                         [(True, 0, None, True), (False, 0, None, False), (True, 1, None, False), (True, 0, "0", False),
+                          (False, 0, "1", True), (False, 1, "1", False)])
+def test_the_fork_server_is_used_with_more_workers_than_cores_without_gpus_or_as_switched(
+        monkeypatch, more_workers_than_cores, gpus, switch, expected):
     monkeypatch.delenv("SLURM_RLHF_FORK_SERVER", raising=False)
     if switch is not None:
         monkeypatch.setenv("SLURM_RLHF_FORK_SERVER", switch)
-    groups = [WorkerGroup("trainer", ("trainer",), 1, 0, gpus)]
+    cores = len(os.sched_getaffinity(0))
+    groups = [WorkerGroup("trainer", ("trainer",), cores, 0, gpus)]
+    if more_workers_than_cores:
+        groups.append(WorkerGroup("scorer", ("reference",), 1))
     on_this_machine = not any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/kfd"))
     assert usable(groups) == (expected and on_this_machine)
