@@ -3,8 +3,9 @@
 The embedded default: a laptop or CI runs a whole RL job with no Slurm. Workers get the same
 environment contract as under Slurm. Each worker leads its own process group, so stopping a worker
 also stops whatever it started (vLLM engine processes, compile workers); workers also receive SIGTERM
-if the driver dies (PR_SET_PDEATHSIG), so none outlives its run. On a machine without GPUs, workers are
-forks of a process that has imported torch and transformers once for all of them (forkserver.py).
+if the driver dies (PR_SET_PDEATHSIG), so none outlives its run. With more workers than cores (and no
+GPUs), workers are forks of a process that has imported torch and transformers once for all of them
+(forkserver.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import time
 from toolkit.launch import env as E
 from toolkit.launch.exits import Exit, wait_all
-from toolkit.launch.forkserver import ForkServer, die_with_parent, usable
+from toolkit.launch.forkserver import ForkServer, Forked, die_with_parent, usable
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import WorkerGroup
 
@@ -26,7 +27,7 @@ class LocalLauncher:
 
     def __init__(self, run_dir: RunDir, bind_host: str = "127.0.0.1"):
         self.run_dir, self.bind_host = run_dir, bind_host
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | Forked] = {}
         self.envs: dict[str, dict[str, str]] = {}  # each worker's environment, to start it again
         self._reported: set[str] = set()
         self.server: ForkServer | None = None  # (toolkit/launch/forkserver.py)
