@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,39 @@ def test_a_fork_server_starts_workers_reports_their_end_and_is_not_used_once_gon
         server.proc.wait(timeout=10)
     assert server.spawn("w:1", env, tmp_path / "w-1.log") is None
     server.close()  # (nothing left to end)
+    assert not alive([server.proc.pid])
+
+
+PIDS_CGROUPS = Path("/sys/fs/cgroup/pids")  # (cgroup v1's process-count controller, as on these machines)
+
+
+@pytest.mark.skipif(not os.access(PIDS_CGROUPS / "cgroup.procs", os.W_OK),
+                    reason="needs a writable cgroup v1 pids controller to hold the fork server at its process limit")
+def test_a_fork_that_fails_leaves_the_server_serving_and_the_worker_to_a_fresh_interpreter(tmp_path):
+    server = ForkServer({**os.environ}, tmp_path / "fork-server.log")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_RLHF_")}
+    limit = PIDS_CGROUPS / f"slurm-rlhf-test-{os.getpid()}"
+    try:
+        first = server.spawn("w:0", env, tmp_path / "w-0.log")  # (after the server's imports)
+        assert first is not None and first.wait(timeout=120) == 1
+        limit.mkdir()
+        (limit / "cgroup.procs").write_text(str(server.proc.pid))
+        (limit / "pids.max").write_text((limit / "pids.current").read_text())  # (no room for one more process)
+
+        assert server.spawn("w:1", env, tmp_path / "w-1.log") is None
+        assert server.proc.poll() is None and not server.gone  # (it serves on: its other workers live)
+        assert "cannot fork worker w:1 (BlockingIOError" in (tmp_path / "w-1.log").read_text()
+        assert "fork server: cannot fork worker w:1: BlockingIOError" in (tmp_path / "fork-server.log").read_text()
+
+        (limit / "pids.max").write_text("max")
+        again = server.spawn("w:2", env, tmp_path / "w-2.log")
+        assert again is not None and again.wait(timeout=120) == 1
+    finally:
+        if limit.exists():
+            if server.proc.poll() is None:
+                (PIDS_CGROUPS / "cgroup.procs").write_text(str(server.proc.pid))
+            limit.rmdir()
+        server.close()
     assert not alive([server.proc.pid])
 
 

@@ -7,7 +7,9 @@ a model.
 The server is `python -m toolkit.launch.forkserver`, started by the local launcher with the run's
 environment, in a session of its own (Ctrl-C reaches the driver, which decides when workers stop), and
 it receives SIGTERM when the driver dies. It reads one JSON line per worker to start on stdin
-({"worker", "env", "log"}) and writes JSON lines back: {"worker", "pid"} for each worker it started, and
+({"worker", "env", "log"}) and writes JSON lines back: {"worker", "pid"} for each worker it started,
+{"worker", "error"} for one it could not fork (at the process limit, or out of memory where the kernel does
+not overcommit: the launcher then starts that worker as a fresh interpreter, and the server serves on), and
 {"pid", "code"} for each that ended (code negative: killed by that signal, as `subprocess` reports it).
 A worker forked here is what `python -m toolkit.worker` would be: a session of its own, SIGTERM when its
 parent (this server) dies, stdin from /dev/null, stdout and stderr in its log, exactly the environment
@@ -81,10 +83,11 @@ class ForkServer:
                 [sys.executable, "-m", "toolkit.launch.forkserver"], env=env, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=log, start_new_session=True, preexec_fn=die_with_parent)
         self._cond = threading.Condition()
-        self._pids: dict[str, int] = {}   # worker -> pid, as the server answers
-        self._codes: dict[int, int] = {}  # pid -> exit code, as the server reports
-        self.gone = False                 # the server ended (its workers got SIGTERM with it)
-        self.closed = False               # the launcher ended it, or gave up on it
+        self._pids: dict[str, int] = {}    # worker -> pid, as the server answers
+        self._codes: dict[int, int] = {}   # pid -> exit code, as the server reports
+        self._errors: dict[str, str] = {}  # worker -> why the server could not fork it
+        self.gone = False                  # the server ended (its workers got SIGTERM with it)
+        self.closed = False                # the launcher ended it, or gave up on it
         threading.Thread(target=self._read, name="fork-server", daemon=True).start()
 
     def _read(self) -> None:
@@ -93,6 +96,8 @@ class ForkServer:
             with self._cond:
                 if "code" in message:
                     self._codes[message["pid"]] = message["code"]
+                elif "error" in message:
+                    self._errors[message["worker"]] = message["error"]
                 else:
                     self._pids[message["worker"]] = message["pid"]
                 self._cond.notify_all()
@@ -107,20 +112,27 @@ class ForkServer:
         return all(k.startswith("SLURM_RLHF_") or k in RUN_TIME_KEYS for k in differ)
 
     def spawn(self, worker_id: str, env: dict[str, str], log_path) -> "Forked | None":
-        """Worker `worker_id` forked by the server; None when the server cannot (it ended, or did not answer
-        within SPAWN_TIMEOUT_S: then it is stopped, so that it starts nothing later)."""
+        """Worker `worker_id` forked by the server; None when the server cannot: it ended, it did not answer
+        within SPAWN_TIMEOUT_S (then it is stopped, so that it starts nothing later), or its fork failed (then
+        the worker's log says so)."""
         if self.gone or self.closed:
             return None
         with self._cond:
             self._pids.pop(worker_id, None)
+            self._errors.pop(worker_id, None)
         try:
             self.proc.stdin.write(json.dumps({"worker": worker_id, "env": env, "log": str(log_path)}).encode() + b"\n")
             self.proc.stdin.flush()
         except OSError:  # (it ended)
             return None
         with self._cond:
-            self._cond.wait_for(lambda: worker_id in self._pids or self.gone, SPAWN_TIMEOUT_S)
-            pid = self._pids.get(worker_id)
+            self._cond.wait_for(lambda: worker_id in self._pids or worker_id in self._errors or self.gone,
+                                SPAWN_TIMEOUT_S)
+            pid, error = self._pids.get(worker_id), self._errors.get(worker_id)
+        if error is not None:
+            with open(log_path, "a") as log:
+                log.write(f"fork server: cannot fork worker {worker_id} ({error}); it starts as a fresh interpreter\n")
+            return None
         if pid is None:
             self.close()
             return None
@@ -214,7 +226,12 @@ def serve() -> None:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
-            pid = _fork_worker(request["env"], request["log"], replies)
+            try:
+                pid = _fork_worker(request["env"], request["log"], replies)
+            except OSError as e:  # (EAGAIN at the process limit; ENOMEM where the kernel does not overcommit)
+                print(f"fork server: cannot fork worker {request['worker']}: {e!r}", file=sys.stderr, flush=True)
+                _reply(replies, {"worker": request["worker"], "error": repr(e)})
+                continue
             children.add(pid)
             _reply(replies, {"worker": request["worker"], "pid": pid})
     deadline = time.monotonic() + 10
