@@ -23,6 +23,7 @@ from tests.conftest import (EXAMPLES, REPO, alive, assert_no_workers_left, cli, 
 from toolkit.config import load_config
 from toolkit.launch import allocator
 from toolkit.store import experience
+from toolkit.store.manifest import Manifest
 
 pytestmark = pytest.mark.integration
 
@@ -290,14 +291,18 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
     moment of it, one after the other in one run: started, stopped at the first moment, resumed and stopped
     at the next, and so on. Each time the run ends with 130 or 143 and `interrupted`, no process it started
     is left and the committed experience and checkpoints are intact; the last `resume` finishes the run,
-    every step once. The moment is reached by waiting for the hook's file, not by sleeping."""
+    every step once. The moment is reached by waiting for the hook's file, not by sleeping. Its data and its
+    reward function are files of its own, changed before the last resume (with hf)."""
     from toolkit.hold import MOMENTS
 
     prompts = tmp_path / "prompts.jsonl"  # (its own copy: a resume below finds it changed)
     prompts.write_bytes((tiny / "prompts.jsonl").read_bytes())
+    rewards = tmp_path / "rewards.py"  # (the same function, as a file that a resume below finds changed)
+    rewards.write_text("from toolkit.rewards.examples import digit_ratio as digits  # noqa: F401\n")
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": "stop"},
                                             checkpoint={"every_steps": 1}, rollout={"backend": backend},
-                                            data={"prompts": str(prompts)}))
+                                            data={"prompts": str(prompts)},
+                                            reward={"functions": [{"function": "rewards.py:digits"}]}))
     run_dir = tmp_path / "run"
     for i, (moment, stop) in enumerate(stops):
         assert moment in MOMENTS
@@ -307,6 +312,7 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
     assert result.returncode == 0, result.stdout + result.stderr
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2]
+    assert "reward code changed" not in result.stdout
     resumes = resume_records(run_dir)
     again = cli("resume", run_dir, timeout=60)  # (a finished run: nothing to start)
     assert again.returncode == 0 and "the run finished all its 3 steps, nothing to resume" in again.stdout
@@ -317,6 +323,8 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
         (run_dir / "config.yaml").write_text(config_text.replace("\n  steps: 3\n", "\n  steps: 4\n"))
         before = prompts.stat().st_size  # a row added since the run started: refused, nothing started
         prompts.write_text(prompts.read_text() + '{"prompt": "one more"}\n')
+        code_before = rewards.stat().st_size  # and the reward function edited: said, not refused
+        rewards.write_text(rewards.read_text() + "# (edited)\n")
         changed = cli("resume", run_dir, timeout=120)
         assert changed.returncode == 1 and "started" not in changed.stdout, changed.stdout + changed.stderr
         assert (f"the run's data changed since it started: {prompts} (data.sources.0.path): other contents "
@@ -326,13 +334,17 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
         longer = cli("resume", run_dir, "--data-changed")
         assert "going on with the data files as they are now" in longer.stdout
         assert longer.returncode == 0 and "resuming at step 3: checkpoint checkpoints/step-000003" in longer.stdout
+        assert (f"resume: the reward code changed since the last start: reward.functions.0 ({rewards}:digits): "
+                f"{rewards} has other contents ({code_before} bytes then, {rewards.stat().st_size} now); steps 3 "
+                "on are scored by it as it is now") in longer.stdout, longer.stdout
+        recorded = [r for r in Manifest(run_dir).records() if r["kind"] == "rewards"]
+        assert [(r["from_step"], r["functions"]["reward.functions.0"]["bytes"]) for r in recorded] == \
+            [(0, code_before), (3, rewards.stat().st_size)]
         steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert steps == [0, 1, 2, 3]
 
 
 def resume_records(run_dir: Path) -> int:
-    from toolkit.store.manifest import Manifest
-
     return sum(1 for r in Manifest(run_dir).records() if r["kind"] == "resume")
 
 

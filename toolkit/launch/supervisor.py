@@ -187,6 +187,7 @@ class Supervisor:
         plan = plan_resume(self.run_dir.path)
         self.step = plan.next_step - 1  # (what status.json says if the data check fails)
         self._check_data()
+        self._check_reward_code(plan.next_step)
         for problem in plan.problems:
             self.echo(f"resume: {problem}")
         moved = set_aside(self.run_dir.path, plan)
@@ -222,6 +223,20 @@ class Supervisor:
                            f"{resume_target(self.run_dir.path)} --data-changed")
         if now != then:  # (the first start, or a file touched but the same)
             manifest.append({"kind": "data", "files": now})
+
+    def _check_reward_code(self, next_step: int) -> None:
+        """Record the reward functions' files at the run's first start; later, say which changed since the
+        last start, from which step the code as it is now scores, and record them again (sources.py)."""
+        from toolkit.rewards.sources import changes, reward_sources
+
+        manifest = Manifest(self.run_dir.path)
+        then = next((r["functions"] for r in reversed(manifest.records()) if r["kind"] == "rewards"), None)
+        now = reward_sources(self.cfg)
+        for line in changes(then, now) if then is not None else []:
+            self.echo(f"resume: the reward code changed since the last start: {line}; steps {next_step} on are "
+                      "scored by it as it is now")
+        if now != then:
+            manifest.append({"kind": "rewards", "functions": now, "from_step": next_step})
 
     def _keep_metrics_before(self, step: int) -> None:
         """Drop metrics of steps that will run again (and a line cut short by a crash)."""

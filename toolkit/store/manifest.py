@@ -9,6 +9,9 @@ short by a crash is ignored when read. Records:
     {"kind": "resume", ...}                  what a resume used, replayed and set aside
     {"kind": "data", "files": {field: {"path", "files": {name: [bytes, mtime_ns, checksum]}}}}
                                              the data files at the first start (toolkit/data/fingerprint.py)
+    {"kind": "rewards", "functions": {field: {"function", "path", "bytes", "checksum"}}, "from_step": s}
+                                             the reward functions' files at the first start, and again from
+                                             a resume that found them changed (toolkit/rewards/sources.py)
 
 Checksums: see toolkit/store/checksum.py; manifests of earlier versions name an experience file's
 checksum "sha256".
