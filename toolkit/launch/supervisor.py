@@ -194,7 +194,7 @@ class Supervisor:
         if plan.checkpoint or plan.replay or moved or self.trainer_restarts:  # (restarted before a commit too)
             where = f"checkpoint {plan.checkpoint['dir']}" if plan.checkpoint else "the initial weights"
             replay = f", then training again on {len(plan.replay)} committed experience batch(es)" \
-                if self.cfg.stage == "rl" else ""
+                if self.cfg.stage == "rl" and plan.replay else ""
             self.echo(f"resuming at step {plan.next_step}: {where} ({self.unit} {plan.start_version}){replay}"
                       + (f"; {len(moved)} later one(s) set aside in {moved[0].parent}" if moved else ""))
             Manifest(self.run_dir.path).append({
