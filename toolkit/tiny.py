@@ -86,15 +86,20 @@ FAMILIES = {
 
 
 def build_family(out_dir: str | Path, family: str, seed: int = 0) -> Path:
-    """A tiny random causal LM of `family` (see FAMILIES) with the tiny tokenizer, in `out_dir`."""
+    """A tiny random causal LM of `family` (see FAMILIES) with the tiny tokenizer, in `out_dir` (built beside it
+    and moved in whole, replacing what is there: a build cut short leaves nothing half-written in its place)."""
     out = Path(out_dir)
     stamp = out / "BUILT"
     if stamp.exists() and stamp.read_text() == f"{LAYOUT_VERSION} {family} {seed}":
         return out
+    build_beside(out, lambda tmp: _build_family(tmp, family, seed))
+    return out
+
+
+def _build_family(out: Path, family: str, seed: int) -> None:
     import torch
     import transformers
 
-    out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out, seed)
     class_name, args = FAMILIES[family]
     cfg = getattr(transformers, class_name)(**args)
@@ -106,8 +111,7 @@ def build_family(out_dir: str | Path, family: str, seed: int = 0) -> Path:
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    stamp.write_text(f"{LAYOUT_VERSION} {family} {seed}")
-    return out
+    (out / "BUILT").write_text(f"{LAYOUT_VERSION} {family} {seed}")
 
 
 def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
