@@ -369,11 +369,13 @@ def cmd_submit(args) -> int:
         print(f"placement: {kind}, {allocation.nodes} nodes\n{placement_table(groups, allocation)}\n")
         print(f"batch script (for run directory {run_dir.path}):\n{submit_script(cfg, allocation, str(run_dir.path))}")
         return 0
+    given_empty = run_dir.path.is_dir()  # (an empty directory the user made for the run, with --run-dir)
     run_dir.create(cfg)
     try:
         job_id = submit(cfg, allocation, run_dir)
-    except ToolkitError:
-        shutil.rmtree(run_dir.path)  # made a moment ago for this job, which does not exist
+    except ToolkitError:  # (the job does not exist: what was made for it goes, an empty --run-dir stays)
+        for path in list(run_dir.path.iterdir()) if given_empty else [run_dir.path]:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
         raise
     run_dir.update_job(job_id=job_id, submitted=time.time())
     print(f"submitted slurm job {job_id} ({kind}, {allocation.nodes} nodes); run directory {run_dir.path}", flush=True)

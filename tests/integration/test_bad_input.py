@@ -111,6 +111,11 @@ def test_bad_input_gets_a_clear_error_and_leaves_nothing_half_written(tiny, tmp_
     if code == 2 or command == "submit":  # refused before anything started: no run directory at all
         assert "Traceback" not in result.stderr
         assert not run_dir.exists(), f"{case}: {run_dir} was left behind"
+        if command == "submit":  # and a directory the user made for the run, empty, stays as it was
+            given = tmp_path / "given"
+            given.mkdir()
+            again = cli(command, config, "--run-dir", given, env=environ, timeout=600)
+            assert again.returncode == code and given.is_dir() and not list(given.iterdir()), again.stderr
     elif code == 1:  # failed inside the run: nothing half written, nothing committed for the failed step
         assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
         assert not list((run_dir / "experience").glob("step-*.h5")) if (run_dir / "experience").exists() else True
