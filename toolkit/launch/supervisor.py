@@ -235,7 +235,7 @@ class Supervisor:
         for line in changes(then, now) if then is not None else []:
             self.echo(f"resume: the reward code changed since the last start: {line}; steps {next_step} on are "
                       "scored by it as it is now")
-        if now != then:
+        if now != then and (now or then):  # (the first start of a run with reward functions, or a change)
             manifest.append({"kind": "rewards", "functions": now, "from_step": next_step})
 
     def _keep_metrics_before(self, step: int) -> None:
