@@ -289,7 +289,7 @@ def _resume_pipeline(pd, args) -> int:
     from toolkit.config import load_config
     from toolkit.config.pipeline import load_pipeline
     from toolkit.launch.jobs import live_job
-    from toolkit.launch.pipeline import finished, follow_pipeline, run_pipeline_here, submit_pipeline
+    from toolkit.launch.pipeline import finished, follow_pipeline, pipeline_jobs, run_pipeline_here, submit_pipeline
 
     configs = _pipeline_configs(load_pipeline(pd.source()), pd.path)
     for stage in pd.stages():
@@ -304,7 +304,7 @@ def _resume_pipeline(pd, args) -> int:
                 _accept_data(rd, load_config(rd.config))
     if not args.submit:
         return run_pipeline_here(configs, pd, args.verbose)
-    jobs = submit_pipeline(configs, pd)
+    jobs = submit_pipeline(pipeline_jobs(configs, pd), pd)
     if not jobs:
         print(f"{pd.path}: every stage finished, nothing to resume", flush=True)
     for stage, job_id in jobs:
@@ -373,9 +373,8 @@ def cmd_submit(args) -> int:
     run_dir.create(cfg)
     try:
         job_id = submit(cfg, allocation, run_dir)
-    except ToolkitError:  # (the job does not exist: what was made for it goes, an empty --run-dir stays)
-        for path in list(run_dir.path.iterdir()) if given_empty else [run_dir.path]:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    except ToolkitError:
+        _remove_made(run_dir.path, given_empty)  # (made a moment ago for this job, which does not exist)
         raise
     run_dir.update_job(job_id=job_id, submitted=time.time())
     print(f"submitted slurm job {job_id} ({kind}, {allocation.nodes} nodes); run directory {run_dir.path}", flush=True)
@@ -387,7 +386,8 @@ def cmd_submit(args) -> int:
 
 def _submit_pipeline(pipeline, args) -> int:
     from toolkit.launch.allocation import placement_table
-    from toolkit.launch.pipeline import PipelineDir, follow_pipeline, submit_pipeline
+    from toolkit.launch.jobs import live_job
+    from toolkit.launch.pipeline import PipelineDir, follow_pipeline, pipeline_jobs, submit_pipeline
 
     pd = PipelineDir(args.run_dir or Path("runs") / pipeline.name)
     configs = _pipeline_configs(pipeline, pd.path)
@@ -398,13 +398,28 @@ def _submit_pipeline(pipeline, args) -> int:
         print(f"{len(configs)} jobs, each starting after the one before finished (--dependency=afterok); "
               f"run directory {pd.path}")
         return 0
-    jobs = submit_pipeline(configs, pd.create(pipeline))
+    todo = pipeline_jobs(configs, pd)
+    given_empty = pd.path.is_dir()
+    pd.create(pipeline)
+    try:
+        jobs = submit_pipeline(todo, pd)
+    except ToolkitError:  # (all or none: what it had submitted is cancelled)
+        if not any(live_job(pd.stage(stage)) for stage in pd.stages()):
+            _remove_made(pd.path, given_empty)
+        raise
     for stage, job_id in jobs:
         print(f"submitted slurm job {job_id} for stage {stage}; run directory {pd.stage(stage).path}", flush=True)
     if not args.wait:
         print(f"follow it with: slurm-rlhf status {pd.path}")
         return 0
     return follow_pipeline(pd, jobs)
+
+
+def _remove_made(path: Path, given_empty: bool) -> None:
+    """Remove the run (or pipeline) directory that a refused submit made; one that the user made for it, empty,
+    stays, emptied."""
+    for made in list(path.iterdir()) if given_empty else [path]:
+        shutil.rmtree(made) if made.is_dir() else made.unlink()
 
 
 def cmd_render(args) -> int:

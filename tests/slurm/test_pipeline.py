@@ -5,6 +5,7 @@ the model the one before it exported; the SFT stage's DeepSpeed ranks as one job
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -74,6 +75,36 @@ def test_pipeline_runs_as_three_chained_jobs(tiny, tmp_path):
     assert rm[-1]["eval_accuracy"] >= 0.9
     true_reward = [r["reward/true_reward"] for r in metrics(run_dir / "rl")]
     assert sum(true_reward[-5:]) / 5 > true_reward[0] + 0.2, true_reward  # RL with the learned reward works
+
+
+def test_a_pipeline_is_submitted_whole_or_not_at_all(tiny, tmp_path):
+    """A stage that sbatch refuses (the rl stage's partition does not exist) cancels the stages submitted
+    before it, and the pipeline directory goes (one the user made for it, empty, stays so): none of it runs,
+    and the same `submit` works once the file is fixed. A stage that Slurm would keep waiting (more nodes than
+    the partition has) is named before any job is submitted."""
+    from tests.slurm.conftest import jobs_of_this_checkout
+    from toolkit.launch.jobs import slurm_job
+
+    run_dir = tmp_path / "pipeline"
+    refused = cli("submit", EXAMPLES / "tiny-pipeline.yaml", "--run-dir", run_dir, "--set", "rl.slurm.partition=nosuch",
+                  timeout=180)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "stage rl: sbatch refused the job" in refused.stderr and "nosuch" in refused.stderr, refused.stderr
+    cancelled = re.findall(r"\ncancelled the stages submitted before it, so that none of the pipeline runs: "
+                           r"sft \(job (\d+)\), rm \(job (\d+)\)\n", refused.stderr + "\n")
+    assert len(cancelled) == 1, refused.stderr
+    cancelled = [("sft", cancelled[0][0]), ("rm", cancelled[0][1])]
+    assert all(slurm_job(job)["state"] == "CANCELLED" for _, job in cancelled)
+    assert not run_dir.exists()
+
+    run_dir.mkdir()
+    before = jobs_of_this_checkout()
+    too_big = ["--set", "rl.placement.trainer.workers=3", "--set", "rl.placement.trainer.nodes=3",
+               "--set", "rl.trainer.micro_batch_size=4", "--set", "rl.rollout.prompts_per_step=12"]
+    waiting = cli("submit", EXAMPLES / "tiny-pipeline.yaml", "--run-dir", run_dir, *too_big, timeout=180)
+    assert waiting.returncode == 2, waiting.stdout + waiting.stderr
+    assert "stage rl: the job needs 5 nodes in partition debug, which has 4 (sinfo)" in waiting.stderr, waiting.stderr
+    assert jobs_of_this_checkout() == before and run_dir.is_dir() and not list(run_dir.iterdir())
 
 
 def test_a_failed_stage_stops_the_chain_with_its_cause(tiny, tmp_path):

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from toolkit.errors import ConfigError, RunError
+from toolkit.errors import ConfigError, RunError, ToolkitError
 from toolkit.launch.rundir import RunDir
 from toolkit.newdir import check_new
 from toolkit.table import text_table
@@ -105,20 +105,49 @@ def run_pipeline_here(configs: list, pd: PipelineDir, verbose: bool) -> int:
     return 0
 
 
-def submit_pipeline(configs: list, pd: PipelineDir) -> list[tuple[str, str]]:
-    """Submit one job per stage not finished yet, each depending on the one before; [(stage, job id)]."""
+def pipeline_jobs(configs: list, pd: PipelineDir) -> list[tuple]:
+    """[(config, allocation)] of each stage not finished yet, every one checked against the partitions before
+    any is submitted (a later stage's job that Slurm would keep waiting is named while nothing runs)."""
     from toolkit.launch.allocation import plan_allocation
-    from toolkit.launch.submit import submit
+    from toolkit.launch.submit import check_partitions
     from toolkit.placement.plan import plan
 
+    todo = [(cfg, plan_allocation(plan(cfg), cfg.slurm.heterogeneous)) for cfg in configs
+            if not finished(pd.stage(cfg.stage))]
+    for cfg, allocation in todo:
+        try:
+            check_partitions(allocation)
+        except ConfigError as e:
+            raise ConfigError(f"stage {cfg.stage}: {e}") from None
+    return todo
+
+
+def submit_pipeline(todo: list[tuple], pd: PipelineDir) -> list[tuple[str, str]]:
+    """Submit one job per stage of `todo` (pipeline_jobs), each depending on the one before; [(stage, job id)].
+    All or none: when sbatch refuses a stage, the stages submitted before it are cancelled (none runs without
+    the stages after it), and the error names the stage."""
+    from toolkit.launch.jobs import cancel
+    from toolkit.launch.submit import submit
+
     jobs, previous = [], None
-    for cfg in configs:
+    for cfg, allocation in todo:
         rd = pd.stage(cfg.stage)
-        if finished(rd):
-            continue
         if not rd.config.exists():
             rd.create(cfg)
-        job_id = submit(cfg, plan_allocation(plan(cfg), cfg.slurm.heterogeneous), rd, depends_on=previous)
+        try:
+            job_id = submit(cfg, allocation, rd, depends_on=previous)
+        except ToolkitError as e:
+            cancelled, failed = [], []
+            for stage, job in reversed(jobs):
+                try:
+                    cancel(pd.stage(stage))
+                    cancelled.insert(0, f"{stage} (job {job})")
+                except (ToolkitError, OSError, subprocess.SubprocessError) as c:
+                    failed.insert(0, f"\nstage {stage}'s job {job} could not be cancelled ({c}): scancel {job}")
+            undone = f"\ncancelled the stages submitted before it, so that none of the pipeline runs: " \
+                     f"{', '.join(cancelled)}" if cancelled else ""
+            raise (ConfigError if isinstance(e, ConfigError) else RunError)(
+                f"stage {cfg.stage}: {e}{undone}{''.join(failed)}") from None
         rd.update_job(job_id=job_id, submitted=time.time(), requeues=0, depends_on=previous)
         jobs.append((cfg.stage, job_id))
         previous = job_id
