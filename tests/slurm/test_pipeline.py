@@ -79,9 +79,9 @@ def test_pipeline_runs_as_three_chained_jobs(tiny, tmp_path):
 
 def test_a_pipeline_is_submitted_whole_or_not_at_all(tiny, tmp_path):
     """A stage that sbatch refuses (the rl stage's partition does not exist) cancels the stages submitted
-    before it, and the pipeline directory goes (one the user made for it, empty, stays so): none of it runs,
-    and the same `submit` works once the file is fixed. A stage that Slurm would keep waiting (more nodes than
-    the partition has) is named before any job is submitted."""
+    before it, and the pipeline directory goes: none of it runs, and nothing is in the way of the same
+    `submit` once the file is fixed. A stage that Slurm would keep waiting (more nodes than the partition has)
+    is named before any job is submitted, and an empty directory made for the pipeline is left as it was."""
     from tests.slurm.conftest import jobs_of_this_checkout
     from toolkit.launch.jobs import slurm_job
 
