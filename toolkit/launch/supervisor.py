@@ -213,7 +213,7 @@ class Supervisor:
         from toolkit.launch.pipeline import resume_target
 
         manifest = Manifest(self.run_dir.path)
-        then = next((r["files"] for r in reversed(manifest.records()) if r["kind"] == "data"), None)
+        then = (manifest.last("data") or {}).get("files")
         now = fingerprint(self.cfg, then)
         changed = changes(then, now) if then is not None else []
         if changed:
@@ -230,7 +230,7 @@ class Supervisor:
         from toolkit.rewards.sources import changes, reward_sources
 
         manifest = Manifest(self.run_dir.path)
-        then = next((r["functions"] for r in reversed(manifest.records()) if r["kind"] == "rewards"), None)
+        then = (manifest.last("rewards") or {}).get("functions")
         now = reward_sources(self.cfg)
         for line in changes(then, now) if then is not None else []:
             self.echo(f"resume: the reward code changed since the last start: {line}; steps {next_step} on are "

@@ -49,6 +49,10 @@ class Manifest:
     def records(self) -> list[dict]:
         return read_jsonl(self.path)
 
+    def last(self, kind: str) -> dict | None:
+        """The newest record of `kind`; None if there is none."""
+        return next((r for r in reversed(self.records()) if r["kind"] == kind), None)
+
 
 def read_jsonl(path: Path) -> list[dict]:
     """The records of an append-only JSON Lines file of the run (none if it is missing); a line cut short
