@@ -83,11 +83,10 @@ class ForkServer:
                 [sys.executable, "-m", "toolkit.launch.forkserver"], env=env, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=log, start_new_session=True, preexec_fn=die_with_parent)
         self._cond = threading.Condition()
-        self._pids: dict[str, int] = {}    # worker -> pid, as the server answers
-        self._codes: dict[int, int] = {}   # pid -> exit code, as the server reports
-        self._errors: dict[str, str] = {}  # worker -> why the server could not fork it
-        self.gone = False                  # the server ended (its workers got SIGTERM with it)
-        self.closed = False                # the launcher ended it, or gave up on it
+        self._answers: dict[str, dict] = {}  # worker -> the server's answer: {"pid"}, or {"error"} (no fork)
+        self._codes: dict[int, int] = {}     # pid -> exit code, as the server reports
+        self.gone = False                    # the server ended (its workers got SIGTERM with it)
+        self.closed = False                  # the launcher ended it, or gave up on it
         threading.Thread(target=self._read, name="fork-server", daemon=True).start()
 
     def _read(self) -> None:
@@ -96,10 +95,8 @@ class ForkServer:
             with self._cond:
                 if "code" in message:
                     self._codes[message["pid"]] = message["code"]
-                elif "error" in message:
-                    self._errors[message["worker"]] = message["error"]
                 else:
-                    self._pids[message["worker"]] = message["pid"]
+                    self._answers[message["worker"]] = message
                 self._cond.notify_all()
         with self._cond:
             self.gone = True
@@ -118,21 +115,21 @@ class ForkServer:
         if self.gone or self.closed:
             return None
         with self._cond:
-            self._pids.pop(worker_id, None)
-            self._errors.pop(worker_id, None)
+            self._answers.pop(worker_id, None)
         try:
             self.proc.stdin.write(json.dumps({"worker": worker_id, "env": env, "log": str(log_path)}).encode() + b"\n")
             self.proc.stdin.flush()
         except OSError:  # (it ended)
             return None
         with self._cond:
-            self._cond.wait_for(lambda: worker_id in self._pids or worker_id in self._errors or self.gone,
-                                SPAWN_TIMEOUT_S)
-            pid, error = self._pids.get(worker_id), self._errors.get(worker_id)
-        if error is not None:
+            self._cond.wait_for(lambda: worker_id in self._answers or self.gone, SPAWN_TIMEOUT_S)
+            answer = self._answers.get(worker_id, {})
+        if "error" in answer:
             with open(log_path, "a") as log:
-                log.write(f"fork server: cannot fork worker {worker_id} ({error}); it starts as a fresh interpreter\n")
+                log.write(f"fork server: cannot fork worker {worker_id} ({answer['error']}); it starts as a fresh "
+                          "interpreter\n")
             return None
+        pid = answer.get("pid")
         if pid is None:
             self.close()
             return None
