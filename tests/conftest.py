@@ -22,9 +22,31 @@ EXAMPLES = REPO / "templates" / "examples"
 _CONFIG = None  # (pytest's config, for the hook below)
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--part", choices=("slurm", "rest"), default=None,
+                     help="run only the tests marked slurm, or only the rest (tools/test.sh runs the two side by "
+                          "side: the Slurm tests spend much of their time waiting on Slurm)")
+
+
 def pytest_configure(config) -> None:
     global _CONFIG
     _CONFIG = config
+    # A suite started in the background of a shell (tools/test.sh's Slurm part, or under `nohup ... &`) starts
+    # with SIGINT ignored: take it back, so that SIGINT stops it with its fixtures torn down (runs ended,
+    # jobs cancelled) rather than not at all.
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    part = config.getoption("--part")
+    if part is None:
+        return
+    keep = [item for item in items if (item.get_closest_marker("slurm") is not None) == (part == "slurm")]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
 
 
 @pytest.fixture(autouse=True)
