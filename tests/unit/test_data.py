@@ -213,25 +213,31 @@ def test_alpaca_rows_join_the_input_to_the_instruction(tmp_path):
 
 def test_hh_rows_take_the_text_both_responses_share_as_the_prompt(tmp_path):
     """Anthropic's HH-RLHF rows, {chosen, rejected} as whole texts: the prompt is their shared text up to its last
-    whitespace, which starts each response; RM pairs, SFT (the chosen one) and RL prompts read it so."""
+    "\\n\\nAssistant:" (text without that marker: up to its last whitespace, which starts each response); RM
+    pairs, SFT (the chosen one) and RL prompts read it so."""
+    two_turns = "\n\nHuman: Hi\n\nAssistant: Hello.\n\nHuman: And you?\n\nAssistant:"
     rows = [{"chosen": "\n\nHuman: Name a fruit.\n\nAssistant: An apple.",
              "rejected": "\n\nHuman: Name a fruit.\n\nAssistant: A carrot."},
-            {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello there", "rejected": "\n\nHuman: Hi\n\nAssistant: Go away"},
-            {"chosen": "\n\nHuman: Tea?\n\nAssistant: I like tea", "rejected": "\n\nHuman: Tea?\n\nAssistant: I hate it"}]
+            {"chosen": two_turns + " Hello there", "rejected": two_turns + " Go away"},
+            {"chosen": "\n\nHuman: Tea?\n\nAssistant: I like tea", "rejected": "\n\nHuman: Tea?\n\nAssistant: I hate it"},
+            {"chosen": "Q: Tea? A: I like tea", "rejected": "Q: Tea? A: I hate it"}]
     path = jsonl(tmp_path / "hh.jsonl", rows)
     section = data(sources=[{"path": path}], shuffle=False)
     pairs = sorted(StageData(section, "rm", "pair", 0).train[0], key=lambda e: e.location)
     assert [(e.prompt, e.chosen, e.rejected) for e in pairs] == [
         ("\n\nHuman: Name a fruit.\n\nAssistant:", " An apple.", " A carrot."),  # (the shared "A" is no word)
-        ("\n\nHuman: Hi\n\nAssistant:", " Hello there", " Go away"),
-        ("\n\nHuman: Tea?\n\nAssistant: I", " like tea", " hate it")]  # (a word both share is the prompt's)
+        (two_turns, " Hello there", " Go away"),  # (the last turn's marker: an earlier one is no reply)
+        ("\n\nHuman: Tea?\n\nAssistant:", " I like tea", " I hate it"),  # (a word both start with is theirs)
+        ("Q: Tea? A: I", " like tea", " hate it")]  # (no turn marker: the last whitespace they share)
     assert [e.prompt + e.chosen for e in pairs] == [r["chosen"] for r in rows]
     sft = sorted(StageData(section, "sft", "sft", 0).train[0], key=lambda e: e.location)
     assert [(e.prompt, e.response) for e in sft] == [(p.prompt, p.chosen) for p in pairs]
     rl = sorted(StageData(section, "rl", "prompt", 0).train[0], key=lambda e: e.location)
     assert [e.prompt for e in rl] == [p.prompt for p in pairs]
     for row, says in [({"chosen": "same text", "rejected": "same text"}, "are the same text"),
-                      ({"chosen": "yes", "rejected": "no"}, "share no text before their responses")]:
+                      ({"chosen": "yes", "rejected": "no"}, "share no text before their responses"),
+                      ({"chosen": "\n\nHuman: Hi\n\nAssistant:", "rejected": "\n\nHuman: Hi\n\nAssistant: Go away"},
+                       "'chosen' has no response after the prompt the two texts share")]:
         with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'bad.jsonl'}:1: ") + ".*" + says):
             StageData(data(sources=[{"path": jsonl(tmp_path / "bad.jsonl", [row])}]), "rm", "pair", 0)
 

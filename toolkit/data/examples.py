@@ -88,11 +88,15 @@ def _prompt(data: dict, keys, where: str, messages: list | None, conversation: l
                       "the prompt")
 
 
+HH_TURN = "\n\nAssistant:"  # (what starts the assistant's turn in HH-RLHF's texts)
+
+
 def _implicit(data: dict, keys, where: str) -> tuple[str, str, str] | None:
     """(prompt, chosen, rejected) of a row whose prompt is inside both texts, as Anthropic's HH-RLHF has them
     ({chosen: "\\n\\nHuman: ...\\n\\nAssistant: ...", rejected: ...}): the prompt is the text they share,
-    up to its last whitespace (which starts the responses, as a tokenizer joins a space to the word after it).
-    None when the row has no such pair of texts."""
+    up to the last "\\n\\nAssistant:" in it (so a first word both responses share stays in the responses), or,
+    in text without that turn marker, up to its last whitespace (which starts the responses, as a tokenizer
+    joins a space to the word after it). None when the row has no such pair of texts."""
     chosen, rejected = data.get(keys.chosen_key), data.get(keys.rejected_key)
     if not (isinstance(chosen, str) and isinstance(rejected, str) and chosen and rejected):
         return None
@@ -102,11 +106,16 @@ def _implicit(data: dict, keys, where: str) -> tuple[str, str, str] | None:
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
-    cut = max((i for i in range(shared) if chosen[i].isspace()), default=0)
+    turn = chosen.rfind(HH_TURN, 0, shared)
+    cut = turn + len(HH_TURN) if turn >= 0 else max((i for i in range(shared) if chosen[i].isspace()), default=0)
     if cut == 0:
         raise ConfigError(f"{where}: no {keys.prompt_key!r} field, and {keys.chosen_key!r} and {keys.rejected_key!r} "
                           "share no text before their responses to take as the prompt; set data.prompt_key to the "
                           "field holding the prompt")
+    for key, text in ((keys.chosen_key, chosen), (keys.rejected_key, rejected)):
+        if not text[cut:].strip():
+            raise ConfigError(f"{where}: {key!r} has no response after the prompt the two texts share "
+                              f"({chosen[:cut][-40:]!r}); a pair needs two non-empty responses")
     return chosen[:cut], chosen[cut:], rejected[cut:]
 
 
