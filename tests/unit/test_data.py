@@ -16,6 +16,7 @@ from toolkit.data.prompts import PromptFeeder, prompt_text
 from toolkit.data.sources import read_source
 from toolkit.data.tokens import fit, render_prompt, response_ids
 from toolkit.errors import ConfigError
+from toolkit.use.generate import read_rows
 
 
 def jsonl(path: Path, rows) -> str:
@@ -209,6 +210,17 @@ def test_alpaca_rows_join_the_input_to_the_instruction(tmp_path):
         StageData(data(**keys, input_key="input"), "sft", "sft", 0)
     with pytest.raises(ValueError, match="data.input_key is the prompt's own field"):
         data(**keys, input_key="instruction")
+    # an input beside a prompt of chat messages is not dropped without a word, in training and in `generate`
+    chat = [{"role": "user", "content": "Add the numbers."}]
+    path.write_text(json.dumps([{**rows[0], "instruction": chat}, {**rows[1], "instruction": chat}]))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: item 1: field 'input' (data.input_key) is joined to "
+                                                    "text prompts only, and this row's prompt is chat messages")):
+        StageData(data(**keys, input_key="input"), "sft", "sft", 0)
+    lines = tmp_path / "chat.jsonl"
+    lines.write_text(json.dumps({"prompt": chat, "input": "2 and 3"}) + "\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{lines}:1: field 'input' (--input-key) is joined to text")):
+        read_rows(str(lines), input_key="input")
+    assert read_rows(str(lines))[0][2] == chat  # (without --input-key the field is just a field)
 
 
 def test_hh_rows_take_the_text_both_responses_share_as_the_prompt(tmp_path):

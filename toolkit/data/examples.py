@@ -78,11 +78,11 @@ def _prompt(data: dict, keys, where: str, messages: list | None, conversation: l
     if keys.prompt_key in data:
         value = data[keys.prompt_key]
         if isinstance(value, list):
-            return _messages(value, where, keys.prompt_key)
+            return with_input(_messages(value, where, keys.prompt_key), data, keys.input_key, where)
         return with_input(_text(data, keys.prompt_key, where, "prompt"), data, keys.input_key, where)
     for found in (messages, conversation):
         if found:
-            return found
+            return with_input(found, data, keys.input_key, where)
     raise ConfigError(f"{where}: no non-empty string field {keys.prompt_key!r} (text or chat messages) and no "
                       f"{keys.messages_key!r} (fields: {sorted(data)}); set data.prompt_key to the field holding "
                       "the prompt")
@@ -119,12 +119,16 @@ def _implicit(data: dict, keys, where: str) -> tuple[str, str, str] | None:
     return chosen[:cut], chosen[cut:], rejected[cut:]
 
 
-def with_input(prompt: str, data: dict, key: str | None, where: str, setting: str = "data.input_key") -> str:
+def with_input(prompt: str | list, data: dict, key: str | None, where: str, setting: str = "data.input_key"
+               ) -> str | list:
     """An Alpaca-style prompt: the instruction, then the row's input (field `key`, given by `setting`) after a
-    blank line where it is not empty."""
+    blank line where it is not empty. A prompt of chat messages takes no input (ConfigError if there is one)."""
     value = data.get(key) if key else None
     if value is None or value == "":
         return prompt
+    if not isinstance(prompt, str):
+        raise ConfigError(f"{where}: field {key!r} ({setting}) is joined to text prompts only, and this row's prompt "
+                          f"is chat messages; put the input into the last user message, or leave out {setting}")
     if not isinstance(value, str):
         raise ConfigError(f"{where}: field {key!r} ({setting}) is {type(value).__name__}, not text; give text (or "
                           f"\"\" for none), or leave out {setting}")

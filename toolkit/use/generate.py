@@ -39,9 +39,7 @@ def read_rows(path: str, prompt_key: str = "prompt", input_key: str | None = Non
             got = json.dumps(prompt)[:80] if prompt is not None else f"no such field (fields: {sorted(row.data)})"
             raise ConfigError(f"{row.location}: expected {json.dumps(prompt_key)}: a string or a list of "
                               f"{{\"role\", \"content\"}} messages, got {got}; --prompt-key names the prompt's field")
-        if isinstance(prompt, str):
-            prompt = with_input(prompt, row.data, input_key, row.location, "--input-key")
-        found.append((row.location, row.data, prompt))
+        found.append((row.location, row.data, with_input(prompt, row.data, input_key, row.location, "--input-key")))
     if not found:
         raise ConfigError(f"--input {path}: no prompts in it")
     return found
