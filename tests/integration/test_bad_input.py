@@ -110,6 +110,8 @@ def test_bad_input_gets_a_clear_error_and_leaves_nothing_half_written(tiny, tmp_
         assert text in result.stderr, f"{case}: {text!r} not in\n{result.stderr}"
     if code == 2 or command == "submit":  # refused before anything started: no run directory at all
         assert "Traceback" not in result.stderr
+        for text in says:  # (and said once: sbatch's own words too, which Submitit would print again)
+            assert result.stderr.count(text) == 1, f"{case}: {text!r} more than once in\n{result.stderr}"
         assert not run_dir.exists(), f"{case}: {run_dir} was left behind"
         if command == "submit":  # and a directory the user made for the run, empty, stays as it was
             given = tmp_path / "given"

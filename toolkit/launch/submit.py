@@ -8,6 +8,8 @@ a heterogeneous job, which Submitit's own script cannot.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shlex
 import subprocess
 import sys
@@ -78,7 +80,9 @@ def submit(cfg, allocation: Allocation, run_dir, depends_on: str | None = None) 
     executor = Executor(folder=run_dir.path / "slurm", python=shlex.quote(cfg.slurm.python or sys.executable))
     executor.update_parameters(time=cfg.slurm.time_min)
     try:
-        job = executor.submit(in_allocation, str(run_dir.path))
+        # (Submitit prints sbatch's stderr when sbatch fails; the error below quotes it, so it is said once)
+        with contextlib.redirect_stderr(io.StringIO()):
+            job = executor.submit(in_allocation, str(run_dir.path))
     except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError) as e:
         detail = str(e).strip()
         hint = ("\nthe Slurm controller did not answer: check that it runs (`sinfo`, `scontrol ping`) and that "
