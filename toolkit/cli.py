@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from toolkit.errors import ConfigError, ToolkitError
+from toolkit.launch.openmp import wait_passively
 
 EXAMPLES = """examples:
   slurm-rlhf run templates/examples/tiny-grpo.yaml --run-dir runs/demo
@@ -609,6 +610,7 @@ def cmd_tiny(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    wait_passively()  # (before any command imports torch; the workers a run starts inherit it)
     handler = {"run": cmd_run, "sft": lambda a: cmd_run(a, "sft"), "rm": lambda a: cmd_run(a, "rm"),
                "resume": cmd_resume, "inspect": cmd_inspect, "submit": cmd_submit, "render": cmd_render,
                "status": cmd_status, "cancel": cmd_cancel, "validate": cmd_validate, "plan": cmd_plan,

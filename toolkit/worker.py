@@ -272,6 +272,9 @@ def main() -> None:
 
     reexec_with_allocator()  # (before anything else: an allocator must be there from the start)
     from toolkit.launch.env import WorkerEnv, interface_of
+    from toolkit.launch.openmp import VARIABLE, wait_passively
+
+    wait_passively()  # (a worker started by other means than the CLI's launchers, e.g. a user's sbatch script)
     from toolkit.log import setup_logging
 
     os.umask(0o077)
@@ -292,6 +295,7 @@ def main() -> None:
 
         cfg = load_config(os.path.join(wenv.run_dir, "config.yaml"))
         log.info("worker %s starting (pid %d); %s", wenv.worker_id, os.getpid(), describe())
+        log.info("OpenMP threads wait: %s=%s", VARIABLE, os.environ[VARIABLE])
         worker = Worker(wenv, cfg)
         log.info("roles: %s", ", ".join(worker.group.roles))
         if worker.group.cpus_per_worker or cfg.run.deterministic:

@@ -63,8 +63,11 @@ def test_grpo_run_two_generators(two_generator_run):
     assert "[generator:1]" in (logs / "generator-1.log").read_text()
     # run.allocator auto: every worker runs with the allocator this machine has (tools/setup.sh installs one)
     wanted = allocator.choice("auto")[0]
+    # and OpenMP threads that sleep while they wait, where the user set no OMP_WAIT_POLICY (toolkit/launch/openmp.py)
+    policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     for name in ("generator-0", "generator-1", "scorer-0", "trainer-0"):
-        assert f"memory allocator: {wanted}\n" in (logs / f"{name}.log").read_text(), name
+        log = (logs / f"{name}.log").read_text()
+        assert f"memory allocator: {wanted}\n" in log and f"OpenMP threads wait: OMP_WAIT_POLICY={policy}\n" in log, name
     assert load_config(run_dir / "config.yaml").run.steps == 6  # the resolved config is in the run directory
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     assert_private(run_dir)

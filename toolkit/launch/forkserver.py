@@ -196,8 +196,10 @@ def _alive(pid: int) -> bool:
 
 def serve() -> None:
     from toolkit.launch.allocator import reexec_with_allocator
+    from toolkit.launch.openmp import wait_passively
 
     reexec_with_allocator()  # (the workers inherit it: an allocator must be there before any import)
+    wait_passively()  # (read when torch's OpenMP loads, in the imports below)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies = os.dup(1)
     os.dup2(2, 1)  # (whatever an import prints goes to the server's log, not into the replies)

@@ -1,0 +1,24 @@
+"""OpenMP threads that wait by sleeping: OMP_WAIT_POLICY=PASSIVE in every process of a run, unless the
+user's environment sets OMP_WAIT_POLICY itself.
+
+torch's CPU kernels (and DeepSpeed's CPU Adam) run in a GNU OpenMP team as wide as the CPUs the process
+may use. By default a thread that has done its part spins while it waits for the rest of the team. Where
+the CPUs are shared with anything else (another worker of the run, another test, another user's job on
+the node), a member of the team is often not running, and each of the thousands of small parallel
+regions of a step waits for the scheduler to run it again. Measured here (2 cores, `tools/bench_openmp.py`
+and the README's section on threads): a step of the tiny GRPO run took 9.8 s instead of 0.87 s beside one
+busy process, and 1.06 s with passive waits; alone, the two policies take about the same time.
+"""
+
+from __future__ import annotations
+
+import os
+
+VARIABLE = "OMP_WAIT_POLICY"
+DEFAULT = "PASSIVE"
+
+
+def wait_passively() -> None:
+    """Set OMP_WAIT_POLICY=PASSIVE unless it is set; before torch is imported (OpenMP reads it when it
+    loads), and the processes this one starts inherit it."""
+    os.environ.setdefault(VARIABLE, DEFAULT)
