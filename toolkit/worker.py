@@ -273,10 +273,9 @@ def main() -> None:
     reexec_with_allocator()  # (before anything else: an allocator must be there from the start)
     from toolkit.launch.env import WorkerEnv, interface_of
     from toolkit.launch.openmp import VARIABLE, wait_passively
-
-    wait_passively()  # (a worker started by other means than the CLI's launchers, e.g. a user's sbatch script)
     from toolkit.log import setup_logging
 
+    wait_passively()  # (a worker started by other means than the CLI's launchers, e.g. a user's sbatch script)
     os.umask(0o077)
     # DeepSpeed's compiled ops live with the installation (tools/setup.sh builds them there), so two
     # environments never overwrite each other's builds.
