@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Callable
 
+from toolkit.flock import flock_held
 from toolkit.newdir import build_beside, check_new
 
 TOPICS = ["apples", "rivers", "stars", "trains", "music", "clocks", "maps", "birds", "games", "bridges",
@@ -23,6 +25,7 @@ TOPICS = ["apples", "rivers", "stars", "trains", "music", "clocks", "maps", "bir
 TEMPLATES = ["Write about {t}:", "Tell me something about {t}.", "A short note on {t}:", "Numbers and {t}:",
              "Describe {t} in one line:", "Question about {t}?"]
 LAYOUT_VERSION = "2"
+BUILD_WAIT_S = 600.0  # (for another process building the same set: seconds on 2 idle cores)
 # A chat template for the tiny tokenizer (chat rows of the data readers are rendered with it).
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
@@ -88,12 +91,7 @@ FAMILIES = {
 def build_family(out_dir: str | Path, family: str, seed: int = 0) -> Path:
     """A tiny random causal LM of `family` (see FAMILIES) with the tiny tokenizer, in `out_dir` (built beside it
     and moved in whole, replacing what is there: a build cut short leaves nothing half-written in its place)."""
-    out = Path(out_dir)
-    stamp = out / "BUILT"
-    if stamp.exists() and stamp.read_text() == f"{LAYOUT_VERSION} {family} {seed}":
-        return out
-    build_beside(out, lambda tmp: _build_family(tmp, family, seed))
-    return out
+    return _build_once(Path(out_dir), f"{LAYOUT_VERSION} {family} {seed}", lambda tmp: _build_family(tmp, family, seed))
 
 
 def _build_family(out: Path, family: str, seed: int) -> None:
@@ -117,13 +115,30 @@ def _build_family(out: Path, family: str, seed: int) -> None:
 def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the tiny model set into `out_dir` (skipped when already built with this seed). It is built beside
     it and moved in whole, and replaces only an empty directory or an earlier tiny model set."""
-    out = Path(out_dir)
+    return _build_once(Path(out_dir), f"{LAYOUT_VERSION} {seed}", lambda tmp: _build(tmp, seed), "tiny model set")
+
+
+def _build_once(out: Path, built: str, build: Callable[[Path], None], new_only: str | None = None) -> Path:
+    """`build` into `out` beside it (build_beside), unless its BUILT stamp says `built` already. Two processes
+    that ask at once (two tests, two jobs) build it once: the second waits for the first under a flock beside
+    `out`, then finds the stamp. With `new_only` (what it is), `out` must be new or empty unless it holds an
+    earlier build."""
     stamp = out / "BUILT"
-    if stamp.exists() and stamp.read_text() == f"{LAYOUT_VERSION} {seed}":
+    if stamp.exists() and stamp.read_text() == built:
         return out
-    if not stamp.exists():
-        check_new(out, str(out), "tiny model set")
-    build_beside(out, lambda tmp: _build(tmp, seed))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / f".{out.name}.lock"
+
+    def timeout() -> RuntimeError:
+        return RuntimeError(f"waited {BUILD_WAIT_S:.0f} s for another process to build {out} (it holds {lock}; "
+                            f"`fuser {lock}` names it)")
+
+    with flock_held(lock, BUILD_WAIT_S, timeout):
+        if stamp.exists() and stamp.read_text() == built:
+            return out
+        if new_only and not stamp.exists():
+            check_new(out, str(out), new_only)
+        build_beside(out, build)
     return out
 
 

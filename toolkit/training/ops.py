@@ -18,10 +18,10 @@ loads later find the op loaded and take no lock.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
-import time
+
+from toolkit.flock import flock_held
 
 log = logging.getLogger(__name__)
 
@@ -44,27 +44,18 @@ def load_op(builder, wait_s: float = WAIT_S):
     folder = build_folder(builder.name)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "load.flock")
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)) as held:  # (a flock needs no write access)
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise OpLockTimeout(
-                        f"waited {wait_s:.0f} s for another process to load DeepSpeed's {builder.name} op "
-                        f"(it holds {path}); if that process hangs, end it (`fuser {path}` names it)") from None
-                time.sleep(0.2)
-        try:
-            stale = os.path.join(folder, "lock")
-            if os.path.exists(stale):
-                log.warning("removing %s, left by a process killed while it loaded DeepSpeed's %s op "
-                            "(every later load would have waited for it forever)", stale, builder.name)
-                os.remove(stale)
-            return builder.load()
-        finally:
-            fcntl.flock(held, fcntl.LOCK_UN)
+
+    def timeout() -> OpLockTimeout:
+        return OpLockTimeout(f"waited {wait_s:.0f} s for another process to load DeepSpeed's {builder.name} op "
+                             f"(it holds {path}); if that process hangs, end it (`fuser {path}` names it)")
+
+    with flock_held(path, wait_s, timeout):
+        stale = os.path.join(folder, "lock")
+        if os.path.exists(stale):
+            log.warning("removing %s, left by a process killed while it loaded DeepSpeed's %s op "
+                        "(every later load would have waited for it forever)", stale, builder.name)
+            os.remove(stale)
+        return builder.load()
 
 
 def load_ops(cpu_adam: bool = False, wait_s: float = WAIT_S) -> list[str]:

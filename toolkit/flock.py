@@ -1,0 +1,32 @@
+"""An exclusive kernel lock (flock) on a file, taken within a time limit.
+
+The kernel releases a flock when its holder dies, so a lock left by a killed process never blocks anyone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from typing import Callable, Iterator
+
+
+@contextlib.contextmanager
+def flock_held(path: str | os.PathLike, wait_s: float, timeout_error: Callable[[], Exception]) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (created if missing) for the `with` block; if another live process
+    holds it for more than `wait_s`, raise `timeout_error()`."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)) as held:  # (a flock needs no write access)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise timeout_error() from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
