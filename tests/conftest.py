@@ -42,11 +42,20 @@ def pytest_configure(config) -> None:
 
 def pytest_collection_modifyitems(config, items) -> None:
     part = config.getoption("--part")
-    if part is None:
-        return
-    keep = [item for item in items if (item.get_closest_marker("slurm") is not None) == (part == "slurm")]
-    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-    items[:] = keep
+    if part is not None:
+        keep = [item for item in items if (item.get_closest_marker("slurm") is not None) == (part == "slurm")]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+    if getattr(config.option, "dist", "no") == "loadfile":
+        # pytest-xdist hands out whole files in this order (with --no-loadscope-reorder; tools/test.sh): the
+        # files with the most tests that start real processes (tens of seconds each) first, so that the last
+        # files handed out, while the other worker ends its own, are the short ones.
+        files: dict[str, list] = {}
+        for item in items:
+            files.setdefault(item.nodeid.split("::")[0], []).append(item)
+        heavy = {name: sum(item.get_closest_marker("integration") is not None for item in tests)
+                 for name, tests in files.items()}
+        items[:] = [item for name in sorted(files, key=lambda name: -heavy[name]) for item in files[name]]
 
 
 @pytest.fixture(autouse=True)

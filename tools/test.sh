@@ -7,6 +7,8 @@
 # With the cluster up (root), the Slurm tests run in a pytest of their own beside the rest: much of their
 # time is spent waiting on Slurm (a requeued job's hold, a time limit's whole minute), which the rest
 # fills. Their output is shown once both are done; the exit status fails if either fails.
+# The rest runs in two pytest-xdist workers, a test file to each at a time (a file's fixtures stay in one
+# process): one test run alone keeps 2 cores about two-thirds busy (start-ups, imports, waits on peers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUSY=0
@@ -54,8 +56,9 @@ for _ in $(seq 1 "$BUSY"); do
     HOGS+=("$!")
 done
 [ "$BUSY" = 0 ] || echo "test: $BUSY CPU hogs beside the suite (pids ${HOGS[*]})"
+XDIST=(-n 2 --dist loadfile --no-loadscope-reorder)  # (tests/conftest.py orders the files)
 if [ "$(id -u)" != 0 ]; then
-    .venv/bin/python -m pytest -ra --durations=25 "$@"
+    .venv/bin/python -m pytest -ra --durations=25 "${XDIST[@]}" "$@"
     exit 0
 fi
 # The tiny model set both parts use, built once before they start (not by two at the same time).
@@ -66,7 +69,7 @@ SLURM_LOG=$(mktemp /tmp/slurm-rlhf-slurm-tests.XXXXXX)
 SLURM_TESTS=$!
 echo "test: the Slurm tests run beside the rest, in pytest $SLURM_TESTS; their output follows the rest's"
 rest=0
-.venv/bin/python -m pytest -ra --durations=25 --part=rest "$@" || rest=$?
+.venv/bin/python -m pytest -ra --durations=25 "${XDIST[@]}" --part=rest "$@" || rest=$?
 slurm=0
 wait "$SLURM_TESTS" || slurm=$?
 SLURM_TESTS=""
