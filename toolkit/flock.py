@@ -14,9 +14,11 @@ from typing import Callable, Iterator
 
 @contextlib.contextmanager
 def flock_held(path: str | os.PathLike, wait_s: float, timeout_error: Callable[[], Exception]) -> Iterator[None]:
-    """Hold an exclusive flock on `path` (created if missing) for the `with` block; if another live process
-    holds it for more than `wait_s`, raise `timeout_error()`."""
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)) as held:  # (a flock needs no write access)
+    """Hold an exclusive flock on `path`, a directory or a file (created if missing), for the `with` block; if
+    another live process holds it for more than `wait_s`, raise `timeout_error()`."""
+    # (read-only: a flock needs no write access)
+    held = os.open(path, os.O_RDONLY if os.path.isdir(path) else os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -30,3 +32,5 @@ def flock_held(path: str | os.PathLike, wait_s: float, timeout_error: Callable[[
             yield
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
+    finally:
+        os.close(held)

@@ -120,25 +120,29 @@ def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
 
 def _build_once(out: Path, built: str, build: Callable[[Path], None], new_only: str | None = None) -> Path:
     """`build` into `out` beside it (build_beside), unless its BUILT stamp says `built` already. Two processes
-    that ask at once (two tests, two jobs) build it once: the second waits for the first under a flock beside
-    `out`, then finds the stamp. With `new_only` (what it is), `out` must be new or empty unless it holds an
-    earlier build."""
+    that ask at once (two tests, two jobs) build it once: the second waits for the first under a flock on
+    the directory that holds `out` (no lock file left anywhere), then finds the stamp. With `new_only` (what
+    it is), `out` must be new or empty unless it holds an earlier build."""
     stamp = out / "BUILT"
-    if stamp.exists() and stamp.read_text() == built:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lock = out.parent / f".{out.name}.lock"
 
-    def timeout() -> RuntimeError:
-        return RuntimeError(f"waited {BUILD_WAIT_S:.0f} s for another process to build {out} (it holds {lock}; "
-                            f"`fuser {lock}` names it)")
-
-    with flock_held(lock, BUILD_WAIT_S, timeout):
+    def done() -> bool:
         if stamp.exists() and stamp.read_text() == built:
-            return out
+            return True
         if new_only and not stamp.exists():
             check_new(out, str(out), new_only)
-        build_beside(out, build)
+        return False
+
+    if done():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def timeout() -> RuntimeError:
+        return RuntimeError(f"waited {BUILD_WAIT_S:.0f} s for another process to build {out} (it holds a flock on "
+                            f"{out.parent}; `fuser {out.parent}` names it)")
+
+    with flock_held(out.parent, BUILD_WAIT_S, timeout):
+        if not done():
+            build_beside(out, build)
     return out
 
 
