@@ -1,4 +1,4 @@
-"""An exclusive kernel lock (flock) on a file, taken within a time limit.
+"""An exclusive kernel lock (flock) on a file or a directory, taken within a time limit.
 
 The kernel releases a flock when its holder dies, so a lock left by a killed process never blocks anyone.
 """
