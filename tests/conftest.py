@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +59,36 @@ def pytest_collection_modifyitems(config, items) -> None:
         heavy = {name: sum(item.get_closest_marker("integration") is not None for item in tests)
                  for name, tests in files.items()}
         items[:] = [item for name in sorted(files, key=lambda name: -heavy[name]) for item in files[name]]
+
+
+@contextlib.contextmanager
+def short_tmpdir():
+    """A directory for a run's TMPDIR, short enough for the workers' own directories in it (vLLM's sockets
+    there must stay under 107 bytes; pytest's tmp_path is deeper), removed after with what is left in it."""
+    path = Path(tempfile.mkdtemp(prefix="srl-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tmpdir_of_the_tests():
+    """Every process that the tests start gets this test process's own TMPDIR, removed at the end: what
+    the runs that tests kill with SIGKILL on purpose leave there (each worker's own directory, W&B's
+    staging directories) goes with it. This process's own temporary files (pytest's tmp_path) stay where
+    they were."""
+    given = os.environ.get("TMPDIR")
+    tempfile.gettempdir()  # (this process's, fixed before TMPDIR changes)
+    with short_tmpdir() as path:
+        os.environ["TMPDIR"] = str(path)
+        try:
+            yield path
+        finally:
+            if given is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = given
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -213,7 +214,7 @@ class Worker:
 
     def _coordinator_lost(self, silent_s: float) -> None:
         log.error("no answer from the coordinator for %.0f s: the driver is gone; exiting", silent_s)
-        _end_children()
+        _leave()
         logging.shutdown()
         os._exit(3)
 
@@ -229,18 +230,24 @@ def _flush(ctx, timeout_s: float) -> None:
     done.join(timeout_s)
 
 
-def _end_children() -> None:
-    """Kill every process this worker started (vLLM engine or compile workers), depth first."""
+def _leave() -> None:
+    """Kill every process this worker started (vLLM engine or compile workers), wait for them (up to 5 s),
+    then remove the worker's own temporary directory with what they left there (toolkit/tmpdir.py)."""
+    from toolkit.tmpdir import remove_own
+
     try:
         import psutil
 
-        for child in psutil.Process().children(recursive=True):
+        children = psutil.Process().children(recursive=True)
+        for child in children:
             try:
                 child.kill()
             except psutil.Error:
                 pass
+        psutil.wait_procs(children, timeout=5)
     except Exception:  # best effort while dying
         pass
+    remove_own()
 
 
 def _report_failure(worker, worker_id: str, error: BaseException) -> None:
@@ -262,7 +269,7 @@ def _report_failure(worker, worker_id: str, error: BaseException) -> None:
 
 def _on_sigterm(signum, frame):
     log.warning("got SIGTERM; exiting")
-    _end_children()
+    _leave()
     logging.shutdown()
     os._exit(128 + signum)
 
@@ -274,6 +281,7 @@ def main() -> None:
     from toolkit.launch.env import WorkerEnv, interface_of
     from toolkit.launch.openmp import VARIABLE, wait_passively
     from toolkit.log import setup_logging
+    from toolkit.tmpdir import make_own
 
     wait_passively()  # (a worker started by other means than the CLI's launchers, e.g. a user's sbatch script)
     os.umask(0o077)
@@ -292,9 +300,12 @@ def main() -> None:
     try:
         from toolkit.config import load_config
 
+        tmp = make_own(f"{wenv.group}-{wenv.rank}")
         cfg = load_config(os.path.join(wenv.run_dir, "config.yaml"))
         log.info("worker %s starting (pid %d); %s", wenv.worker_id, os.getpid(), describe())
         log.info("OpenMP threads wait: %s=%s", VARIABLE, os.environ[VARIABLE])
+        log.info("temporary files: %s", tmp or f"{tempfile.gettempdir()} (too deep for a directory of "
+                 "its own: vLLM's sockets in it would pass the 107-byte limit)")
         worker = Worker(wenv, cfg)
         log.info("roles: %s", ", ".join(worker.group.roles))
         if worker.group.cpus_per_worker or cfg.run.deterministic:
@@ -324,7 +335,7 @@ def main() -> None:
             _flush(worker.ctx, timeout_s=3.0)
         sys.stdout.flush()
         sys.stderr.flush()
-        _end_children()
+        _leave()
         logging.shutdown()
         os._exit(code)
 

@@ -18,8 +18,8 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import (EXAMPLES, REPO, alive, assert_no_workers_left, cli, example, fork_server_pids, worker_pids,
-                            write_config)
+from tests.conftest import (EXAMPLES, REPO, alive, assert_no_workers_left, cli, example, fork_server_pids, short_tmpdir,
+                            worker_pids, write_config)
 from toolkit.config import load_config
 from toolkit.launch import allocator
 from toolkit.store import experience
@@ -251,7 +251,8 @@ def test_killed_driver_leaves_no_workers(tiny, tmp_path):
     """If the driver dies without cleaning up (SIGKILL, the OOM killer), its workers end themselves, and so does
     the fork server they were started from (asked for whatever the number of cores; on a machine without GPUs
     every worker is its fork)."""
-    with running(tiny, tmp_path, env={"SLURM_RLHF_FORK_SERVER": "1"}) as (proc, run_dir):
+    with short_tmpdir() as tmp, running(tiny, tmp_path, env={"SLURM_RLHF_FORK_SERVER": "1", "TMPDIR": str(tmp)}) \
+            as (proc, run_dir):
         pids = worker_pids(run_dir)
         servers = fork_server_pids(run_dir)
         assert len(servers) == 1 and {psutil.Process(pid).ppid() for pid in pids.values()} == set(servers)
@@ -264,6 +265,8 @@ def test_killed_driver_leaves_no_workers(tiny, tmp_path):
         while alive(pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not alive(pids.values()), f"workers outlived the driver: {pids}"
+        left = [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+        assert not left, f"left in TMPDIR: {left}"  # (each worker removed its own directory as it ended)
 
 
 def test_a_role_that_exits_with_a_message_fails_the_run_and_says_why(tiny, tmp_path):
@@ -309,7 +312,10 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
     run_dir = tmp_path / "run"
     for i, (moment, stop) in enumerate(stops):
         assert moment in MOMENTS
-        took = stop_at(config if i == 0 else None, run_dir, moment, stop)
+        with short_tmpdir() as tmp:  # (every stop leaves nothing in the temporary directory: vLLM's sockets)
+            took = stop_at(config if i == 0 else None, run_dir, moment, stop, env={"TMPDIR": str(tmp)})
+            left = [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+            assert not left, f"{moment}, {stop}: left in TMPDIR: {left}"
         print(f"{moment}, {stop}: ended in {took:.1f} s")
     result = cli("resume", run_dir)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -351,7 +357,7 @@ def resume_records(run_dir: Path) -> int:
     return sum(1 for r in Manifest(run_dir).records() if r["kind"] == "resume")
 
 
-def stop_at(config: Path | None, run_dir: Path, moment: str, stop: str) -> float:
+def stop_at(config: Path | None, run_dir: Path, moment: str, stop: str, env: dict | None = None) -> float:
     """Start the run (`config`) or resume it (None), stop it with `stop` once a process of it holds at
     `moment`, and check how it ended; returns the seconds from the stop to the end."""
     import psutil
@@ -359,7 +365,7 @@ def stop_at(config: Path | None, run_dir: Path, moment: str, stop: str) -> float
     from toolkit.hold import ENV, held_pid
     from toolkit.store.manifest import plan_resume
 
-    proc = start(config, run_dir, env={ENV: moment})
+    proc = start(config, run_dir, env={**(env or {}), ENV: moment})
     try:
         deadline = time.monotonic() + 240
         while not (held := held_pid(run_dir, moment)):

@@ -1,0 +1,56 @@
+"""A worker's own temporary directory (toolkit/tmpdir.py): made private in the directory given, TMPDIR and
+`tempfile` pointed at it, torch's compile cache left where it was, removed whole; not made where a
+socket below it would pass the length limit of a Unix socket's path."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import tempfile
+
+import pytest
+
+from toolkit import tmpdir
+
+
+@pytest.fixture
+def given(monkeypatch):
+    """A short temporary directory as TMPDIR, and the module's state as a fresh worker has it."""
+    base = tempfile.mkdtemp(prefix="srl-")
+    monkeypatch.setenv("TMPDIR", base)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setattr(tempfile, "tempdir", "/somewhere/else")  # (as a worker forked from the fork server)
+    monkeypatch.setattr(tmpdir, "_own", None)
+    yield base
+    os.rmdir(base)  # (fails where anything was left in it)
+
+
+def test_own_directory_made_used_and_removed(given):
+    path = tmpdir.make_own("generator-0")
+    assert os.path.dirname(path) == given and os.path.basename(path).startswith("slurm-rlhf-generator-0-")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    assert os.environ["TMPDIR"] == path and tempfile.gettempdir() == path
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(os.path.join(given, "torchinductor_"))
+    # what vLLM leaves when it is killed: a file store and an IPC socket, both in the worker's directory
+    with tempfile.NamedTemporaryFile(prefix="vllm_dist_", delete=False) as f:
+        f.write(b"x")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(os.path.join(path, "0f6bc5f2-b647-4ad7-9388-d4efea6d35dd"))  # (a uuid4, as vLLM names them)
+    os.makedirs(os.path.join(tempfile.gettempdir(), "tmpxyzwandb-media", "deeper"))
+    assert os.path.dirname(f.name) == path and len(os.listdir(path)) == 3
+    tmpdir.remove_own()
+    sock.close()
+    assert os.listdir(given) == []
+
+
+def test_too_deep_for_a_socket_below_it_leaves_tmpdir_as_it_was(given, monkeypatch):
+    deep = os.path.join(given, "d" * (tmpdir.SOCKET_PATH_MAX - tmpdir.IPC_NAME - len(given) - 20))
+    os.mkdir(deep)
+    monkeypatch.setenv("TMPDIR", deep)
+    assert tmpdir.make_own("generator-0") is None
+    assert os.environ["TMPDIR"] == deep and os.listdir(deep) == []
+    tmpdir.remove_own()  # (nothing to remove)
+    assert os.path.isdir(deep)
+    os.rmdir(deep)

@@ -1,0 +1,55 @@
+"""A worker's own temporary directory: TMPDIR for the worker and every process it starts, removed as it ends.
+
+vLLM removes its temporary files only when it shuts down cleanly: the ZeroMQ IPC sockets of its engine
+(`/tmp/<uuid4>`) and the file store of its process group (`/tmp/vllm_dist_<hex>`). A worker that is
+stopped (SIGTERM at a time limit or a preemption, `scancel`, Ctrl-C at the driver) or that has lost its
+driver ends its engine with SIGKILL, so every stopped run left such files in the /tmp of its nodes.
+Each worker now makes a directory of its own (mode 700) in the temporary directory it was given, points
+TMPDIR and Python's `tempfile` at it, and removes it on every way out that it controls. A worker killed
+by SIGKILL (the OOM killer, say) leaves that one directory, named after it: `slurm-rlhf-<group>-<rank>-*`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+SOCKET_PATH_MAX = 107  # bytes in the path of a Unix socket on Linux (sun_path, less its NUL)
+IPC_NAME = 37  # what vLLM adds to the directory for each IPC socket: "/" and a uuid4
+
+_own: str | None = None
+
+
+def make_own(name: str) -> str | None:
+    """Make this process's own temporary directory and point TMPDIR at it; its path, or None where the
+    directory given is so deep that a socket in a directory below it would pass the length limit (then
+    TMPDIR stays as it is)."""
+    global _own
+    tempfile.tempdir = None  # (a worker forked from the fork server: what the server found, looked up again)
+    given = tempfile.gettempdir()
+    path = tempfile.mkdtemp(prefix=f"slurm-rlhf-{name}-")
+    if len(os.fsencode(path)) + IPC_NAME > SOCKET_PATH_MAX:
+        os.rmdir(path)
+        return None
+    # torch.compile's cache (GPU runs that compile) stays where torch keeps it, for the next start
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(given, f"torchinductor_{_user()}"))
+    os.environ["TMPDIR"] = tempfile.tempdir = _own = path
+    return path
+
+
+def _user() -> str:
+    """The user name as torch puts it in the name of its compile cache."""
+    import getpass
+    import re
+
+    try:
+        return re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+def remove_own() -> None:
+    """Remove this process's own temporary directory and what is in it (nothing if none was made)."""
+    if _own is not None:
+        shutil.rmtree(_own, ignore_errors=True)
