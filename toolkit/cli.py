@@ -8,11 +8,12 @@ import json
 import math
 import shlex
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
-from toolkit.errors import ConfigError, ToolkitError
+from toolkit.errors import ConfigError, ToolkitError, raise_interrupt
 from toolkit.launch.openmp import wait_passively
 
 EXAMPLES = """examples:
@@ -616,14 +617,20 @@ def main(argv: list[str] | None = None) -> int:
                "status": cmd_status, "cancel": cmd_cancel, "validate": cmd_validate, "plan": cmd_plan,
                "tiny": cmd_tiny, "export": cmd_export, "generate": cmd_generate, "chat": cmd_chat,
                "report": cmd_report, "init": cmd_init}[args.command]
+    # SIGINT and SIGTERM (scancel, a Slurm time limit) end every command through its clean-up: what it was
+    # writing removed, vLLM shut down with its temporary files; also where SIGINT was inherited as ignored
+    # (the background of a script). A run's driver puts its own handlers in place while its workers run.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, raise_interrupt)
     try:
         return handler(args)
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+        print(f"interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

@@ -33,3 +33,9 @@ class Interrupted(ToolkitError):
     def __init__(self, message: str, exit_code: int = 130):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def raise_interrupt(signum, frame):
+    """A signal handler: SIGINT or SIGTERM as KeyboardInterrupt(signum), so that the clean-up on the way
+    out runs (Interrupted then exits with 128 + signum)."""
+    raise KeyboardInterrupt(signum)

@@ -4,13 +4,14 @@ wrong), `generate` (vLLM and transformers agree on greedy samples; seeds; input 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import cli, example, write_config
+from tests.conftest import REPO, cli, example, short_tmpdir, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -187,6 +188,36 @@ def test_chat_answers_each_turn_and_starts_over(trained, greedy):
     assert len(answers) == 3 and "(new conversation)" in result.stdout
     assert answers[0] == answers[2]
     assert answers[0] == greedy["vllm"][1]["response"].strip()  # (chat samples with vLLM too: backend auto)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_chat_stopped_by_a_signal_ends_cleanly_and_leaves_no_temporary_files(trained, how):
+    """SIGTERM (scancel, a Slurm time limit) or SIGINT while `chat` waits for the next turn: it ends through
+    its clean-up, with 128 + the signal, and vLLM's file store goes with its engine (before, SIGTERM
+    ended it at once and left /tmp/vllm_dist_* behind). SIGINT is delivered as to the background job of a
+    script, which inherits it ignored."""
+    import signal
+    import subprocess
+    import sys
+
+    with short_tmpdir() as tmp:
+        proc = subprocess.Popen([sys.executable, "-m", "toolkit", "chat", str(trained), "--max-new-tokens", "4"],
+                                cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "TMPDIR": str(tmp)},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        try:
+            proc.stdin.write("count to 9\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().startswith("model> ")  # (vLLM is up: an answer came back)
+            assert [p.name for p in tmp.iterdir() if p.name.startswith("vllm_dist_")]  # (what must go)
+            proc.send_signal(getattr(signal, how))
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 128 + getattr(signal, how) and f"interrupted ({how})" in err, err
+        left = [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+        assert not left, f"left in TMPDIR: {left}"
 
 
 def test_report_draws_the_run_from_its_files(trained, tmp_path):

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from toolkit.errors import Interrupted, RunError, TrainerLost
+from toolkit.errors import Interrupted, RunError, TrainerLost, raise_interrupt
 from toolkit.launch import env as E
 from toolkit.hold import hold
 from toolkit.launch.curves import Curves
@@ -86,7 +86,7 @@ class Supervisor:
         self.coordinator = Coordinator(self.ctx, secret, self.bind_host, self.cfg.transport.max_message_mb)
         # Our own handlers: a run started in the background of a script inherits SIGINT ignored, and
         # Python then installs no KeyboardInterrupt handler of its own.
-        previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_usr1)
         records: list[dict] = []
         try:
@@ -545,10 +545,6 @@ def _started() -> float:
     import psutil
 
     return psutil.Process().create_time()
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(signum)
 
 
 def read_metrics(path: Path) -> list[dict]:
