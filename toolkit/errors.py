@@ -37,5 +37,5 @@ class Interrupted(ToolkitError):
 
 def raise_interrupt(signum, frame):
     """A signal handler: SIGINT or SIGTERM as KeyboardInterrupt(signum), so that the clean-up on the way
-    out runs (Interrupted then exits with 128 + signum)."""
+    out runs; the CLI then exits with 128 + signum, as a shell reports a process the signal ended."""
     raise KeyboardInterrupt(signum)
