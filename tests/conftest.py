@@ -72,6 +72,11 @@ def short_tmpdir():
         shutil.rmtree(path, ignore_errors=True)
 
 
+def left_in(tmp: Path) -> list[str]:
+    """What a run left in its TMPDIR `tmp`: everything but torch.compile's cache, which stays on purpose."""
+    return [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tmpdir_of_the_tests():
     """Every process that the tests start gets this test process's own TMPDIR, removed at the end: what

@@ -18,8 +18,8 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import (EXAMPLES, REPO, alive, assert_no_workers_left, cli, example, fork_server_pids, short_tmpdir,
-                            worker_pids, write_config)
+from tests.conftest import (EXAMPLES, REPO, alive, assert_no_workers_left, cli, example, fork_server_pids, left_in,
+                            short_tmpdir, worker_pids, write_config)
 from toolkit.config import load_config
 from toolkit.launch import allocator
 from toolkit.store import experience
@@ -265,7 +265,7 @@ def test_killed_driver_leaves_no_workers(tiny, tmp_path):
         while alive(pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not alive(pids.values()), f"workers outlived the driver: {pids}"
-        left = [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+        left = left_in(tmp)
         assert not left, f"left in TMPDIR: {left}"  # (each worker removed its own directory as it ended)
 
 
@@ -314,7 +314,7 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
         assert moment in MOMENTS
         with short_tmpdir() as tmp:  # (every stop leaves nothing in the temporary directory: vLLM's sockets)
             took = stop_at(config if i == 0 else None, run_dir, moment, stop, env={"TMPDIR": str(tmp)})
-            left = [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+            left = left_in(tmp)
             assert not left, f"{moment}, {stop}: left in TMPDIR: {left}"
         print(f"{moment}, {stop}: ended in {took:.1f} s")
     result = cli("resume", run_dir)

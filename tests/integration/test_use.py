@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, cli, example, short_tmpdir, write_config
+from tests.conftest import REPO, cli, example, left_in, short_tmpdir, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -216,7 +216,7 @@ def test_chat_stopped_by_a_signal_ends_cleanly_and_leaves_no_temporary_files(tra
             if proc.poll() is None:
                 proc.kill()
         assert proc.returncode == 128 + getattr(signal, how) and f"interrupted ({how})" in err, err
-        left = [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+        left = left_in(tmp)
         assert not left, f"left in TMPDIR: {left}"
 
 

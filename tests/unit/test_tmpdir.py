@@ -19,7 +19,7 @@ def given(monkeypatch):
     """A short temporary directory as TMPDIR, and the module's state as a fresh worker has it."""
     base = tempfile.mkdtemp(prefix="srl-")
     monkeypatch.setenv("TMPDIR", base)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # (set first, so that the delete is undone after)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setattr(tempfile, "tempdir", "/somewhere/else")  # (as a worker forked from the fork server)
     monkeypatch.setattr(tmpdir, "_own", None)
