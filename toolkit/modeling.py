@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from toolkit.packing import inside, pack
+
 
 def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -114,28 +116,36 @@ def by_length(lengths, batch_size: int) -> list[torch.Tensor]:
     return [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
 
 
-def per_position(model: nn.Module, padded: Padded, batch_size: int, fn) -> torch.Tensor:
-    """[B, T-1] of `fn(model, input_ids, attention_mask)` over forward passes of `batch_size` samples of
-    similar length (no gradients), zero outside the action positions."""
+def per_position(model: nn.Module, padded: Padded, batch_size: int, fn, packing: bool = False) -> torch.Tensor:
+    """[B, T-1] of `fn(model, input_ids, inputs)` over forward passes of `batch_size` samples of similar
+    length (no gradients), zero outside the action positions. `inputs` are the model's other keyword
+    arguments: the attention mask, or with `packing` the samples in one sequence (`toolkit.packing`)."""
     out = torch.zeros_like(padded.action_mask)
     device = next(model.parameters()).device
     with torch.no_grad():
         for index in by_length(padded.attention_mask.sum(1), batch_size):
             part = padded.rows(index)
-            values = fn(model, part.input_ids.to(device), part.attention_mask.to(device)).float().cpu()
-            out[index, : values.shape[1]] = values
+            if packing:
+                packed = pack(part.input_ids, part.attention_mask)
+                with inside([model], packed):
+                    values = fn(model, packed.input_ids.to(device), {"position_ids": packed.position_ids.to(device)})
+                values = packed.put(values.float().cpu(), part.action_mask.shape[1])
+            else:
+                values = fn(model, part.input_ids.to(device), {"attention_mask": part.attention_mask.to(device)})
+            out[index, : values.shape[1]] = values.float().cpu()
     return out * padded.action_mask
 
 
-def sequence_logprobs(model: nn.Module, padded: Padded, temperature: float, batch_size: int) -> torch.Tensor:
+def sequence_logprobs(model: nn.Module, padded: Padded, temperature: float, batch_size: int,
+                      packing: bool = False) -> torch.Tensor:
     """`token_logprobs` of a causal LM for every sample."""
-    return per_position(model, padded, batch_size, lambda m, ids, attention: token_logprobs(
-        m(input_ids=ids, attention_mask=attention).logits, ids, temperature))
+    return per_position(model, padded, batch_size, lambda m, ids, inputs: token_logprobs(
+        m(input_ids=ids, **inputs).logits, ids, temperature), packing)
 
 
-def critic_values(critic: nn.Module, padded: Padded, batch_size: int) -> torch.Tensor:
+def critic_values(critic: nn.Module, padded: Padded, batch_size: int, packing: bool = False) -> torch.Tensor:
     """V(state after token t) of a ScoreModel on the action positions."""
-    return per_position(critic, padded, batch_size, lambda m, ids, attention: m(ids, attention)[:, :-1])
+    return per_position(critic, padded, batch_size, lambda m, ids, inputs: m(ids, **inputs)[:, :-1], packing)
 
 
 class ScoreModel(nn.Module):

@@ -1,14 +1,15 @@
 """No-gradient forward passes (reference log-probs, old log-probs, values) on samples of very different
-lengths: in arrival order against grouped by length, side by side.
+lengths: in arrival order against grouped by length, padded and packed, side by side.
 
     python tools/bench_scoring.py [--samples 64 --batch 16 --prompt 32 --min-response 8 --max-response 480]
 
 The same random 26M-parameter Llama as tools/bench_memory.py scores the same samples (a 32-token prompt
-and a response of uniformly random length) twice, by `toolkit.modeling.sequence_logprobs`: once in
-passes of `--batch` consecutive samples, each padded to its longest (what scoring did before), and once
-grouped by length (`by_length`, what it does now). Figures: the share of computed positions that are
-padding, the median time of 3 repetitions, the largest difference of the log-probs, and the ratio
-(in order / by length) last.
+and a response of uniformly random length) three times, by `toolkit.modeling.sequence_logprobs`: once
+in passes of `--batch` consecutive samples, each padded to its longest (what scoring did before), once
+grouped by length (`by_length`, the default), and once grouped by length and each pass packed into one
+sequence (`model.packing`). Figures: the share of computed positions that are padding, the median time
+of 3 repetitions, the largest difference of the log-probs from the first's, and the ratio (in order /
+packed) last.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def main() -> int:
     from toolkit.modeling import by_length, pad_samples, sequence_logprobs, token_logprobs
     from toolkit.table import text_table
 
-    shape = argparse.Namespace(hidden=512, layers=8, heads=8, intermediate=1376, seq=args.prompt + args.max_response)
+    shape = argparse.Namespace(hidden=512, layers=8, heads=8, intermediate=1376, seq=args.prompt + args.max_response,
+                               config=None, dtype="float32")
     rng = np.random.default_rng(0)
     lengths = rng.integers(args.min_response, args.max_response + 1, args.samples)
     padded = pad_samples(Samples([rng.integers(0, 512, args.prompt) for _ in lengths],
@@ -87,6 +89,9 @@ def main() -> int:
     def grouped():
         return sequence_logprobs(model, padded, 1.0, args.batch)
 
+    def packed():
+        return sequence_logprobs(model, padded, 1.0, args.batch, packing=True)
+
     def padding(groups) -> float:
         real = sum(int(padded.attention_mask[i].sum()) for g in groups for i in g)
         computed = sum(len(g) * int(padded.attention_mask[g].sum(1).max()) for g in groups)
@@ -95,7 +100,7 @@ def main() -> int:
     order_groups = [list(range(s, min(s + args.batch, len(padded)))) for s in range(0, len(padded), args.batch)]
     length_groups = [g.tolist() for g in by_length(padded.attention_mask.sum(1), args.batch)]
     results = {}
-    for name, fn in (("in order", in_order), ("by length", grouped)):
+    for name, fn in (("in order", in_order), ("by length", grouped), ("by length, packed", packed)):
         fn()  # warm-up
         times = []
         for _ in range(args.repeats):
@@ -103,15 +108,20 @@ def main() -> int:
             values = fn()
             times.append(time.perf_counter() - started)
         results[name] = (statistics.median(times), values)
-    diff = (results["in order"][1] - results["by length"][1]).abs().max().item()
+    def diff(name: str) -> str:
+        return f"{(results['in order'][1] - results[name][1]).abs().max().item():.1e}"
+
     rows = [("order", "passes", "padding", "seconds (median)", "max log-prob diff")]
     rows.append(("in order", str(len(order_groups)), f"{padding(order_groups):.0%}", f"{results['in order'][0]:.2f}", ""))
     rows.append(("by length", str(len(length_groups)), f"{padding(length_groups):.0%}", f"{results['by length'][0]:.2f}",
-                 f"{diff:.1e}"))
+                 diff("by length")))
+    rows.append(("by length, packed", str(len(length_groups)), "0%", f"{results['by length, packed'][0]:.2f}",
+                 diff("by length, packed")))
     print(f"{args.samples} samples: prompt {args.prompt} tokens, responses {args.min_response}-{args.max_response} "
           f"tokens; forward passes of {args.batch}; 26M-parameter Llama, fp32, {torch.get_num_threads()} threads")
     print(text_table(rows))
-    print(f"ratio {results['in order'][0] / results['by length'][0]:.2f}")
+    print(f"ratio {results['in order'][0] / results['by length, packed'][0]:.2f}  (in order / packed; in order / by "
+          f"length {results['in order'][0] / results['by length'][0]:.2f})")
     return 0
 
 

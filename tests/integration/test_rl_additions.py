@@ -160,15 +160,42 @@ def test_ignore_eos_runs_every_response_to_full_length(tiny, tmp_path, backend):
 def test_token_budget_micro_batches_make_the_update_of_the_token_mean(tiny, tmp_path):
     """trainer.micro_batch_tokens: each of two trainer ranks takes its half of the update in one
     micro-batch, or in many small ones of a few rows (as many on both ranks, which cut their samples
-    differently), and it is the same update (the loss is the token mean of a rank's samples however they
-    are cut); rows of micro_batch_size (a mean of each micro-batch's token mean) make another."""
+    differently), padded or packed into one sequence each (model.packing, which also packs the reference
+    model's scoring), and it is the same update (the loss is the token mean of a rank's samples however
+    they are cut); rows of micro_batch_size (a mean of each micro-batch's token mean) make another."""
     two = {"trainer": {"workers": 2}}
     one_dir, one = run(tiny, tmp_path, "one", run={"steps": 1}, trainer={"micro_batch_tokens": 10**6}, placement=two)
     many_dir, many = run(tiny, tmp_path, "many", run={"steps": 1}, trainer={"micro_batch_tokens": 280}, placement=two)
+    packed_dir, packed = run(tiny, tmp_path, "packed", run={"steps": 1}, trainer={"micro_batch_tokens": 280},
+                             model={"actor": str(tiny / "model"), "packing": True}, placement=two)
     rows_dir, rows = run(tiny, tmp_path, "rows", run={"steps": 1}, trainer={"micro_batch_size": 4}, placement=two)
     assert one[0]["micro_batches"] == 1 and many[0]["micro_batches"] >= 4 and rows[0]["micro_batches"] == 8
-    assert many[0]["padding_frac"] < one[0]["padding_frac"]
-    assert one[0]["reward_mean"] == many[0]["reward_mean"] == rows[0]["reward_mean"]  # the same samples
-    weights, cut, by_rows = (load_file(d / "export" / "model.safetensors") for d in (one_dir, many_dir, rows_dir))
+    assert many[0]["padding_frac"] < one[0]["padding_frac"] and packed[0]["padding_frac"] == 0
+    assert 2 <= packed[0]["micro_batches"] < many[0]["micro_batches"]  # (280 tokens of samples, not of rows)
+    assert one[0]["reward_mean"] == many[0]["reward_mean"] == packed[0]["reward_mean"] == rows[0]["reward_mean"]
+    weights, cut, by_rows, in_one = (load_file(d / "export" / "model.safetensors")
+                                     for d in (one_dir, many_dir, rows_dir, packed_dir))
     assert max((weights[k] - cut[k]).abs().max().item() for k in weights) < 1e-4  # (lr 1e-3)
+    assert max((weights[k] - in_one[k]).abs().max().item() for k in weights) < 1e-4
     assert max((weights[k] - by_rows[k]).abs().max().item() for k in weights) > 1e-3
+    assert abs(packed[0]["kl"] - one[0]["kl"]) < 1e-5  # the scorer's packed reference log-probs
+
+
+def test_packed_ppo_scores_and_trains_as_padded(tiny, tmp_path):
+    """model.packing in PPO: the actor's old log-probs, the reference's log-probs and the critic's values
+    (committed in the HDF5 record) and both models' training equal the padded run's."""
+    sections = dict(run={"steps": 2, "algorithm": "ppo"}, algorithm={"kl": {"coef": 0.05}},
+                    trainer={"micro_batch_size": 4})
+    padded_dir, padded = run(tiny, tmp_path, "padded", **sections)
+    packed_dir, packed = run(tiny, tmp_path, "packed", model={"actor": str(tiny / "model"), "packing": True},
+                             **sections)
+    assert packed[-1]["padding_frac"] == 0 < padded[-1]["padding_frac"]
+    for a, b in zip(padded, packed):
+        assert abs(a["value_loss"] - b["value_loss"]) < 1e-5 and abs(a["pg_loss"] - b["pg_loss"]) < 1e-5
+    records = [experience.read(d / "experience" / experience.file_name(1)) for d in (padded_dir, packed_dir)]
+    assert np.array_equal(records[0]["samples"]["response_tokens"], records[1]["samples"]["response_tokens"])
+    for name in ("old_logprobs", "ref_logprobs", "values"):
+        a, b = (r["experience"][name] if name in r["experience"] else r["samples"][name] for r in records)
+        assert np.abs(a - b).max() < 1e-5, name
+    weights, packed_weights = (load_file(d / "export" / "model.safetensors") for d in (padded_dir, packed_dir))
+    assert max((weights[k] - packed_weights[k]).abs().max().item() for k in weights) < 1e-4

@@ -71,6 +71,12 @@ class ModelSection(Section):
     attention), `eager` (plain matmuls), or `flash_attention_2` (needs flash-attn and a GPU)."""
     forward_batch_size: PositiveInt = 16
     """Samples per no-gradient forward pass (reference and reward scores, old log-probs and values)."""
+    packing: bool = False
+    """Pack the samples of each training micro-batch and of each no-gradient pass of the policy, the
+    reference and the critic (log-probs, values) into one sequence: positions restart at each sample and
+    each sample's attention is computed on its own (PyTorch's SDPA per sample), so no padding is computed.
+    `trainer.micro_batch_tokens` then counts the samples' own tokens. Reward models still take padded rows.
+    Not with `attn_implementation: flash_attention_2` or `ptx.coef` > 0."""
 
 
 class VllmSection(Section):
@@ -243,8 +249,8 @@ class TrainerSection(EngineSection):
     micro_batch_tokens: PositiveInt | None = None
     """Micro-batches by token budget instead of `micro_batch_size` rows each: a rank's samples of an update,
     longest first, fill micro-batches of at most this many tokens (rows x the longest sample, prompt
-    included), so short samples are not padded to long ones and every micro-batch needs about the same
-    memory. The loss is then the token mean over the update's samples. Must hold one whole sample
+    included; with model.packing, the sum of the samples' tokens), so short samples are not padded to long
+    ones and every micro-batch needs about the same memory. The loss is then the token mean over the update's samples. Must hold one whole sample
     (rollout.max_prompt_tokens + max_new_tokens). None: `micro_batch_size` rows each."""
 
 
@@ -420,6 +426,13 @@ class RunConfig(Section):
                                       "ptx.max_tokens")
             if problem:
                 raise ValueError(problem)
+        if self.model.packing and self.ptx.coef > 0:
+            raise ValueError("model.packing with ptx.coef > 0 is not supported (PTX text comes in padded rows); "
+                             "remove one of them")
+        if self.model.packing and self.model.attn_implementation == "flash_attention_2":
+            raise ValueError("model.packing computes each sample's attention with PyTorch's SDPA, not "
+                             "flash_attention_2 (its packed path is not wired here yet); set model.packing: false or "
+                             "model.attn_implementation: sdpa")
         if budget is not None and self.ptx.coef > 0:
             raise ValueError("trainer.micro_batch_tokens with ptx.coef > 0 is not supported (PTX text comes in "
                              "micro_batch_size rows per micro-batch); remove one of them")

@@ -140,13 +140,14 @@ class ReferenceRole(_Scoring):
         started = time.monotonic()
         with self._on_device():
             ref = sequence_logprobs(self.reference, padded, self.cfg.rollout.temperature,
-                                    self.cfg.model.forward_batch_size)
+                                    self.cfg.model.forward_batch_size, self.cfg.model.packing)
         self.deferred_s += time.monotonic() - started
         return ref
 
     def score(self, batch: SampleBatch) -> None:
         padded = pad_samples(batch, self.pad_id)
-        ref = sequence_logprobs(self.reference, padded, self.cfg.rollout.temperature, self.cfg.model.forward_batch_size)
+        ref = sequence_logprobs(self.reference, padded, self.cfg.rollout.temperature, self.cfg.model.forward_batch_size,
+                                self.cfg.model.packing)
         batch.ref_logprobs = np.concatenate(gather_responses(ref, padded) or [np.zeros(0)]).astype(np.float32)
 
 

@@ -483,14 +483,14 @@ class TrainerRole(Role):
         """The critic's values of this rank's shard: its own forward pass, or what the critic's rank of the
         same shard computed (the critic on ranks of its own)."""
         if self.critic is not None:
-            return critic_values(self.critic, padded, self.cfg.model.forward_batch_size)
+            return critic_values(self.critic, padded, self.cfg.model.forward_batch_size, self.cfg.model.packing)
         return self.ranks.receive(padded.action_mask.shape, self.partner)
 
     def _critic_experience(self, batch: SampleBatch, shard: np.ndarray) -> Experience:
         """A critic rank's share of the experience: the values of its shard, which it sends to the actor's
         rank of that shard, and the returns that rank computes from them (GAE)."""
         padded = pad_samples(batch.select(shard), self.pad_id)
-        values = critic_values(self.critic, padded, self.cfg.model.forward_batch_size)
+        values = critic_values(self.critic, padded, self.cfg.model.forward_batch_size, self.cfg.model.packing)
         self.ranks.send(values, self.partner)
         return Experience(padded, None, None, None, None, values, self.ranks.receive(values.shape, self.partner))
 

@@ -34,6 +34,7 @@ from toolkit.algorithms.losses import behaviour_weights, kl_estimate, masked_mea
 from toolkit.algorithms.supervised import response_lm_loss
 from toolkit.modeling import (Padded, pad_samples, scatter_responses, sequence_logprobs, token_entropy,
                               token_logprobs)
+from toolkit.packing import inside, pack
 
 
 @dataclass
@@ -72,12 +73,13 @@ def make_experience(batch, shard_index: np.ndarray, actor, values_of: Callable[[
     padded = pad_samples(shard, pad_id)
     mask = padded.action_mask
     temperature = cfg.rollout.temperature
-    old = None if old_at_update(cfg) else sequence_logprobs(actor, padded, temperature, cfg.model.forward_batch_size)
+    batch_size, packing = cfg.model.forward_batch_size, cfg.model.packing
+    old = None if old_at_update(cfg) else sequence_logprobs(actor, padded, temperature, batch_size, packing)
     if shard.ref_logprobs is None and reference is not None:
         ref = reference(padded)
     elif shard.ref_logprobs is None:  # LoRA: the reference model is the actor without its adapters
         with actor.module.disable_adapter():
-            ref = sequence_logprobs(actor, padded, temperature, cfg.model.forward_batch_size)
+            ref = sequence_logprobs(actor, padded, temperature, batch_size, packing)
     else:
         ref = scatter_responses(shard.ref_logprobs, shard.response_offsets, padded)
     behaviour = scatter_responses(shard.behaviour_logprobs, shard.response_offsets, padded)
@@ -158,17 +160,21 @@ def micro_batches(exp: Experience, order: torch.Tensor, cfg, agree_max: Callable
         return [[u[i: i + trainer.micro_batch_size] for i in range(0, len(u), trainer.micro_batch_size)]
                 for u in updates]
     lengths = exp.padded.attention_mask.sum(1).numpy()
-    planned = [token_budget_batches(lengths, u, trainer.micro_batch_tokens) for u in updates]
+    planned = [token_budget_batches(lengths, u, trainer.micro_batch_tokens, cfg.model.packing) for u in updates]
     return [split_to(batches, agree_max(len(batches))) for batches in planned]
 
 
-def token_budget_batches(lengths: np.ndarray, index: np.ndarray, budget: int) -> list[np.ndarray]:
-    """`index` in micro-batches of at most `budget` padded tokens (rows x the longest), longest first; a
-    sample longer than the budget is a micro-batch of its own."""
+def token_budget_batches(lengths: np.ndarray, index: np.ndarray, budget: int, packed: bool = False) -> list[np.ndarray]:
+    """`index` in micro-batches of at most `budget` tokens, longest first: padded tokens (rows x the
+    longest), or with `packed` the samples' own. A sample longer than the budget is a micro-batch of its own."""
     index = index[np.argsort(-lengths[index], kind="stable")]
     batches, start = [], 0
     while start < len(index):
-        rows = max(1, budget // int(lengths[index[start]]))  # (the first is the longest)
+        if packed:
+            filled = np.cumsum(lengths[index[start:]])
+            rows = max(1, int(np.searchsorted(filled, budget, side="right")))
+        else:
+            rows = max(1, budget // int(lengths[index[start]]))  # (the first is the longest)
         batches.append(index[start: start + rows])
         start += rows
     return batches
@@ -227,49 +233,79 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
             if by_tokens:
                 for engine in engines:
                     engine.set_gradient_accumulation_boundary(last)
-            part = exp.padded.rows(index)
-            real += int(part.attention_mask.sum())
-            computed += part.attention_mask.numel()
-            width = part.action_mask.shape[1]
-            device = next(engines[0].parameters()).device
-            ids, attention, mask = (t.to(device) for t in (part.input_ids, part.attention_mask, part.action_mask))
-            if actor is not None:
-                _actor_micro_batch(exp, actor, cfg, index, width, ids, attention, mask, ptx, count,
-                                   share if by_tokens else None, add, at_update)
-            if critic is not None:
-                old_values, returns = (t[index, :width].to(device) for t in (exp.values, exp.returns))
-                values = critic(ids, attention)[:, :-1]
-                v_loss, v_stats = value_loss(values, old_values, returns, mask, algo.value_clip_eps)
-                _backward(critic, v_loss, share if by_tokens else None)
-                critic.step()
-                add("value_loss", v_loss.item())
-                add("value_clip_frac", v_stats["value_clip_frac"])
+            part = MicroBatch(exp.padded.rows(index), index, cfg.model.packing,
+                              next(engines[0].parameters()).device)
+            real += int(part.padded.attention_mask.sum())
+            computed += part.ids.numel()
+            with part.passes(engines):  # (forward and backward: activation checkpointing runs it again)
+                if actor is not None:
+                    _actor_micro_batch(exp, actor, cfg, part, ptx, count, share if by_tokens else None, add,
+                                       at_update)
+                if critic is not None:
+                    values = critic(part.ids, **part.inputs)[:, :-1]
+                    v_loss, v_stats = value_loss(values, part.take(exp.values), part.take(exp.returns), part.mask,
+                                                 algo.value_clip_eps)
+                    _backward(critic, v_loss, share if by_tokens else None)
+                    critic.step()
+                    add("value_loss", v_loss.item())
+                    add("value_clip_frac", v_stats["value_clip_frac"])
             count += 1
     # (micro-batches of all epochs, and the share of the positions they computed that were padding)
     return {**{k: v / max(count, 1) for k, v in sums.items()}, "micro_batches": count,
             "padding_frac": 1 - real / max(computed, 1)}
 
 
-def _actor_micro_batch(exp: Experience, actor, cfg, index: torch.Tensor, width: int, ids, attention, mask, ptx,
-                       count: int, share: float | None, add: Callable, at_update: bool) -> None:
-    """The actor's forward, loss, backward and step on micro-batch `index` (count-th of the step), its
+class MicroBatch:
+    """The samples `index` of an experience as the models take them: padded rows, or with `packing` one
+    sequence (`toolkit.packing`). `take` gives a per-token tensor of the experience ([B, T-1]) at this
+    micro-batch's positions, `put` turns this micro-batch's per-token values back into padded rows."""
+
+    def __init__(self, padded: Padded, index: torch.Tensor, packing: bool, device):
+        self.padded, self.index, self.device = padded, index, device
+        self.width = padded.action_mask.shape[1]
+        self.packed = pack(padded.input_ids, padded.attention_mask) if packing else None
+        if self.packed is None:
+            self.ids = padded.input_ids.to(device)
+            self.inputs = {"attention_mask": padded.attention_mask.to(device)}
+        else:
+            self.ids = self.packed.input_ids.to(device)
+            self.inputs = {"position_ids": self.packed.position_ids.to(device)}
+        self.mask = self.take_rows(padded.action_mask)
+
+    def take_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return (rows if self.packed is None else self.packed.take(rows)).to(self.device)
+
+    def take(self, values: torch.Tensor) -> torch.Tensor:
+        return self.take_rows(values[self.index, : self.width])
+
+    def put(self, values: torch.Tensor) -> torch.Tensor:
+        return values if self.packed is None else self.packed.put(values, self.width)
+
+    def passes(self, models):
+        """The block of this micro-batch's forward and backward passes (see `toolkit.packing.inside`)."""
+        return inside(models, self.packed)
+
+
+def _actor_micro_batch(exp: Experience, actor, cfg, part: MicroBatch, ptx, count: int, share: float | None,
+                       add: Callable, at_update: bool) -> None:
+    """The actor's forward, loss, backward and step on micro-batch `part` (count-th of the step), its
     statistics through `add`."""
     algo = cfg.algorithm
-    device = ids.device
-    advantages, ref = (t[index, :width].to(device) for t in (exp.advantages, exp.ref_logprobs))
-    old = None if at_update else exp.old_logprobs[index, :width].to(device)
+    ids, mask, device = part.ids, part.mask, part.device
+    advantages, ref = part.take(exp.advantages), part.take(exp.ref_logprobs)
+    old = None if at_update else part.take(exp.old_logprobs)
     weights = None
     if cfg.behaviour_correction:
-        behaviour = exp.behaviour_logprobs[index, :width].to(device)
+        behaviour = part.take(exp.behaviour_logprobs)
         weights = behaviour_weights(old, behaviour, algo.behaviour_weight_cap)
         add("behaviour_weight", masked_mean(weights, mask).item())
         add("behaviour_weight_capped", masked_mean((weights >= algo.behaviour_weight_cap * (1 - 1e-6))
                                                    .to(weights.dtype), mask).item())
-    logits = actor(input_ids=ids, attention_mask=attention).logits
+    logits = actor(input_ids=ids, **part.inputs).logits
     logprobs = token_logprobs(logits, ids, cfg.rollout.temperature)
     if at_update:
         old = logprobs.detach()
-        exp.old_logprobs[index, :width] = (old * mask).cpu()
+        exp.old_logprobs[part.index, : part.width] = part.put((old * mask).cpu())
     loss, stats = policy_loss(logprobs, old, advantages, mask, algo.clip_eps, weights)
     add("pg_loss", loss.item())
     if cfg.run.algorithm == "grpo" and algo.kl.coef > 0:
