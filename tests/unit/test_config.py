@@ -269,6 +269,13 @@ def test_memory_switch_errors_name_the_field_and_the_fix(tiny, tmp_path, trainer
     assert expected in error_of(write_config(tmp_path, data))
 
 
+def test_packing_with_ptx_is_refused(tiny, tmp_path):
+    text = {"sources": [{"path": str(tiny / "pipeline.jsonl")}], "text_key": "response"}
+    data = example("tiny-grpo.yaml", tiny, ptx={"coef": 1.0, "data": text})
+    data["model"]["packing"] = True
+    assert "model.packing with ptx.coef > 0 is not supported" in error_of(write_config(tmp_path, data))
+
+
 def test_lora_moves_the_reference_into_the_trainer(tiny, tmp_path):
     from toolkit.placement.plan import plan, stages
 
@@ -284,6 +291,8 @@ def test_stage_memory_switch_errors(tiny, tmp_path):
             "model": {"base": str(tiny / "model")}}
     rm = write_config(tmp_path, {"stage": "rm", **base, "train": {"lora": {"rank": 4}}}, "rm.yaml")
     assert "train.lora is for causal LMs" in error_of(rm)
+    rm = write_config(tmp_path, {"stage": "rm", **base, "train": {"packing": True}}, "rm-packed.yaml")
+    assert "train.packing is for the sft stage" in error_of(rm)
     packed = write_config(tmp_path, {"stage": "sft", **base, "train": {"packing": True},
                                      "model": {**base["model"], "attn_implementation": "flash_attention_2"}}, "p.yaml")
     assert "flash_attention_2" in error_of(packed)

@@ -63,8 +63,8 @@ class TrainSection(EngineSection):
     eval_batch_size: PositiveInt = 16
     """Rows per forward pass when evaluating."""
     packing: bool = False
-    """SFT: pack several rows into one sequence of at most max_tokens x micro_batch_size tokens, with
-    attention kept within each row (a block-diagonal mask): no padding is computed."""
+    """SFT: pack a micro-batch's rows into one sequence, positions restarting at each row and each row's
+    attention computed on its own (PyTorch's SDPA per row): no padding is computed."""
 
 
 class StagePlacementSection(Section):
@@ -105,11 +105,15 @@ class StageConfig(Section):
         ranks = self.placement.trainer.workers
         per_step = self.train.micro_batch_size * ranks
         if self.train.packing and self.model.attn_implementation == "flash_attention_2":
-            raise ValueError("train.packing keeps attention within each row with a block-diagonal mask, which "
-                             "flash_attention_2 does not take; use model.attn_implementation: sdpa")
+            raise ValueError("train.packing computes each row's attention with PyTorch's SDPA, not "
+                             "flash_attention_2 (its packed path is not wired here yet); use model.attn_implementation: "
+                             "sdpa or train.packing: false")
         problem = fp16_problem(self.model.dtype, "trainer", self.placement.trainer)
         if problem:
             raise ValueError(problem)
+        if self.train.packing and self.stage == "rm":
+            raise ValueError("train.packing is for the sft stage; the rm stage reads each sequence's score at its "
+                             "last token of padded rows: remove train.packing")
         if self.train.lora is not None and self.stage == "rm":
             raise ValueError("train.lora is for causal LMs (the sft stage and the RL actor); the rm stage trains "
                              "every weight of the reward model: remove train.lora")

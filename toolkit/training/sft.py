@@ -2,7 +2,7 @@
 
 The loss is the cross-entropy on the response tokens only (the prompt is context, not a target). With
 `train.packing`, a micro-batch's rows are packed into one sequence, positions restarting at each row and
-attention kept within each row by a block-diagonal causal mask, so no padding is computed.
+each row's attention computed on its own (`toolkit.packing`), so no padding is computed.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from toolkit.algorithms.supervised import response_lm_loss
 from toolkit.data.tokens import fit, render_prompt, response_ids
 from toolkit.modeling import right_pad
+from toolkit.packing import pack
 
 
 class SFTTask:
@@ -36,33 +37,26 @@ class SFTTask:
         return prompt + response, len(prompt)
 
     def batch(self, examples, packing: bool = False) -> dict:
-        """The model inputs of a micro-batch and its loss mask (1 on response tokens)."""
+        """The model inputs of a micro-batch and its loss mask (1 on response tokens). Packed, the batch's
+        `packed` (a `toolkit.packing.Packed`) is what its forward and backward passes run inside."""
         rows = [self.tokens(ex) for ex in examples]
-        if packing:
-            ids = torch.tensor([[t for seq, _ in rows for t in seq]])
-            mask = torch.tensor([[int(i >= n) for seq, n in rows for i in range(len(seq))]])
-            positions = torch.tensor([[i for seq, _ in rows for i in range(len(seq))]])
-            segments = torch.tensor([k for k, (seq, _) in enumerate(rows) for _ in seq])
-            allowed = (segments[:, None] == segments[None, :]) & torch.ones(len(segments), len(segments)).tril().bool()
-            return {"input_ids": ids, "position_ids": positions, "loss_mask": mask, "tokens": ids.numel(),
-                    "positions": ids.numel(), "attention_mask": allowed[None, None]}
         ids, attention = right_pad([seq for seq, _ in rows], self.pad_id)
+        if packing:
+            packed = pack(ids, attention)
+            # (a sample's first token is never a target: it would be predicted from the sample before)
+            mask = torch.tensor([[int(i >= n and i > 0) for seq, n in rows for i in range(len(seq))]])
+            return {"input_ids": packed.input_ids, "inputs": {"position_ids": packed.position_ids}, "loss_mask": mask,
+                    "tokens": packed.input_ids.numel(), "positions": packed.input_ids.numel(), "packed": packed}
         mask = torch.zeros_like(ids)
         for i, (seq, n) in enumerate(rows):
             mask[i, n: len(seq)] = 1
-        return {"input_ids": ids, "attention_mask": attention, "loss_mask": mask, "tokens": int(attention.sum()),
-                "positions": ids.numel()}
+        return {"input_ids": ids, "inputs": {"attention_mask": attention}, "loss_mask": mask,
+                "tokens": int(attention.sum()), "positions": ids.numel()}
 
     def loss(self, model, batch: dict, device) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss to minimise, sums for metrics): the token mean over the micro-batch's response tokens."""
         ids = batch["input_ids"].to(device)
-        attention = batch["attention_mask"].to(device)
-        if attention.dim() == 4:  # packed: an additive float mask, in the model's dtype
-            dtype = next(model.parameters()).dtype
-            attention = torch.zeros(attention.shape, dtype=dtype, device=device).masked_fill(
-                ~attention, torch.finfo(dtype).min)
-        extra = {"position_ids": batch["position_ids"].to(device)} if "position_ids" in batch else {}
-        logits = model(input_ids=ids, attention_mask=attention, **extra).logits
+        logits = model(input_ids=ids, **{k: v.to(device) for k, v in batch["inputs"].items()}).logits
         total, tokens = response_lm_loss(logits, ids, batch["loss_mask"].to(device))
         return total / tokens.clamp(min=1), {"loss_sum": float(total), "target_tokens": float(tokens)}
 

@@ -22,6 +22,7 @@ import torch
 
 from toolkit.data.dataset import KIND, StageData
 from toolkit.hold import hold
+from toolkit.packing import inside
 from toolkit.roles.base import Role
 from toolkit.store import checkpoint
 from toolkit.store.manifest import Manifest
@@ -134,8 +135,9 @@ class SupervisedRole(Role):
         sums: dict[str, float] = {"tokens": 0.0, "positions": 0.0}
         for start in range(0, len(rows), t.micro_batch_size):
             batch = self.task.batch(rows[start: start + t.micro_batch_size], packing=t.packing)
-            loss, stats = self.task.loss(self.engine, batch, self.device)
-            self.engine.backward(loss)
+            with inside([self.engine], batch.get("packed")):  # (forward and backward; see toolkit.packing)
+                loss, stats = self.task.loss(self.engine, batch, self.device)
+                self.engine.backward(loss)
             self.engine.step()
             for k, v in {**stats, "tokens": batch["tokens"], "positions": batch["positions"]}.items():
                 sums[k] = sums.get(k, 0.0) + v
