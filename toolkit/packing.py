@@ -57,19 +57,19 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     positions = torch.cat([torch.arange(int(n)) for n in lengths])[None]
     rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(lengths))[:-1]
     cols = positions[0, :-1].clone()
-    inside = torch.ones(bounds[-1] - 1)
-    ends = torch.as_tensor(bounds[1:-1]) - 1
-    inside[ends] = 0
+    within = torch.ones(bounds[-1] - 1)
+    within[torch.as_tensor(bounds[1:-1], dtype=torch.long) - 1] = 0
     cols.clamp_(max=max(input_ids.shape[1] - 2, 0))
-    return Packed(ids, positions, bounds, rows, cols, inside)
+    return Packed(ids, positions, bounds, rows, cols, within)
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                **kwargs):
     """transformers' attention interface ([1, H, L, D] in, [1, L, H, D] out): SDPA on each sample alone."""
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("model.packing: attention logit soft-capping is not supported; set "
-                                  "model.packing: false")
+    for name, what in (("softcap", "attention logit soft-capping"), ("s_aux", "attention sinks")):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"packing: {what} ({type(module).__name__}) is not supported; set "
+                                      "model.packing (train.packing) to false")
     bounds = _bounds.value
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves a group
         groups = query.shape[1] // key.shape[1]
