@@ -38,16 +38,17 @@ def test_pack_lays_samples_end_to_end_and_maps_per_token_tensors_both_ways():
     assert torch.equal(packed.put(taken, 19), per_token * within)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-checkpointed", "gpt2", "mistral-window"])
+@pytest.mark.parametrize("family", ["llama", "llama-checkpointed", "llama-lora", "gpt2", "mistral-window"])
 def test_packed_forward_and_backward_equal_the_padded_ones(family):
     """Grouped-query attention and rotary positions (Llama), the same with activation checkpointing (the
-    forward pass runs again in the backward pass, inside `inside` too), learned absolute positions (GPT-2),
-    and a sliding window shorter than a sample (Mistral): the same log-probs and gradients within 1e-5."""
+    forward pass runs again in the backward pass, inside `inside` too) and inside peft's LoRA wrapper,
+    learned absolute positions (GPT-2), and a sliding window shorter than a sample (Mistral): the same
+    log-probs and gradients within 1e-5."""
     import transformers
 
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=50)
     llama = lambda: transformers.LlamaConfig(**shape, num_key_value_heads=2)  # noqa: E731
-    config = {"llama": llama, "llama-checkpointed": llama,
+    config = {"llama": llama, "llama-checkpointed": llama, "llama-lora": llama,
               "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=50, attn_pdrop=0,
                                                       resid_pdrop=0, embd_pdrop=0),
               "mistral-window": lambda: transformers.MistralConfig(**shape, num_key_value_heads=2, sliding_window=6),
@@ -56,13 +57,17 @@ def test_packed_forward_and_backward_equal_the_padded_ones(family):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
     if family.endswith("checkpointed"):
         model.gradient_checkpointing_enable()
+    if family.endswith("lora"):
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     ids, attention = _rows(50)
     padded = token_logprobs(model(input_ids=ids, attention_mask=attention).logits, ids, 0.7)
     mask = torch.zeros_like(padded)
     for i, n in enumerate(LENGTHS):
         mask[i, : n - 1] = 1
     (padded * mask).sum().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
     model.zero_grad()
     packed = pack(ids, attention)
     with inside([model], packed):
@@ -71,7 +76,8 @@ def test_packed_forward_and_backward_equal_the_padded_ones(family):
         (logprobs * packed.take(mask)).sum().backward()
     assert model.config._attn_implementation == "sdpa"  # restored after the block
     assert ((packed.put(logprobs, padded.shape[1]) - padded) * mask).abs().max().item() < 1e-5
-    assert max((grads[name] - p.grad).abs().max().item() for name, p in model.named_parameters()) < 1e-5
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    assert max((grads[name] - p.grad).abs().max().item() for name, p in trained) < 1e-5
 
 
 def test_a_packed_token_budget_counts_the_samples_own_tokens():

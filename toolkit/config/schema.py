@@ -250,8 +250,9 @@ class TrainerSection(EngineSection):
     """Micro-batches by token budget instead of `micro_batch_size` rows each: a rank's samples of an update,
     longest first, fill micro-batches of at most this many tokens (rows x the longest sample, prompt
     included; with model.packing, the sum of the samples' tokens), so short samples are not padded to long
-    ones and every micro-batch needs about the same memory. The loss is then the token mean over the update's samples. Must hold one whole sample
-    (rollout.max_prompt_tokens + max_new_tokens). None: `micro_batch_size` rows each."""
+    ones and every micro-batch needs about the same memory. The loss is then the token mean over the
+    update's samples. Must hold one whole sample (rollout.max_prompt_tokens + max_new_tokens). None:
+    `micro_batch_size` rows each."""
 
 
 class PtxSection(Section):
