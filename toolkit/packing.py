@@ -1,9 +1,9 @@
 """Samples packed into one sequence, each sample's attention computed on its own: no padding computed.
 
-`pack(part)` lays the rows of a padded micro-batch (`modeling.Padded`) end to end in one sequence of L
-tokens, positions restarting at each sample. A forward pass `inside(models, packed)` runs attention
-through `_attention`, which calls PyTorch's SDPA once per sample (causal, on that sample's own queries
-and keys), so attention costs what the samples need and nothing attends across a boundary. The
+`pack(input_ids, attention_mask)` lays the right-padded rows of a micro-batch end to end in one sequence
+of L tokens, positions restarting at each sample. In a block `with inside(models, packed):` the models'
+attention runs through `_attention`, which calls PyTorch's SDPA once per sample (causal, on that sample's
+own queries and keys), so attention costs what the samples need and nothing attends across a boundary. The
 projections and MLPs see only real tokens. A dense block-diagonal mask (what SFT's packing did, and what
 transformers builds from restarting positions) would make attention grow with L squared instead.
 
