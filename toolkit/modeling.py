@@ -187,13 +187,20 @@ class ScoreModel(nn.Module):
 
 
 def last_token_scores(model: ScoreModel, sequences: list[list[int]], pad_id: int, batch_size: int,
-                      device: torch.device) -> torch.Tensor:
-    """float32 [N]: each sequence's score at its last token (right-padded in batches, no gradient)."""
+                      device: torch.device, packing: bool = False) -> torch.Tensor:
+    """float32 [N]: each sequence's score at its last token (no gradient), `batch_size` sequences of similar
+    length at a time, right-padded, or with `packing` in one sequence (`toolkit.packing`)."""
     out = torch.zeros(len(sequences))
     with torch.no_grad():
         for index in by_length([len(s) for s in sequences], batch_size):
             part = [sequences[i] for i in index]
             ids, attention = right_pad(part, pad_id)
+            if packing:
+                packed = pack(ids, attention)
+                with inside([model], packed):
+                    scores = model(packed.input_ids.to(device), position_ids=packed.position_ids.to(device))
+                out[index] = scores[0, torch.tensor(packed.bounds[1:], device=scores.device) - 1].float().cpu()
+                continue
             scores = model(ids.to(device), attention.to(device))
             last = torch.tensor([len(s) - 1 for s in part], device=scores.device)
             out[index] = scores[torch.arange(len(part), device=scores.device), last].float().cpu()

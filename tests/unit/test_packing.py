@@ -87,3 +87,15 @@ def test_a_packed_token_budget_counts_the_samples_own_tokens():
     assert [b.tolist() for b in token_budget_batches(lengths, index, 70)] == [[1], [4, 2], [5, 0, 3]]
     assert [b.tolist() for b in token_budget_batches(lengths, index, 70, packed=True)] == [[1, 4], [2, 5, 0, 3]]
     assert [b.tolist() for b in token_budget_batches(lengths, index, 30, packed=True)][0] == [1]  # longer: alone
+
+
+def test_packed_reward_model_scores_equal_the_padded_ones(tiny):
+    """A reward model (a ScoreModel) reads each sequence's score at its last token, packed or padded."""
+    from toolkit.modeling import ScoreModel, last_token_scores
+
+    model = ScoreModel(str(tiny / "reward_model"), torch.float32).eval()
+    torch.manual_seed(1)
+    sequences = [torch.randint(3, 200, (n,)).tolist() for n in (7, 30, 2, 18, 11)]
+    padded = last_token_scores(model, sequences, 0, 3, torch.device("cpu"))
+    packed = last_token_scores(model, sequences, 0, 3, torch.device("cpu"), packing=True)
+    assert padded.std() > 0 and (packed - padded).abs().max().item() < 1e-5

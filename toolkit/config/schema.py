@@ -72,10 +72,10 @@ class ModelSection(Section):
     forward_batch_size: PositiveInt = 16
     """Samples per no-gradient forward pass (reference and reward scores, old log-probs and values)."""
     packing: bool = False
-    """Pack the samples of each training micro-batch and of each no-gradient pass of the policy, the
-    reference and the critic (log-probs, values) into one sequence: positions restart at each sample and
-    each sample's attention is computed on its own (PyTorch's SDPA per sample), so no padding is computed.
-    `trainer.micro_batch_tokens` then counts the samples' own tokens. Reward models still take padded rows.
+    """Pack the samples of each training micro-batch and of each no-gradient pass (the policy's, the
+    reference's and the critic's log-probs and values, the reward models' scores) into one sequence:
+    positions restart at each sample and each sample's attention is computed on its own (PyTorch's SDPA per
+    sample), so no padding is computed. `trainer.micro_batch_tokens` then counts the samples' own tokens.
     Not with `attn_implementation: flash_attention_2` or `ptx.coef` > 0."""
 
 

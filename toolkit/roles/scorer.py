@@ -261,7 +261,8 @@ class RewardRole(_Scoring):
             prompt, response = fit(prompt, response, r.max_prompt_tokens + r.max_new_tokens, keep="end")
             sequences.append(prompt + response)
         pad = rm.tokenizer.pad_token_id if rm.tokenizer.pad_token_id is not None else 0
-        scores = last_token_scores(rm.model, sequences, pad, self.cfg.model.forward_batch_size, self.device).numpy()
+        scores = last_token_scores(rm.model, sequences, pad, self.cfg.model.forward_batch_size, self.device,
+                                   self.cfg.model.packing).numpy()
         if rm.stats is not None:
             scores = (scores - rm.stats["mean"]) / max(rm.stats["std"], 1e-6)
         return scores
