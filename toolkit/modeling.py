@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from toolkit.packing import inside, pack
+from toolkit.packing import inside, model_inputs
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -125,14 +125,12 @@ def per_position(model: nn.Module, padded: Padded, batch_size: int, fn, packing:
     with torch.no_grad():
         for index in by_length(padded.attention_mask.sum(1), batch_size):
             part = padded.rows(index)
-            if packing:
-                packed = pack(part.input_ids, part.attention_mask)
-                with inside([model], packed):
-                    values = fn(model, packed.input_ids.to(device), {"position_ids": packed.position_ids.to(device)})
-                values = packed.put(values.float().cpu(), part.action_mask.shape[1])
-            else:
-                values = fn(model, part.input_ids.to(device), {"attention_mask": part.attention_mask.to(device)})
-            out[index, : values.shape[1]] = values.float().cpu()
+            packed, ids, inputs = model_inputs(part.input_ids, part.attention_mask, packing)
+            with inside([model], packed):
+                values = fn(model, ids.to(device), {k: v.to(device) for k, v in inputs.items()}).float().cpu()
+            if packed is not None:
+                values = packed.put(values, part.action_mask.shape[1])
+            out[index, : values.shape[1]] = values
     return out * padded.action_mask
 
 
@@ -194,16 +192,14 @@ def last_token_scores(model: ScoreModel, sequences: list[list[int]], pad_id: int
     with torch.no_grad():
         for index in by_length([len(s) for s in sequences], batch_size):
             part = [sequences[i] for i in index]
-            ids, attention = right_pad(part, pad_id)
-            if packing:
-                packed = pack(ids, attention)
-                with inside([model], packed):
-                    scores = model(packed.input_ids.to(device), position_ids=packed.position_ids.to(device))
-                out[index] = scores[0, torch.tensor(packed.bounds[1:], device=scores.device) - 1].float().cpu()
-                continue
-            scores = model(ids.to(device), attention.to(device))
-            last = torch.tensor([len(s) - 1 for s in part], device=scores.device)
-            out[index] = scores[torch.arange(len(part), device=scores.device), last].float().cpu()
+            packed, ids, inputs = model_inputs(*right_pad(part, pad_id), packing)
+            with inside([model], packed):
+                scores = model(ids.to(device), **{k: v.to(device) for k, v in inputs.items()})
+            if packed is None:
+                rows, last = torch.arange(len(part)), torch.tensor([len(s) - 1 for s in part])
+            else:
+                rows, last = torch.zeros(len(part), dtype=torch.long), torch.tensor(packed.bounds[1:]) - 1
+            out[index] = scores[rows.to(scores.device), last.to(scores.device)].float().cpu()
     return out
 
 

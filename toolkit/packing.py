@@ -63,6 +63,16 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     return Packed(ids, positions, bounds, rows, cols, within)
 
 
+def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, packing: bool
+                 ) -> tuple[Packed | None, torch.Tensor, dict[str, torch.Tensor]]:
+    """(the packed layout or None, input ids, the model's other keyword arguments) of right-padded rows:
+    as they are, or with `packing` in one sequence (run the passes `inside` the packed layout)."""
+    if not packing:
+        return None, input_ids, {"attention_mask": attention_mask}
+    packed = pack(input_ids, attention_mask)
+    return packed, packed.input_ids, {"position_ids": packed.position_ids}
+
+
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                **kwargs):
     """transformers' attention interface ([1, H, L, D] in, [1, L, H, D] out): SDPA on each sample alone."""

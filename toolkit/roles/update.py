@@ -34,7 +34,7 @@ from toolkit.algorithms.losses import behaviour_weights, kl_estimate, masked_mea
 from toolkit.algorithms.supervised import response_lm_loss
 from toolkit.modeling import (Padded, pad_samples, scatter_responses, sequence_logprobs, token_entropy,
                               token_logprobs)
-from toolkit.packing import inside, pack
+from toolkit.packing import inside, model_inputs
 
 
 @dataclass
@@ -263,13 +263,8 @@ class MicroBatch:
     def __init__(self, padded: Padded, index: torch.Tensor, packing: bool, device):
         self.padded, self.index, self.device = padded, index, device
         self.width = padded.action_mask.shape[1]
-        self.packed = pack(padded.input_ids, padded.attention_mask) if packing else None
-        if self.packed is None:
-            self.ids = padded.input_ids.to(device)
-            self.inputs = {"attention_mask": padded.attention_mask.to(device)}
-        else:
-            self.ids = self.packed.input_ids.to(device)
-            self.inputs = {"position_ids": self.packed.position_ids.to(device)}
+        self.packed, ids, inputs = model_inputs(padded.input_ids, padded.attention_mask, packing)
+        self.ids, self.inputs = ids.to(device), {k: v.to(device) for k, v in inputs.items()}
         self.mask = self.take_rows(padded.action_mask)
 
     def take_rows(self, rows: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from toolkit.algorithms.supervised import response_lm_loss
 from toolkit.data.tokens import fit, render_prompt, response_ids
 from toolkit.modeling import right_pad
-from toolkit.packing import pack
+from toolkit.packing import model_inputs
 
 
 class SFTTask:
@@ -40,18 +40,17 @@ class SFTTask:
         """The model inputs of a micro-batch and its loss mask (1 on response tokens). Packed, the batch's
         `packed` (a `toolkit.packing.Packed`) is what its forward and backward passes run inside."""
         rows = [self.tokens(ex) for ex in examples]
-        ids, attention = right_pad([seq for seq, _ in rows], self.pad_id)
-        if packing:
-            packed = pack(ids, attention)
+        padded_ids, attention = right_pad([seq for seq, _ in rows], self.pad_id)
+        packed, ids, inputs = model_inputs(padded_ids, attention, packing)
+        if packed is not None:
             # (a sample's first token is never a target: it would be predicted from the sample before)
             mask = torch.tensor([[int(i >= n and i > 0) for seq, n in rows for i in range(len(seq))]])
-            return {"input_ids": packed.input_ids, "inputs": {"position_ids": packed.position_ids}, "loss_mask": mask,
-                    "tokens": packed.input_ids.numel(), "positions": packed.input_ids.numel(), "packed": packed}
-        mask = torch.zeros_like(ids)
-        for i, (seq, n) in enumerate(rows):
-            mask[i, n: len(seq)] = 1
-        return {"input_ids": ids, "inputs": {"attention_mask": attention}, "loss_mask": mask,
-                "tokens": int(attention.sum()), "positions": ids.numel()}
+        else:
+            mask = torch.zeros_like(ids)
+            for i, (seq, n) in enumerate(rows):
+                mask[i, n: len(seq)] = 1
+        return {"input_ids": ids, "inputs": inputs, "loss_mask": mask, "tokens": int(attention.sum()),
+                "positions": ids.numel(), "packed": packed}
 
     def loss(self, model, batch: dict, device) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss to minimise, sums for metrics): the token mean over the micro-batch's response tokens."""
