@@ -30,10 +30,12 @@ it, and once more with tcmalloc preloaded, for comparison.
 then has the same probability at every position (1/64), so response lengths are geometric (mean about
 64) and cut at 256 new tokens; nothing is forced. slurm-rlhf fills training micro-batches by token budget
 (`trainer.micro_batch_tokens`, 16 x the longest possible sample: the same largest micro-batch as rows
-of 16) and scores samples grouped by length (the default); it runs synchronously, and asynchronously
-(Separation, `rollout.max_policy_lag: 1`, one thread per worker, as `tools/bench_async.py` found best
-on these cores). TRL pads, as its users run it. Its last line is `ratio R` for packing and async: TRL's
-step time over Separation's, asynchronous.
+of 16), scores samples grouped by length (the default), and packs each micro-batch and scoring pass into
+one sequence (`model.packing`); it runs synchronously, and asynchronously (Separation,
+`rollout.max_policy_lag: 1`, one thread per worker, as `tools/bench_async.py` found best on these
+cores), and once more synchronously without packing (padded to each micro-batch's longest sample), to
+show what packing gives. TRL pads, as its users run it. Its last line is `ratio R` for packing and
+async: TRL's step time over Separation's, asynchronous.
 """
 
 from __future__ import annotations
@@ -175,8 +177,10 @@ def measured(command: list[str], **kwargs) -> PeakMemory:
 
 
 def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int, variable: bool = False,
-         lag: int = 0, rollout: dict | None = None, placement: dict | None = None, name: str = "") -> dict:
-    """Our run of the workload (`rollout`, `placement`: settings on top; `name`: of its run directory)."""
+         lag: int = 0, rollout: dict | None = None, placement: dict | None = None, name: str = "",
+         packing: bool = False) -> dict:
+    """Our run of the workload (`rollout`, `placement`: settings on top; `name`: of its run directory;
+    `packing`: `model.packing`, on samples of variable length only)."""
     config = {"run": {"name": f"bench-{strategy}", "algorithm": "grpo", "steps": steps + 2, "seed": 0},
               "data": {"prompts": str(prompts)}, "model": {"actor": str(model)},
               "rollout": {"prompts_per_step": 16, "group_size": 4, "max_new_tokens": 128, "ignore_eos": True,
@@ -189,6 +193,7 @@ def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int, varia
         config["rollout"].update(max_new_tokens=VARIABLE_MAX, ignore_eos=False, max_policy_lag=lag,
                                  max_prompt_tokens=32)  # (the tiny prompts have at most 14)
         config["trainer"]["micro_batch_tokens"] = 16 * (32 + VARIABLE_MAX)
+        config["model"]["packing"] = packing
         if lag:
             config["placement"].update({group: {"cpus_per_worker": 1} for group in ("generator", "scorer", "trainer")})
     config["rollout"].update(rollout or {})
@@ -235,10 +240,13 @@ def main() -> int:
     from toolkit.table import text_table
     from toolkit.tiny import build_tiny
 
-    # (key, strategy, max_policy_lag, the row's name)
-    runs = [("separation", "separation", 0, "separation"), ("flattening", "flattening", 0, "flattening")]
+    # (key, strategy, max_policy_lag, model.packing, the row's name)
+    runs = [("separation", "separation", 0, False, "separation"), ("flattening", "flattening", 0, False, "flattening")]
     if args.variable:
-        runs.insert(1, ("async", "separation", 1, "separation, async lag 1"))
+        runs = [("separation", "separation", 0, True, "separation, packed"),
+                ("async", "separation", 1, True, "separation, packed, async lag 1"),
+                ("flattening", "flattening", 0, True, "flattening, packed"),
+                ("padded", "separation", 0, False, "separation, padded")]
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         tiny = build_tiny(tmp / "tiny")
@@ -250,15 +258,16 @@ def main() -> int:
         allocator, library = choice("auto")  # (what run.allocator auto gives our workers)
         if library:
             results["TRL+"] = theirs(model, prompts, tmp, args.steps, library, variable=args.variable)
-        for key, strategy, lag, _ in runs:
-            results[key] = ours(model, prompts, tmp, strategy, args.steps, args.variable, lag)
+        for key, strategy, lag, packing, _ in runs:
+            results[key] = ours(model, prompts, tmp, strategy, args.steps, args.variable, lag,
+                                name="" if packing else "-padded", packing=packing)
 
     trl = results["TRL"]
     rows = [("system", "step s (median)", "mean response", "generate s", "score s", "train s", "sync s",
              "peak RSS GB", "peak PSS GB", "PSS / TRL's", "TRL / this")]
     labels = [("TRL", f"TRL {trl['version']} GRPOTrainer, no act. checkpointing"),
               ("TRL+", f"TRL, {allocator} preloaded"), ("TRL defaults", "TRL, activation checkpointing (its default)")]
-    labels += [(key, f"slurm-rlhf {label}, {allocator}") for key, _, _, label in runs]
+    labels += [(key, f"slurm-rlhf {label}, {allocator}") for key, _, _, _, label in runs]
     for key, label in labels:
         if key in results:
             r = results[key]
