@@ -102,8 +102,8 @@ def bench_commits(directory: Path, repeats: int) -> None:
     return min(ratios)
 
 
-def bench_run(steps: int, every: int) -> None:
-    with tempfile.TemporaryDirectory(dir=REPO / "runs") as tmp:
+def bench_run(directory: Path, steps: int, every: int) -> None:
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "toolkit", "run", str(REPO / "templates/examples/tiny-grpo.yaml"),
                "--run-dir", str(run_dir), "--set", f"run.steps={steps}", "--set", "checkpoint.every_steps=1"]
@@ -126,15 +126,21 @@ def bench_run(steps: int, every: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default=str(REPO / "runs" / "bench-store"), help="where to write (a disk to test)")
+    parser.add_argument("--dir", default=str(REPO / "runs" / "bench-store"), help="where to write, the tiny run too (a disk to test)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="steps of the tiny run (0: skip it)")
     args = parser.parse_args()
-    directory = Path(args.dir)
+    directory = Path(args.dir).absolute()
+    made = [d for d in (directory, *directory.parents) if not d.exists()]  # (removed again at the end)
     directory.mkdir(parents=True, exist_ok=True)
-    ratio = bench_commits(directory, args.repeats)
-    if args.steps:
-        bench_run(args.steps, CheckpointSection().every_steps)
+    try:
+        ratio = bench_commits(directory, args.repeats)
+        if args.steps:
+            bench_run(directory, args.steps, CheckpointSection().every_steps)
+    finally:
+        for d in made:
+            if not any(d.iterdir()):
+                d.rmdir()
     print(f"ratio {ratio:.2f}  (HDF5 commit throughput / plain write + fsync, lowest over batches of 1 MB or more)")
 
 
