@@ -128,6 +128,11 @@ def test_resume_after_sigkill_ends_with_the_same_weights(baseline, killed, tmp_p
         assert row["reward_mean"] == pytest.approx(m["reward_mean"], rel=1e-6)
         assert row["time/train_s"] == pytest.approx(m["train_s"], rel=1e-6)
     assert (run_dir / "wandb" / "last-step").read_text() == str(STEPS - 1)
+    # W&B's staging directories: the killed driver left its two in the run directory, not in TMPDIR; the
+    # resume removed them before it imported wandb, and its own at its exit
+    left = sorted(p.name.rsplit("wandb-", 1)[-1] for p in (killed / "wandb" / "tmp").iterdir())
+    assert left == ["artifacts", "media"], left
+    assert list((run_dir / "wandb" / "tmp").iterdir()) == []
     # (e) the metrics and status count the restart
     assert metrics[0]["restarts"] == 0 and metrics[-1]["restarts"] == 1 and curves["restarts"][STEPS - 1] == 1
     assert "restarts: resumed 1 time(s) from its checkpoint and experience" in cli("status", run_dir).stdout

@@ -19,12 +19,32 @@ import importlib
 import math
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
 
 NOT_CURVES = {"step", "time"}
+
+
+def import_wandb(staging: Path):
+    """The wandb module. As it is imported, wandb makes two staging directories in the temporary directory
+    (`tmp*wandb-media`, `tmp*wandb-artifacts`) and removes them as the process exits; a driver killed with
+    SIGKILL left them in TMPDIR. They are made in `staging` (RUN_DIR/wandb/tmp) instead, where what an
+    attempt killed before left is removed first (the run directory's lock keeps out a second driver)."""
+    if "wandb" in sys.modules:
+        return sys.modules["wandb"]
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(mode=0o700)
+    given = tempfile.tempdir
+    tempfile.tempdir = str(staging)
+    try:
+        import wandb
+    finally:
+        tempfile.tempdir = given
+    return wandb
 
 
 def summary_writer():
@@ -94,11 +114,11 @@ class Curves:
         last_file = directory / "last-step"
         self.wandb_last = int(last_file.read_text()) if last_file.exists() else -1
         os.environ.setdefault("WANDB_SILENT", "true")  # (its notes would mix with the run's lines)
-        import wandb
+        directory.mkdir(mode=0o700, exist_ok=True)
+        wandb = import_wandb(directory / "tmp")
 
         from toolkit.config import dump_config
 
-        directory.mkdir(mode=0o700, exist_ok=True)
         id_file = directory / "run-id"
         if not id_file.exists():
             id_file.write_text(secrets.token_hex(4))
