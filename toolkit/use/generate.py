@@ -69,9 +69,10 @@ def generate(model: Path, input_path: str, output: str, params: Sampling, backen
     check_model(model)
     from transformers import AutoTokenizer
 
-    rows, prompts = read_prompts(found, AutoTokenizer.from_pretrained(str(model)), chat_template)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    rows, prompts = read_prompts(found, tokenizer, chat_template)
     needed = max(len(p) for p in prompts) + params.max_new_tokens
-    sampler = Sampler(model, backend, max_model_len or needed, seed)
+    sampler = Sampler(model, backend, max_model_len or needed, seed, tokenizer=tokenizer)
     out_path = None if output == "-" else Path(output).resolve()
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)

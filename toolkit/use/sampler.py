@@ -57,14 +57,15 @@ def check_model(model: Path) -> None:
 
 class Sampler:
     def __init__(self, model: Path, backend: str = "auto", max_model_len: int | None = None, seed: int = 0,
-                 dtype: str = "auto", kv_cache_gb: float = 1.0):
-        """`max_model_len`: the context length (default: the model's, at most 2048)."""
+                 dtype: str = "auto", kv_cache_gb: float = 1.0, tokenizer=None):
+        """`max_model_len`: the context length (default: the model's, at most 2048); `tokenizer`: the model's,
+        where the caller has loaded it already."""
         from transformers import AutoTokenizer
 
         check_model(model)
         self.backend = pick_backend(backend)
         self.model_dir = str(model)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(self.model_dir)
         self.seed = seed
         config = json.loads((Path(model) / "config.json").read_text())
         limit = context_limit(model)
