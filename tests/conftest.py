@@ -81,8 +81,7 @@ def left_in(tmp: Path) -> list[str]:
 def tmpdir_of_the_tests():
     """Every process that the tests start gets this test process's own TMPDIR, removed at the end: what
     the runs that tests kill with SIGKILL on purpose leave there (each worker's own directory) goes with
-    it. This process's own temporary files (pytest's tmp_path) stay where
-    they were."""
+    it. This process's own temporary files (pytest's tmp_path) stay where they were."""
     given = os.environ.get("TMPDIR")
     tempfile.gettempdir()  # (this process's, fixed before TMPDIR changes)
     with short_tmpdir() as path:

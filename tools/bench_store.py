@@ -126,7 +126,8 @@ def bench_run(directory: Path, steps: int, every: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default=str(REPO / "runs" / "bench-store"), help="where to write, the tiny run too (a disk to test)")
+    parser.add_argument("--dir", default=str(REPO / "runs" / "bench-store"),
+                        help="where to write, the tiny run too (a disk to test)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="steps of the tiny run (0: skip it)")
     args = parser.parse_args()
