@@ -125,9 +125,9 @@ def per_position(model: nn.Module, padded: Padded, batch_size: int, fn, packing:
     with torch.no_grad():
         for index in by_length(padded.attention_mask.sum(1), batch_size):
             part = padded.rows(index)
-            packed, ids, inputs = model_inputs(part.input_ids, part.attention_mask, packing)
+            packed, ids, inputs = model_inputs(part.input_ids, part.attention_mask, packing, device)
             with inside([model], packed):
-                values = fn(model, ids.to(device), {k: v.to(device) for k, v in inputs.items()}).float().cpu()
+                values = fn(model, ids, inputs).float().cpu()
             if packed is not None:
                 values = packed.put(values, part.action_mask.shape[1])
             out[index, : values.shape[1]] = values
@@ -192,9 +192,9 @@ def last_token_scores(model: ScoreModel, sequences: list[list[int]], pad_id: int
     with torch.no_grad():
         for index in by_length([len(s) for s in sequences], batch_size):
             part = [sequences[i] for i in index]
-            packed, ids, inputs = model_inputs(*right_pad(part, pad_id), packing)
+            packed, ids, inputs = model_inputs(*right_pad(part, pad_id), packing, device)
             with inside([model], packed):
-                scores = model(ids.to(device), **{k: v.to(device) for k, v in inputs.items()})
+                scores = model(ids, **inputs)
             if packed is None:
                 rows, last = torch.arange(len(part)), torch.tensor([len(s) - 1 for s in part])
             else:

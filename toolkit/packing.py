@@ -63,14 +63,19 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     return Packed(ids, positions, bounds, rows, cols, within)
 
 
-def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, packing: bool
+def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, packing: bool, device=None
                  ) -> tuple[Packed | None, torch.Tensor, dict[str, torch.Tensor]]:
     """(the packed layout or None, input ids, the model's other keyword arguments) of right-padded rows:
-    as they are, or with `packing` in one sequence (run the passes `inside` the packed layout)."""
+    as they are, or with `packing` in one sequence (run the passes `inside` the packed layout); the ids
+    and arguments on `device` where one is given (the packed layout stays where the rows are)."""
     if not packing:
-        return None, input_ids, {"attention_mask": attention_mask}
-    packed = pack(input_ids, attention_mask)
-    return packed, packed.input_ids, {"position_ids": packed.position_ids}
+        packed, ids, inputs = None, input_ids, {"attention_mask": attention_mask}
+    else:
+        packed = pack(input_ids, attention_mask)
+        ids, inputs = packed.input_ids, {"position_ids": packed.position_ids}
+    if device is not None:
+        ids, inputs = ids.to(device), {k: v.to(device) for k, v in inputs.items()}
+    return packed, ids, inputs
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,

@@ -263,8 +263,7 @@ class MicroBatch:
     def __init__(self, padded: Padded, index: torch.Tensor, packing: bool, device):
         self.padded, self.index, self.device = padded, index, device
         self.width = padded.action_mask.shape[1]
-        self.packed, ids, inputs = model_inputs(padded.input_ids, padded.attention_mask, packing)
-        self.ids, self.inputs = ids.to(device), {k: v.to(device) for k, v in inputs.items()}
+        self.packed, self.ids, self.inputs = model_inputs(padded.input_ids, padded.attention_mask, packing, device)
         self.mask = self.take_rows(padded.action_mask)
 
     def take_rows(self, rows: torch.Tensor) -> torch.Tensor:
