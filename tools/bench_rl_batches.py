@@ -115,8 +115,9 @@ def main() -> int:
     labels = {"rows": f"{args.rows} rows each", "token budget": f"token budget {budget}",
               "packed": f"token budget {budget}, packed"}
     for name, (count, padding, seconds, most) in results.items():
-        diff = "" if name != "packed" else \
-            f"{max((a - b).abs().max().item() for a, b in zip(weights[name], weights['token budget'])):.1e}"
+        diff = ""
+        if name == "packed":
+            diff = f"{max((a - b).abs().max().item() for a, b in zip(weights[name], weights['token budget'])):.1e}"
         rows.append((labels[name], str(count), str(most), f"{padding:.0%}", f"{seconds:.2f}", diff))
     print(f"GRPO update of {args.samples} samples: prompt {args.prompt} tokens, responses {args.min_response}-"
           f"{args.max_response} tokens; 26M-parameter Llama, ZeRO-2, fp32, {torch.get_num_threads()} threads")

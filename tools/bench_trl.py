@@ -259,8 +259,8 @@ def main() -> int:
         if library:
             results["TRL+"] = theirs(model, prompts, tmp, args.steps, library, variable=args.variable)
         for key, strategy, lag, packing, _ in runs:
-            results[key] = ours(model, prompts, tmp, strategy, args.steps, args.variable, lag,
-                                name="" if packing else "-padded", packing=packing)
+            results[key] = ours(model, prompts, tmp, strategy, args.steps, args.variable, lag, name=f"-{key}",
+                                packing=packing)
 
     trl = results["TRL"]
     rows = [("system", "step s (median)", "mean response", "generate s", "score s", "train s", "sync s",
