@@ -59,7 +59,8 @@ def _add_model_args(p: argparse.ArgumentParser, temperature: float = 1.0) -> Non
     p.add_argument("--temperature", type=float, default=temperature,
                    help=f"sampling temperature; 0 is greedy (default {temperature})")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
-    p.add_argument("--seed", type=int, default=0, help="prompt k is sampled with seed + k (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sample j of prompt k is drawn with a seed of its own, a hash of (seed, k, j) (default 0)")
     p.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto",
                    help="vllm, or transformers generate (hf); auto: vllm where installed")
     p.add_argument("--max-model-len", type=int, help="the engine's context length (default: generate, the longest "

@@ -40,7 +40,8 @@ class RunSection(Section):
     It listens where its predecessor did, rejoins the weight sync and gets the current weights; the
     prompts of unfinished steps are generated again with the same seeds, and the trainer keeps the first
     copy of each sample group. A worker that reports an error of its own is not started again: the run
-    stops and names the error. Local runs only for now; under Slurm a dead worker stops the run."""
+    stops and names the error. Under Slurm, only a worker that is its step's only task (one worker per
+    group) is started again, as a new step on the same nodes; where a step has several ranks the run stops."""
     max_trainer_restarts: int = Field(default=2, ge=0)
     """A trainer rank that dies or hangs (no error of its own) stops every worker, and the run goes on from
     its last checkpoint at once, in the same process and (under Slurm) the same allocation: at most this
