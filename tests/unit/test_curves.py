@@ -14,7 +14,8 @@ from toolkit.launch.curves import Curves
 curves = Curves(Path(sys.argv[1]))
 curves.open()
 for step in (1, 2):
-    curves.add({"step": step, "time": 1.0e9 + step, "reward": 0.25 * step, "train_s": 1.5, "done": True})
+    curves.add({"step": step, "time": 1.0e9 + step, "reward": 0.25 * step, "train_s": 1.5, "tokens_per_s": 90.0,
+                 "done": True})
 curves.close()
 print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
 """
@@ -26,4 +27,5 @@ def test_the_driver_writes_curves_without_loading_torch(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"  # (torch alone takes about 250 MB in a process)
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
-    assert scalars == {"reward": {1: 0.25, 2: 0.5}, "time/train_s": {1: 1.5, 2: 1.5}}
+    assert scalars == {"reward": {1: 0.25, 2: 0.5}, "time/train_s": {1: 1.5, 2: 1.5},
+                       "tokens_per_s": {1: 90.0, 2: 90.0}}  # (a rate, not a time)

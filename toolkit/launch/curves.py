@@ -61,8 +61,8 @@ def summary_writer():
 
 
 def tag(name: str) -> str:
-    """The TensorBoard tag of metric `name`."""
-    if "/" in name:
+    """The TensorBoard tag of metric `name`: seconds (`*_s`) under `time/`, rates (`*_per_s`) not."""
+    if "/" in name or name.endswith("_per_s"):
         return name
     return f"time/{name}" if name.endswith("_s") else name
 
