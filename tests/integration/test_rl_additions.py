@@ -5,15 +5,17 @@ reward normalisation and clipping, and a PPO critic started from a reward model.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import assert_clean_logs, cli, example, write_config
+from tests.conftest import EXAMPLES, assert_clean_logs, cli, example, write_config
 from toolkit.store import experience
 
 pytestmark = pytest.mark.integration
@@ -43,8 +45,17 @@ def per_sample(record: dict, name: str) -> list[np.ndarray]:
     return [values[offsets[i]: offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
-def test_rloo_advantages_are_leave_one_out(tiny, tmp_path):
-    run_dir, _ = run(tiny, tmp_path, "rloo", run={"algorithm": "rloo"}, algorithm={"kl": {"coef": 0.05}})
+@pytest.fixture(scope="module")
+def rloo_run(tiny, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """RLOO, 3 steps of 2 optimizer steps each, with a cosine learning-rate schedule after one step of
+    warm-up."""
+    return run(tiny, tmp_path_factory.mktemp("rloo"), "rloo", run={"algorithm": "rloo"},
+               algorithm={"kl": {"coef": 0.05}},
+               trainer={"updates_per_step": 2, "lr_schedule": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1})
+
+
+def test_rloo_advantages_are_leave_one_out(rloo_run):
+    run_dir, _ = rloo_run
     rec = experience.read(run_dir / "experience" / experience.file_name(2))
     kl = np.array([(o - r).sum() for o, r in zip(per_sample(rec, "old_logprobs"), per_sample(rec, "ref_logprobs"))])
     reward = rec["samples"]["reward_total"] - 0.05 * kl  # the KL-penalised sequence reward, as the paper
@@ -52,6 +63,18 @@ def test_rloo_advantages_are_leave_one_out(tiny, tmp_path):
     for i, adv in enumerate(per_sample(rec, "advantages")):
         others = reward[(groups == groups[i]) & (np.arange(len(groups)) != i)]
         assert np.allclose(adv, reward[i] - others.mean(), atol=1e-5)  # the same for every token
+
+
+def test_a_cosine_schedule_spans_the_rl_runs_optimizer_steps(rloo_run):
+    """The schedule spans the run's optimizer steps (run.steps x epochs x updates_per_step: 6 here); the
+    RL trainer once built its engines without that length, and a cosine schedule stayed at lr."""
+    _, metrics = rloo_run
+    lr = yaml.safe_load((EXAMPLES / "tiny-grpo.yaml").read_text())["trainer"]["lr"]
+    for step, m in enumerate(metrics):
+        done = 2 * (step + 1)  # optimizer steps after this step; the first was the warm-up's
+        expected = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (done - 1) / 5)))
+        assert m["lr"] == pytest.approx(expected, rel=1e-5), (step, m["lr"], expected)
+    assert metrics[-1]["lr"] == pytest.approx(0.1 * lr, rel=1e-5)
 
 
 def test_reinforce_pp_advantages_are_batch_normalised_returns(tiny, tmp_path):

@@ -188,7 +188,8 @@ class EngineSection(Section):
     lr: float = Field(default=1e-5, gt=0)
     """Learning rate (AdamW)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    """After the warm-up: `constant`, or `cosine` decay to `min_lr_ratio` x lr at the last step."""
+    """After the warm-up: `constant`, or `cosine` decay to `min_lr_ratio` x lr at the last optimizer step
+    (RL: run.steps x algorithm.epochs x trainer.updates_per_step; sft and rm: the stage's steps)."""
     warmup_steps: int = Field(default=0, ge=0)
     """Optimizer steps of linear learning-rate warm-up."""
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)

@@ -88,16 +88,18 @@ class TrainerRole(Role):
         attention = cfg.model.attn_implementation
         t = cfg.trainer
         accumulation = cfg.samples_per_step // self.dp.world // (t.micro_batch_size * t.updates_per_step)
+        optimizer_steps = cfg.run.steps * cfg.algorithm.epochs * t.updates_per_step  # (a cosine schedule's length)
         hosted = self.worker.group.models
         self.engines = {}
         if "actor" in hosted:
             actor = AutoModelForCausalLM.from_pretrained(cfg.model.actor,
                                                          **pretrained_kwargs(cfg.model.actor, dtype, attention))
             self.engines["actor"] = build_engine(actor, t, t.lr, cfg.model.dtype, self.dp.world, accumulation,
-                                                 lora=t.lora)
+                                                 optimizer_steps, lora=t.lora)
         if cfg.run.algorithm == "ppo" and "critic" in hosted:
             critic = ScoreModel(str(cfg.critic_path), dtype, attention=attention)
-            self.engines["critic"] = build_engine(critic, t, t.critic_lr, cfg.model.dtype, self.dp.world, accumulation)
+            self.engines["critic"] = build_engine(critic, t, t.critic_lr, cfg.model.dtype, self.dp.world, accumulation,
+                                                  optimizer_steps)
         self.actor, self.critic = self.engines.get("actor"), self.engines.get("critic")
         k = cfg.algorithm.kl
         self.kl = make_kl_controller(k.coef, k.adaptive, k.target, k.horizon)
