@@ -276,6 +276,20 @@ def test_packing_with_ptx_is_refused(tiny, tmp_path):
     assert "model.packing with ptx.coef > 0 is not supported" in error_of(write_config(tmp_path, data))
 
 
+@pytest.mark.parametrize("ptx_data, expected", [
+    ({"split": {"rl": 1}}, "ptx.data.split: the PTX text is a corpus of its own"),
+    ({"eval_fraction": 0.1}, "ptx.data.eval_fraction: nothing evaluates the PTX text"),
+    ({"prompts": "TEXT"}, "ptx.data: give prompts or sources, not both"),
+])
+def test_ptx_data_is_one_corpus_named_as_ptx_data(tiny, tmp_path, ptx_data, expected):
+    """ptx.data.split once crashed the validation with a KeyError, and the data section's own errors said
+    `data.` where they were about ptx.data."""
+    text = {"sources": [{"path": str(tiny / "pipeline.jsonl")}], "text_key": "response"}
+    ptx_data = {k: (str(tiny / "pipeline.jsonl") if v == "TEXT" else v) for k, v in ptx_data.items()}
+    data = example("tiny-grpo.yaml", tiny, ptx={"coef": 1.0, "data": {**text, **ptx_data}})
+    assert expected in error_of(write_config(tmp_path, data))
+
+
 def test_lora_moves_the_reference_into_the_trainer(tiny, tmp_path):
     from toolkit.placement.plan import plan, stages
 

@@ -208,7 +208,7 @@ def test_alpaca_rows_join_the_input_to_the_instruction(tmp_path):
     with pytest.raises(ConfigError, match=re.escape(f"{path}: item 1: field 'input' (data.input_key) is list, "
                                                     "not text")):
         StageData(data(**keys, input_key="input"), "sft", "sft", 0)
-    with pytest.raises(ValueError, match="data.input_key is the prompt's own field"):
+    with pytest.raises(ValueError, match="input_key is the prompt's own field"):
         data(**keys, input_key="instruction")
     # an input beside a prompt of chat messages is not dropped without a word, in training and in `generate`
     chat = [{"role": "user", "content": "Add the numbers."}]

@@ -58,7 +58,8 @@ class DataSection(Section):
     split: SplitSection | None = None
     """Split the rows between the stages (each stage uses its part); none: every stage uses every row."""
     eval_fraction: float = Field(default=0.0, ge=0, lt=1)
-    """Share of a stage's part held out for evaluation (by the same seeded hash)."""
+    """Share of a stage's part held out for evaluation (by the same seeded hash): sft and rm evaluate on
+    these rows; RL leaves them out of its prompts."""
     shuffle: bool = True
     """Shuffle the rows (seeded by run.seed) on every pass."""
     prompt_key: str = "prompt"
@@ -87,12 +88,12 @@ class DataSection(Section):
     def _sources(self) -> "DataSection":
         if self.prompts is not None:
             if self.sources:
-                raise ValueError("give data.prompts or data.sources, not both")
+                raise ValueError("give prompts or sources, not both")
             self.sources = [DataSource.model_construct(path=self.prompts, format="jsonl", weight=1.0, name=None)]
             self.prompts = None
         if not self.sources:
-            raise ValueError("no data: give data.sources: [{path: ...}] (or data.prompts: FILE.jsonl)")
+            raise ValueError("no rows: give sources: [{path: ...}] (or prompts: FILE.jsonl)")
         if self.input_key is not None and self.input_key == self.prompt_key:
-            raise ValueError(f"data.input_key is the prompt's own field ({self.input_key!r}); name the field that "
+            raise ValueError(f"input_key is the prompt's own field ({self.input_key!r}); name the field that "
                              "holds the input (Alpaca: input_key: input, prompt_key: instruction)")
         return self

@@ -270,6 +270,11 @@ class PtxSection(Section):
     def _data(self) -> "PtxSection":
         if self.coef > 0 and self.data is None:
             raise ValueError("ptx.coef is above 0 but there is no ptx.data: give ptx.data.sources: [{path: ...}]")
+        if self.data is not None and self.data.split is not None:
+            raise ValueError("ptx.data.split: the PTX text is a corpus of its own, not split between the stages; "
+                             "remove it")
+        if self.data is not None and self.data.eval_fraction:
+            raise ValueError("ptx.data.eval_fraction: nothing evaluates the PTX text; remove it")
         return self
 
 
