@@ -300,7 +300,7 @@ def test_lora_moves_the_reference_into_the_trainer(tiny, tmp_path):
     assert cfg.trainer.lora.target_modules == "all-linear" and cfg.trainer.lora.alpha == 16
 
 
-def test_stage_memory_switch_errors(tiny, tmp_path):
+def test_stage_config_errors(tiny, tmp_path):
     base = {"run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
             "model": {"base": str(tiny / "model")}}
     rm = write_config(tmp_path, {"stage": "rm", **base, "train": {"lora": {"rank": 4}}}, "rm.yaml")
@@ -312,6 +312,12 @@ def test_stage_memory_switch_errors(tiny, tmp_path):
     assert "flash_attention_2" in error_of(packed)
     fp16 = write_config(tmp_path, {"stage": "sft", **base, "model": {**base["model"], "dtype": "float16"}}, "f.yaml")
     assert "model.dtype is float16, but placement.trainer trains on CPUs (gpus_per_worker 0)" in error_of(fp16)
+    # (a stage has one node group: same_nodes_as crashed the allocation's planning, and slurm.nodes went unchecked)
+    shared = write_config(tmp_path, {"stage": "sft", **base, "placement": {"trainer": {"same_nodes_as": "x"}}}, "n.yaml")
+    assert "placement.trainer.same_nodes_as is 'x', but the sft stage has one node group" in error_of(shared)
+    wide = write_config(tmp_path, {"stage": "rm", **base, "placement": {"trainer": {"nodes": 3, "workers": 3}},
+                                   "train": {"batch_size": 24}, "slurm": {"nodes": 2}}, "w.yaml")
+    assert "placement.trainer.nodes is 3 but slurm.nodes allows 2" in error_of(wide)
     on_gpus = {"stage": "sft", **base, "model": {**base["model"], "dtype": "float16"},
                "placement": {"trainer": {"gpus_per_worker": 1}}}
     assert load_config(write_config(tmp_path, on_gpus, "g.yaml")).model.dtype == "float16"

@@ -111,6 +111,13 @@ class StageConfig(Section):
         problem = fp16_problem(self.model.dtype, "trainer", self.placement.trainer)
         if problem:
             raise ValueError(problem)
+        trainer = self.placement.trainer
+        if trainer.same_nodes_as is not None:
+            raise ValueError(f"placement.trainer.same_nodes_as is {trainer.same_nodes_as!r}, but the {self.stage} "
+                             "stage has one node group, its trainer; remove same_nodes_as")
+        if self.slurm.nodes is not None and trainer.nodes > self.slurm.nodes:
+            raise ValueError(f"placement.trainer.nodes is {trainer.nodes} but slurm.nodes allows {self.slurm.nodes}; "
+                             "use fewer nodes")
         if self.train.packing and self.stage == "rm":
             raise ValueError("train.packing is for the sft stage; the rm stage reads each sequence's score at its "
                              "last token of padded rows: remove train.packing")
