@@ -319,7 +319,8 @@ class SlurmSection(Section):
     """Name of the Slurm job (default: `run.name`)."""
     heterogeneous: Literal["auto", "always", "never"] = "auto"
     """`auto`: a heterogeneous job when node groups need different partitions, node features or GPU
-    counts, one allocation otherwise; `always`: one job component per node group; `never`: one."""
+    counts, one allocation otherwise; `always`: one job component per node set (a node group with
+    `same_nodes_as` is in the component of the group it names); `never`: one."""
     setup: list[str] = []
     """Shell lines the batch script runs before the driver (e.g. `module load cuda`)."""
     sbatch: dict[str, str | int | float | bool] = {}
@@ -350,8 +351,9 @@ class TransportSection(Section):
     heartbeat_interval_s: float = Field(default=1.0, gt=0)
     """Workers and the coordinator exchange heartbeats this often."""
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
-    """A worker silent this long is declared hung: it is started again (run.max_worker_restarts) or the
-    run stops."""
+    """A worker silent this long is declared hung. In an RL run a generator or scorer is started again
+    alone (run.max_worker_restarts); a trainer rank, and every worker of the sft and rm stages, restarts
+    the run from its last checkpoint (run.max_trainer_restarts); when those are used up, the run stops."""
     startup_timeout_s: float = Field(default=600.0, gt=0)
     """Most time for every worker to register and load its models, without progress: a resume that
     replays many committed batches in the trainer's start-up reports each one, and each restarts the count."""

@@ -82,7 +82,8 @@ class ModelSection(Section):
 
 class VllmSection(Section):
     kv_cache_gb: float = Field(default=0.5, gt=0)
-    """Memory for the KV cache of each generator worker, in GB (on CPU this is host memory)."""
+    """Memory for the KV cache of each tensor-parallel rank of a generator worker, in GiB (a worker with
+    tensor_parallel_size N takes N times this; on CPU it is host memory)."""
     tensor_parallel_size: PositiveInt = 1
     """vLLM tensor-parallel size of each generator worker."""
     enforce_eager: bool = True
@@ -165,8 +166,9 @@ class RewardModel(Section):
     """Hugging Face sequence-classification model with one label (e.g. the `rm` stage's export); the reward
     is its score at the last token of prompt + response (the prompt is cut from the left to fit)."""
     normalize: bool = False
-    """Subtract the mean and divide by the std of this model's rewards on the RL prompts, which the `rm`
-    stage saves as reward_stats.json in its export."""
+    """Subtract the mean and divide by the std of this model's rewards, which the `rm` stage saves as
+    reward_stats.json in its export: measured on the RL part's rows of data.split where they hold pairs,
+    else on the rm stage's eval rows (else its training rows), at most 1024 pairs."""
     weight: float = 1.0
     """Weight of this component in the total reward."""
     name: str | None = None
@@ -214,15 +216,17 @@ class AlgorithmSection(Section):
     value_clip_eps: float = Field(default=0.2, gt=0)
     """PPO only: clip range of the value update."""
     gamma: float = Field(default=1.0, ge=0, le=1)
-    """PPO only: discount."""
+    """PPO and REINFORCE++: discount."""
     lam: float = Field(default=0.95, ge=0, le=1)
     """PPO only: GAE lambda."""
     epochs: PositiveInt = 1
     """Passes over each experience batch."""
     normalize_advantages: bool = True
-    """GRPO: divide by the group's standard deviation. PPO: whiten advantages over the batch."""
+    """GRPO: divide by the group's standard deviation. PPO: whiten advantages over the batch. RLOO does
+    not normalise, and REINFORCE++ always whitens its returns over the batch, whatever this says."""
     kl: KLSection = KLSection()
-    """KL to the reference model: a per-token reward penalty (PPO) or a loss term (GRPO, k3 estimator)."""
+    """KL to the reference model: a per-token reward penalty (PPO, REINFORCE++), a penalty on each
+    sequence's reward (RLOO), or a loss term (GRPO, k3 estimator)."""
     behaviour_correction: Literal["auto", "on", "off"] = "auto"
     """Weight each token's policy loss by min(exp(old - behaviour log-prob), behaviour_weight_cap): the
     importance ratio between the policy at the update and the one that generated the sample (truncated).

@@ -57,7 +57,8 @@ class TrainSection(EngineSection):
     batch_size: PositiveInt = 32
     """Rows per optimizer step over all ranks (pairs for `rm`); a multiple of micro_batch_size x ranks."""
     max_tokens: PositiveInt = 512
-    """Most tokens of prompt + response; longer rows lose the start of the prompt (then of the response)."""
+    """Most tokens of prompt + response; longer rows lose the start of the prompt first, then the end of
+    the response (sft) or its start (rm, whose score is read at the last token)."""
     eval_every: PositiveInt = 50
     """Evaluate on the eval rows (data.eval_fraction) every this many steps, and after the last one."""
     eval_batch_size: PositiveInt = 16

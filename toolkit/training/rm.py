@@ -3,7 +3,7 @@
 The model is a sequence classifier with one label, read at the last token of prompt + response (the
 end-of-sequence token: the DeepSpeed-Chat / OpenRLHF convention). The loss is -log sigmoid(r_chosen -
 r_rejected); the metrics are the pairs' accuracy and mean margin. After training, the reward's mean and
-std on RL prompts are saved with the model (reward_stats.json), so RL can normalise it.
+std are saved with the model (reward_stats.json), so RL can normalise it.
 """
 
 from __future__ import annotations
