@@ -96,14 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the next steps draw from a new order of the rows)")
     p.add_argument("--verbose", "-v", action="store_true", help="show worker registration and debug records")
 
-    p = sub.add_parser("inspect", help="summarise an experience file (or every one of a run directory)")
+    p = sub.add_parser("inspect", help="summarise an experience file, or list the experience files and checkpoints "
+                                       "a run directory holds")
     p.add_argument("path", help="experience/step-NNNNNN.h5, or a run directory")
 
     p = sub.add_parser("submit", help="submit to Slurm: one allocation per stage, one srun step per node group; "
                                       "a pipeline's stages as jobs chained with --dependency=afterok")
     _add_config_args(p)
     p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
-    p.add_argument("--dry-run", action="store_true", help="print the placement and the batch script; submit nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the placement and the batch script (a pipeline: "
+                                                           "each stage's placement and its jobs); submit nothing")
     p.add_argument("--wait", action="store_true", help="follow the job's output until it ends; exit 0 only if the "
                                                         "run finished")
 
@@ -130,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=None,
                    help="plans shown (default 10; with --json: every plan kept unless given)")
     p.add_argument("--json", action="store_true",
-                   help="print the plans kept (the 200 fastest, the 200 closest to fitting) as JSON for scripts: "
+                   help="print the plans kept (the 200 fastest; the 200 closest to fitting, and the closest of each "
+                        "strategy) as JSON for scripts: "
                         "strategy, groups, settings, seconds per phase, memory per group, and whether it fits or why not")
     p.add_argument("--params", action="append", default=[], metavar="MODEL=COUNT",
                    help="a model by its parameter count instead of its config.json, e.g. actor=7e9 "
@@ -162,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --output if it exists")
 
     p = sub.add_parser("chat", help="talk to a run's checkpoint or any Hugging Face model, one turn per line "
-                                    "('clear' starts over, 'quit' or Ctrl-D ends)")
+                                    "('clear' starts over, 'quit', 'exit' or Ctrl-D ends)")
     _add_model_args(p, temperature=0.7)
 
     p = sub.add_parser("report", help="write an HTML page with plots about a run: curves, step time by phase, "
@@ -185,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
 
     p = sub.add_parser("tiny", help="build a tiny Llama, tokenizer, reward model and prompts offline")
-    p.add_argument("out_dir", help="directory to write (model/, reward_model/, prompts.jsonl)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("out_dir", help="directory to write (model/, reward_model/, prompts.jsonl, pipeline.jsonl); "
+                                   "one already built with the same seed is kept as it is")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
     return parser
 
 
@@ -233,6 +237,12 @@ def cmd_resume(args) -> int:
     from toolkit.launch.jobs import follow, live_job, open_run
     from toolkit.launch.pipeline import PipelineDir, is_pipeline_dir
 
+    if args.wait and not args.submit:
+        raise ConfigError("resume --wait follows a submitted job: add --submit (without it the run resumes on "
+                          "this machine, in the foreground)")
+    if args.verbose and args.submit:
+        raise ConfigError("resume --verbose is for a resume on this machine; a submitted job's driver writes "
+                          "every record to RUN_DIR/logs/driver.log")
     if is_pipeline_dir(args.run_dir):
         return _resume_pipeline(PipelineDir(args.run_dir), args)
     run_dir = open_run(args.run_dir)
@@ -325,10 +335,17 @@ def cmd_inspect(args) -> int:
     refuse_pipeline_dir(path, "inspect")
     if path.is_dir():
         open_run(path, "; give a run directory, or one of its experience/step-NNNNNN.h5 files")
-        records = [r for r in Manifest(path).records() if r["kind"] in ("experience", "checkpoint")]
-        if not records:
-            raise ConfigError(f"{path}: no experience or checkpoint in its manifest")
+        # (what the run holds now: a step's last commit, not one set aside on a resume; no checkpoint removed)
+        records = Manifest(path).records()
+        removed = {r["dir"] for r in records if r["kind"] == "removed"}
+        held = {}
         for r in records:
+            if (r["kind"] == "experience" and (path / r["file"]).is_file()
+                    or r["kind"] == "checkpoint" and r["dir"] not in removed):
+                held[r["kind"], r["step"]] = r
+        if not held:
+            raise ConfigError(f"{path}: no experience or checkpoint in its manifest")
+        for r in held.values():
             print(f"{r['kind']:<10} step {r['step']:>6}  {r.get('file') or r.get('dir')}")
         return 0
     if not path.is_file():

@@ -164,6 +164,13 @@ def test_corrupted_last_experience_is_generated_again(baseline, killed, tmp_path
     assert f"training again on {last - 2} committed experience batch(es); 1 later one(s) set aside" in result.stdout
     assert list((run_dir / "experience" / "set-aside").glob(f"*/{name}"))  # kept for the record, not used
     assert_same_as_baseline(run_dir, baseline)
+    # `inspect RUN_DIR` lists what the run holds: each step's experience once (the manifest records the
+    # corrupted step's file twice), and its checkpoints
+    listing = cli("inspect", run_dir, timeout=60).stdout.splitlines()
+    assert [line for line in listing if line.startswith("experience")] == [
+        f"experience step {step:>6}  experience/{experience.file_name(step)}" for step in range(STEPS)]
+    held = [line.split()[-1] for line in listing if line.startswith("checkpoint")]
+    assert held and all((run_dir / d).is_dir() for d in held), listing
 
 
 def test_damaged_checkpoint_falls_back_to_an_older_state(baseline, killed, tmp_path):

@@ -145,6 +145,13 @@ def test_a_pipeline_directory_is_named_with_its_stages(tmp_path, command):
     assert all(str(tmp_path / "p" / s) in result.stderr for s in ("sft", "rm", "rl"))
 
 
+@pytest.mark.parametrize("flags, expected", [(["--wait"], "resume --wait follows a submitted job: add --submit"),
+                                             (["--submit", "-v"], "resume --verbose is for a resume on this machine")])
+def test_resume_refuses_flags_it_would_ignore(tmp_path, flags, expected):
+    result = cli("resume", tmp_path, *flags, timeout=60)
+    assert result.returncode == 2 and expected in result.stderr, result.stderr
+
+
 def test_inspect_of_a_file_that_is_not_experience_names_it(tmp_path):
     import h5py
 
