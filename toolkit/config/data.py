@@ -73,7 +73,7 @@ class DataSection(Section):
     response train on the chosen one; rows with only `messages_key` train on the last assistant message."""
     chosen_key: str = "chosen"
     """Reward model: field with the preferred response. A row without a prompt whose chosen and rejected are
-    whole texts (HH-RLHF's) takes the text the two share as the prompt: up to its last "\n\nAssistant:",
+    whole texts (HH-RLHF's) takes the text the two share as the prompt: up to its last "\\n\\nAssistant:",
     or, in text without that marker, up to its last whitespace."""
     rejected_key: str = "rejected"
     """Reward model: field with the other response."""

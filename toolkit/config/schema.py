@@ -222,8 +222,9 @@ class AlgorithmSection(Section):
     epochs: PositiveInt = 1
     """Passes over each experience batch."""
     normalize_advantages: bool = True
-    """GRPO: divide by the group's standard deviation. PPO: whiten advantages over the batch. RLOO does
-    not normalise, and REINFORCE++ always whitens its returns over the batch, whatever this says."""
+    """GRPO: divide by the group's standard deviation. PPO: whiten advantages over the batch. RLOO's
+    advantages are not normalised and REINFORCE++ always whitens its returns over the batch (this setting
+    changes neither)."""
     kl: KLSection = KLSection()
     """KL to the reference model: a per-token reward penalty (PPO, REINFORCE++), a penalty on each
     sequence's reward (RLOO), or a loss term (GRPO, k3 estimator)."""
