@@ -6,13 +6,17 @@ stopped (SIGTERM at a time limit or a preemption, `scancel`, Ctrl-C at the drive
 driver ends its engine with SIGKILL, so every stopped run left such files in the /tmp of its nodes.
 Each worker now makes a directory of its own (mode 700) in the temporary directory it was given, points
 TMPDIR and Python's `tempfile` at it, and removes it on every way out that it controls. A worker killed
-by SIGKILL (the OOM killer, say) leaves that one directory, named after it: `slurm-rlhf-<group>-<rank>-*`.
+by SIGKILL (the OOM killer; a stop whose SIGTERM it could not act on within the grace time, as in a long
+call into C on a busy node) leaves that one directory, named after it and its pid:
+`slurm-rlhf-<group>-<rank>-<pid>`. The local launcher removes it once the process has ended
+(`remove_left`); under Slurm it is on the worker's node, where the driver cannot reach.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 
 SOCKET_PATH_MAX = 107  # bytes in the path of a Unix socket on Linux (sun_path, less its NUL)
@@ -28,7 +32,11 @@ def make_own(name: str) -> str | None:
     global _own
     tempfile.tempdir = None  # (a worker forked from the fork server: what the server found, looked up again)
     given = tempfile.gettempdir()
-    path = tempfile.mkdtemp(prefix=f"slurm-rlhf-{name}-")
+    path = os.path.join(given, f"slurm-rlhf-{name}-{os.getpid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:  # (left by a killed process that had this pid, or not ours: a name of its own)
+        path = tempfile.mkdtemp(prefix=f"slurm-rlhf-{name}-{os.getpid()}-")
     if len(os.fsencode(path)) + IPC_NAME > SOCKET_PATH_MAX:
         os.rmdir(path)
         return None
@@ -47,6 +55,19 @@ def _user() -> str:
         return re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
     except (KeyError, OSError):
         return str(os.getuid())
+
+
+def remove_left(env: dict[str, str], name: str, pid: int) -> None:
+    """Remove the directory `make_own(name)` made in process `pid`, which has ended, if it is still there and
+    ours: `env` is the environment the process started with (its TMPDIR)."""
+    given = next((env[k] for k in ("TMPDIR", "TEMP", "TMP") if env.get(k)), None) or tempfile.gettempdir()
+    path = os.path.join(given, f"slurm-rlhf-{name}-{pid}")
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def remove_own() -> None:

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,8 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import (REPO, alive, cli, exact_grpo, example, run_and_kill, tensorboard_scalars, wandb_history,
-                            write_config)
+from tests.conftest import (REPO, alive, cli, exact_grpo, example, left_in, run_and_kill, tensorboard_scalars,
+                            wandb_history, write_config)
 from tests.conftest import experience_commits as commits
 from toolkit.store import experience
 
@@ -239,7 +240,9 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
     """The baseline's run (with config `sections` changed), with the process that reaches each `moment` (of
     toolkit/hold.py) sent its signal there, in the order they are reached: (run dir, the run's output, the
     pids signalled, the worker pids before). The run must end as the uninterrupted baseline, every sample
-    group once in its HDF5 files, and no process that a signalled worker had started may be left."""
+    group once in its HDF5 files, and no process that a signalled worker had started may be left, nor the
+    temporary directory of a signalled worker (killed with SIGKILL, by the test or by the launcher: the
+    launcher removes it)."""
     import psutil
 
     from toolkit.hold import ENV, held_pid
@@ -247,9 +250,10 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
     run_dir = tmp_path / "run"
     print(f"faults (SLURM_RLHF_FAULT_SEED={FAULT_SEED}): " + ", ".join(f"{how.name} at {m}" for m, how in faults))
     config = exact_grpo(tiny, tmp_path, transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4}, **sections)
+    tmp = Path(tempfile.mkdtemp(prefix="srl-", dir=os.environ.get("TMPDIR")))  # (the run's TMPDIR, short)
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, ENV: ",".join(m for m, _ in faults)})
+                            env={**os.environ, ENV: ",".join(m for m, _ in faults), "TMPDIR": str(tmp)})
     victims, offspring, pids, left = [], [], {}, dict(faults)
     try:
         deadline = time.monotonic() + 300
@@ -271,6 +275,8 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
     assert not alive(victims) and not alive(offspring), (victims, offspring)
+    assert left_in(tmp) == [], left_in(tmp)
+    shutil.rmtree(tmp)  # (and torch.compile's cache, kept there on purpose)
     assert_same_as_baseline(run_dir, baseline)
     for step in range(STEPS):  # 0 samples lost, 0 twice
         s = experience.read(run_dir / "experience" / experience.file_name(step))["samples"]

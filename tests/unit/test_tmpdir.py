@@ -29,7 +29,7 @@ def given(monkeypatch):
 
 def test_own_directory_made_used_and_removed(given):
     path = tmpdir.make_own("generator-0")
-    assert os.path.dirname(path) == given and os.path.basename(path).startswith("slurm-rlhf-generator-0-")
+    assert os.path.dirname(path) == given and os.path.basename(path) == f"slurm-rlhf-generator-0-{os.getpid()}"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
     assert os.environ["TMPDIR"] == path and tempfile.gettempdir() == path
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(os.path.join(given, "torchinductor_"))
@@ -54,3 +54,26 @@ def test_too_deep_for_a_socket_below_it_leaves_tmpdir_as_it_was(given, monkeypat
     tmpdir.remove_own()  # (nothing to remove)
     assert os.path.isdir(deep)
     os.rmdir(deep)
+
+
+def test_what_a_killed_worker_left_is_removed_by_its_launcher(given, monkeypatch):
+    """A worker killed before it could remove its directory (SIGKILL at the end of a stop's grace time)
+    leaves `slurm-rlhf-<name>-<pid>`; the local launcher removes it by that name once the process has ended.
+    A directory of that name made earlier, by a process that had the same pid, is not taken over."""
+    env = {"TMPDIR": given}
+    left = os.path.join(given, "slurm-rlhf-trainer-0-4242")
+    os.makedirs(os.path.join(left, "vllm"))
+    tmpdir.remove_left(env, "trainer-0", 4243)  # (another process's: kept)
+    assert os.path.isdir(left)
+    tmpdir.remove_left(env, "trainer-0", 4242)
+    assert os.listdir(given) == []
+    os.symlink(given, left)  # (not a directory of its own: kept)
+    tmpdir.remove_left(env, "trainer-0", 4242)
+    assert os.path.islink(left)
+    os.unlink(left)
+    taken = os.path.join(given, f"slurm-rlhf-scorer-0-{os.getpid()}")
+    os.mkdir(taken)
+    path = tmpdir.make_own("scorer-0")
+    assert path != taken and os.path.basename(path).startswith(f"slurm-rlhf-scorer-0-{os.getpid()}-")
+    tmpdir.remove_own()
+    os.rmdir(taken)

@@ -20,6 +20,7 @@ from toolkit.launch.exits import Exit, wait_all
 from toolkit.launch.forkserver import ForkServer, Forked, die_with_parent, usable
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import WorkerGroup
+from toolkit.tmpdir import remove_left
 
 
 class LocalLauncher:
@@ -76,6 +77,7 @@ class LocalLauncher:
         deadline = time.monotonic() + 10
         while _members([old.pid]) and time.monotonic() < deadline:
             time.sleep(0.1)
+        self._remove_left(worker_id)
         self._reported.discard(worker_id)
         self._spawn(worker_id, {**self.envs[worker_id], **env})
 
@@ -95,6 +97,7 @@ class LocalLauncher:
         for worker_id, proc in self.procs.items():
             if worker_id not in self._reported and proc.poll() is not None:
                 self._reported.add(worker_id)
+                self._remove_left(worker_id)  # (a worker killed by the OOM killer, say)
                 exited.append(Exit(worker_id, proc.returncode))
         return exited
 
@@ -123,8 +126,14 @@ class LocalLauncher:
         deadline = time.monotonic() + 10
         while _members(groups) and time.monotonic() < deadline:
             time.sleep(0.1)
+        for worker_id in self.procs:
+            self._remove_left(worker_id)
         if self.server:
             self.server.close()
+
+    def _remove_left(self, worker_id: str) -> None:
+        """The worker's own temporary directory, if it was killed before it could remove it (tmpdir.py)."""
+        remove_left(self.envs[worker_id], worker_id.replace(":", "-"), self.procs[worker_id].pid)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
