@@ -525,6 +525,11 @@ def cmd_plan(args) -> int:
     for strategy in args.strategy or []:
         if strategy not in STRATEGIES:
             raise ConfigError(f"--strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
+    if args.write and Path(args.write).is_dir():
+        raise ConfigError(f"--write {args.write} is a directory; give the config file to write, e.g. "
+                          f"{Path(args.write) / 'planned.yaml'}")
+    if args.write and not Path(args.write).resolve().parent.is_dir():
+        raise ConfigError(f"--write {args.write}: its folder {Path(args.write).resolve().parent} does not exist")
     w = workload_of(cfg, args.prompt_tokens, args.response_tokens, params)
     found = search(cluster, w, cfg.trainer.zero_stage, tuple(args.strategy or STRATEGIES))
     if args.json:

@@ -130,6 +130,13 @@ def test_srun_command(tiny, tmp_path):
     assert not any(a.startswith("--het-group") for a in srun_command(groups[0], ["n1"], None, "py", "/l"))
 
 
+def test_memory_is_asked_for_in_whole_units():
+    """Slurm takes whole numbers: 1.5 GB once went out as --mem=1.5G."""
+    from toolkit.launch.allocation import mem_option
+
+    assert [mem_option(gb) for gb in (16, 480.0, 1.5, 0.0001)] == ["16G", "480G", "1536M", "1M"]
+
+
 def test_srun_reports_are_parsed():
     # lines as srun 22.05 writes them (seen on the local cluster)
     text = ("srun: launching StepId=45314686.1 on host n2, 1 tasks: 0\n"

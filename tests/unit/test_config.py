@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 import yaml
@@ -165,6 +166,56 @@ def test_reward_function_from_a_file_beside_the_config(tiny, tmp_path):
                         ("two words:f", "give `package.module:function`")]:
         data["reward"]["functions"] = [{"function": given}]
         assert says in error_of(write_config(tmp_path, data)), given
+
+
+def test_a_reward_module_that_fails_as_it_is_imported_is_named(tiny, tmp_path, monkeypatch):
+    """Only ImportError was caught: a module raising anything else, or calling sys.exit, ended validation
+    with a traceback (or with its own exit code and no word)."""
+    (tmp_path / "raising.py").write_text("raise RuntimeError('boom at import')\ndef f(prompt, response): return 0.0\n")
+    (tmp_path / "exiting.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = example("tiny-grpo.yaml", tiny)
+    for given, says in [("raising:f", "module 'raising' of 'raising:f' failed to import: RuntimeError: boom at import"),
+                        ("exiting:f", "module 'exiting' of 'exiting:f' failed to import: SystemExit: 3"),
+                        ("exiting.py:f", f"{tmp_path}/exiting.py failed to load: SystemExit: 3")]:
+        data["reward"]["functions"] = [{"function": given}]
+        assert says in error_of(write_config(tmp_path, data)), given
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["algorithm.kl.coef=.inf"], "algorithm.kl.coef: got inf: input should be a finite number"),
+    (["reward.functions.0.weight=.nan"], "reward.functions.0.weight: got nan: input should be a finite number"),
+    (["slurm.partition=\"gpu\\n#SBATCH --x\""], "slurm.partition: got 'gpu\\n#SBATCH --x': 'gpu\\n#SBATCH --x' holds "
+                                                "a control character"),
+    (["slurm.sbatch={mail-user: \"a\\nb\"}"], "holds a control character (a line break?)"),
+    (["placement.trainer.env={\"A=B\": x}"], "env: 'A=B' is not an environment variable name"),
+    (["slurm.time_min=1"], "slurm.signal_lead_s (120 s) and stop_margin_s (15 s) do not fit in the time limit"),
+    (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=4", "placement.generator.cpus_per_worker=4"],
+     "rollout.vllm.tensor_parallel_size (4) does not divide the 2 attention heads of model.actor"),
+    (["data.chosen_key=rejected"], "chosen_key and rejected_key are the same field ('rejected')"),
+])
+def test_values_that_could_not_work_are_refused(tiny, tmp_path, overrides, expected):
+    """Each of these passed validation and failed later, or silently: NaN and infinite settings, line
+    breaks in #SBATCH values, environment names Popen refuses, a time limit shorter than the checkpoint
+    warning, a TP size vLLM refuses, a pair of one field twice."""
+    assert expected in error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny)), overrides)
+
+
+def test_files_that_are_not_what_they_should_be_are_named(tiny, tmp_path):
+    """A config that is not UTF-8, a stage that is not a name, a model whose config.json is not a JSON
+    object or not JSON: each once ended in a traceback."""
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfeabc")
+    assert f"{binary}: not UTF-8 text (byte 0: b'\\xff')" in error_of(binary)
+    assert "stage: got ['rl']; one of rl, sft, rm" in error_of(write_config(tmp_path, {"stage": ["rl"]}, "s.yaml"))
+    for name, text, says in [("list", "[1, 2]", "holds a JSON list, not the object of a model's settings"),
+                             ("broken", "{broken", "is not a JSON file (Expecting property name")]:
+        model = tmp_path / name
+        shutil.copytree(tiny / "model", model)
+        (model / "config.json").write_text(text)
+        data = example("tiny-grpo.yaml", tiny)
+        data["model"]["actor"] = str(model)
+        assert f"{model}/config.json {says}" in error_of(write_config(tmp_path, data)), name
 
 
 def test_no_reward(tiny, tmp_path):
@@ -387,6 +438,7 @@ def test_samples_longer_than_a_model_takes_are_a_config_error(tiny, tmp_path):
     (["sft.stage=sft"], "sft.stage: not needed in a pipeline"),
     (["rm.model.base=rl"], "rm.model.base: 'rl' names a stage that does not come before rm in this pipeline"),
     (["pipeline.name=../x"], "pipeline.name: got '../x'; the name is the run directory runs/<name>"),
+    (["rl.data.split={rl: 1}"], "rl.data.split: a pipeline splits its rows once for every stage"),
 ])
 def test_pipeline_file_errors_name_the_section(tmp_path, overrides, expected):
     from tests.conftest import EXAMPLES

@@ -112,6 +112,19 @@ def test_a_larger_cluster_never_gets_a_slower_plan(tiny, tmp_path):
     assert best[3] < best[0]  # and more nodes did help
 
 
+def eight_heads(tiny, tmp_path) -> str:
+    """The tiny actor's files with 8 attention heads in its config.json: the stand-in of a model given by
+    --params, whose plans may split generation over up to 8 GPUs (vLLM needs a TP size that divides the
+    heads of the model a written config names; the tiny model has 2)."""
+    import shutil
+
+    model = tmp_path / "eight-heads"
+    shutil.copytree(tiny / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_attention_heads": 8}))
+    return str(model)
+
+
 def test_plan_writes_a_config_that_loads(tiny, tmp_path):
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
     out = tmp_path / "planned.yaml"
@@ -124,6 +137,11 @@ def test_plan_writes_a_config_that_loads(tiny, tmp_path):
     assert yaml.safe_load(out.read_text())["placement"]["strategy"] == best[1]
     # the setting read back from the written config is the one the planner chose
     assert setting_of(cfg).strategy == best[1]
+    # (a --write that cannot be written is refused before the search, not in a traceback after it)
+    for bad, says in [(tmp_path, f"--write {tmp_path} is a directory"),
+                      (tmp_path / "nodir" / "x.yaml", f"its folder {tmp_path / 'nodir'} does not exist")]:
+        result = cli("plan", config, "--cluster", CLUSTERS / "2x8-h100.yaml", "--write", bad, timeout=120)
+        assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_trainer_memory_switches_by_hand():
@@ -240,7 +258,8 @@ def test_deepspeed_chats_opt13b_ppo_fits_one_a100_node_with_the_switches_it_name
     with it ZeRO-2 plans fit too. Split as OpenRLHF splits a node (vLLM on some GPUs, the training models
     under ZeRO-3 with the reference sharded beside them on the others), it fits without a switch, and its
     best plan is written as a config that submits."""
-    config = write_config(tmp_path, example("tiny-ppo.yaml", tiny, model={"dtype": "bfloat16"}))
+    config = write_config(tmp_path, example("tiny-ppo.yaml", tiny,
+                                            model={"dtype": "bfloat16", "actor": eight_heads(tiny, tmp_path)}))
     args = ["plan", config, "--cluster", CLUSTERS / "1x8-a100-80g.yaml", "--params", "actor=13e9", "--params",
             "reference=13e9", "--params", "critic=350e6", "--params", "reward=350e6", "--prompt-tokens", "256",
             "--response-tokens", "256"]
@@ -526,7 +545,8 @@ def test_the_planner_puts_the_critic_on_gpus_of_its_own_and_writes_a_config_that
     the trainer's node, one GPU each."""
     from toolkit.placement.planner import write_config as write_plan
 
-    config = write_config(tmp_path, example("tiny-ppo.yaml", tiny, model={"dtype": "bfloat16"}))
+    config = write_config(tmp_path, example("tiny-ppo.yaml", tiny,
+                                            model={"dtype": "bfloat16", "actor": eight_heads(tiny, tmp_path)}))
     cfg = load_config(config)
     w = workload_of(cfg, prompt_tokens=256, response_tokens=512,
                     params={"actor": 7e9, "reference": 7e9, "critic": 7e9, "reward": 7e9})

@@ -11,11 +11,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
+from toolkit.config.model_files import config_json_problem
 from toolkit.placement.layout import MODELS
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True,
+                              allow_inf_nan=False)  # (no setting is infinite or not a number)
 
 
 def _resolve(value: str | Path, info: ValidationInfo) -> Path:
@@ -44,6 +46,9 @@ def _model_dir(value: Any, info: ValidationInfo) -> str:
         raise ValueError(f"no such directory {str(path)!r}; give the path of a Hugging Face model directory")
     if not (path / "config.json").is_file():
         raise ValueError(f"{str(path)!r} has no config.json; give a Hugging Face model directory (save_pretrained)")
+    problem = config_json_problem(path)
+    if problem:
+        raise ValueError(problem)
     return str(path)
 
 
@@ -81,6 +86,9 @@ def load_function(import_path: str):
         except ImportError as e:
             raise ValueError(f"cannot import module {where!r} of {import_path!r} ({e}); install it, add its "
                              "folder to PYTHONPATH, or give the file: path/to/rewards.py:function") from None
+        except (Exception, SystemExit) as e:  # (the module's own code failed as it was imported)
+            raise ValueError(f"module {where!r} of {import_path!r} failed to import: {type(e).__name__}: {e}") \
+                from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{'file' if is_file else 'module'} {where!r} has no function {attr!r}")
@@ -109,7 +117,7 @@ def _load_file(path: Path):
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # (the user's code: a syntax error, an import it lacks, ...)
+    except (Exception, SystemExit) as e:  # (the user's code: a syntax error, an import it lacks, sys.exit, ...)
         raise ValueError(f"{path} failed to load: {type(e).__name__}: {e}") from None
     sys.modules[name] = module
     return module
@@ -143,7 +151,15 @@ def _run_name(value: str) -> str:
     return value
 
 
-RunName = Annotated[str, AfterValidator(_run_name)]
+def _one_line(value: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError(f"{value!r} holds a control character (a line break?): it goes on one #SBATCH line of "
+                         "the batch script; write it on one line")
+    return value
+
+
+RunName = Annotated[str, AfterValidator(_run_name), AfterValidator(_one_line)]
+OneLine = Annotated[str, AfterValidator(_one_line)]  # (a value of an #SBATCH line)
 FunctionPath = Annotated[str, AfterValidator(_function_path)]
 ModelDir = Annotated[str, AfterValidator(_model_dir)]
 ExistingFile = Annotated[str, AfterValidator(_existing_file)]
@@ -267,9 +283,9 @@ class GroupSection(Section):
     """GPUs of each worker (Slurm: --gpus-per-task)."""
     mem_gb: float | None = Field(default=None, gt=0)
     """Slurm: memory per node of this group, in GB (default: the partition's)."""
-    partition: str | None = None
+    partition: OneLine | None = None
     """Slurm: partition of this group (default: `slurm.partition`)."""
-    constraint: str | None = None
+    constraint: OneLine | None = None
     """Slurm: node features this group needs (--constraint), e.g. `a100`."""
     env: dict[str, str] = {}
     """Extra environment variables for these workers."""
@@ -282,6 +298,10 @@ class GroupSection(Section):
 
     @model_validator(mode="after")
     def _spread(self) -> "GroupSection":
+        for name in self.env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"env: {name!r} is not an environment variable name (letters, digits and _, "
+                                 "not starting with a digit)")
         if self.workers % self.nodes:
             raise ValueError(f"workers ({self.workers}) must be a multiple of nodes ({self.nodes}): "
                              "each node of a group runs the same number of workers")
@@ -304,18 +324,18 @@ def fp16_problem(dtype: str, name: str, group: GroupSection) -> str | None:
 
 
 class SlurmSection(Section):
-    partition: str | None = None
+    partition: OneLine | None = None
     """Partition of every node group that names none."""
-    account: str | None = None
+    account: OneLine | None = None
     """Account to charge (--account)."""
-    qos: str | None = None
+    qos: OneLine | None = None
     """Quality of service (--qos)."""
     nodes: PositiveInt | None = None
     """Nodes you may use at most (e.g. your share of the cluster, or an allocation you already hold);
     a placement whose node groups need more is refused before anything is submitted."""
     time_min: PositiveInt = 60
     """Time limit of the allocation, in minutes."""
-    job_name: str | None = None
+    job_name: OneLine | None = None
     """Name of the Slurm job (default: `run.name`)."""
     heterogeneous: Literal["auto", "always", "never"] = "auto"
     """`auto`: a heterogeneous job when node groups need different partitions, node features or GPU
@@ -344,6 +364,12 @@ class SlurmSection(Section):
             if key in RESERVED_SBATCH:
                 raise ValueError(f"slurm.sbatch: --{key} is set by slurm-rlhf; use the placement or slurm "
                                  "settings instead (placement.<group>.nodes/partition/..., slurm.time_min, ...)")
+            if isinstance(self.sbatch[key], str):
+                _one_line(self.sbatch[key])
+        if self.signal_lead_s + self.stop_margin_s >= self.time_min * 60:
+            raise ValueError(f"slurm.signal_lead_s ({self.signal_lead_s} s) and stop_margin_s ({self.stop_margin_s:g} s) "
+                             f"do not fit in the time limit, slurm.time_min {self.time_min} min: the job would be "
+                             "told to checkpoint and stop before it starts; raise time_min or lower signal_lead_s")
         return self
 
 

@@ -94,6 +94,9 @@ class DataSection(Section):
             self.prompts = None
         if not self.sources:
             raise ValueError("no rows: give sources: [{path: ...}] (or prompts: FILE.jsonl)")
+        if self.chosen_key == self.rejected_key:
+            raise ValueError(f"chosen_key and rejected_key are the same field ({self.chosen_key!r}): every pair would "
+                             "be one response twice; name the two fields")
         if self.input_key is not None and self.input_key == self.prompt_key:
             raise ValueError(f"input_key is the prompt's own field ({self.input_key!r}); name the field that "
                              "holds the input (Alpaca: input_key: input, prompt_key: instruction)")

@@ -57,9 +57,12 @@ def read_yaml(path: str | Path) -> tuple[dict, str]:
     """(mapping, text) of a YAML config file; ConfigError naming the file (and line) if it is not one."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); a config "
+                          "is a YAML file") from None
     data = parse_yaml(text, path)
     if data is None:
         data = {}
@@ -94,7 +97,7 @@ def validate(data: dict, base_dir: Path, source: Path | str = "<config>", text: 
     from} (the first is not checked for files yet; the second's config.json stands in for its own);
     `prefix`: where the mapping sits in the file (a pipeline's stage section), for errors."""
     stage = data.get("stage", "rl")
-    if stage not in CONFIGS:
+    if not isinstance(stage, str) or stage not in CONFIGS:
         raise ConfigError(f"{source}: stage: got {stage!r}; one of {', '.join(CONFIGS)}")
     if expect is not None and stage != expect:
         raise ConfigError(f"{source}: this is a {stage!r} config (stage: {stage}); this command runs {expect!r} "

@@ -11,11 +11,26 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def model_config(path: str | Path) -> dict:
-    """The parsed config.json of a Hugging Face model directory ({} if it cannot be read)."""
+    """The parsed config.json of a Hugging Face model directory ({} if it cannot be read as one)."""
     try:
-        return json.loads((Path(path) / "config.json").read_text())
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
+    return config if isinstance(config, dict) else {}
+
+
+def config_json_problem(path: str | Path) -> str | None:
+    """Why the config.json of the model directory `path`, where there is one, is not a model's settings."""
+    file = Path(path) / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # (ValueError: not JSON, or not UTF-8)
+        return f"{file} is not a JSON file ({e}); the model directory's config.json is damaged"
+    if not isinstance(config, dict):
+        return f"{file} holds a JSON {type(config).__name__}, not the object of a model's settings"
+    return None
 
 
 def head_dim(config: dict) -> int | None:
@@ -50,7 +65,10 @@ SCORE_HEADS = ("ForSequenceClassification",)
 def head_problem(path: str | Path, field: str, wants: str) -> str | None:
     """Why the model at `path` has the wrong head for `field` (`wants`: "lm" or "score"), if its config.json
     says which head it has: an actor with a score head, or a reward model without one, would each run with a
-    new random head (transformers warns at most)."""
+    new random head (transformers warns at most). A config.json that is not a model's is a problem too."""
+    problem = config_json_problem(path)
+    if problem:
+        return f"{field}: {problem}"
     names = model_config(path).get("architectures") or []
     lm = next((n for n in names if n.endswith(LM_HEADS)), None)
     score = next((n for n in names if n.endswith(SCORE_HEADS)), None)

@@ -92,6 +92,9 @@ def load_pipeline(path: str | Path, overrides: list[str] = ()) -> Pipeline:
             raise ConfigError(f"{path}: {stage}: expected the stage's config (a mapping)")
         if "stage" in section:
             raise ConfigError(f"{path}: {stage}.stage: not needed in a pipeline (the section's name says it)")
+        if isinstance(section.get("data"), dict) and "split" in section["data"]:
+            raise ConfigError(f"{path}: {stage}.data.split: a pipeline splits its rows once for every stage (so "
+                              "that no stage trains on another's rows); give the split in the shared data section")
         for key, value in shared.items():
             own = section.get(key, {})
             section[key] = {**value, **own} if isinstance(value, dict) and isinstance(own, dict) else own or value

@@ -8,11 +8,17 @@ it names: a node set of several groups, whose tasks and GPUs per node add up.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError
 from toolkit.placement.plan import WorkerGroup
 from toolkit.table import text_table
+
+
+def mem_option(gb: float) -> str:
+    """Slurm's --mem value for `gb` GiB: whole GiB as `16G`, a fraction in MiB (Slurm takes whole numbers)."""
+    return f"{int(gb)}G" if gb == int(gb) else f"{math.ceil(gb * 1024)}M"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import shlex
 import string
 from pathlib import Path
 
-from toolkit.launch.allocation import Allocation, Component
+from toolkit.launch.allocation import Allocation, Component, mem_option
 
 TEMPLATE = Path(__file__).with_name("sbatch.sh.tmpl")
 
@@ -53,7 +53,7 @@ def sbatch_script(cfg, allocation: Allocation, run_dir: str, command: list[str] 
 def _resources(c: Component) -> dict:
     return {"nodes": c.nodes, "ntasks-per-node": c.tasks_per_node, "cpus-per-task": c.cpus_per_task,
             "gpus-per-task": None if c.gpus_per_node else c.gpus_per_task or None, "gpus-per-node": c.gpus_per_node,
-            "mem": f"{c.mem_gb:g}G" if c.mem_gb else None,
+            "mem": mem_option(c.mem_gb) if c.mem_gb else None,
             "partition": c.partition, "constraint": c.constraint}
 
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from toolkit.launch import env as E
-from toolkit.launch.allocation import Allocation, assign_nodes, shares_nodes
+from toolkit.launch.allocation import Allocation, assign_nodes, mem_option, shares_nodes
 from toolkit.launch.exits import Exit, wait_all
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import WorkerGroup
@@ -58,7 +58,7 @@ def srun_command(group: WorkerGroup, nodes: list[str], het_group: int | None, py
     if shared:
         cmd.append("--exact")
         if group.mem_gb:
-            cmd.append(f"--mem={group.mem_gb:g}G")
+            cmd.append(f"--mem={mem_option(group.mem_gb)}")
     return [*cmd, python, "-m", "toolkit.worker"]
 
 
