@@ -329,7 +329,7 @@ def cmd_inspect(args) -> int:
     from toolkit.launch.jobs import open_run
     from toolkit.launch.pipeline import refuse_pipeline_dir
     from toolkit.store.experience import summary
-    from toolkit.store.manifest import Manifest
+    from toolkit.store.manifest import Manifest, held_experience, live_checkpoints
 
     path = Path(args.path)
     refuse_pipeline_dir(path, "inspect")
@@ -337,16 +337,13 @@ def cmd_inspect(args) -> int:
         open_run(path, "; give a run directory, or one of its experience/step-NNNNNN.h5 files")
         # (what the run holds now: a step's last commit, not one set aside on a resume; no checkpoint removed)
         records = Manifest(path).records()
-        removed = {r["dir"] for r in records if r["kind"] == "removed"}
-        held = {}
-        for r in records:
-            if (r["kind"] == "experience" and (path / r["file"]).is_file()
-                    or r["kind"] == "checkpoint" and r["dir"] not in removed):
-                held[r["kind"], r["step"]] = r
-        if not held:
+        experience, checkpoints = held_experience(path, records), live_checkpoints(records)
+        if not experience and not checkpoints:
             raise ConfigError(f"{path}: no experience or checkpoint in its manifest")
-        for r in held.values():
-            print(f"{r['kind']:<10} step {r['step']:>6}  {r.get('file') or r.get('dir')}")
+        for step, r in experience.items():
+            print(f"experience step {step:>6}  {r['file']}")
+        for step, r in sorted(checkpoints.items()):
+            print(f"checkpoint step {step:>6}  {r['dir']}")
         return 0
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")

@@ -156,6 +156,26 @@ def test_resume_plan(tmp_path):
     assert all("checkpoints/" not in p for p in plan_resume(tmp_path).problems)
 
 
+def test_what_a_run_holds_is_each_steps_last_record_less_what_is_gone(tmp_path):
+    """The one reading of the manifest that resume, `inspect`, `report` and `generate` share."""
+    from toolkit.store.manifest import held_experience, live_checkpoints
+
+    (tmp_path / "experience").mkdir()
+    for step in (0, 1):
+        (tmp_path / "experience" / experience.file_name(step)).write_bytes(b"x")
+    records = [{"kind": "experience", "step": 1, "file": "experience/step-000001.h5", "bytes": 1},
+               {"kind": "experience", "step": 0, "file": "experience/step-000000.h5", "bytes": 1},
+               {"kind": "experience", "step": 2, "file": "experience/step-000002.h5", "bytes": 1},  # set aside
+               {"kind": "experience", "step": 1, "file": "experience/step-000001.h5", "bytes": 2},  # again
+               {"kind": "checkpoint", "step": 1, "dir": "checkpoints/step-000001", "files": {}},
+               {"kind": "checkpoint", "step": 2, "dir": "checkpoints/step-000002", "files": {"a": 1}},
+               {"kind": "checkpoint", "step": 2, "dir": "checkpoints/step-000002", "files": {"a": 2}},
+               {"kind": "removed", "dir": "checkpoints/step-000001"}]
+    held = held_experience(tmp_path, records)
+    assert list(held) == [0, 1] and held[1]["bytes"] == 2
+    assert {step: r["files"] for step, r in live_checkpoints(records).items()} == {2: {"a": 2}}
+
+
 def test_a_new_run_resumes_from_nothing(tmp_path):
     plan = plan_resume(tmp_path)
     assert plan.checkpoint is None and plan.replay == [] and plan.next_step == 0 and plan.problems == []

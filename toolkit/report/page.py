@@ -28,10 +28,9 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _experience_steps(run_dir: Path) -> list[int]:
-    from toolkit.store.manifest import Manifest
+    from toolkit.store.manifest import Manifest, held_experience
 
-    return sorted({r["step"] for r in Manifest(run_dir).records() if r["kind"] == "experience"
-                   and (run_dir / r["file"]).exists()})
+    return list(held_experience(run_dir, Manifest(run_dir).records()))
 
 
 def _samples_section(run_dir: Path, steps: list[int]) -> str:

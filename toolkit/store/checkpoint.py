@@ -25,7 +25,7 @@ import torch
 from toolkit.hold import hold
 from toolkit.store import space
 from toolkit.store.experience import fsync_dir
-from toolkit.store.manifest import Manifest, checkpoint_files
+from toolkit.store.manifest import Manifest, checkpoint_files, live_checkpoints
 
 TAG = "ds"
 
@@ -114,9 +114,7 @@ def load(directory: Path, engines: dict, rank: int) -> dict:
 
 def _remove_old(run_dir: Path, manifest: Manifest, keep: int) -> None:
     """Keep the newest `keep` checkpoints (experience is never removed)."""
-    records = manifest.records()
-    removed = {r["dir"] for r in records if r["kind"] == "removed"}
-    live = {r["dir"]: r for r in records if r["kind"] == "checkpoint" and r["dir"] not in removed}
-    for record in sorted(live.values(), key=lambda r: r["step"])[:-keep]:
+    live = live_checkpoints(manifest.records())
+    for _, record in sorted(live.items())[:-keep]:
         shutil.rmtree(Path(run_dir) / record["dir"], ignore_errors=True)
         manifest.append({"kind": "removed", "dir": record["dir"]})

@@ -54,6 +54,19 @@ class Manifest:
         return next((r for r in reversed(self.records()) if r["kind"] == kind), None)
 
 
+def live_checkpoints(records: list[dict]) -> dict[int, dict]:
+    """{step: record} of the checkpoints that `records` wrote and did not remove (a step's last record wins)."""
+    removed = {r["dir"] for r in records if r["kind"] == "removed"}
+    return {r["step"]: r for r in records if r["kind"] == "checkpoint" and r["dir"] not in removed}
+
+
+def held_experience(run_dir: Path, records: list[dict]) -> dict[int, dict]:
+    """{step: record} of the experience whose file is still in the run directory (a step's last commit
+    wins; a file set aside by a resume is gone from experience/)."""
+    last = {r["step"]: r for r in records if r["kind"] == "experience"}
+    return {step: r for step, r in sorted(last.items()) if (Path(run_dir) / r["file"]).is_file()}
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """The records of an append-only JSON Lines file of the run (none if it is missing); a line cut short
     by a crash is skipped."""
@@ -106,9 +119,7 @@ def plan_resume(run_dir: Path) -> ResumePlan:
     run_dir = Path(run_dir)
     records = Manifest(run_dir).records()
     plan = ResumePlan()
-    removed = {r["dir"] for r in records if r["kind"] == "removed"}
-    for ckpt in sorted((r for r in records if r["kind"] == "checkpoint" and r["dir"] not in removed),
-                       key=lambda r: r["step"], reverse=True):
+    for _, ckpt in sorted(live_checkpoints(records).items(), reverse=True):
         bad = [f"{rel}: {why}" for rel, (digest, size) in ckpt["files"].items()
                if (why := verify(run_dir / ckpt["dir"] / rel, digest, size))]
         if not bad:

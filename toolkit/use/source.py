@@ -29,11 +29,9 @@ class ModelSource:
 
 def checkpoints(run_dir: Path) -> dict[int, dict]:
     """{step: manifest record} of the checkpoints a run still has."""
-    from toolkit.store.manifest import Manifest
+    from toolkit.store.manifest import Manifest, live_checkpoints
 
-    records = Manifest(run_dir).records()
-    removed = {r["dir"] for r in records if r["kind"] == "removed"}
-    return {r["step"]: r for r in records if r["kind"] == "checkpoint" and r["dir"] not in removed}
+    return live_checkpoints(Manifest(run_dir).records())
 
 
 def resolve(name: str, step: int | None = None, ema: bool = False) -> ModelSource:
