@@ -32,11 +32,11 @@ def make_own(name: str) -> str | None:
     global _own
     tempfile.tempdir = None  # (a worker forked from the fork server: what the server found, looked up again)
     given = tempfile.gettempdir()
-    path = os.path.join(given, f"slurm-rlhf-{name}-{os.getpid()}")
+    path = _own_path(given, name, os.getpid())
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:  # (left by a killed process that had this pid, or not ours: a name of its own)
-        path = tempfile.mkdtemp(prefix=f"slurm-rlhf-{name}-{os.getpid()}-")
+        path = tempfile.mkdtemp(prefix=os.path.basename(path) + "-")
     if len(os.fsencode(path)) + IPC_NAME > SOCKET_PATH_MAX:
         os.rmdir(path)
         return None
@@ -44,6 +44,11 @@ def make_own(name: str) -> str | None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(given, f"torchinductor_{_user()}"))
     os.environ["TMPDIR"] = tempfile.tempdir = _own = path
     return path
+
+
+def _own_path(given: str, name: str, pid: int) -> str:
+    """Where the worker `name` with process id `pid` makes its directory in the temporary directory `given`."""
+    return os.path.join(given, f"slurm-rlhf-{name}-{pid}")
 
 
 def _user() -> str:
@@ -61,7 +66,7 @@ def remove_left(env: dict[str, str], name: str, pid: int) -> None:
     """Remove the directory `make_own(name)` made in process `pid`, which has ended, if it is still there and
     ours: `env` is the environment the process started with (its TMPDIR)."""
     given = next((env[k] for k in ("TMPDIR", "TEMP", "TMP") if env.get(k)), None) or tempfile.gettempdir()
-    path = os.path.join(given, f"slurm-rlhf-{name}-{pid}")
+    path = _own_path(given, name, pid)
     try:
         st = os.lstat(path)
     except OSError:

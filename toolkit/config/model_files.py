@@ -10,27 +10,29 @@ from pathlib import Path
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def model_config(path: str | Path) -> dict:
-    """The parsed config.json of a Hugging Face model directory ({} if it cannot be read as one)."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def config_json_problem(path: str | Path) -> str | None:
-    """Why the config.json of the model directory `path`, where there is one, is not a model's settings."""
+def _read_config(path: str | Path) -> tuple[dict, str | None]:
+    """(settings, None) from the config.json of the model directory `path`; ({}, why) where it is there but
+    not a model's settings; ({}, None) where there is none."""
     file = Path(path) / "config.json"
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        return None
+        return {}, None
     except (OSError, ValueError) as e:  # (ValueError: not JSON, or not UTF-8)
-        return f"{file} is not a JSON file ({e}); the model directory's config.json is damaged"
+        return {}, f"{file} is not a JSON file ({e}); the model directory's config.json is damaged"
     if not isinstance(config, dict):
-        return f"{file} holds a JSON {type(config).__name__}, not the object of a model's settings"
-    return None
+        return {}, f"{file} holds a JSON {type(config).__name__}, not the object of a model's settings"
+    return config, None
+
+
+def model_config(path: str | Path) -> dict:
+    """The parsed config.json of a Hugging Face model directory ({} if it cannot be read as one)."""
+    return _read_config(path)[0]
+
+
+def config_json_problem(path: str | Path) -> str | None:
+    """Why the config.json of the model directory `path`, where there is one, is not a model's settings."""
+    return _read_config(path)[1]
 
 
 def head_dim(config: dict) -> int | None:

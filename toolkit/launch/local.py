@@ -126,7 +126,7 @@ class LocalLauncher:
         deadline = time.monotonic() + 10
         while _members(groups) and time.monotonic() < deadline:
             time.sleep(0.1)
-        for worker_id in self.procs:
+        for worker_id in self.procs.keys() - self._reported:  # (poll() removed those of the others)
             self._remove_left(worker_id)
         if self.server:
             self.server.close()
