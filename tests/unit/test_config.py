@@ -271,6 +271,27 @@ def test_overrides(tiny, tmp_path):
                 "without '/'") in error_of(path, [f"run.name={name}"])
 
 
+def test_a_check_across_fields_is_labelled_by_the_field_given(tiny, tmp_path):
+    """Such a check is raised for the whole config; its error was labelled with the file's first key (line 1
+    or so), even when a --set had given the field, in a pipeline too."""
+    from tests.conftest import EXAMPLES
+    from toolkit.config.pipeline import load_pipeline
+
+    path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    assert "\n  --set trainer.micro_batch_size=5: a step has 64 samples" in error_of(path, ["trainer.micro_batch_size=5"])
+    data = example("tiny-grpo.yaml", tiny)
+    data["rollout"]["group_size"] = 1
+    path = write_config(tmp_path, data)
+    line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if "group_size: 1" in text)
+    assert f"\n  {path}:{line}: rollout.group_size is 1; GRPO needs" in error_of(path)
+    with pytest.raises(ConfigError) as info:
+        load_pipeline(EXAMPLES / "tiny-pipeline.yaml", ["rl.rollout.group_size=1"]).configs(tmp_path / "pipeline")
+    assert "\n  --set rl.rollout.group_size=1: rl: rollout.group_size is 1" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # (a shared section's --set, for each stage)
+        load_pipeline(EXAMPLES / "tiny-pipeline.yaml", ["data.eval_fraction=7"]).configs(tmp_path / "pipeline")
+    assert "\n  --set data.eval_fraction=7: sft.data.eval_fraction: got 7" in str(info.value)
+
+
 def test_resolved_config_round_trips(tiny, tmp_path):
     cfg = load_config(write_config(tmp_path, example("tiny-ppo.yaml", tiny)))
     again = write_config(tmp_path / "again", yaml.safe_load(dump_config(cfg)))
@@ -327,6 +348,25 @@ def test_packing_with_ptx_is_refused(tiny, tmp_path):
     assert "model.packing with ptx.coef > 0 is not supported" in error_of(write_config(tmp_path, data))
 
 
+@pytest.mark.parametrize("settings, expected", [
+    ({"model": {"critic": "ACTOR"}}, "model.critic is set, but run.algorithm grpo has no critic"),
+    ({"model": {"packing": True, "attn_implementation": "eager"}},
+     "model.attn_implementation eager would not be used; set model.packing: false"),
+    ({"rollout": {"backend": "hf", "vllm": {"tensor_parallel_size": 2}}},
+     "rollout.vllm.tensor_parallel_size is 2, but generation does not use vLLM (rollout.backend is 'hf')"),
+    ({"placement": {"strategy": "flattening"}, "rollout": {"vllm": {"tensor_parallel_size": 2}}},
+     "(placement.strategy flattening generates with the trainer's own actor)"),
+    ({"rollout": {"stale": "drop"}}, "rollout.stale is 'drop', which acts only in asynchronous mode"),
+])
+def test_a_setting_that_would_be_ignored_is_refused(tiny, tmp_path, settings, expected):
+    """Each of these ran before, the setting silently without effect."""
+    data = example("tiny-grpo.yaml", tiny)
+    for section, values in settings.items():
+        values = {k: (str(tiny / "model") if v == "ACTOR" else v) for k, v in values.items()}
+        data.setdefault(section, {}).update(values)
+    assert expected in error_of(write_config(tmp_path, data))
+
+
 @pytest.mark.parametrize("ptx_data, expected", [
     ({"split": {"rl": 1}}, "ptx.data.split: the PTX text is a corpus of its own"),
     ({"eval_fraction": 0.1}, "ptx.data.eval_fraction: nothing evaluates the PTX text"),
@@ -361,6 +401,9 @@ def test_stage_config_errors(tiny, tmp_path):
     packed = write_config(tmp_path, {"stage": "sft", **base, "train": {"packing": True},
                                      "model": {**base["model"], "attn_implementation": "flash_attention_2"}}, "p.yaml")
     assert "flash_attention_2" in error_of(packed)
+    packed = write_config(tmp_path, {"stage": "sft", **base, "train": {"packing": True},
+                                     "model": {**base["model"], "attn_implementation": "eager"}}, "e.yaml")
+    assert "model.attn_implementation eager would not be used" in error_of(packed)
     fp16 = write_config(tmp_path, {"stage": "sft", **base, "model": {**base["model"], "dtype": "float16"}}, "f.yaml")
     assert "model.dtype is float16, but placement.trainer trains on CPUs (gpus_per_worker 0)" in error_of(fp16)
     # (a stage has one node group: same_nodes_as crashed the allocation's planning, and slurm.nodes went unchecked)

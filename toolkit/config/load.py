@@ -6,6 +6,7 @@ The top-level `stage` key says which config it is: `rl` (the default), `sft` or 
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from pathlib import Path
@@ -159,24 +160,43 @@ def _explain(err: dict, source, text: str | None, overridden: dict[tuple, str], 
         msg = "missing; this field is required"
     elif "input" in err and not isinstance(err["input"], (dict, list)):
         msg = f"got {err['input']!r}: {msg[0].lower()}{msg[1:]}"
-    origin = next((expr for key, expr in overridden.items() if loc[: len(key)] == key), None)
-    if origin is not None:
-        where = f"--set {origin}"
-    elif text is not None:
-        where = f"{source}:{_line_of(text, loc)}"
-    else:
-        where = str(source)
+    # a check across fields (raised for the section that holds them) is labelled by the fields it names
+    named = [prefix + path for path in _fields_named(msg)] if isinstance(err.get("input"), dict) else []
+    where = _where([loc, *named], source, text, overridden, prefix)
     if not loc:
         return f"{where}: {msg}"
     return f"{where}: {field}: {msg}"
 
 
-def _line_of(text: str, loc: tuple) -> int:
-    """Line (1-based) of the deepest part of `loc` that exists in the YAML text."""
+def _fields_named(msg: str) -> list[tuple]:
+    """The key paths (`rollout.group_size`, `reward.models.0.path`) that an error message names, in order."""
+    return [tuple(int(p) if p.isdigit() else p for p in m.split("."))
+            for m in re.findall(r"\b[a-z_]+(?:\.[a-z_0-9]+)+\b", msg)]
+
+
+def _where(locs: list[tuple], source, text: str | None, overridden: dict[tuple, str], prefix: tuple) -> str:
+    """Where the error about the fields `locs` (the first: where it was raised) comes from: the first that a
+    `--set` gave, else the first of the others found in the file (by line), else the first's deepest part
+    there. A `--set` of a pipeline's shared section (data, slurm) is matched within each stage too."""
+    for loc in locs:
+        for key, expr in overridden.items():
+            if loc[: len(key)] == key or loc[len(prefix):][: len(key)] == key:
+                return f"--set {expr}"
+    if text is None:
+        return str(source)
+    found = next((line for loc in locs[1:] if (line := _line_of(text, loc, whole=True))), None)
+    if found is None and not locs[0]:  # (the whole config: no one line)
+        return str(source)
+    return f"{source}:{found or _line_of(text, locs[0])}"
+
+
+def _line_of(text: str, loc: tuple, whole: bool = False) -> int | None:
+    """Line (1-based) of the deepest part of `loc` that exists in the YAML text (`whole`: of `loc` itself, None
+    if the text does not give it)."""
     try:
         node = yaml.compose(text)
     except yaml.YAMLError:
-        return 1
+        return None if whole else 1
     line = node.start_mark.line + 1 if node is not None else 1
     for part in loc:
         child = None
@@ -189,7 +209,7 @@ def _line_of(text: str, loc: tuple) -> int:
             child = node.value[part]
             line = child.start_mark.line + 1
         if child is None:
-            break
+            return None if whole else line
         node = child
     return line
 

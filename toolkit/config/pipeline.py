@@ -16,7 +16,7 @@ an earlier stage becomes PIPELINE_DIR/<stage>/export, which that stage writes be
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.config.base import name_problem
@@ -40,6 +40,7 @@ class Pipeline:
     source: Path                # the pipeline file
     text: str                   # its text (for errors by line)
     stages: dict[str, dict]     # stage -> its config mapping (shared sections merged, references not resolved)
+    overridden: dict[tuple, str] = field(default_factory=dict)  # key path -> the --set that gave it
 
     def configs(self, directory: Path) -> list:
         """Every stage's validated config for a pipeline in `directory` (stage references resolved)."""
@@ -49,7 +50,7 @@ class Pipeline:
             for path in MODEL_FIELDS[stage]:
                 _resolve_references(data, path, stage, self.stages, directory, self.source)
             cfg = validate({**data, "stage": stage}, base_dir=self.source.resolve().parent, source=self.source,
-                           text=self.text, prefix=(stage,), pending_models=pending)
+                           text=self.text, overridden=self.overridden, prefix=(stage,), pending_models=pending)
             out.append(cfg)
             if stage != "rl":
                 pending[str(directory / stage / "export")] = pending.get(cfg.model.base, cfg.model.base)
@@ -66,8 +67,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = ()) -> Pipeline:
     """Read a pipeline file with `--set stage.key=value` overrides; ConfigError naming what is wrong."""
     path = Path(path)
     data, text = read_yaml(path)
-    for expr in overrides:
-        apply_override(data, expr)
+    overridden = {apply_override(data, expr): expr for expr in overrides}
     head = data.pop("pipeline", None) or {}
     if not isinstance(head, dict) or not isinstance(head.get("name", ""), str):
         raise ConfigError(f"{path}: pipeline: expected {{name: ...}}")
@@ -99,7 +99,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = ()) -> Pipeline:
             own = section.get(key, {})
             section[key] = {**value, **own} if isinstance(value, dict) and isinstance(own, dict) else own or value
         section.setdefault("run", {}).setdefault("name", f"{name}-{stage}")
-    return Pipeline(name, path, text, stages)
+    return Pipeline(name, path, text, stages, overridden)
 
 
 def _resolve_references(data: dict, pattern: tuple, stage: str, stages: dict, directory: Path, source: Path) -> None:

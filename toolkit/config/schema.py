@@ -77,7 +77,7 @@ class ModelSection(Section):
     reference's and the critic's log-probs and values, the reward models' scores) into one sequence:
     positions restart at each sample and each sample's attention is computed on its own (PyTorch's SDPA per
     sample), so no padding is computed. `trainer.micro_batch_tokens` then counts the samples' own tokens.
-    Not with `attn_implementation: flash_attention_2` or `ptx.coef` > 0."""
+    Only with `attn_implementation: sdpa`, and not with `ptx.coef` > 0."""
 
 
 class VllmSection(Section):
@@ -441,10 +441,12 @@ class RunConfig(Section):
         if self.model.packing and self.ptx.coef > 0:
             raise ValueError("model.packing with ptx.coef > 0 is not supported (PTX text comes in padded rows); "
                              "remove one of them")
-        if self.model.packing and self.model.attn_implementation == "flash_attention_2":
-            raise ValueError("model.packing computes each sample's attention with PyTorch's SDPA, not "
-                             "flash_attention_2 (its packed path is not wired here yet); set model.packing: false or "
-                             "model.attn_implementation: sdpa")
+        if self.model.packing and self.model.attn_implementation != "sdpa":
+            raise ValueError(f"model.packing computes each sample's attention with PyTorch's SDPA, so "
+                             f"model.attn_implementation {self.model.attn_implementation} would not be used"
+                             + (" (its packed path is not wired here yet)"
+                                if self.model.attn_implementation == "flash_attention_2" else "")
+                             + "; set model.packing: false or model.attn_implementation: sdpa")
         if budget is not None and self.ptx.coef > 0:
             raise ValueError("trainer.micro_batch_tokens with ptx.coef > 0 is not supported (PTX text comes in "
                              "micro_batch_size rows per micro-batch); remove one of them")
@@ -459,6 +461,9 @@ class RunConfig(Section):
                                  "the reference model, which with trainer.lora is the actor without its adapters, "
                                  "computed by the trainer; use a placement without a reference group of its own "
                                  "(e.g. separation)")
+        if self.model.critic and not self.hosts("critic"):
+            raise ValueError(f"model.critic is set, but run.algorithm {self.run.algorithm} has no critic (only ppo "
+                             "has one); remove model.critic or set run.algorithm: ppo")
         critic, actor = self.placement.name_with("critic"), self.placement.name_with("actor")
         trainers_of = {actor: self.placement.group_with("actor")}
         if self.run.algorithm == "ppo":
@@ -481,6 +486,16 @@ class RunConfig(Section):
             raise ValueError(f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) is less than the generator "
                              f"workers ({generators.workers}); every generator needs a prompt each step")
         tp = self.rollout.vllm.tensor_parallel_size
+        if tp > 1 and self.generation_backend != "vllm":
+            if self.rollout.backend == "hf":
+                why = "rollout.backend is 'hf'"
+            elif self.placement.generation_with_actor():
+                why = f"placement.strategy {self.placement.strategy} generates with the trainer's own actor"
+            else:
+                why = "vLLM is not installed"
+            raise ValueError(f"rollout.vllm.tensor_parallel_size is {tp}, but generation does not use vLLM ({why}); "
+                             "remove it, or use rollout.backend: vllm with a placement that gives generation its "
+                             "own node group")
         if generators.gpus_per_worker and generators.gpus_per_worker % tp:
             raise ValueError(f"rollout.vllm.tensor_parallel_size ({tp}) does not divide the GPUs of each generator "
                              f"worker ({generators.gpus_per_worker}); make the GPUs a multiple of it")
@@ -527,6 +542,9 @@ class RunConfig(Section):
                              f"{self.placement.strategy} puts generation in the trainer's workers, which cannot "
                              "generate while they train; use separation (or another placement that gives "
                              "generation its own node group), or max_policy_lag 0")
+        if self.rollout.stale == "drop" and not lag:
+            raise ValueError("rollout.stale is 'drop', which acts only in asynchronous mode, but "
+                             "rollout.max_policy_lag is 0; set max_policy_lag > 0 or remove rollout.stale")
         ahead = (lag + 2) * generators.workers
         if lag and self.transport.max_inflight_messages < ahead:
             raise ValueError(f"transport.max_inflight_messages ({self.transport.max_inflight_messages}) is less than "

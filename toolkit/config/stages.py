@@ -65,7 +65,8 @@ class TrainSection(EngineSection):
     """Rows per forward pass when evaluating."""
     packing: bool = False
     """SFT: pack a micro-batch's rows into one sequence, positions restarting at each row and each row's
-    attention computed on its own (PyTorch's SDPA per row): no padding is computed."""
+    attention computed on its own (PyTorch's SDPA per row): no padding is computed. Only with
+    `model.attn_implementation: sdpa`."""
 
 
 class StagePlacementSection(Section):
@@ -105,10 +106,12 @@ class StageConfig(Section):
     def _batches(self, info: ValidationInfo) -> "StageConfig":
         ranks = self.placement.trainer.workers
         per_step = self.train.micro_batch_size * ranks
-        if self.train.packing and self.model.attn_implementation == "flash_attention_2":
-            raise ValueError("train.packing computes each row's attention with PyTorch's SDPA, not "
-                             "flash_attention_2 (its packed path is not wired here yet); use model.attn_implementation: "
-                             "sdpa or train.packing: false")
+        if self.train.packing and self.model.attn_implementation != "sdpa":
+            raise ValueError(f"train.packing computes each row's attention with PyTorch's SDPA, so "
+                             f"model.attn_implementation {self.model.attn_implementation} would not be used"
+                             + (" (its packed path is not wired here yet)"
+                                if self.model.attn_implementation == "flash_attention_2" else "")
+                             + "; use model.attn_implementation: sdpa or train.packing: false")
         problem = fp16_problem(self.model.dtype, "trainer", self.placement.trainer)
         if problem:
             raise ValueError(problem)
