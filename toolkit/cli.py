@@ -67,6 +67,16 @@ def _add_model_args(p: argparse.ArgumentParser, temperature: float = 1.0) -> Non
                                                      "prompt + --max-new-tokens; chat, the model's, at most 2048)")
 
 
+def _add_run_dir_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", type=_not_empty, help="directory for config, logs, metrics (default: runs/<run.name>)")
+
+
+def _not_empty(value: str) -> str:
+    if not value:
+        raise argparse.ArgumentTypeError("empty; give a directory, or leave the option out for runs/<run.name>")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slurm-rlhf", description="Slurm-native RLHF (PPO, GRPO) without Ray.",
                                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,14 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a config on this machine (workers as local processes): an RL run, "
                                    "an sft or rm stage, or a pipeline of them")
     _add_config_args(p)
-    p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
+    _add_run_dir_arg(p)
     p.add_argument("--verbose", "-v", action="store_true", help="show worker registration and debug records")
 
     for stage, what in (("sft", "supervised fine-tuning: the loss on the response tokens"),
                         ("rm", "reward-model training on preference pairs")):
         p = sub.add_parser(stage, help=f"run an {stage} stage on this machine ({what})")
         _add_config_args(p)
-        p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
+        _add_run_dir_arg(p)
         p.add_argument("--verbose", "-v", action="store_true", help="show worker registration and debug records")
 
     p = sub.add_parser("resume", help="continue a run (or a pipeline) from its last checkpoint and committed "
@@ -103,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="submit to Slurm: one allocation per stage, one srun step per node group; "
                                       "a pipeline's stages as jobs chained with --dependency=afterok")
     _add_config_args(p)
-    p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
+    _add_run_dir_arg(p)
     p.add_argument("--dry-run", action="store_true", help="print the placement and the batch script (a pipeline: "
                                                            "each stage's placement and its jobs); submit nothing")
     p.add_argument("--wait", action="store_true", help="follow the job's output until it ends; exit 0 only if the "
@@ -111,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("render", help="write a batch script for the run, to submit by hand with sbatch")
     _add_config_args(p)
-    p.add_argument("--run-dir", help="directory for config, logs, metrics (default: runs/<run.name>)")
+    _add_run_dir_arg(p)
 
     p = sub.add_parser("status", help="state of a run (Slurm job, steps, every worker's node and phase), or of "
                                       "every stage of a pipeline")

@@ -152,6 +152,14 @@ def test_resume_refuses_flags_it_would_ignore(tmp_path, flags, expected):
     assert result.returncode == 2 and expected in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("command", ["run", "sft", "rm", "submit", "render"])
+def test_an_empty_run_dir_is_refused(tmp_path, command):
+    """`--run-dir ''` once fell back to runs/<run.name> without a word."""
+    result = cli(command, tmp_path / "any.yaml", "--run-dir", "", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2 and "argument --run-dir: empty; give a directory" in result.stderr, result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_inspect_of_a_file_that_is_not_experience_names_it(tmp_path):
     import h5py
 
