@@ -381,6 +381,30 @@ def test_ptx_data_is_one_corpus_named_as_ptx_data(tiny, tmp_path, ptx_data, expe
     assert expected in error_of(write_config(tmp_path, data))
 
 
+def test_lora_targets_that_name_no_layer_are_refused(tiny, tmp_path):
+    """peft refuses a target list of which no name matches, but skips a typo beside a good name silently:
+    the adapters went on fewer layers than asked. The names are read from the safetensors headers (one file,
+    or each shard of an index), in RL and SFT configs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny / "model", dtype=torch.float32).save_pretrained(sharded, max_shard_size="200KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    for actor in (tiny / "model", sharded):
+        data = example("tiny-grpo.yaml", tiny, trainer={"lora": {"target_modules": ["q_proj", "v_prj"]}})
+        data["model"].update(actor=str(actor), tokenizer=str(tiny / "model"))
+        msg = error_of(write_config(tmp_path, data))
+        assert f"trainer.lora.target_modules: v_prj is not a layer of {actor}, so it would get no adapter; its " \
+               "layers with a weight matrix end in down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, " \
+               "q_proj, up_proj, v_proj (or use all-linear)" in msg, msg
+        data["trainer"]["lora"]["target_modules"] = ["q_proj", "mlp.up_proj", "model.layers.1.self_attn.v_proj"]
+        assert load_config(write_config(tmp_path, data)).trainer.lora.target_modules[0] == "q_proj"
+    sft = {"stage": "sft", "run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
+           "model": {"base": str(tiny / "model")}, "train": {"lora": {"target_modules": ["qproj"]}}}
+    assert "train.lora.target_modules: qproj is not a layer" in error_of(write_config(tmp_path, sft, "sft.yaml"))
+
+
 def test_lora_moves_the_reference_into_the_trainer(tiny, tmp_path):
     from toolkit.placement.plan import plan, stages
 

@@ -162,3 +162,41 @@ def kv_cache_problem(path: str | Path, tokens: int, dtype: str, ranks: int, kv_c
             f"tensor-parallel rank(s) ({shape.layers} layers x 2 x {kv_heads} KV heads x {shape.head_dim} x "
             f"{dtype_bytes} bytes a token; vLLM rounds up to whole blocks); raise kv_cache_gb well above that, so "
             "that many samples generate at once")
+
+
+def weight_shapes(path: str | Path) -> dict[str, list[int]] | None:
+    """{name: shape} of the weights in the model directory `path`, from the headers of its safetensors files
+    (no tensor is read); None where it has none, or they cannot be read."""
+    directory = Path(path)
+    shapes = {}
+    try:
+        index = directory / "model.safetensors.index.json"
+        files = (sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+                 if index.is_file() else ["model.safetensors"])
+        for name in files:
+            with open(directory / name, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size)) if 0 < size < 1 << 28 else {}
+            shapes.update((k, v["shape"]) for k, v in header.items() if k != "__metadata__")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return shapes or None
+
+
+def lora_target_problem(path: str | Path, targets: list[str], field: str) -> str | None:
+    """Why LoRA `targets` (peft's target_modules: a layer's name or the end of it) would not all get adapters
+    in the model at `path`: peft refuses only targets of which none matches, and skips the others silently."""
+    shapes = None if targets == "all-linear" else weight_shapes(path)
+    if shapes is None:
+        return None
+    layers = {name.rpartition(".")[0] for name in shapes}
+    # (a checkpoint may store names without the model's outer prefix, e.g. GPT-2's `transformer.`)
+    missing = [t for t in targets if not any(f".{layer}".endswith(f".{t}") or f".{t}".endswith(f".{layer}")
+                                             for layer in layers)]
+    if not missing:
+        return None
+    matrices = sorted({name.rpartition(".")[0].rpartition(".")[2] for name, shape in shapes.items()
+                       if name.endswith(".weight") and len(shape) == 2})
+    return (f"{field}: {', '.join(missing)} {'is not a layer' if len(missing) == 1 else 'are not layers'} of {path}, "
+            f"so {'it' if len(missing) == 1 else 'they'} would get no adapter; its layers with a weight matrix end "
+            f"in {', '.join(matrices)} (or use all-linear)")

@@ -16,7 +16,8 @@ from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSec
                                  fp16_problem, load_function, model_files, pending_export, split_function)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import (attention_heads, context_problem, head_problem, kv_cache_problem,
-                                        main_tokenizer_problem, model_config, tokenizer_problem, vllm_cpu_problem)
+                                        lora_target_problem, main_tokenizer_problem, model_config, tokenizer_problem,
+                                        vllm_cpu_problem)
 from toolkit.placement.layout import PRESETS, generation_with_actor
 
 SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
@@ -452,6 +453,10 @@ class RunConfig(Section):
                              "micro_batch_size rows per micro-batch); remove one of them")
         layout = self.placement.layout()
         if self.trainer.lora is not None:
+            problem = lora_target_problem(model_files(self.model.actor, info), self.trainer.lora.target_modules,
+                                          "trainer.lora.target_modules")
+            if problem:
+                raise ValueError(problem)
             if self.model.reference and Path(self.model.reference) != Path(self.model.actor):
                 raise ValueError("model.reference: with trainer.lora the reference model is the actor with its "
                                  "adapters disabled (no second copy); remove model.reference")

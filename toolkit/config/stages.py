@@ -13,7 +13,7 @@ from toolkit.config.base import (Attention, CheckpointSection, EngineSection, Gr
                                  RunName, Section, SlurmSection, TransportSection, WandbSection, fp16_problem,
                                  model_files, pending_export)
 from toolkit.config.data import DataSection
-from toolkit.config.model_files import context_problem, head_problem, main_tokenizer_problem
+from toolkit.config.model_files import context_problem, head_problem, lora_target_problem, main_tokenizer_problem
 
 
 class StageRunSection(Section):
@@ -128,6 +128,11 @@ class StageConfig(Section):
         if self.train.lora is not None and self.stage == "rm":
             raise ValueError("train.lora is for causal LMs (the sft stage and the RL actor); the rm stage trains "
                              "every weight of the reward model: remove train.lora")
+        if self.train.lora is not None:
+            problem = lora_target_problem(model_files(self.model.base, info), self.train.lora.target_modules,
+                                          "train.lora.target_modules")
+            if problem:
+                raise ValueError(problem)
         problem = context_problem(model_files(self.model.base, info), self.train.max_tokens, "model.base",
                                   "train.max_tokens")
         if problem:
