@@ -323,6 +323,16 @@ def fp16_problem(dtype: str, name: str, group: GroupSection) -> str | None:
     return None
 
 
+def packing_problem(field: str, attention: str) -> str | None:
+    """Why packing (`field`) cannot run with `model.attn_implementation` `attention`, or None: it computes each
+    sample's attention with PyTorch's SDPA (toolkit/packing.py), so another implementation would not be used."""
+    if attention == "sdpa":
+        return None
+    unwired = " (its packed path is not wired here yet)" if attention == "flash_attention_2" else ""
+    return (f"{field} computes each sample's attention with PyTorch's SDPA, so model.attn_implementation {attention} "
+            f"would not be used{unwired}; set {field}: false or model.attn_implementation: sdpa")
+
+
 class SlurmSection(Section):
     partition: OneLine | None = None
     """Partition of every node group that names none."""

@@ -13,7 +13,8 @@ from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSection, FunctionPath, GroupSection,
                                  ModelDir, PositiveInt, RunName, Section, SlurmSection, TransportSection, WandbSection,
-                                 fp16_problem, load_function, model_files, pending_export, split_function)
+                                 fp16_problem, load_function, model_files, packing_problem, pending_export,
+                                 split_function)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import (attention_heads, context_problem, head_problem, kv_cache_problem,
                                         lora_target_problem, main_tokenizer_problem, model_config, tokenizer_problem,
@@ -442,12 +443,9 @@ class RunConfig(Section):
         if self.model.packing and self.ptx.coef > 0:
             raise ValueError("model.packing with ptx.coef > 0 is not supported (PTX text comes in padded rows); "
                              "remove one of them")
-        if self.model.packing and self.model.attn_implementation != "sdpa":
-            raise ValueError(f"model.packing computes each sample's attention with PyTorch's SDPA, so "
-                             f"model.attn_implementation {self.model.attn_implementation} would not be used"
-                             + (" (its packed path is not wired here yet)"
-                                if self.model.attn_implementation == "flash_attention_2" else "")
-                             + "; set model.packing: false or model.attn_implementation: sdpa")
+        problem = self.model.packing and packing_problem("model.packing", self.model.attn_implementation)
+        if problem:
+            raise ValueError(problem)
         if budget is not None and self.ptx.coef > 0:
             raise ValueError("trainer.micro_batch_tokens with ptx.coef > 0 is not supported (PTX text comes in "
                              "micro_batch_size rows per micro-batch); remove one of them")

@@ -11,7 +11,7 @@ from pydantic import Field, ValidationInfo, model_validator
 
 from toolkit.config.base import (Attention, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
                                  RunName, Section, SlurmSection, TransportSection, WandbSection, fp16_problem,
-                                 model_files, pending_export)
+                                 model_files, packing_problem, pending_export)
 from toolkit.config.data import DataSection
 from toolkit.config.model_files import context_problem, head_problem, lora_target_problem, main_tokenizer_problem
 
@@ -106,13 +106,8 @@ class StageConfig(Section):
     def _batches(self, info: ValidationInfo) -> "StageConfig":
         ranks = self.placement.trainer.workers
         per_step = self.train.micro_batch_size * ranks
-        if self.train.packing and self.model.attn_implementation != "sdpa":
-            raise ValueError(f"train.packing computes each row's attention with PyTorch's SDPA, so "
-                             f"model.attn_implementation {self.model.attn_implementation} would not be used"
-                             + (" (its packed path is not wired here yet)"
-                                if self.model.attn_implementation == "flash_attention_2" else "")
-                             + "; use model.attn_implementation: sdpa or train.packing: false")
-        problem = fp16_problem(self.model.dtype, "trainer", self.placement.trainer)
+        problem = self.train.packing and packing_problem("train.packing", self.model.attn_implementation)
+        problem = problem or fp16_problem(self.model.dtype, "trainer", self.placement.trainer)
         if problem:
             raise ValueError(problem)
         trainer = self.placement.trainer
