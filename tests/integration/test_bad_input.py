@@ -83,7 +83,7 @@ CASES = [
       "rewards must be finite numbers"]),
     ("a reward function that returns a non-number", "run",
      {"reward": {"functions": [{"function": "badrewards:text"}]}, **HF}, None, 1,
-     ["reward function 'text' (badrewards:text) failed on prompt id", "could not convert string to float: 'high'"]),
+     ["reward function 'text' (badrewards:text) returned 'high' for prompt id", "rewards must be finite numbers"]),
     ("a tokenizer without a pad token (fine: the run goes on)", "run",
      lambda tiny, tmp: {"model": {"tokenizer": no_pad_tokenizer(tiny, tmp)}}, None, 0, []),
     pytest.param("an unreachable Slurm controller", "submit", {}, slurm_conf_without_controller, 1,

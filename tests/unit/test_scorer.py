@@ -97,3 +97,18 @@ def test_a_reward_function_that_cannot_be_called_so_is_a_config_error(tiny, tmp_
         with pytest.raises(ConfigError, match=re.escape(expected)):
             check_data(config(name, args, prompts))
     check_data(config("needs_answer", None, qa))  # (the rows have the field it needs)
+
+
+def test_a_reward_is_a_finite_number_and_nothing_else():
+    """float() read the text "0.5" as a reward, silently; None (a function without a return) and a list
+    were named only by float's own TypeError."""
+    from toolkit.roles.scorer import RewardFunctionError
+
+    b = make_batch()
+    for given, expected in [(0.5, 0.5), (2, 2.0), (True, 1.0), (np.float32(0.25), 0.25), (torch.tensor(0.75), 0.75)]:
+        out = RewardRole._call_function(("f", lambda **kw: given, {}, "m:f"), b)
+        assert out.tolist() == [expected, expected], given
+    for given in ("0.5", None, [1.0], float("inf"), torch.ones(2)):
+        with pytest.raises(RewardFunctionError, match=re.escape(f"reward function 'f' (m:f) returned {given!r} for "
+                                                                "prompt id 10; rewards must be finite numbers")):
+            RewardRole._call_function(("f", lambda **kw: given, {}, "m:f"), b)

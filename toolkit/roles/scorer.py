@@ -233,15 +233,16 @@ class RewardRole(_Scoring):
         out = np.zeros(len(batch), dtype=np.float64)
         for i in range(len(batch)):
             try:
-                value = float(fn(prompt=prompt_text(batch.prompts[i]), response=batch.responses[i], **batch.fields[i],
-                                 **args))
+                given = fn(prompt=prompt_text(batch.prompts[i]), response=batch.responses[i], **batch.fields[i], **args)
             except Exception as e:
                 raise RewardFunctionError(
                     f"reward function {name!r} ({path}) failed on prompt id {int(batch.prompt_ids[i])}, "
                     f"sample {int(batch.sample_index[i])}: {type(e).__name__}: {e}") from e
-            if not math.isfinite(value):
-                raise RewardFunctionError(f"reward function {name!r} ({path}) returned {value} for prompt id "
-                                          f"{int(batch.prompt_ids[i])}; rewards must be finite numbers")
+            value = _number(given)
+            if value is None or not math.isfinite(value):
+                raise RewardFunctionError(f"reward function {name!r} ({path}) returned {given!r} for prompt id "
+                                          f"{int(batch.prompt_ids[i])}; rewards must be finite numbers (a float, "
+                                          "an int or a bool)")
             out[i] = value
         return out
 
@@ -266,6 +267,17 @@ class RewardRole(_Scoring):
         if rm.stats is not None:
             scores = (scores - rm.stats["mean"]) / max(rm.stats["std"], 1e-6)
         return scores
+
+
+def _number(value) -> float | None:
+    """`value` as a float where it is a number (a Python or NumPy one, or a tensor of one element); None for
+    anything else, text too (float() would read "0.5", and a function that returns text is mistaken)."""
+    if isinstance(value, (str, bytes)) or value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of more than one element)
+        return None
 
 
 @dataclass
