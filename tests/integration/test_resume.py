@@ -56,7 +56,7 @@ def resumed_copy(killed: Path, tmp_path: Path, damage=None) -> tuple[Path, subpr
     shutil.copytree(killed, run_dir)
     if damage:
         damage(run_dir)
-    result = cli("resume", run_dir)
+    result = cli("resume", run_dir, preexec_fn=lambda: os.umask(0o022))  # (a user's usual umask)
     assert result.returncode == 0, result.stdout + result.stderr
     return run_dir, result
 
@@ -137,6 +137,11 @@ def test_resume_after_sigkill_ends_with_the_same_weights(baseline, killed, tmp_p
     # (e) the metrics and status count the restart
     assert metrics[0]["restarts"] == 0 and metrics[-1]["restarts"] == 1 and curves["restarts"][STEPS - 1] == 1
     assert "restarts: resumed 1 time(s) from its checkpoint and experience" in cli("status", run_dir).stdout
+    # (f) what the resume wrote is this user's alone, though it was started with umask 022 (its TensorBoard
+    # file and worker logs were 0644)
+    shared = [f"{p.relative_to(run_dir)} {p.stat().st_mode & 0o777:o}" for p in [run_dir, *run_dir.rglob("*")]
+              if not p.is_symlink() and p.stat().st_mode & 0o077]
+    assert not shared, shared
 
 
 def test_wandb_starts_before_the_workers(baseline):

@@ -42,20 +42,28 @@ class RunDir:
             raise ConfigError(f"{self.path} already holds a run (config.yaml); choose another --run-dir "
                               "or remove that directory")
         check_new(self.path, f"--run-dir {self.path}", "run")
-        os.umask(0o077)
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.path.chmod(0o700)
+        self.private()
         self.write_atomic(self.config, dump_config(cfg))
         fd = os.open(self.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(new_secret())
         return self
 
+    def private(self) -> None:
+        """What this process (and the processes it starts: workers, sbatch and so Slurm's output files) writes
+        from now on is readable by this user alone, and so is the directory, whatever the user's umask."""
+        os.umask(0o077)
+        if self.path.stat().st_uid == os.getuid():  # (another user's directory keeps its mode, as it must)
+            self.path.chmod(0o700)
+
     def hold_lock(self) -> None:
-        """Lock the directory for this process's lifetime (or until `release_lock`); ConfigError if another
-        process holds it. Where the file system has no locks, nothing is held."""
+        """Lock the directory for this process's lifetime (or until `release_lock`), and make what it writes
+        there private; ConfigError if another process holds it. Where the file system has no locks, nothing
+        is held."""
         if self._lock is not None:
             return
+        self.private()  # (a resume runs with the user's umask, often 022, unless set here)
         lock = os.fdopen(os.open(self.path / "driver.lock", os.O_WRONLY | os.O_CREAT, 0o600), "w")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -84,6 +92,7 @@ class RunDir:
 
     def rewrite_config(self, cfg: RunConfig) -> "RunDir":
         """Replace the config of a directory nothing has run from (the secret stays)."""
+        self.private()
         self.write_atomic(self.config, dump_config(cfg))
         return self
 
