@@ -40,8 +40,11 @@ def make_own(name: str) -> str | None:
     if len(os.fsencode(path)) + IPC_NAME > SOCKET_PATH_MAX:
         os.rmdir(path)
         return None
-    # torch.compile's cache (GPU runs that compile) stays where torch keeps it, for the next start
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(given, f"torchinductor_{_user()}"))
+    # torch.compile's cache (GPU runs that compile) stays where torch keeps it, for the next start, where that
+    # is this user's own: torch loads code and pickles from it, and /tmp is shared (else it goes in `path`)
+    cache = os.path.join(given, f"torchinductor_{_user()}")
+    if _own_or_absent(cache):
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
     os.environ["TMPDIR"] = tempfile.tempdir = _own = path
     return path
 
@@ -49,6 +52,17 @@ def make_own(name: str) -> str | None:
 def _own_path(given: str, name: str, pid: int) -> str:
     """Where the worker `name` with process id `pid` makes its directory in the temporary directory `given`."""
     return os.path.join(given, f"slurm-rlhf-{name}-{pid}")
+
+
+def _own_or_absent(path: str) -> bool:
+    """Whether `path` is not there, or is a real directory of this user that no one else may write to."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _user() -> str:

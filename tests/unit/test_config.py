@@ -193,6 +193,8 @@ def test_a_reward_module_that_fails_as_it_is_imported_is_named(tiny, tmp_path, m
     (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=4", "placement.generator.cpus_per_worker=4"],
      "rollout.vllm.tensor_parallel_size (4) does not divide the 2 attention heads of model.actor"),
     (["data.chosen_key=rejected"], "chosen_key and rejected_key are the same field ('rejected')"),
+    (["transport.bind_host=0.0.0.0"], "'0.0.0.0' listens on every interface of the node"),
+    (["transport.bind_host=*"], "'*' listens on every interface of the node"),
 ])
 def test_values_that_could_not_work_are_refused(tiny, tmp_path, overrides, expected):
     """Each of these passed validation and failed later, or silently: NaN and infinite settings, line

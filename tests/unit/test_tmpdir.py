@@ -27,6 +27,29 @@ def given(monkeypatch):
     os.rmdir(base)  # (fails where anything was left in it)
 
 
+@pytest.mark.parametrize("how", ["writable by all", "another user's", "a link"])
+def test_a_compile_cache_in_the_shared_directory_that_is_not_ours_alone_is_not_used(given, how):
+    """torch loads code and pickles from its compile cache, and anyone can make /tmp/torchinductor_<user>
+    first: then the cache stays in the worker's own directory (torch's default under TMPDIR)."""
+    cache = os.path.join(given, f"torchinductor_{tmpdir._user()}")
+    if how == "a link":
+        os.symlink(given, cache)
+    else:
+        os.mkdir(cache, 0o700)
+        if how == "writable by all":
+            os.chmod(cache, 0o777)
+        elif os.getuid() == 0:
+            os.chown(cache, 65534, 65534)
+        else:
+            pytest.skip("making a directory of another user needs root")
+    try:
+        tmpdir.make_own("trainer-0")
+        assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+        tmpdir.remove_own()
+    finally:
+        os.unlink(cache) if how == "a link" else os.rmdir(cache)
+
+
 def test_own_directory_made_used_and_removed(given):
     path = tmpdir.make_own("generator-0")
     assert os.path.dirname(path) == given and os.path.basename(path) == f"slurm-rlhf-generator-0-{os.getpid()}"

@@ -4,12 +4,13 @@ settings, transport, checkpoints and Slurm. Relative paths resolve against the c
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import importlib.util
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from toolkit.config.model_files import config_json_problem
 from toolkit.placement.layout import MODELS
@@ -403,6 +404,19 @@ class TransportSection(Section):
     bind_host: str | None = None
     """Where sockets listen: an address, an interface name (e.g. ib0) or a network (e.g. 10.1.0.0/16),
     resolved on each node (default: 127.0.0.1 for local runs, each node's address under Slurm)."""
+
+    @field_validator("bind_host")
+    @classmethod
+    def _one_interface(cls, value: str | None) -> str | None:
+        try:
+            unspecified = value == "*" or ipaddress.ip_address(value.strip("[]")).is_unspecified
+        except (ValueError, AttributeError):
+            unspecified = False
+        if unspecified:
+            raise ValueError(f"{value!r} listens on every interface of the node, where any host that reaches it can "
+                             "connect; give the job's own interface: an address, an interface name (e.g. ib0) or a "
+                             "network (e.g. 10.1.0.0/16), or leave bind_host out")
+        return value
 
     @model_validator(mode="after")
     def _heartbeats(self) -> "TransportSection":
