@@ -145,6 +145,22 @@ def test_heterogeneous_job(tiny, tmp_path):
     assert_nothing_left(run_dir, job_id)
 
 
+def test_wait_stops_following_a_job_that_will_not_start_by_itself(tiny, tmp_path):
+    """`submit --wait` followed a held job (or one whose dependency failed, or that its partition's limits
+    refuse) forever; it now names the reason, leaves the job queued as it says, and exits 1."""
+    run_dir = tmp_path / "run"
+    result = cli("submit", run_config(tiny, tmp_path, slurm={"sbatch": {"hold": True}}), "--run-dir", run_dir,
+                 "--wait", timeout=120)
+    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+    try:
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert f"error: slurm job {job_id} stays pending: JobHeldUser (held by its user)" in result.stderr
+        assert "PENDING" in squeue(job_id)  # (left in the queue, as said)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    assert_nothing_left(run_dir, job_id)
+
+
 def test_failing_role_ends_the_job_with_a_named_error(tiny, tmp_path):
     (tmp_path / "failing_reward.py").write_text(
         "def explode(prompt, response, **kw):\n    raise RuntimeError('this reward always fails')\n")

@@ -29,3 +29,23 @@ def test_the_driver_writes_curves_without_loading_torch(tmp_path):
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
     assert scalars == {"reward": {1: 0.25, 2: 0.5}, "time/train_s": {1: 1.5, 2: 1.5},
                        "tokens_per_s": {1: 90.0, 2: 90.0}}  # (a rate, not a time)
+
+
+def test_a_wandb_run_that_does_not_finish_holds_the_driver_a_bounded_time(tmp_path, caplog):
+    """`finish()` of an online W&B run waits for its upload without a bound: a stalled network held the
+    driver at its exit, and before its requeue, past the job's time limit. (A stand-in for the W&B run:
+    its `finish` is what is bounded.)"""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from toolkit.launch.curves import _finished
+
+    stalled = threading.Event()
+    for finish, expected in [(lambda: None, True), (lambda: stalled.wait(), False),
+                             (lambda: (_ for _ in ()).throw(ConnectionError("offline")), False)]:
+        start = time.monotonic()
+        assert _finished(SimpleNamespace(finish=finish), timeout_s=0.5) is expected
+        assert time.monotonic() - start < 30
+    stalled.set()
+    assert "still busy after 0 s" in caplog.text and "ConnectionError('offline')" in caplog.text

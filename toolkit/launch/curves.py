@@ -16,17 +16,22 @@ from metrics.jsonl. Offline mode writes under RUN_DIR/wandb for `wandb sync` lat
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import os
 import secrets
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import yaml
 
 NOT_CURVES = {"step", "time"}
+WANDB_FINISH_S = 60.0  # the longest wait for W&B to finish a run (online: its upload, which a stalled network holds)
+
+log = logging.getLogger(__name__)
 
 
 def import_wandb(staging: Path):
@@ -149,7 +154,28 @@ class Curves:
             self.writer.close()
             self.writer = None
         if self.wandb_run is not None:
-            self.wandb_run.finish()  # (W&B writes what it holds)
-            self.wandb_run, self.wandb_caught_up = None, False
-            (self.run_dir / "wandb" / "last-step").write_text(str(self.wandb_last))
+            run, self.wandb_run, self.wandb_caught_up = self.wandb_run, None, False
+            if _finished(run, WANDB_FINISH_S):  # (W&B writes, or uploads, what it holds)
+                (self.run_dir / "wandb" / "last-step").write_text(str(self.wandb_last))
 
+
+def _finished(run, timeout_s: float) -> bool:
+    """Whether the W&B `run` finished within `timeout_s`; else, or if it failed, the next attempt sends the
+    steps after RUN_DIR/wandb/last-step again, and the driver goes on (to its exit, or to its requeue before
+    the job's time is up)."""
+    failed = []
+
+    def finish():
+        try:
+            run.finish()
+        except Exception as e:  # (a network error of W&B's own; the run's files are whole without it)
+            failed.append(e)
+
+    worker = threading.Thread(target=finish, name="wandb-finish", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive() or failed:
+        log.warning("W&B did not finish the run (%s); its steps from RUN_DIR/wandb/last-step on are sent again at "
+                    "the next resume", f"{failed[0]!r}" if failed else f"still busy after {timeout_s:.0f} s")
+        return False
+    return True

@@ -22,6 +22,15 @@ from toolkit.table import text_table
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE"}
+# Reasons a pending job gives when it will not start until someone acts (squeue's %r; Slurm's job_reason
+# list): `--wait` stops following it and says so, rather than wait forever.
+STUCK = {"JobHeldUser": "held by its user", "JobHeldAdmin": "held by an administrator",
+         "DependencyNeverSatisfied": "a job it depends on failed",
+         "BadConstraints": "no node of its partition has what it asks for",
+         "PartitionTimeLimit": "its time limit is over its partition's", "PartitionNodeLimit":
+         "it asks for more nodes than its partition allows", "InvalidAccount": "its account is not valid",
+         "InvalidQOS": "its QOS is not valid", "AssocMaxWallDurationPerJobLimit": "its time limit is over its "
+         "account's", "QOSMaxWallDurationPerJobLimit": "its time limit is over its QOS's"}
 
 
 def ended(state: str) -> bool:
@@ -119,7 +128,8 @@ def follow(rd: RunDir, job_id: str) -> int:
     progress = Progress()
     try:
         while True:
-            state = slurm_job(job_id)["state"].split()[0]
+            job = slurm_job(job_id)
+            state = job["state"].split()[0]
             if out.exists():
                 text = out.read_text(errors="replace")
                 for line in text[shown:text.rfind("\n") + 1].splitlines():
@@ -127,6 +137,14 @@ def follow(rd: RunDir, job_id: str) -> int:
                 shown = max(shown, text.rfind("\n") + 1)
             if ended(state):
                 break
+            reason = job["reason"] if state == "PENDING" else ""
+            if reason in STUCK:
+                progress.close()
+                print(f"error: slurm job {job_id} stays pending: {reason} ({STUCK[reason]}); it will not start "
+                      f"until that changes. It is left in the queue: see `scontrol show job {job_id}`, release or "
+                      f"fix it (scontrol release/update), then follow it with `slurm-rlhf status {rd.path}`; or "
+                      f"`slurm-rlhf cancel {rd.path}`", file=sys.stderr, flush=True)
+                return 1
             status = rd.read_json(rd.status)
             last = status.get("last_metrics") or {}
             if "step" in last and status.get("steps"):

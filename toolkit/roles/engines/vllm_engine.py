@@ -9,6 +9,7 @@ import torch
 from toolkit.roles.engines import Completion
 
 EXTENSION = "toolkit.weights.vllm_extension.WeightSyncExtension"
+RPC_MARGIN_S = 30.0  # beyond the timeout of the collectives inside a call into the engine's ranks (theirs names the peer)
 
 
 def cpu_binding(ranks: int, cpus: list[int], group: str = "generator") -> str:
@@ -54,6 +55,9 @@ class VllmEngine:
 
         vcfg = cfg.rollout.vllm
         self.cfg = cfg
+        # (a call into the engine's ranks: their collectives time out at step_timeout_s, a rank that hangs or
+        # died is caught here; one rank runs in this process, where vLLM has nothing to time out)
+        self.rpc_timeout_s = cfg.transport.step_timeout_s + RPC_MARGIN_S
         self.ranks = vcfg.tensor_parallel_size
         if self.ranks > 1 and current_platform.is_cpu():
             # vLLM binds each rank's threads to a NUMA node of its own, and fails where there are fewer
@@ -130,11 +134,12 @@ class VllmEngine:
     def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float,
                          name: str = "0") -> dict:
         """Join the trainer's weight-sync group `name` (every vLLM worker of this engine); {weights, probe}."""
-        return self.llm.collective_rpc("join_weight_sync", args=(host, port, first_rank, world_size, timeout_s, name))[0]
+        return self.llm.collective_rpc("join_weight_sync", args=(host, port, first_rank, world_size, timeout_s, name),
+                                       timeout=timeout_s + RPC_MARGIN_S)[0]
 
     def receive_weights(self) -> tuple[int, torch.Tensor]:
         """Load the next version of the weights; (that version, the trainer's probe log-probs)."""
-        version, expected = self.llm.collective_rpc("receive_weights")[0]
+        version, expected = self.llm.collective_rpc("receive_weights", timeout=self.rpc_timeout_s)[0]
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         return version, torch.tensor(expected, dtype=torch.float32)
@@ -143,7 +148,7 @@ class VllmEngine:
         """Load (name, tensor) pairs of the checkpoint layout from this process's trainer, in memory."""
         if self.asleep:  # the weights first; the KV cache after they are in place
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("load_local", args=(list(named_tensors),))
+        self.llm.collective_rpc("load_local", args=(list(named_tensors),), timeout=self.rpc_timeout_s)
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
