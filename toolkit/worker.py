@@ -32,14 +32,14 @@ class Worker:
         from toolkit.timeline import PhaseLog, timeline_file
         from toolkit.transport.control import ControlClient, Heartbeat
         from toolkit.transport.sockets import Inbox
-        from toolkit.transport.wire import Codec, read_secret
+        from toolkit.transport.wire import Codec, attempt_secret, read_secret
 
         self.wenv, self.cfg = wenv, cfg
         self.id, self.rank = wenv.worker_id, wenv.rank
         self.groups = plan(cfg)
         self.group = next(g for g in self.groups if g.name == wenv.group)
         self.ctx = zmq.Context()
-        secret = read_secret(wenv.secret_file)
+        secret = attempt_secret(read_secret(wenv.secret_file), wenv.attempt)
         self.codec = Codec(secret, self.id, accepts={self.id, self.group.name})  # (its group: PUSH spreads)
         t = cfg.transport
         self.control = ControlClient(self.ctx, self.codec, wenv.control, self.id, t.max_message_mb)

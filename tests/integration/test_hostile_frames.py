@@ -6,8 +6,10 @@ to every inbox while the run goes on: frames under another secret (wrong MAC), f
 claims arrays of terabytes (with a wrong MAC: never parsed), truncated messages, random bytes, and
 messages above `transport.max_message_mb` (ZeroMQ disconnects the sender before buffering them). As one
 who captured valid frames on the network, it also sends frames under the run's own secret addressed to
-another worker (misdirected: the recipient is under the MAC). Replays of a frame to the receiver it was
-meant for are tested at the codec (tests/unit/test_wire.py).
+another worker (misdirected: the recipient is under the MAC), and frames to the very worker it sends them
+to as an earlier attempt of the run (a requeue, a resume) would have sent them: the key of each attempt is
+its own (wire.attempt_secret). Replays of a frame to the receiver it was meant for, in the same attempt,
+are tested at the codec (tests/unit/test_wire.py).
 """
 
 from __future__ import annotations
@@ -25,17 +27,20 @@ import pytest
 import zmq
 
 from tests.conftest import REPO, alive, two_generator_grpo
-from toolkit.transport.wire import MAGIC, NONCE_BYTES, Codec, new_secret
+from toolkit.transport.wire import MAGIC, NONCE_BYTES, Codec, attempt_secret, new_secret
 
 pytestmark = pytest.mark.integration
 
 
-def hostile(kind: str, rng: np.random.Generator, secret: bytes, elsewhere: str) -> list[bytes]:
-    """A frame of `kind`; `elsewhere`: a worker other than the one the frame is sent to."""
+def hostile(kind: str, rng: np.random.Generator, run: "Keys", target: str, elsewhere: str) -> list[bytes]:
+    """A frame of `kind` for worker `target`; `elsewhere`: a worker other than it."""
     intruder = Codec(new_secret(), "generator:0")
     if kind == "misdirected":  # (a valid frame, as if captured on its way to `elsewhere`)
-        return Codec(secret, "generator:0").encode("samples", {"step": 0, "stage": "scorer"},
-                                                  {"x": np.arange(8, dtype=np.int32)}, to=elsewhere)
+        return Codec(run.attempt, "generator:0").encode("samples", {"step": 0, "stage": "scorer"},
+                                                       {"x": np.arange(8, dtype=np.int32)}, to=elsewhere)
+    if kind == "earlier attempt":  # (as if captured on its way to `target` in an earlier attempt)
+        return Codec(run.earlier, "generator:0").encode("samples", {"step": 0, "stage": "scorer"},
+                                                       {"x": np.arange(8, dtype=np.int32)}, to=target)
     if kind == "wrong MAC":
         return intruder.encode("samples", {"step": 0, "stage": "scorer"}, {"x": np.arange(8, dtype=np.int32)})
     if kind == "lying header":
@@ -53,17 +58,24 @@ def hostile(kind: str, rng: np.random.Generator, secret: bytes, elsewhere: str) 
     raise ValueError(kind)
 
 
-KINDS = ["wrong MAC", "lying header", "truncated", "random bytes", "oversized", "misdirected"]
+KINDS = ["wrong MAC", "lying header", "truncated", "random bytes", "oversized", "misdirected", "earlier attempt"]
+
+
+class Keys:
+    """What one who captured frames on the network could use: this attempt's key, and an earlier one's."""
+
+    def __init__(self, secret: bytes, attempt: str):
+        self.attempt, self.earlier = attempt_secret(secret, attempt), attempt_secret(secret, "0" * 16)
 
 
 class Attacker(threading.Thread):
-    def __init__(self, inboxes: dict[str, str], secret: bytes):
+    def __init__(self, inboxes: dict[str, str], keys: Keys):
         super().__init__(daemon=True)
-        self.inboxes, self.secret, self.sent, self.stop = inboxes, secret, {k: 0 for k in KINDS}, threading.Event()
+        self.inboxes, self.keys, self.sent, self.stop = inboxes, keys, {k: 0 for k in KINDS}, threading.Event()
 
     def run(self) -> None:
         ctx, rng = zmq.Context(), np.random.default_rng(0)
-        sockets, others = [], []
+        sockets, others, targets = [], [], list(self.inboxes)
         for worker, address in self.inboxes.items():
             others.append(next(w for w in self.inboxes if w.split(":")[0] != worker.split(":")[0]))
             s = ctx.socket(zmq.PUSH)
@@ -76,7 +88,8 @@ class Attacker(threading.Thread):
             kind = KINDS[i % len(KINDS)]
             try:
                 target = i % len(sockets)
-                sockets[target].send_multipart(hostile(kind, rng, self.secret, others[target]), zmq.NOBLOCK)
+                sockets[target].send_multipart(hostile(kind, rng, self.keys, targets[target], others[target]),
+                                               zmq.NOBLOCK)
                 self.sent[kind] += 1
             except zmq.Again:
                 pass
@@ -98,13 +111,14 @@ def test_hostile_frames_are_dropped_counted_and_change_nothing(tiny, two_generat
         while attacker is None:
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its inboxes were up"
             try:
-                workers = json.loads((run_dir / "status.json").read_text())["workers"]
+                status = json.loads((run_dir / "status.json").read_text())
+                workers = status["workers"]
             except (OSError, ValueError, KeyError):
-                workers = {}
+                status, workers = {}, {}
             inboxes = {name: w["inbox"] for name, w in workers.items() if w.get("inbox")}
             if len(inboxes) == 4:  # two generators, the scorer, the trainer
                 pids = {name: w["pid"] for name, w in workers.items()}
-                attacker = Attacker(inboxes, (run_dir / "secret").read_bytes())
+                attacker = Attacker(inboxes, Keys((run_dir / "secret").read_bytes(), status["attempt"]))
                 attacker.start()
             time.sleep(0.2)
         while proc.poll() is None:

@@ -53,6 +53,19 @@ def test_wrong_secret_is_rejected():
     assert info.value.reason == "bad-mac"
 
 
+def test_a_frame_of_another_attempt_of_the_run_is_rejected():
+    """Each start of the workers (a requeue, a resume) has a key of its own, so that frames captured in an
+    earlier attempt, whose sequence numbers the new receivers never saw, do not authenticate."""
+    from toolkit.transport.wire import attempt_secret
+
+    first, second = attempt_secret(SECRET, "a1b2c3d4e5f60718"), attempt_secret(SECRET, "0f1e2d3c4b5a6978")
+    assert len(first) == 32 and first != second and attempt_secret(SECRET, "a1b2c3d4e5f60718") == first
+    frames = Codec(first, "generator:0").encode("samples", {"step": 0}, arrays(), to="scorer:0")
+    assert Codec(first, "scorer:0", accepts={"scorer:0"}).decode(frames).kind == "samples"
+    with pytest.raises(FrameError, match="bad-mac"):
+        Codec(second, "scorer:0", accepts={"scorer:0"}).decode(frames)
+
+
 @pytest.mark.parametrize("index", [0, 1, 2, 3, 4])  # (the nonce, header, small arrays, large array, tag)
 def test_altered_frame_is_rejected(index):
     frames = [bytes(f) for f in Codec(SECRET, "g").encode(

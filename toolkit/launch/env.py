@@ -12,6 +12,8 @@ from toolkit.errors import ConfigError
 RUN_DIR = "SLURM_RLHF_RUN_DIR"
 CONTROL = "SLURM_RLHF_CONTROL"          # tcp://host:port of the coordinator
 SECRET_FILE = "SLURM_RLHF_SECRET_FILE"  # file (mode 600) with the per-run secret
+ATTEMPT = "SLURM_RLHF_ATTEMPT"          # random, new each time a driver starts the workers: with the secret,
+                                        # the attempt's key (transport/wire.py attempt_secret)
 GROUP = "SLURM_RLHF_GROUP"              # worker group (node group) name
 RANK = "SLURM_RLHF_RANK"                # rank in the group (default: SLURM_PROCID)
 BIND_HOST = "SLURM_RLHF_BIND_HOST"      # transport.bind_host as given (address, interface or network),
@@ -26,6 +28,7 @@ class WorkerEnv:
     run_dir: str
     control: str
     secret_file: str
+    attempt: str
     group: str
     rank: int
     bind_host: str
@@ -37,14 +40,14 @@ class WorkerEnv:
 
     @classmethod
     def from_environ(cls, environ=os.environ) -> "WorkerEnv":
-        missing = [k for k in (RUN_DIR, CONTROL, SECRET_FILE, GROUP) if k not in environ]
+        missing = [k for k in (RUN_DIR, CONTROL, SECRET_FILE, ATTEMPT, GROUP) if k not in environ]
         if missing:
             raise RuntimeError(f"not started by a slurm-rlhf launcher: {', '.join(missing)} unset")
         rank = environ.get(RANK, environ.get("SLURM_PROCID"))
         if rank is None:
             raise RuntimeError(f"{RANK} and SLURM_PROCID are both unset")
         port = environ.get(INBOX_PORT)
-        return cls(environ[RUN_DIR], environ[CONTROL], environ[SECRET_FILE], environ[GROUP], int(rank),
+        return cls(environ[RUN_DIR], environ[CONTROL], environ[SECRET_FILE], environ[ATTEMPT], environ[GROUP], int(rank),
                    resolve_bind_host(environ.get(BIND_HOST)), int(port) if port else None)
 
 

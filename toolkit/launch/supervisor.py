@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -70,6 +71,7 @@ class Supervisor:
         self.restarting: dict[str, float] = {}  # workers started again and not ready yet -> since when
         self.trainer_restarts = 0  # times the run was started again after its trainer was lost (run_attempts)
         self.requeue: Callable[[], None] | None = None  # on Slurm: put the job back in the queue (batch.py)
+        self.attempt: str | None = None  # this start of the workers (its key: transport/wire.py attempt_secret)
 
     # ----- the run --------------------------------------------------------------------------------
 
@@ -79,9 +81,10 @@ class Supervisor:
         import zmq
 
         from toolkit.launch.coordinator import Coordinator
-        from toolkit.transport.wire import read_secret
+        from toolkit.transport.wire import attempt_secret, read_secret
 
-        secret = read_secret(self.run_dir.secret)
+        self.attempt = secrets.token_hex(8)
+        secret = attempt_secret(read_secret(self.run_dir.secret), self.attempt)
         self.ctx = zmq.Context()
         self.coordinator = Coordinator(self.ctx, secret, self.bind_host, self.cfg.transport.max_message_mb)
         # Our own handlers: a run started in the background of a script inherits SIGINT ignored, and
@@ -136,7 +139,7 @@ class Supervisor:
         t = self.cfg.transport
         hold("start-up", self.run_dir.path)
         self.launcher.start(self.groups, {E.RUN_DIR: str(self.run_dir.path), E.CONTROL: self.coordinator.address,
-                                          E.SECRET_FILE: str(self.run_dir.secret),
+                                          E.SECRET_FILE: str(self.run_dir.secret), E.ATTEMPT: self.attempt,
                                           E.ALLOCATOR: self.cfg.run.allocator})
         self.echo(f"started {len(self.worker_ids)} workers ({', '.join(f'{g.name} x{g.workers}' for g in self.groups)})"
                   f"; logs in {self.run_dir.logs}")
@@ -532,7 +535,7 @@ class Supervisor:
                 w["phase"], w["step"] = "ended", self.step
         status = {"state": self.state, "stage": self.cfg.stage, "step": self.step, "running_step": self.running_step,
                   "steps": self.steps, **({"train_rows": self.train_rows} if self.train_rows is not None else {}),
-                  "launcher": self.launcher.name, "error": self.error,
+                  "launcher": self.launcher.name, "error": self.error, "attempt": self.attempt,
                   "driver": {"pid": os.getpid(), "node": node_name(), "started": _started()}, "workers": workers,
                   "last_metrics": self.last_metrics, "worker_restarts": self.generation}
         self.run_dir.write_status(status)

@@ -85,6 +85,13 @@ def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
+def attempt_secret(secret: bytes, attempt: str) -> bytes:
+    """The key of one attempt of a run (one start of its workers by a driver; a worker started again alone
+    keeps it): frames of an earlier attempt (a requeue, a resume, a restart of every worker), captured on
+    the network, do not authenticate in a later one, whose receivers know none of their sequence numbers."""
+    return hmac.new(secret, b"slurm-rlhf attempt " + attempt.encode(), "sha256").digest()
+
+
 def read_secret(path: str | os.PathLike) -> bytes:
     """Read the run secret from a file that only its owner may read."""
     mode = os.stat(path).st_mode
