@@ -42,8 +42,8 @@ class RunDir:
             raise ConfigError(f"{self.path} already holds a run (config.yaml); choose another --run-dir "
                               "or remove that directory")
         check_new(self.path, f"--run-dir {self.path}", "run")
-        self.logs.mkdir(parents=True, exist_ok=True)
         self.private()
+        self.logs.mkdir(exist_ok=True)
         self.write_atomic(self.config, dump_config(cfg))
         fd = os.open(self.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -52,8 +52,10 @@ class RunDir:
 
     def private(self) -> None:
         """What this process (and the processes it starts: workers, sbatch and so Slurm's output files) writes
-        from now on is readable by this user alone, and so is the directory, whatever the user's umask."""
+        from now on is readable by this user alone, and so is the directory (made if missing), whatever the
+        user's umask."""
         os.umask(0o077)
+        self.path.mkdir(parents=True, exist_ok=True)
         if self.path.stat().st_uid == os.getuid():  # (another user's directory keeps its mode, as it must)
             self.path.chmod(0o700)
 
