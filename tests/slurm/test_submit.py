@@ -155,7 +155,7 @@ def test_wait_stops_following_a_job_that_will_not_start_by_itself(tiny, tmp_path
     try:
         assert result.returncode == 1, result.stdout + result.stderr
         assert f"error: slurm job {job_id} stays pending: JobHeldUser (held by its user)" in result.stderr
-        assert "PENDING" in squeue(job_id)  # (left in the queue, as said)
+        assert " PD " in squeue(job_id)  # (left in the queue, pending, as said)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
     assert_nothing_left(run_dir, job_id)

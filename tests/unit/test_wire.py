@@ -245,8 +245,11 @@ def test_an_outbox_that_never_connects_leaves_no_open_socket(interrupt, monkeypa
 
 def test_the_coordinator_takes_a_workers_identity_from_the_authenticated_sender():
     """ZeroMQ's routing identity is whatever the peer says; the MAC covers the sender. A message whose
-    connection claims one worker and whose sender is another is dropped and counted."""
+    connection claims one worker and whose sender is another is dropped and counted. A peer without the
+    secret that connects under a worker's identity gets none of its commands (with ZeroMQ's handover, the
+    coordinator's replies went to the newest connection of a name)."""
     from toolkit.launch.coordinator import Coordinator
+    from toolkit.transport.control import ControlClient
 
     ctx = zmq.Context()
     coordinator = Coordinator(ctx, SECRET, "127.0.0.1")
@@ -254,13 +257,27 @@ def test_the_coordinator_takes_a_workers_identity_from_the_authenticated_sender(
     dealer.setsockopt(zmq.IDENTITY, b"trainer:0")
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(coordinator.address)
+    trainer = ControlClient(ctx, Codec(SECRET, "trainer:0", accepts={"trainer:0"}), coordinator.address)
+    thief = ctx.socket(zmq.DEALER)
     try:
         dealer.send_multipart(Codec(SECRET, "generator:0").encode("failed", {"error": "framed"}, to="coordinator"))
         dealer.send_multipart(Codec(SECRET, "trainer:0").encode("ready", {}, to="coordinator"))
+        assert coordinator.recv(2) is None and coordinator.rejected == {"identity": 2}
+        trainer.send("ready")
         got = coordinator.recv(10)
         assert got is not None and got[0] == "trainer:0" and got[1].kind == "ready"
-        assert coordinator.rejected == {"identity": 1}
+        thief.setsockopt(zmq.IDENTITY, trainer.codec.sender.encode())
+        thief.setsockopt(zmq.LINGER, 0)
+        thief.connect(coordinator.address)
+        thief.send_multipart(Codec(new_secret(), "trainer:0").encode("hello", {}, to="coordinator"))
+        coordinator.recv(1)
+        coordinator.send("trainer:0", "shutdown")
+        command = trainer.recv(10)
+        assert command is not None and command.kind == "shutdown"
+        assert not thief.poll(1000)
     finally:
-        dealer.close(linger=0)
+        for s in (dealer, thief):
+            s.close(linger=0)
+        trainer.socket.close(linger=0)
         coordinator.close()
         ctx.term()

@@ -1,8 +1,14 @@
 """Coordinator: the driver's ZeroMQ ROUTER socket for control (registration, heartbeats, events, commands).
 
-Every worker connects twice: `<worker>` for commands and events, `<worker>/hb` for heartbeats (answered
-with `pong`). The coordinator remembers when each worker was last heard from and the status its last
-heartbeat carried; `recv` hands the driver every message except heartbeats.
+Every worker connects twice: for commands and events, and for heartbeats (answered with `pong`). Each
+connection's routing identity is its codec's sender name, unique to the process (`trainer:0#3fa1c2d4`,
+`trainer:0/hb#77e0b1a9`), and must equal the authenticated sender of what comes over it. Commands go to
+the connection a worker last sent an authenticated message over; an identity already connected is not
+handed over to a new connection. So a peer without the run's secret that connects under a worker's name
+gets nothing meant for it (before, with ZeroMQ's handover, the commands and pongs went to the newest
+connection of that name, and the worker, hearing no pong, ended itself). A worker started again is a new
+process, with a new name. The coordinator remembers when each worker was last heard from and the status
+its last heartbeat carried; `recv` hands the driver every message except heartbeats.
 """
 
 from __future__ import annotations
@@ -25,12 +31,11 @@ class Coordinator:
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_mb * 2**20))
-        # A worker started again connects with the identity of the one it replaces: the new connection wins.
-        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.last_seen: dict[str, float] = {}
         self.status: dict[str, dict] = {}
+        self.routes: dict[str, bytes] = {}  # worker -> the identity of its command connection
         self.rejected: collections.Counter = collections.Counter()
 
     def recv(self, timeout_s: float) -> tuple[str, Message] | None:
@@ -45,21 +50,26 @@ class Coordinator:
             if msg is None:
                 continue
             name = identity.decode(errors="replace")
-            if msg.sender.split("#")[0] != name:  # (the routing identity is not authenticated; the sender is)
+            if msg.sender != name:  # (the routing identity is not authenticated; the sender is)
                 self.rejected["identity"] += 1
                 log.warning("dropped a frame: connection %r sent as %r; %d dropped so far", name, msg.sender,
                             sum(self.rejected.values()))
                 continue
-            worker_id = name.removesuffix("/hb")
+            peer = msg.sender.split("#")[0]  # (`trainer:0`, or `trainer:0/hb`)
+            worker_id = peer.removesuffix("/hb")
             self.last_seen[worker_id] = time.monotonic()
             if msg.kind == "heartbeat":
                 self.status[worker_id] = msg.meta.get("status", {})
-                self.socket.send_multipart([identity, *self.codec.encode("pong", to=name)])
+                self.socket.send_multipart([identity, *self.codec.encode("pong", to=peer)])
                 continue
+            self.routes[worker_id] = identity
             return worker_id, msg
 
     def send(self, worker_id: str, kind: str, **meta) -> None:
-        self.socket.send_multipart([worker_id.encode(), *self.codec.encode(kind, meta, to=worker_id)])
+        """Send to the worker's command connection; nothing if it has sent nothing yet (ZeroMQ drops it too)."""
+        identity = self.routes.get(worker_id)
+        if identity is not None:
+            self.socket.send_multipart([identity, *self.codec.encode(kind, meta, to=worker_id)])
 
     def silent(self, worker_ids, timeout_s: float) -> list[tuple[str, float]]:
         """Workers among `worker_ids` (that have registered) not heard from for more than `timeout_s`."""
@@ -71,6 +81,7 @@ class Coordinator:
         """A worker replaced by a new process: what its heartbeats said no longer holds."""
         self.last_seen.pop(worker_id, None)
         self.status.pop(worker_id, None)
+        self.routes.pop(worker_id, None)
 
     def close(self) -> None:
         self.socket.close(linger=0)

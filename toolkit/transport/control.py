@@ -1,7 +1,8 @@
 """Control plane, worker side: a DEALER for commands and events, and a heartbeat thread.
 
-Both connect to the coordinator's ROUTER socket. The heartbeat thread has its own socket (ZeroMQ
-sockets are not thread-safe) and identity `<worker>/hb`; the coordinator answers each heartbeat with a
+Both connect to the coordinator's ROUTER socket, each under its codec's sender name (unique to the
+process) as routing identity. The heartbeat thread has its own socket (ZeroMQ sockets are not
+thread-safe) and codec, named `<worker>/hb`; the coordinator answers each heartbeat with a
 `pong`. A worker that hears no pong for `timeout_s` assumes the driver is gone and ends itself and its
 children, so no worker outlives its run.
 """
@@ -25,11 +26,11 @@ log = logging.getLogger(__name__)
 class ControlClient:
     """Commands from and events to the coordinator, for the worker's main thread."""
 
-    def __init__(self, ctx: zmq.Context, codec: Codec, address: str, worker_id: str, max_message_mb: float = 64):
+    def __init__(self, ctx: zmq.Context, codec: Codec, address: str, max_message_mb: float = 64):
         self.codec = codec
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_mb * 2**20))
-        self.socket.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.socket.setsockopt(zmq.IDENTITY, codec.sender.encode())  # (unique to this process: coordinator.py)
         self.socket.setsockopt(zmq.LINGER, 2000)  # let a last `failed` event out before exit
         self.socket.connect(address)
         self.rejected = collections.Counter()
@@ -67,7 +68,7 @@ class Heartbeat(threading.Thread):
 
     def run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self._worker_id}/hb".encode())
+        sock.setsockopt(zmq.IDENTITY, self._codec.sender.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self._address)
         last_pong = time.monotonic()
