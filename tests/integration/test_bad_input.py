@@ -60,7 +60,8 @@ HF = {"rollout": {"backend": "hf"}}  # (where the scorer fails: the transformers
 CASES = [
     ("a field of the wrong type", "run", {"rollout": {"prompts_per_step": "many"}}, None, 2,
      ["rollout.prompts_per_step", "many"]),
-    ("a value out of range", "run", {"trainer": {"lr": -1}}, None, 2, ["trainer.lr: got -1: input should be greater than 0"]),
+    ("a value out of range", "run", {"trainer": {"lr": -1}}, None, 2,
+     ["trainer.lr: got -1: input should be greater than 0"]),
     ("an unknown field", "run", {"trainer": {"lrr": 1e-3}}, None, 2,
      ["trainer.lrr: unknown key 'lrr'; allowed here: zero_stage, lr"]),
     ("a missing model directory", "run", {"model": {"actor": "/no/such/model"}}, None, 2,

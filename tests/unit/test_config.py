@@ -280,7 +280,8 @@ def test_a_check_across_fields_is_labelled_by_the_field_given(tiny, tmp_path):
     from toolkit.config.pipeline import load_pipeline
 
     path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
-    assert "\n  --set trainer.micro_batch_size=5: a step has 64 samples" in error_of(path, ["trainer.micro_batch_size=5"])
+    msg = error_of(path, ["trainer.micro_batch_size=5"])
+    assert "\n  --set trainer.micro_batch_size=5: a step has 64 samples" in msg
     data = example("tiny-grpo.yaml", tiny)
     data["rollout"]["group_size"] = 1
     path = write_config(tmp_path, data)
@@ -391,7 +392,8 @@ def test_lora_targets_that_name_no_layer_are_refused(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
     sharded = tmp_path / "sharded"
-    AutoModelForCausalLM.from_pretrained(tiny / "model", dtype=torch.float32).save_pretrained(sharded, max_shard_size="200KB")
+    model = AutoModelForCausalLM.from_pretrained(tiny / "model", dtype=torch.float32)
+    model.save_pretrained(sharded, max_shard_size="200KB")
     assert (sharded / "model.safetensors.index.json").is_file()
     for actor in (tiny / "model", sharded):
         data = example("tiny-grpo.yaml", tiny, trainer={"lora": {"target_modules": ["q_proj", "v_prj"]}})

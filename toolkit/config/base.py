@@ -4,8 +4,8 @@ settings, transport, checkpoints and Slurm. Relative paths resolve against the c
 from __future__ import annotations
 
 import importlib
-import ipaddress
 import importlib.util
+import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal

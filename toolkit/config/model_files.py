@@ -183,8 +183,9 @@ def weight_shapes(path: str | Path) -> dict[str, list[int]] | None:
     return shapes or None
 
 
-def lora_target_problem(path: str | Path, targets: list[str], field: str) -> str | None:
-    """Why LoRA `targets` (peft's target_modules: a layer's name or the end of it) would not all get adapters
+def lora_target_problem(path: str | Path, targets: list[str] | str, field: str) -> str | None:
+    """Why LoRA `targets` (peft's target_modules: a layer's name or the end of it; or `all-linear`, which
+    needs no check) would not all get adapters
     in the model at `path`: peft refuses only targets of which none matches, and skips the others silently."""
     shapes = None if targets == "all-linear" else weight_shapes(path)
     if shapes is None:

@@ -47,8 +47,8 @@ class WorkerEnv:
         if rank is None:
             raise RuntimeError(f"{RANK} and SLURM_PROCID are both unset")
         port = environ.get(INBOX_PORT)
-        return cls(environ[RUN_DIR], environ[CONTROL], environ[SECRET_FILE], environ[ATTEMPT], environ[GROUP], int(rank),
-                   resolve_bind_host(environ.get(BIND_HOST)), int(port) if port else None)
+        return cls(environ[RUN_DIR], environ[CONTROL], environ[SECRET_FILE], environ[ATTEMPT], environ[GROUP],
+                   int(rank), resolve_bind_host(environ.get(BIND_HOST)), int(port) if port else None)
 
 
 def resolve_bind_host(spec: str | None) -> str:

@@ -9,7 +9,7 @@ import torch
 from toolkit.roles.engines import Completion
 
 EXTENSION = "toolkit.weights.vllm_extension.WeightSyncExtension"
-RPC_MARGIN_S = 30.0  # beyond the timeout of the collectives inside a call into the engine's ranks (theirs names the peer)
+RPC_MARGIN_S = 30.0  # beyond the timeout of the collectives in a call into the engine's ranks (theirs names the peer)
 
 
 def cpu_binding(ranks: int, cpus: list[int], group: str = "generator") -> str:
