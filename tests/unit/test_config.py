@@ -386,10 +386,11 @@ def test_ptx_data_is_one_corpus_named_as_ptx_data(tiny, tmp_path, ptx_data, expe
 
 def test_lora_targets_that_name_no_layer_are_refused(tiny, tmp_path):
     """peft refuses a target list of which no name matches, but skips a typo beside a good name silently:
-    the adapters went on fewer layers than asked. The names are read from the safetensors headers (one file,
-    or each shard of an index), in RL and SFT configs."""
+    the adapters went on fewer layers than asked. The names are looked up in the safetensors headers (one
+    file, or a sharded checkpoint's index), then in the model as transformers builds it, in RL and SFT
+    configs."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     sharded = tmp_path / "sharded"
     model = AutoModelForCausalLM.from_pretrained(tiny / "model", dtype=torch.float32)
@@ -407,6 +408,18 @@ def test_lora_targets_that_name_no_layer_are_refused(tiny, tmp_path):
     sft = {"stage": "sft", "run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
            "model": {"base": str(tiny / "model")}, "train": {"lora": {"target_modules": ["qproj"]}}}
     assert "train.lora.target_modules: qproj is not a layer" in error_of(write_config(tmp_path, sft, "sft.yaml"))
+    # a tied output head is not in the checkpoint, but peft puts an adapter on it: the model as built has it
+    tied = tmp_path / "tied"
+    config = AutoConfig.from_pretrained(tiny / "model")
+    config.tie_word_embeddings = True
+    AutoModelForCausalLM.from_config(config).save_pretrained(tied)
+    from safetensors import safe_open
+
+    with safe_open(tied / "model.safetensors", "pt") as f:
+        assert not any(k.startswith("lm_head") for k in f.keys())
+    data = example("tiny-grpo.yaml", tiny, trainer={"lora": {"target_modules": ["q_proj", "lm_head"]}})
+    data["model"].update(actor=str(tied), tokenizer=str(tiny / "model"))
+    assert load_config(write_config(tmp_path, data)).trainer.lora.target_modules == ["q_proj", "lm_head"]
 
 
 def test_lora_moves_the_reference_into_the_trainer(tiny, tmp_path):

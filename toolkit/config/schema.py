@@ -16,9 +16,9 @@ from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSec
                                  fp16_problem, load_function, model_files, packing_problem, pending_export,
                                  split_function)
 from toolkit.config.data import DataSection
+from toolkit.config.lora_targets import lora_target_problem
 from toolkit.config.model_files import (attention_heads, context_problem, head_problem, kv_cache_problem,
-                                        lora_target_problem, main_tokenizer_problem, model_config, tokenizer_problem,
-                                        vllm_cpu_problem)
+                                        main_tokenizer_problem, model_config, tokenizer_problem, vllm_cpu_problem)
 from toolkit.placement.layout import PRESETS, generation_with_actor
 
 SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
@@ -489,13 +489,11 @@ class RunConfig(Section):
             raise ValueError(f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) is less than the generator "
                              f"workers ({generators.workers}); every generator needs a prompt each step")
         tp = self.rollout.vllm.tensor_parallel_size
-        if tp > 1 and self.generation_backend != "vllm":
-            if self.rollout.backend == "hf":
-                why = "rollout.backend is 'hf'"
-            elif self.placement.generation_with_actor():
-                why = f"placement.strategy {self.placement.strategy} generates with the trainer's own actor"
-            else:
-                why = "vLLM is not installed"
+        # (not where vLLM is only missing here: the job may run under another Python, slurm.python)
+        if tp > 1 and (self.rollout.backend == "hf" or self.placement.generation_with_actor()
+                       and self.rollout.backend != "vllm"):
+            why = ("rollout.backend is 'hf'" if self.rollout.backend == "hf" else
+                   f"placement.strategy {self.placement.strategy} generates with the trainer's own actor")
             raise ValueError(f"rollout.vllm.tensor_parallel_size is {tp}, but generation does not use vLLM ({why}); "
                              "remove it, or use rollout.backend: vllm with a placement that gives generation its "
                              "own node group")

@@ -13,7 +13,8 @@ from toolkit.config.base import (Attention, CheckpointSection, EngineSection, Gr
                                  RunName, Section, SlurmSection, TransportSection, WandbSection, fp16_problem,
                                  model_files, packing_problem, pending_export)
 from toolkit.config.data import DataSection
-from toolkit.config.model_files import context_problem, head_problem, lora_target_problem, main_tokenizer_problem
+from toolkit.config.lora_targets import lora_target_problem
+from toolkit.config.model_files import context_problem, head_problem, main_tokenizer_problem
 
 
 class StageRunSection(Section):
