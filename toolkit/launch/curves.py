@@ -131,7 +131,10 @@ class Curves:
         self.wandb_run = wandb.init(project=w.project, entity=w.entity, mode=w.mode, tags=w.tags or None,
                                     name=self.cfg.run.name, id=id_file.read_text().strip(), resume="allow",
                                     dir=str(self.run_dir), config=yaml.safe_load(dump_config(self.cfg)),
-                                    settings=wandb.Settings(console="off", x_disable_stats=True, disable_git=True))
+                                    # (W&B's own waits for its upload, at finish() and in its exit hook, end
+                                    # too; finish() then raises, and last-step stays where it was)
+                                    settings=wandb.Settings(console="off", x_disable_stats=True, disable_git=True,
+                                                            finish_timeout=WANDB_FINISH_S, finish_timeout_raises=True))
 
     def _to_wandb(self, step: int, values: dict) -> None:
         if self.wandb_run is None:
@@ -162,7 +165,8 @@ class Curves:
 def _finished(run, timeout_s: float) -> bool:
     """Whether the W&B `run` finished within `timeout_s`; else, or if it failed, the next attempt sends the
     steps after RUN_DIR/wandb/last-step again, and the driver goes on (to its exit, or to its requeue before
-    the job's time is up)."""
+    the job's time is up). W&B bounds its upload itself (`finish_timeout`); the thread bounds the call where
+    W&B's service does not answer at all."""
     failed = []
 
     def finish():
