@@ -108,7 +108,7 @@ def test_a_reward_is_a_finite_number_and_nothing_else():
     for given, expected in [(0.5, 0.5), (2, 2.0), (True, 1.0), (np.float32(0.25), 0.25), (torch.tensor(0.75), 0.75)]:
         out = RewardRole._call_function(("f", lambda **kw: given, {}, "m:f"), b)
         assert out.tolist() == [expected, expected], given
-    for given in ("0.5", None, [1.0], float("inf"), torch.ones(2)):
+    for given in ("0.5", None, [1.0], float("inf"), 10**400, torch.ones(2)):
         with pytest.raises(RewardFunctionError, match=re.escape(f"reward function 'f' (m:f) returned {given!r} for "
                                                                 "prompt id 10; rewards must be finite numbers")):
             RewardRole._call_function(("f", lambda **kw: given, {}, "m:f"), b)

@@ -276,8 +276,8 @@ def _number(value) -> float | None:
         return None
     try:
         return float(value)
-    except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of more than one element)
-        return None
+    except Exception:  # (TypeError, ValueError; OverflowError: an int past float's range; RuntimeError: a
+        return None    # tensor of more than one element)
 
 
 @dataclass
