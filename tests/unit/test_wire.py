@@ -263,9 +263,9 @@ def test_the_coordinator_takes_a_workers_identity_from_the_authenticated_sender(
         dealer.send_multipart(Codec(SECRET, "generator:0").encode("failed", {"error": "framed"}, to="coordinator"))
         dealer.send_multipart(Codec(SECRET, "trainer:0").encode("ready", {}, to="coordinator"))
         assert coordinator.recv(2) is None and coordinator.rejected == {"identity": 2}
-        trainer.send("ready")
+        trainer.send("register")
         got = coordinator.recv(10)
-        assert got is not None and got[0] == "trainer:0" and got[1].kind == "ready"
+        assert got is not None and got[0] == "trainer:0" and got[1].kind == "register"
         thief.setsockopt(zmq.IDENTITY, trainer.codec.sender.encode())
         thief.setsockopt(zmq.LINGER, 0)
         thief.connect(coordinator.address)

@@ -3,7 +3,7 @@
 Every worker connects twice: for commands and events, and for heartbeats (answered with `pong`). Each
 connection's routing identity is its codec's sender name, unique to the process (`trainer:0#3fa1c2d4`,
 `trainer:0/hb#77e0b1a9`), and must equal the authenticated sender of what comes over it. Commands go to
-the connection a worker last sent an authenticated message over; an identity already connected is not
+the connection a worker registered over (a worker started again registers anew); an identity already connected is not
 handed over to a new connection. So a peer without the run's secret that connects under a worker's name
 gets nothing meant for it (before, with ZeroMQ's handover, the commands and pongs went to the newest
 connection of that name, and the worker, hearing no pong, ended itself). A worker started again is a new
@@ -62,7 +62,8 @@ class Coordinator:
                 self.status[worker_id] = msg.meta.get("status", {})
                 self.socket.send_multipart([identity, *self.codec.encode("pong", to=peer)])
                 continue
-            self.routes[worker_id] = identity
+            if msg.kind == "register":  # (not any message: one a killed process left queued comes after)
+                self.routes[worker_id] = identity
             return worker_id, msg
 
     def send(self, worker_id: str, kind: str, **meta) -> None:
