@@ -55,14 +55,15 @@ def _own_path(given: str, name: str, pid: int) -> str:
 
 
 def _own_or_absent(path: str) -> bool:
-    """Whether `path` is not there, or is a real directory of this user that no one else may write to."""
+    """Whether `path` is not there, or is a real directory of this user that not everyone may write to (a
+    group-writable one is the norm where each user has a group of their own, umask 002)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return True
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o002
 
 
 def _user() -> str:
