@@ -490,8 +490,8 @@ class RunConfig(Section):
                              f"workers ({generators.workers}); every generator needs a prompt each step")
         tp = self.rollout.vllm.tensor_parallel_size
         # (not where vLLM is only missing here: the job may run under another Python, slurm.python)
-        if tp > 1 and (self.rollout.backend == "hf" or self.placement.generation_with_actor()
-                       and self.rollout.backend != "vllm"):
+        if tp > 1 and (self.rollout.backend == "hf"
+                       or (self.placement.generation_with_actor() and self.rollout.backend != "vllm")):
             why = ("rollout.backend is 'hf'" if self.rollout.backend == "hf" else
                    f"placement.strategy {self.placement.strategy} generates with the trainer's own actor")
             raise ValueError(f"rollout.vllm.tensor_parallel_size is {tp}, but generation does not use vLLM ({why}); "

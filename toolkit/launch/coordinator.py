@@ -3,11 +3,11 @@
 Every worker connects twice: for commands and events, and for heartbeats (answered with `pong`). Each
 connection's routing identity is its codec's sender name, unique to the process (`trainer:0#3fa1c2d4`,
 `trainer:0/hb#77e0b1a9`), and must equal the authenticated sender of what comes over it. Commands go to
-the connection a worker registered over (a worker started again registers anew); an identity already connected is not
-handed over to a new connection. So a peer without the run's secret that connects under a worker's name
-gets nothing meant for it (before, with ZeroMQ's handover, the commands and pongs went to the newest
-connection of that name, and the worker, hearing no pong, ended itself). A worker started again is a new
-process, with a new name. The coordinator remembers when each worker was last heard from and the status
+the connection a worker registered over (a worker started again is a new process: a new name, registered
+anew); an identity already connected is not handed over to a new connection. So a peer without the run's
+secret that connects under a worker's name gets nothing meant for it (before, with ZeroMQ's handover, the
+commands and pongs went to the newest connection of that name, and the worker, hearing no pong, ended
+itself). The coordinator remembers when each worker was last heard from and the status
 its last heartbeat carried; `recv` hands the driver every message except heartbeats.
 """
 
@@ -67,7 +67,7 @@ class Coordinator:
             return worker_id, msg
 
     def send(self, worker_id: str, kind: str, **meta) -> None:
-        """Send to the worker's command connection; nothing if it has sent nothing yet (ZeroMQ drops it too)."""
+        """Send to the worker's command connection; nothing if it has not registered (ZeroMQ dropped it too)."""
         identity = self.routes.get(worker_id)
         if identity is not None:
             self.socket.send_multipart([identity, *self.codec.encode(kind, meta, to=worker_id)])

@@ -24,13 +24,16 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
          "DEADLINE"}
 # Reasons a pending job gives when it will not start until someone acts (squeue's %r; Slurm's job_reason
 # list): `--wait` stops following it and says so, rather than wait forever.
-STUCK = {"JobHeldUser": "held by its user", "JobHeldAdmin": "held by an administrator",
+STUCK = {"JobHeldUser": "held by its user",
+         "JobHeldAdmin": "held by an administrator",
          "DependencyNeverSatisfied": "a job it depends on failed",
          "BadConstraints": "no node of its partition has what it asks for",
-         "PartitionTimeLimit": "its time limit is over its partition's", "PartitionNodeLimit":
-         "it asks for more nodes than its partition allows", "InvalidAccount": "its account is not valid",
-         "InvalidQOS": "its QOS is not valid", "AssocMaxWallDurationPerJobLimit": "its time limit is over its "
-         "account's", "QOSMaxWallDurationPerJobLimit": "its time limit is over its QOS's"}
+         "PartitionTimeLimit": "its time limit is over its partition's",
+         "PartitionNodeLimit": "it asks for more nodes than its partition allows",
+         "InvalidAccount": "its account is not valid",
+         "InvalidQOS": "its QOS is not valid",
+         "AssocMaxWallDurationPerJobLimit": "its time limit is over its account's",
+         "QOSMaxWallDurationPerJobLimit": "its time limit is over its QOS's"}
 
 
 def ended(state: str) -> bool:
