@@ -206,8 +206,11 @@ class Worker:
         return None
 
     def rejected_by_reason(self) -> dict[str, int]:
-        """Frames this worker dropped, by reason (bad-mac, malformed, replay)."""
-        return dict(self.control.rejected + (self.inbox.rejected if self.inbox else collections.Counter()))
+        """Frames this worker dropped, by reason (bad-mac, malformed, replay), and the connections its
+        inbox refused (unauthenticated: transport/gate.py)."""
+        if self.inbox is None:
+            return dict(self.control.rejected)
+        return dict(self.control.rejected + self.inbox.rejected + self.inbox.gate.refused)
 
     def rejected_frames(self) -> int:
         return sum(self.rejected_by_reason().values())

@@ -1,8 +1,11 @@
 """Hostile frames against the live sockets of a running run: every frame is dropped and counted, no
 worker crashes or grows, and the run computes exactly what it computes unattacked.
 
-The attacker knows the inbox addresses (status.json) but not the run's secret. It sends, round-robin
-to every inbox while the run goes on: frames under another secret (wrong MAC), frames whose header
+The attacker knows the inbox addresses (status.json) but not the run's secret. As a stranger, it
+connects with an earlier attempt's connection password and sends messages of 48 frames of 1 MB, each
+frame under the size limit: the inboxes' gates refuse the connections, so nothing of them is held. As one
+who read a handshake of this attempt on the network (PLAIN sends the password in the clear), it connects
+with the password and sends, round-robin to every inbox while the run goes on: frames under another secret (wrong MAC), frames whose header
 claims arrays of terabytes (with a wrong MAC: never parsed), truncated messages, random bytes, and
 messages above `transport.max_message_mb` (ZeroMQ disconnects the sender before buffering them). As one
 who captured valid frames on the network, it also sends frames under the run's own secret addressed to
@@ -14,6 +17,7 @@ are tested at the codec (tests/unit/test_wire.py).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -25,9 +29,11 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from tests.conftest import REPO, alive, two_generator_grpo
-from toolkit.transport.wire import MAGIC, NONCE_BYTES, Codec, attempt_secret, new_secret
+from toolkit.transport.gate import enter
+from toolkit.transport.wire import MAGIC, NONCE_BYTES, Codec, attempt_secret, connection_password, new_secret
 
 pytestmark = pytest.mark.integration
 
@@ -58,7 +64,9 @@ def hostile(kind: str, rng: np.random.Generator, run: "Keys", target: str, elsew
     raise ValueError(kind)
 
 
-KINDS = ["wrong MAC", "lying header", "truncated", "random bytes", "oversized", "misdirected", "earlier attempt"]
+KINDS = ["wrong MAC", "lying header", "truncated", "random bytes", "oversized", "misdirected", "earlier attempt",
+         "stranger"]
+MEGABYTE = bytes(2**20)
 
 
 class Keys:
@@ -72,6 +80,7 @@ class Attacker(threading.Thread):
     def __init__(self, inboxes: dict[str, str], keys: Keys):
         super().__init__(daemon=True)
         self.inboxes, self.keys, self.sent, self.stop = inboxes, keys, {k: 0 for k in KINDS}, threading.Event()
+        self.handshakes: collections.Counter = collections.Counter()  # of the strangers' connections
 
     def run(self) -> None:
         ctx, rng = zmq.Context(), np.random.default_rng(0)
@@ -81,13 +90,18 @@ class Attacker(threading.Thread):
             s = ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.SNDHWM, 4)
             s.setsockopt(zmq.LINGER, 0)
+            enter(s, connection_password(self.keys.attempt))
             s.connect(address)
             sockets.append(s)
         i = 0
         while not self.stop.is_set():
             kind = KINDS[i % len(KINDS)]
             try:
-                target = i % len(sockets)
+                target = (i + i // len(KINDS)) % len(sockets)  # (every kind reaches every inbox)
+                if kind == "stranger":  # (a connection of its own, each time: a refused one is not retried)
+                    self.sent[kind] += self.stranger(ctx, list(self.inboxes.values())[target])
+                    i += 1
+                    continue
                 sockets[target].send_multipart(hostile(kind, rng, self.keys, targets[target], others[target]),
                                                zmq.NOBLOCK)
                 self.sent[kind] += 1
@@ -95,7 +109,30 @@ class Attacker(threading.Thread):
                 pass
             i += 1
             time.sleep(0.002)
-        ctx.destroy(linger=0)
+        for s in sockets:
+            s.close(linger=0)
+        ctx.term()
+
+    def stranger(self, ctx: zmq.Context, address: str) -> int:
+        """Connect with an earlier attempt's password, send a message of 48 frames of 1 MB, and note how
+        the handshake ended (each stranger must be refused). 0 if it did not end in 10 s (the run ended)."""
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        enter(s, connection_password(self.keys.earlier))
+        monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        s.connect(address)
+        try:
+            s.send_multipart([MEGABYTE] * 48, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass
+        ended = monitor.poll(10_000)
+        if ended:
+            event = recv_monitor_message(monitor)["event"]
+            self.handshakes["refused" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "let in"] += 1
+        s.disable_monitor()
+        monitor.close(linger=0)
+        s.close(linger=0)
+        return int(bool(ended))
 
 
 def test_hostile_frames_are_dropped_counted_and_change_nothing(tiny, two_generator_run, tmp_path):
@@ -148,11 +185,15 @@ def test_hostile_frames_are_dropped_counted_and_change_nothing(tiny, two_generat
     for w in status["workers"].values():
         for reason, n in w.get("rejected_frames", {}).items():
             rejected[reason] = rejected.get(reason, 0) + n
-    counted = sum(n for kind, n in sent.items() if kind != "oversized")
-    assert set(rejected) <= {"bad-mac", "malformed", "misdirected"}, rejected
-    assert sum(rejected.values()) >= counted // 2 and rejected.get("misdirected", 0) > 0, (rejected, sent)
+    counted = sum(n for kind, n in sent.items() if kind not in ("oversized", "stranger"))
+    assert set(rejected) <= {"bad-mac", "malformed", "misdirected", "unauthenticated"}, rejected
+    assert attacker.handshakes == {"refused": sent["stranger"]}, attacker.handshakes
+    assert rejected.get("unauthenticated", 0) > 0, (rejected, sent)
+    rejected_frames = sum(n for reason, n in rejected.items() if reason != "unauthenticated")
+    assert rejected_frames >= counted // 2 and rejected.get("misdirected", 0) > 0, (rejected, sent)
     log = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
     assert "dropped a frame (bad-mac" in log and "dropped a frame (malformed" in log
+    assert "refused a connection from 127.0.0.1 (PLAIN; not this run's key, or an earlier attempt's)" in log
     assert "dropped a frame (misdirected: a frame for 'generator:0' from generator:0#" in log
     assert max(peak_rss.values()) < 4 * 2**30, peak_rss  # (no worker buffered the claimed terabytes)
     print(f"hostile frames sent: {sent}; dropped and counted by the workers: {rejected}; "

@@ -162,23 +162,33 @@ def test_garbage_is_rejected():
 
 
 def test_forged_frames_from_another_process_are_dropped_and_counted():
-    """A real ZeroMQ inbox; a separate process sends a forged frame, garbage, then a valid message."""
+    """A real ZeroMQ inbox; a separate process connects without the run's key (refused at the handshake),
+    with ZeroMQ's default mechanism (dropped at its greeting), and, as an insider that holds the
+    connection password, sends a forged frame and garbage; then a valid message."""
     ctx = zmq.Context()
     inbox = Inbox(ctx, Codec(SECRET, "scorer:0"), "127.0.0.1", hwm=4)
     script = textwrap.dedent(f"""
         import numpy as np, zmq
+        from toolkit.transport.gate import enter
         from toolkit.transport.sockets import Outbox
         from toolkit.transport.wire import Codec
         ctx = zmq.Context()
-        bad = Outbox(ctx, Codec(b"x" * 32, "intruder"), [{inbox.address!r}], hwm=4)
-        bad.send("samples", {{"step": 0}}, {{"a": np.ones(3, np.float32)}})
-        raw = ctx.socket(zmq.PUSH); raw.connect({inbox.address!r}); raw.send_multipart([b"garbage", b"x", b"y"])
+        try:
+            Outbox(ctx, Codec(b"x" * 32, "intruder"), [{inbox.address!r}], hwm=4, connect_timeout_s=20)
+        except ConnectionRefusedError as e:
+            print("stranger:", e)
+        plain = ctx.socket(zmq.PUSH); plain.connect({inbox.address!r})
+        plain.send_multipart([b"no mechanism", b"x", b"y"])
+        insider = ctx.socket(zmq.PUSH); enter(insider, Codec({SECRET!r}, "x").password)
+        insider.connect({inbox.address!r})
+        insider.send_multipart(Codec(b"x" * 32, "intruder").encode("samples", {{"step": 0}}, {{"a": np.ones(3)}}))
+        insider.send_multipart([b"garbage", b"x", b"y"])
         good = Outbox(ctx, Codec({SECRET!r}, "generator:0"), [{inbox.address!r}], hwm=4)
         good.send("samples", {{"step": 7}}, {{"a": np.arange(4, dtype=np.int64)}})
         import time; time.sleep(0.5)
-        bad.close(); good.close(); raw.close(linger=0)
+        good.close(); plain.close(linger=0); insider.close(linger=0)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script])
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         # three senders on three connections: arrival order between them is not defined
         deadline = time.monotonic() + 30
@@ -190,10 +200,56 @@ def test_forged_frames_from_another_process_are_dropped_and_counted():
         assert len(received) == 1, "the valid message never came (or came twice)"
         assert received[0].meta == {"step": 7} and received[0].arrays["a"].tolist() == [0, 1, 2, 3]
         assert inbox.rejected == {"bad-mac": 1, "malformed": 1}
+        assert inbox.gate.refused == {"unauthenticated": 1}
     finally:
-        proc.wait(timeout=30)
+        out, _ = proc.communicate(timeout=30)
         inbox.close()
         ctx.term()
+    assert "stranger: the consumer at tcp://127.0.0.1:" in out and "refused this run's key" in out
+
+
+@pytest.mark.parametrize("password", ["the run's", "another"])
+def test_a_peer_without_the_key_cannot_make_an_inbox_hold_a_message_of_many_frames(password):
+    """ZeroMQ takes a message in whole before the receiver sees a frame, and MAXMSGSIZE bounds each frame:
+    a message of 48 frames of 1 MB passes a 2 MB limit. From a peer with the connection password, the
+    inbox's process holds it (what any peer could do before the gate); from one without, nothing comes in."""
+    import psutil
+
+    ctx = zmq.Context()
+    inbox = Inbox(ctx, Codec(SECRET, "scorer:0"), "127.0.0.1", hwm=4, max_message_mb=2)
+    key = Codec(SECRET if password == "the run's" else new_secret(), "x").password
+    script = textwrap.dedent(f"""
+        import time, zmq
+        from toolkit.transport.gate import enter
+        ctx = zmq.Context(); s = ctx.socket(zmq.PUSH); s.setsockopt(zmq.SNDTIMEO, 5000); enter(s, {key!r})
+        s.connect({inbox.address!r})
+        try:
+            s.send_multipart([bytes(2**20)] * 48)
+        except zmq.Again:
+            print("not sent")
+        time.sleep(20)  # (ended by the test)
+    """)
+    me = psutil.Process()
+    before = me.memory_info().rss
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline, held = time.monotonic() + 30, 0
+        while time.monotonic() < deadline and not inbox.gate.refused and held < 40 * 2**20:
+            held = max(held, me.memory_info().rss - before)
+            time.sleep(0.05)
+        time.sleep(0.5)  # (what else may come in after a refusal)
+        held = max(held, me.memory_info().rss - before)
+        message = inbox.recv(0.5)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        inbox.close()
+        ctx.term()
+    if password == "the run's":
+        assert held > 40 * 2**20 and inbox.rejected == {"malformed": 1} and message is None, (held, inbox.rejected)
+    else:
+        assert inbox.gate.refused == {"unauthenticated": 1} and held < 8 * 2**20, (held, inbox.gate.refused)
+        assert message is None and not inbox.rejected
 
 
 def test_outbox_blocks_then_times_out_when_nobody_reads():
@@ -247,7 +303,9 @@ def test_the_coordinator_takes_a_workers_identity_from_the_authenticated_sender(
     """ZeroMQ's routing identity is whatever the peer says; the MAC covers the sender. A message whose
     connection claims one worker and whose sender is another is dropped and counted. A peer without the
     secret that connects under a worker's identity gets none of its commands (with ZeroMQ's handover, the
-    coordinator's replies went to the newest connection of a name)."""
+    coordinator's replies went to the newest connection of a name). Both peers hold the connection password
+    (as one who read a handshake on the network would), not the key."""
+    from toolkit.transport.gate import enter
     from toolkit.launch.coordinator import Coordinator
     from toolkit.transport.control import ControlClient
 
@@ -256,6 +314,7 @@ def test_the_coordinator_takes_a_workers_identity_from_the_authenticated_sender(
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.IDENTITY, b"trainer:0")
     dealer.setsockopt(zmq.LINGER, 0)
+    enter(dealer, coordinator.codec.password)
     dealer.connect(coordinator.address)
     trainer = ControlClient(ctx, Codec(SECRET, "trainer:0", accepts={"trainer:0"}), coordinator.address)
     thief = ctx.socket(zmq.DEALER)
@@ -268,6 +327,7 @@ def test_the_coordinator_takes_a_workers_identity_from_the_authenticated_sender(
         assert got is not None and got[0] == "trainer:0" and got[1].kind == "register"
         thief.setsockopt(zmq.IDENTITY, trainer.codec.sender.encode())
         thief.setsockopt(zmq.LINGER, 0)
+        enter(thief, coordinator.codec.password)
         thief.connect(coordinator.address)
         thief.send_multipart(Codec(new_secret(), "trainer:0").encode("hello", {}, to="coordinator"))
         coordinator.recv(1)

@@ -399,8 +399,9 @@ class TransportSection(Section):
     max_inflight_messages: PositiveInt = 8
     """Messages queued per data connection before the sender blocks (backpressure)."""
     max_message_mb: float = Field(default=1024, gt=0)
-    """Largest message a socket accepts (ZeroMQ's MAXMSGSIZE): a peer that sends a bigger one is
-    disconnected before anything is buffered or hashed. A step's samples must fit."""
+    """Largest frame a socket accepts (ZeroMQ's MAXMSGSIZE, which bounds each frame of a message: its
+    header, its small arrays joined, or one larger array): a peer that sends a bigger one is disconnected
+    before anything is buffered or hashed. The largest array of a step's samples must fit."""
     bind_host: str | None = None
     """Where sockets listen: an address, an interface name (e.g. ib0) or a network (e.g. 10.1.0.0/16),
     resolved on each node (default: 127.0.0.1 for local runs, each node's address under Slurm)."""

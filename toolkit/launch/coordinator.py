@@ -19,6 +19,7 @@ import time
 
 import zmq
 
+from toolkit.transport.gate import guard
 from toolkit.transport.sockets import decode_or_count
 from toolkit.transport.wire import Codec, Message
 
@@ -31,6 +32,7 @@ class Coordinator:
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_mb * 2**20))
+        self.gate = guard(self.socket, self.codec.password)  # (peers without the key never get a message in)
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.last_seen: dict[str, float] = {}

@@ -17,6 +17,7 @@ from typing import Callable
 
 import zmq
 
+from toolkit.transport.gate import enter
 from toolkit.transport.sockets import decode_or_count, recv_valid
 from toolkit.transport.wire import Codec, Message
 
@@ -32,6 +33,7 @@ class ControlClient:
         self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_mb * 2**20))
         self.socket.setsockopt(zmq.IDENTITY, codec.sender.encode())  # (unique to this process: coordinator.py)
         self.socket.setsockopt(zmq.LINGER, 2000)  # let a last `failed` event out before exit
+        enter(self.socket, codec.password)
         self.socket.connect(address)
         self.rejected = collections.Counter()
 
@@ -70,6 +72,7 @@ class Heartbeat(threading.Thread):
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self._codec.sender.encode())
         sock.setsockopt(zmq.LINGER, 0)
+        enter(sock, self._codec.password)
         sock.connect(self._address)
         last_pong = time.monotonic()
         rejected = collections.Counter()

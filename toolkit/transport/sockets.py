@@ -13,7 +13,9 @@ import time
 from typing import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from toolkit.transport.gate import enter, guard
 from toolkit.transport.wire import Codec, FrameError, Message
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,7 @@ class Inbox:
         self.socket.setsockopt(zmq.RCVHWM, hwm)
         self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_mb * 2**20))
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.gate = guard(self.socket, codec.password)  # (peers without the key never get a message in)
         if port is None:
             port = self.socket.bind_to_random_port(f"tcp://{host}")
         else:
@@ -66,7 +69,8 @@ class Outbox:
         self.socket.setsockopt(zmq.IMMEDIATE, 1)
         self.socket.setsockopt(zmq.SNDTIMEO, 200)
         self.addresses = list(addresses)
-        monitor = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        enter(self.socket, codec.password)
+        monitor = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         try:
             for address in addresses:
                 self.socket.connect(address)
@@ -77,7 +81,11 @@ class Outbox:
                 if left_ms <= 0 or not monitor.poll(left_ms):
                     raise TimeoutError(f"connected to {connected} of {len(addresses)} consumers "
                                        f"({', '.join(addresses)}) in {connect_timeout_s:.0f} s")
-                monitor.recv_multipart()
+                event = recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    raise ConnectionRefusedError(
+                        f"the consumer at {event['endpoint'].decode(errors='replace')} refused this run's key: "
+                        "it belongs to another run or to an earlier attempt of this one")
                 connected += 1
         except BaseException:
             # (a timeout or an interrupt here: nobody holds this object to close it, and an open socket

@@ -92,6 +92,12 @@ def attempt_secret(secret: bytes, attempt: str) -> bytes:
     return hmac.new(secret, b"slurm-rlhf attempt " + attempt.encode(), "sha256").digest()
 
 
+def connection_password(secret: bytes) -> bytes:
+    """What a socket gives to open a connection to a listening socket of the run (transport/gate.py):
+    drawn from the attempt's key, so a peer of an earlier attempt is refused as well."""
+    return hmac.new(secret, b"slurm-rlhf connection", "sha256").hexdigest().encode()
+
+
 def read_secret(path: str | os.PathLike) -> bytes:
     """Read the run secret from a file that only its owner may read."""
     mode = os.stat(path).st_mode
@@ -110,6 +116,7 @@ class Codec:
 
     def __init__(self, secret: bytes, sender: str, accepts=None):
         self._secret = secret
+        self.password = connection_password(secret)  # (for the sockets that carry its messages)
         self._accepts = None if accepts is None else frozenset(accepts)
         # A random suffix tells two incarnations of the same worker apart (their seqs restart at 0).
         self.sender = f"{sender}#{secrets.token_hex(4)}"
