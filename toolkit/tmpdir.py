@@ -43,7 +43,7 @@ def make_own(name: str) -> str | None:
     # torch.compile's cache (GPU runs that compile) stays where torch keeps it, for the next start, where that
     # is this user's own: torch loads code and pickles from it, and /tmp is shared (else it goes in `path`)
     cache = os.path.join(given, f"torchinductor_{_user()}")
-    if _own_or_absent(cache):
+    if _ours(cache):
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
     os.environ["TMPDIR"] = tempfile.tempdir = _own = path
     return path
@@ -54,13 +54,18 @@ def _own_path(given: str, name: str, pid: int) -> str:
     return os.path.join(given, f"slurm-rlhf-{name}-{pid}")
 
 
-def _own_or_absent(path: str) -> bool:
-    """Whether `path` is not there, or is a real directory of this user that not everyone may write to (a
-    group-writable one is the norm where each user has a group of their own, umask 002)."""
+def _ours(path: str) -> bool:
+    """Whether `path` is a real directory of this user that not everyone may write to (a group-writable
+    one is the norm where each user has a group of their own, umask 002). Where it is not there yet, it is
+    made now (mode 700), so that nobody else can make it between this check and torch's first use."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
-        return True
     except OSError:
         return False
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o002

@@ -1,5 +1,6 @@
 """A worker's own temporary directory (toolkit/tmpdir.py): made private in the directory given, TMPDIR and
-`tempfile` pointed at it, torch's compile cache left where it was, removed whole; not made where a
+`tempfile` pointed at it, torch's compile cache kept in the directory given only where it is this
+user's own (made private there where it is absent), removed whole; not made where a
 socket below it would pass the length limit of a Unix socket's path."""
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ def given(monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", "/somewhere/else")  # (as a worker forked from the fork server)
     monkeypatch.setattr(tmpdir, "_own", None)
     yield base
-    os.rmdir(base)  # (fails where anything was left in it)
+    cache = os.path.join(base, f"torchinductor_{tmpdir._user()}")
+    if os.path.isdir(cache) and not os.path.islink(cache):  # (made by make_own, or by the test)
+        os.rmdir(cache)
+    os.rmdir(base)  # (fails where anything else was left in it)
 
 
 @pytest.mark.parametrize("how", ["writable by all", "another user's", "a link"])
@@ -47,7 +51,8 @@ def test_a_compile_cache_in_the_shared_directory_that_is_not_ours_alone_is_not_u
         assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
         tmpdir.remove_own()
     finally:
-        os.unlink(cache) if how == "a link" else os.rmdir(cache)
+        if how == "a link":  # (a directory is removed by the fixture)
+            os.unlink(cache)
 
 
 def test_own_directory_made_used_and_removed(given):
@@ -65,7 +70,9 @@ def test_own_directory_made_used_and_removed(given):
     assert os.path.dirname(f.name) == path and len(os.listdir(path)) == 3
     tmpdir.remove_own()
     sock.close()
-    assert os.listdir(given) == []
+    # (left: the compile cache, made private before torch could look for it; anyone could make it first)
+    cache = f"torchinductor_{tmpdir._user()}"
+    assert os.listdir(given) == [cache] and stat.S_IMODE(os.stat(os.path.join(given, cache)).st_mode) == 0o700
 
 
 def test_too_deep_for_a_socket_below_it_leaves_tmpdir_as_it_was(given, monkeypatch):
