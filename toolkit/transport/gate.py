@@ -57,6 +57,8 @@ class Gate(threading.Thread):
         except zmq.ContextTerminated:  # (the process's context is ending: term() waits for this socket)
             pass
         finally:
+            with _gates_lock:  # (the entry holds its context through this socket: weakness alone never frees it)
+                _gates.pop(self._socket.context, None)
             self._socket.close(linger=0)
 
     def _answer(self, request: list[bytes]) -> list[bytes]:
@@ -68,7 +70,7 @@ class Gate(threading.Thread):
             return [b"1.0", request_id, b"200", b"OK", USER, b""]
         self.refused["unauthenticated"] += 1
         n = self.refused["unauthenticated"]
-        if n & (n - 1) == 0:  # (1, 2, 4, 8, ...: a peer that retries every 0.1 s does not fill the log)
+        if n & (n - 1) == 0:  # (1, 2, 4, 8, ...: a flood of peers does not fill the log)
             log.warning("refused a connection from %s (%s; not this run's key, or an earlier attempt's); "
                         "%d refused so far", address, mechanism.decode(errors="replace") or "no mechanism", n)
         return [b"1.0", request_id, b"400", b"not this run's key", b"", b""]
