@@ -341,3 +341,15 @@ def test_the_coordinator_takes_a_workers_identity_from_the_authenticated_sender(
         trainer.socket.close(linger=0)
         coordinator.close()
         ctx.term()
+
+
+def test_a_header_as_large_as_a_big_steps_texts_is_read():
+    """A step's prompts and responses travel in the header: 4,000 samples of 5,000 characters make 19 MB,
+    which a cap of 16 MB on headers dropped as malformed (every message of such a step, so the run waited
+    out its step timeout). The MAC is checked before the header is parsed, so its size needs no cap of
+    its own beyond the socket's frame limit."""
+    responses = [f"{i:05d}" + "x" * 4995 for i in range(4000)]
+    frames = Codec(SECRET, "generator:0").encode("samples", {"responses": responses}, {"a": np.arange(3)})
+    assert len(frames[1]) > 19 * 2**20
+    msg = Codec(SECRET, "scorer:0").decode(frames)
+    assert msg.meta["responses"] == responses
