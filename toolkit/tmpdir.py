@@ -43,8 +43,8 @@ def make_own(name: str) -> str | None:
     # torch.compile's cache (GPU runs that compile) stays where torch keeps it, for the next start, where that
     # is this user's own: torch loads code and pickles from it, and /tmp is shared (else it goes in `path`)
     cache = os.path.join(given, f"torchinductor_{_user()}")
-    if _ours(cache):
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and _ours(cache):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     os.environ["TMPDIR"] = tempfile.tempdir = _own = path
     return path
 

@@ -202,7 +202,8 @@ class Worker:
             msg = self.inbox.recv(0)
             if msg is not None:
                 return "data", msg
-            self.status["rejected_frames"] = self.rejected_by_reason()  # (heartbeats carry it to status.json)
+        # (heartbeats carry it to status.json; a refused connection never makes the inbox readable)
+        self.status["rejected_frames"] = self.rejected_by_reason()
         return None
 
     def rejected_by_reason(self) -> dict[str, int]:

@@ -58,6 +58,7 @@ def receiver(system: str, secret: bytes, count: int, conn) -> None:
     if system == "slurm-rlhf":
         inbox = Inbox(ctx, Codec(secret, "trainer"), "127.0.0.1", HWM)
         conn.send(inbox.address)
+        close = inbox.close
 
         def take() -> SampleBatch:
             msg = inbox.recv(120)
@@ -68,6 +69,7 @@ def receiver(system: str, secret: bytes, count: int, conn) -> None:
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, HWM)
         conn.send(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+        close = sock.close
 
         def take() -> SampleBatch:
             frames = sock.recv_multipart(copy=False)
@@ -82,7 +84,8 @@ def receiver(system: str, secret: bytes, count: int, conn) -> None:
     for _ in range(count):
         batch = take()
     conn.send((time.monotonic(), len(batch)))
-    ctx.destroy(linger=0)
+    close()
+    ctx.term()  # (not destroy(): the inbox's gate reads a socket of the context in a thread of its own)
 
 
 def stream(system: str, batch: SampleBatch, count: int) -> float:

@@ -72,6 +72,7 @@ class Supervisor:
         self.trainer_restarts = 0  # times the run was started again after its trainer was lost (run_attempts)
         self.requeue: Callable[[], None] | None = None  # on Slurm: put the job back in the queue (batch.py)
         self.attempt: str | None = None  # this start of the workers (its key: transport/wire.py attempt_secret)
+        self.coordinator = None  # (made as the run starts, with its context)
 
     # ----- the run --------------------------------------------------------------------------------
 
@@ -536,10 +537,18 @@ class Supervisor:
         status = {"state": self.state, "stage": self.cfg.stage, "step": self.step, "running_step": self.running_step,
                   "steps": self.steps, **({"train_rows": self.train_rows} if self.train_rows is not None else {}),
                   "launcher": self.launcher.name, "error": self.error, "attempt": self.attempt,
-                  "driver": {"pid": os.getpid(), "node": node_name(), "started": _started()}, "workers": workers,
+                  "driver": {"pid": os.getpid(), "node": node_name(), "started": _started(),
+                             "rejected_frames": self._rejected_by_reason()}, "workers": workers,
                   "last_metrics": self.last_metrics, "worker_restarts": self.generation}
         self.run_dir.write_status(status)
         self._status_written = time.monotonic()
+
+
+    def _rejected_by_reason(self) -> dict[str, int]:
+        """What the coordinator dropped (frames, by reason) and refused (connections: transport/gate.py)."""
+        if self.coordinator is None:
+            return {}
+        return dict(self.coordinator.rejected + self.coordinator.gate.refused)
 
 
 def _started() -> float:

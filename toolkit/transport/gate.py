@@ -4,12 +4,17 @@ Every socket that listens (a worker's inbox, the driver's coordinator) is a Zero
 every socket that connects gives the password drawn from the attempt's key (wire.connection_password).
 A handler thread in each listening process answers ZeroMQ's authentication requests (ZAP, RFC 27) for
 its context, and refuses a peer whose password is wrong; ZeroMQ then drops the connection before any
-message of it is taken in.
+message of it is taken in. With no handler answering (a gate that died), ZeroMQ refuses every peer.
 
 Why, beside the MAC of every message (wire.py): ZeroMQ hands a message over only when all its frames
 have come, and its size limit (MAXMSGSIZE) bounds each frame, not a message. So a peer without the key
 could make a worker hold one message of endless frames, each under the limit, before the MAC check ever
-ran. Now such a peer sends nothing.
+ran. Now such a peer sends no message. What it can still do is send one handshake command of up to
+MAXMSGSIZE (`transport.max_message_mb`) on each connection it opens, which ZeroMQ reads whole before it
+asks the gate; a handshake not done within HANDSHAKE_S drops the connection, and that memory with it.
+
+A context with a gate must be ended with term(), never destroy(): destroy() closes every socket from the
+calling thread, the gate's too while the gate's thread reads it, and libzmq then aborts the process.
 
 PLAIN sends the password in the clear, once per connection, and adds nothing to a message after that.
 On a shared cluster, a user who is not root cannot read another user's TCP traffic; one who can would
@@ -32,6 +37,7 @@ log = logging.getLogger(__name__)
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # (fixed by RFC 27: one handler per context)
 DOMAIN = b"slurm-rlhf"
 USER = b"slurm-rlhf"
+HANDSHAKE_S = 10  # (ZeroMQ's default is 30 s; ours take milliseconds, or a second or two on a busy node)
 
 _gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _gates_lock = threading.Lock()
@@ -44,7 +50,7 @@ class Gate(threading.Thread):
         super().__init__(name="zmq-gate", daemon=True)
         self.password = password
         self.refused: collections.Counter = collections.Counter()  # {"unauthenticated": n}
-        # Bound here, before any listening socket exists: without a bound handler ZeroMQ lets every peer in.
+        # Bound here, before any listening socket exists: ZeroMQ asks the handler bound when a peer connects.
         self._socket = ctx.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(ZAP_ENDPOINT)
@@ -83,12 +89,18 @@ def guard(socket: zmq.Socket, password: bytes) -> Gate:
     with _gates_lock:
         gate = _gates.get(ctx)
         if gate is None:
-            gate = _gates[ctx] = Gate(ctx, password)
-            gate.start()
+            gate = Gate(ctx, password)
+            try:
+                gate.start()
+            except BaseException:  # (no thread to close its socket: an open one would hold term() forever)
+                gate._socket.close(linger=0)
+                raise
+            _gates[ctx] = gate
         elif not hmac.compare_digest(gate.password, password):
             raise ValueError("a ZeroMQ context serves one run attempt: its gate has another password")
     socket.setsockopt(zmq.ZAP_DOMAIN, DOMAIN)
     socket.setsockopt(zmq.PLAIN_SERVER, 1)
+    socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_S * 1000)
     return gate
 
 
