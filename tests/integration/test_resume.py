@@ -192,6 +192,40 @@ def test_damaged_checkpoint_falls_back_to_an_older_state(baseline, killed, tmp_p
     assert_same_as_baseline(run_dir, baseline)
 
 
+@pytest.mark.parametrize("how", ["written by everyone", "another user's"])
+def test_a_checkpoint_that_someone_else_could_have_written_is_not_loaded(killed, tmp_path, how):
+    """DeepSpeed loads a checkpoint's files with pickle, which runs code: a resume from a checkpoint with a
+    file that another user owns or that everyone may write is refused, naming the file and the fix, before
+    anything is set aside or a worker starts."""
+    if how == "another user's" and os.getuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed, run_dir)
+    newest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    shard = next((newest / "actor").rglob("*optim_states.pt"))
+    if how == "written by everyone":
+        shard.chmod(0o666)
+    else:
+        os.chown(shard, 65534, 65534)
+    manifest = (run_dir / "manifest.jsonl").read_text()
+
+    def worker_logs() -> dict[str, int]:
+        return {p.name: p.stat().st_size for p in (run_dir / "logs").glob("*.log")
+                if p.name not in ("driver.log", "fork-server.log")}
+
+    logs = worker_logs()
+    assert logs
+    result = cli("resume", run_dir, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    why = "may be written by everyone (mode 666)" if how == "written by everyone" else \
+        "belongs to another user (uid 65534)"
+    assert f"{shard} {why}, and a checkpoint's files are loaded with pickle" in out, out
+    assert (f"chmod -R go-w {run_dir}" if how == "written by everyone" else "copy it (the copy is yours)") in out
+    assert (run_dir / "manifest.jsonl").read_text() == manifest  # (no resume recorded, nothing set aside)
+    assert worker_logs() == logs  # (no worker started)
+
+
 def test_experience_files_read_with_plain_tools(baseline):
     path = baseline / "experience" / experience.file_name(1)
     with h5py.File(path, "r") as f:  # plain h5py, no project code

@@ -218,3 +218,51 @@ def test_writeback_starts_the_disk_writing_after_each_megabyte(tmp_path, monkeyp
         assert calls == [(fd, 0, 0, 2)]
     finally:
         os.close(fd)
+
+
+def test_a_checkpoint_is_loaded_only_where_nobody_else_could_have_written_it(tmp_path):
+    """DeepSpeed unpickles a checkpoint's files (store/ownership.py): every file and directory of it, and the
+    run directory, must be this user's and not writable by others (by the group only where the group is
+    the user's own, named as the user)."""
+    import getpass
+    import grp
+
+    from toolkit.store.ownership import check_ours_alone
+
+    run_dir = tmp_path / "run"
+    shard = run_dir / "checkpoints" / "step-000002" / "actor" / "ds" / "optim_states.pt"
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"x")
+    for path in (run_dir, *run_dir.rglob("*")):
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    checkpoint = run_dir / "checkpoints" / "step-000002"
+    check_ours_alone(checkpoint)
+
+    shard.chmod(0o602)
+    with pytest.raises(PermissionError, match=f"{shard} may be written by everyone \\(mode 602\\), .*"
+                                              f"chmod -R go-w {run_dir}"):
+        check_ours_alone(checkpoint)
+    shard.chmod(0o600)
+    run_dir.chmod(0o777)  # (the directory above it: a file could be put in place of any below)
+    with pytest.raises(PermissionError, match=f"{run_dir} may be written by everyone"):
+        check_ours_alone(checkpoint)
+    run_dir.chmod(0o700)
+
+    own_group = [g.gr_gid for g in grp.getgrall() if g.gr_name == getpass.getuser()]
+    shard.chmod(0o660)
+    if own_group and os.getgid() == own_group[0]:  # (a group of the user's own: umask 002 is fine)
+        check_ours_alone(checkpoint)
+    if os.getuid() != 0:
+        return  # (files of another group or user need root)
+    other = next(g for g in grp.getgrall() if g.gr_name != getpass.getuser())
+    os.chown(shard, 0, other.gr_gid)
+    with pytest.raises(PermissionError, match=f"may be written by the group '{other.gr_name}' \\(mode 660\\)"):
+        check_ours_alone(checkpoint)
+    shard.chmod(0o640)
+    check_ours_alone(checkpoint)  # (readable by the group is fine)
+    theirs = tmp_path / "theirs.pt"
+    theirs.write_bytes(b"y")
+    os.chown(theirs, 65534, 65534)
+    (shard.parent / "linked.pt").symlink_to(theirs)  # (a link is judged by what it points to)
+    with pytest.raises(PermissionError, match="linked.pt belongs to another user \\(uid 65534\\)"):
+        check_ours_alone(checkpoint)

@@ -31,6 +31,7 @@ from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import group_of, plan
 from toolkit.progress import Progress
 from toolkit.store.manifest import Manifest, plan_resume, set_aside
+from toolkit.store.ownership import check_ours_alone
 
 log = logging.getLogger("toolkit.driver")
 STATUS_EVERY_S = 2.0  # status.json is rewritten this often while the run waits on its workers
@@ -194,6 +195,11 @@ class Supervisor:
         self._check_reward_code(plan.next_step)
         for problem in plan.problems:
             self.echo(f"resume: {problem}")
+        if plan.checkpoint:  # (before anything is set aside or a worker starts)
+            try:
+                check_ours_alone(self.run_dir.path / plan.checkpoint["dir"])
+            except PermissionError as e:
+                raise RunError(str(e)) from None
         moved = set_aside(self.run_dir.path, plan)
         if plan.checkpoint or plan.replay or moved or self.trainer_restarts:  # (restarted before a commit too)
             where = f"checkpoint {plan.checkpoint['dir']}" if plan.checkpoint else "the initial weights"

@@ -24,6 +24,7 @@ import torch
 
 from toolkit.hold import hold
 from toolkit.store import space
+from toolkit.store.ownership import check_ours_alone
 from toolkit.store.experience import fsync_dir
 from toolkit.store.manifest import Manifest, checkpoint_files, live_checkpoints
 
@@ -98,6 +99,7 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
 def load(directory: Path, engines: dict, rank: int) -> dict:
     """Load the engines' weights and optimizer states and this rank's random state; return the stage's
     state saved with them."""
+    check_ours_alone(Path(directory))
     for name, engine in engines.items():
         path, _ = engine.load_checkpoint(str(directory / name), tag=TAG, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
