@@ -164,6 +164,7 @@ def bench_sizes(repeats: int) -> float:
 def bench_share(steps: int, repeats: int) -> None:
     from toolkit.store import experience
 
+    (REPO / "runs").mkdir(exist_ok=True)  # (a fresh clone has none)
     with tempfile.TemporaryDirectory(dir=REPO / "runs") as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "toolkit", "run", str(REPO / "templates/examples/tiny-grpo.yaml"),
