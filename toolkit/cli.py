@@ -242,6 +242,23 @@ def cmd_run(args, stage: str | None = None) -> int:
     return run_here(cfg, run_dir, args.verbose)
 
 
+def _check_checkpoints(run_dir) -> None:
+    """Refuse to submit a resume from a run directory whose checkpoints someone else could have written
+    (store/ownership.py): every checkpoint the run still holds, since the resume falls back to an older one
+    where the newest is damaged. Only looks at the files' owners and modes; the job checks their contents."""
+    from toolkit.errors import RunError
+    from toolkit.store.manifest import Manifest, live_checkpoints
+    from toolkit.store.ownership import check_ours_alone
+
+    for record in live_checkpoints(Manifest(run_dir.path).records()).values():
+        directory = run_dir.path / record["dir"]
+        if directory.is_dir():
+            try:
+                check_ours_alone(directory)
+            except PermissionError as e:
+                raise RunError(str(e)) from None
+
+
 def cmd_resume(args) -> int:
     from toolkit.config import load_config
     from toolkit.launch.jobs import follow, live_job, open_run
@@ -281,6 +298,7 @@ def cmd_resume(args) -> int:
     from toolkit.launch.submit import submit
     from toolkit.placement.plan import plan
 
+    _check_checkpoints(run_dir)  # (the job's driver checks too, but only after the job waited in the queue)
     run_dir.release_lock()  # (the job's driver runs the directory now)
     job_id = submit(cfg, plan_allocation(plan(cfg), cfg.slurm.heterogeneous), run_dir)
     run_dir.update_job(job_id=job_id, submitted=time.time(), requeues=0)

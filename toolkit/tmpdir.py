@@ -55,9 +55,12 @@ def _own_path(given: str, name: str, pid: int) -> str:
 
 
 def _ours(path: str) -> bool:
-    """Whether `path` is a real directory of this user that not everyone may write to (a group-writable
-    one is the norm where each user has a group of their own, umask 002). Where it is not there yet, it is
-    made now (mode 700), so that nobody else can make it between this check and torch's first use."""
+    """Whether `path` is a real directory that only this user may write to (store/ownership.py's rule: a
+    group-writable one only where the group is the user's own, the norm where umask is 002). Where it is
+    not there yet, it is made now (mode 700), so that nobody else can make it between this check and
+    torch's first use."""
+    from toolkit.store.ownership import whose
+
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -68,7 +71,7 @@ def _ours(path: str) -> bool:
         st = os.lstat(path)
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o002
+    return stat.S_ISDIR(st.st_mode) and whose(st) is None
 
 
 def _user() -> str:

@@ -165,7 +165,8 @@ class Worker:
         key = tuple(ids)
         if key not in self.outboxes:
             self.outboxes[key] = Outbox(self.ctx, self.codec, [self.book[w]["inbox"] for w in ids],
-                                        self.cfg.transport.max_inflight_messages, to=target.name)
+                                        self.cfg.transport.max_inflight_messages, to=target.name,
+                                        max_message_mb=self.cfg.transport.max_message_mb)
         return self.outboxes[key]
 
     def wait_command(self, kind: str, timeout_s: float, wanted=lambda meta: True):

@@ -192,11 +192,12 @@ def test_damaged_checkpoint_falls_back_to_an_older_state(baseline, killed, tmp_p
     assert_same_as_baseline(run_dir, baseline)
 
 
-@pytest.mark.parametrize("how", ["written by everyone", "another user's"])
-def test_a_checkpoint_that_someone_else_could_have_written_is_not_loaded(killed, tmp_path, how):
+@pytest.mark.parametrize("how,submit", [("written by everyone", False), ("another user's", False),
+                                        ("written by everyone", True)])
+def test_a_checkpoint_that_someone_else_could_have_written_is_not_loaded(killed, tmp_path, how, submit):
     """DeepSpeed loads a checkpoint's files with pickle, which runs code: a resume from a checkpoint with a
     file that another user owns or that everyone may write is refused, naming the file and the fix, before
-    anything is set aside or a worker starts."""
+    anything is recorded or set aside or a worker starts; `resume --submit` refuses before it submits."""
     if how == "another user's" and os.getuid() != 0:
         pytest.skip("giving a file to another user needs root")
     run_dir = tmp_path / "run"
@@ -215,7 +216,8 @@ def test_a_checkpoint_that_someone_else_could_have_written_is_not_loaded(killed,
 
     logs = worker_logs()
     assert logs
-    result = cli("resume", run_dir, timeout=120)
+    job = (run_dir / "job.json").read_bytes() if (run_dir / "job.json").exists() else None
+    result = cli("resume", run_dir, *(["--submit"] if submit else []), timeout=120)
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
     why = "may be written by everyone (mode 666)" if how == "written by everyone" else \
@@ -224,6 +226,8 @@ def test_a_checkpoint_that_someone_else_could_have_written_is_not_loaded(killed,
     assert (f"chmod -R go-w {run_dir}" if how == "written by everyone" else "copy it (the copy is yours)") in out
     assert (run_dir / "manifest.jsonl").read_text() == manifest  # (no resume recorded, nothing set aside)
     assert worker_logs() == logs  # (no worker started)
+    assert ((run_dir / "job.json").read_bytes() if (run_dir / "job.json").exists() else None) == job, \
+        "a job was submitted"
 
 
 def test_experience_files_read_with_plain_tools(baseline):

@@ -220,15 +220,16 @@ def test_writeback_starts_the_disk_writing_after_each_megabyte(tmp_path, monkeyp
         os.close(fd)
 
 
-def test_a_checkpoint_is_loaded_only_where_nobody_else_could_have_written_it(tmp_path):
+def test_a_checkpoint_is_loaded_only_where_nobody_else_could_have_written_it(tmp_path, monkeypatch):
     """DeepSpeed unpickles a checkpoint's files (store/ownership.py): every file and directory of it, and the
-    run directory, must be this user's and not writable by others (by the group only where the group is
-    the user's own, named as the user)."""
-    import getpass
+    run directory, must be this user's, not links, and not writable by others (by the group only where the
+    group is the user's own); SLURM_RLHF_TRUST_CHECKPOINTS=1 turns the check off."""
     import grp
+    import pwd
 
-    from toolkit.store.ownership import check_ours_alone
+    from toolkit.store.ownership import TRUST_ENV, check_ours_alone
 
+    monkeypatch.delenv(TRUST_ENV, raising=False)
     run_dir = tmp_path / "run"
     shard = run_dir / "checkpoints" / "step-000002" / "actor" / "ds" / "optim_states.pt"
     shard.parent.mkdir(parents=True)
@@ -242,27 +243,56 @@ def test_a_checkpoint_is_loaded_only_where_nobody_else_could_have_written_it(tmp
     with pytest.raises(PermissionError, match=f"{shard} may be written by everyone \\(mode 602\\), .*"
                                               f"chmod -R go-w {run_dir}"):
         check_ours_alone(checkpoint)
+    monkeypatch.setenv(TRUST_ENV, "1")
+    check_ours_alone(checkpoint)
+    monkeypatch.delenv(TRUST_ENV)
     shard.chmod(0o600)
     run_dir.chmod(0o777)  # (the directory above it: a file could be put in place of any below)
     with pytest.raises(PermissionError, match=f"{run_dir} may be written by everyone"):
         check_ours_alone(checkpoint)
     run_dir.chmod(0o700)
 
-    own_group = [g.gr_gid for g in grp.getgrall() if g.gr_name == getpass.getuser()]
+    dangling = shard.parent / "dangling.pt"
+    dangling.symlink_to(tmp_path / "nothing")
+    with pytest.raises(PermissionError, match="dangling.pt is a symbolic link"):
+        check_ours_alone(checkpoint)
+    dangling.unlink()
+
+    me = pwd.getpwuid(os.getuid())
+    own = grp.getgrgid(me.pw_gid)
     shard.chmod(0o660)
-    if own_group and os.getgid() == own_group[0]:  # (a group of the user's own: umask 002 is fine)
+    if own.gr_name == me.pw_name and set(own.gr_mem) <= {me.pw_name}:  # (a group of the user's own: umask 002)
         check_ours_alone(checkpoint)
     if os.getuid() != 0:
         return  # (files of another group or user need root)
-    other = next(g for g in grp.getgrall() if g.gr_name != getpass.getuser())
+    other = next(g for g in grp.getgrall() if g.gr_gid != me.pw_gid)
     os.chown(shard, 0, other.gr_gid)
     with pytest.raises(PermissionError, match=f"may be written by the group '{other.gr_name}' \\(mode 660\\)"):
         check_ours_alone(checkpoint)
     shard.chmod(0o640)
     check_ours_alone(checkpoint)  # (readable by the group is fine)
-    theirs = tmp_path / "theirs.pt"
-    theirs.write_bytes(b"y")
-    os.chown(theirs, 65534, 65534)
-    (shard.parent / "linked.pt").symlink_to(theirs)  # (a link is judged by what it points to)
-    with pytest.raises(PermissionError, match="linked.pt belongs to another user \\(uid 65534\\)"):
+    os.chown(shard, 65534, 65534)
+    with pytest.raises(PermissionError, match="optim_states.pt belongs to another user \\(uid 65534\\).*"
+                                              "copy it \\(the copy is yours\\)"):
         check_ours_alone(checkpoint)
+
+
+def test_a_checkpoint_is_written_so_that_its_own_resume_accepts_it(tmp_path):
+    """A default ACL on a project directory gives its group write access whatever the umask (umask 002
+    stands in for it here): the checkpoint's files and directories are made not writable by others before
+    it is renamed into place, so the resume's check (store/ownership.py) accepts what the run wrote."""
+    from toolkit.store import checkpoint
+    from toolkit.store.ownership import check_ours_alone
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    previous = os.umask(0o002)
+    try:
+        checkpoint.save(run_dir, 3, {}, {"step": 3}, rank=0, barrier=lambda: None, keep=2,
+                        write_copies=lambda d: (d / "hf").mkdir() or (d / "hf" / "model.safetensors").write_bytes(b"x"))
+    finally:
+        os.umask(previous)
+    final = checkpoint.directory_of(run_dir, 3)
+    modes = {str(p.relative_to(final)): p.stat().st_mode & 0o777 for p in [final, *final.rglob("*")]}
+    assert modes and not any(mode & 0o022 for mode in modes.values()), modes
+    check_ours_alone(final)

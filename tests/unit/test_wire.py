@@ -353,3 +353,23 @@ def test_a_header_as_large_as_a_big_steps_texts_is_read():
     assert len(frames[1]) > 19 * 2**20
     msg = Codec(SECRET, "scorer:0").decode(frames)
     assert msg.meta["responses"] == responses
+
+
+def test_a_message_over_the_frame_limit_is_refused_by_its_sender_with_the_setting_named():
+    """ZeroMQ drops a connection that sends a frame over the receiver's MAXMSGSIZE without a word, and the
+    message with it (the run would wait out its step timeout): the sender refuses such a message."""
+    ctx = zmq.Context()
+    inbox = Inbox(ctx, Codec(SECRET, "scorer:0"), "127.0.0.1", hwm=4, max_message_mb=1)
+    outbox = Outbox(ctx, Codec(SECRET, "generator:0"), [inbox.address], hwm=4, max_message_mb=1)
+    try:
+        with pytest.raises(ValueError, match=r"a 'samples' message has a frame of 2.0 MB \(its header with the "
+                                             r"texts, or one array\), over transport.max_message_mb \(1 MB\)"):
+            outbox.send("samples", {}, {"a": np.zeros(2**21, np.uint8)})
+        with pytest.raises(ValueError, match="frame of 1.1 MB"):
+            outbox.send("samples", {"responses": ["x" * 2**20 + "y" * 2**17]})
+        outbox.send("samples", {"responses": ["x" * 1000]}, {"a": np.zeros(2**19, np.uint8)})
+        assert inbox.recv(10).meta == {"responses": ["x" * 1000]}
+    finally:
+        outbox.close()
+        inbox.close()
+        ctx.term()

@@ -400,8 +400,11 @@ class TransportSection(Section):
     """Messages queued per data connection before the sender blocks (backpressure)."""
     max_message_mb: float = Field(default=1024, gt=0)
     """Largest frame a socket accepts (ZeroMQ's MAXMSGSIZE, which bounds each frame of a message: its
-    header, its small arrays joined, or one larger array): a peer that sends a bigger one is disconnected
-    before anything is buffered or hashed. The largest array of a step's samples must fit."""
+    header, which holds the prompt and response texts of the samples it carries, its small arrays joined,
+    or one larger array): a peer that sends a bigger one is disconnected before anything is buffered or
+    hashed. Each message of a step must fit (a sender refuses one that does not, naming this setting). It
+    also bounds what a peer without the run's key can make a process hold per connection, for the 10 s a
+    handshake may take."""
     bind_host: str | None = None
     """Where sockets listen: an address, an interface name (e.g. ib0) or a network (e.g. 10.1.0.0/16),
     resolved on each node (default: 127.0.0.1 for local runs, each node's address under Slurm)."""

@@ -59,7 +59,8 @@ class Driver(Supervisor):
         # (the driver answers no heartbeat while it waits here: it waits less than the workers allow for that)
         self.outbox = Outbox(self.ctx, Codec(secret, "driver", accepts=()), inboxes,
                              self.cfg.transport.max_inflight_messages, to=self.generator_group,
-                             connect_timeout_s=self.cfg.transport.heartbeat_timeout_s / 2)
+                             connect_timeout_s=self.cfg.transport.heartbeat_timeout_s / 2,
+                             max_message_mb=self.cfg.transport.max_message_mb)
         self.next_dispatch = resume["next_step"]
         for step in range(resume["next_step"], self.cfg.run.steps):
             if self.preempt and not self._time_for_a_step(records):

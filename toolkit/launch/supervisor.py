@@ -191,15 +191,15 @@ class Supervisor:
         and the committed experience after it; the trainer's part of the plan."""
         plan = plan_resume(self.run_dir.path)
         self.step = plan.next_step - 1  # (what status.json says if the data check fails)
-        self._check_data()
-        self._check_reward_code(plan.next_step)
-        for problem in plan.problems:
-            self.echo(f"resume: {problem}")
-        if plan.checkpoint:  # (before anything is set aside or a worker starts)
+        if plan.checkpoint:  # (before anything is recorded or set aside, or a worker starts)
             try:
                 check_ours_alone(self.run_dir.path / plan.checkpoint["dir"])
             except PermissionError as e:
                 raise RunError(str(e)) from None
+        self._check_data()
+        self._check_reward_code(plan.next_step)
+        for problem in plan.problems:
+            self.echo(f"resume: {problem}")
         moved = set_aside(self.run_dir.path, plan)
         if plan.checkpoint or plan.replay or moved or self.trainer_restarts:  # (restarted before a commit too)
             where = f"checkpoint {plan.checkpoint['dir']}" if plan.checkpoint else "the initial weights"

@@ -14,6 +14,7 @@ place and only then records it in the manifest, so a checkpoint in the manifest 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -71,7 +72,12 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
         size_mb = 0.0
         if rank == 0:
             (tmp / "trainer_state.json").write_text(json.dumps(state))
-            for path in tmp.rglob("*"):
+            for path in [tmp, *tmp.rglob("*")]:
+                # (not writable by others, as a resume requires (store/ownership.py): a default ACL on a
+                # project directory gives its group write access whatever the umask; a file system without
+                # modes refuses, and its files are for SLURM_RLHF_TRUST_CHECKPOINTS)
+                with contextlib.suppress(OSError):
+                    path.chmod(path.stat().st_mode & ~0o022)
                 if path.is_file():
                     with open(path, "rb") as f:
                         os.fsync(f.fileno())
@@ -99,7 +105,8 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
 def load(directory: Path, engines: dict, rank: int) -> dict:
     """Load the engines' weights and optimizer states and this rank's random state; return the stage's
     state saved with them."""
-    check_ours_alone(Path(directory))
+    if rank == 0:  # (the driver checked before the workers started; one rank again, not every rank of a big run)
+        check_ours_alone(Path(directory))
     for name, engine in engines.items():
         path, _ = engine.load_checkpoint(str(directory / name), tag=TAG, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)

@@ -60,8 +60,9 @@ class Outbox:
     """
 
     def __init__(self, ctx: zmq.Context, codec: Codec, addresses: list[str], hwm: int, connect_timeout_s: float = 60,
-                 to: str = ""):
+                 to: str = "", max_message_mb: float = 1024):
         self.codec, self.to = codec, to  # (`to`: the consumers' name, bound into every message's MAC)
+        self.max_frame = int(max_message_mb * 2**20)  # (the consumers' limit: a frame above it would be dropped)
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.SNDHWM, hwm)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -105,6 +106,11 @@ class Outbox:
         to give up early (the driver checks its workers' health there).
         """
         frames = self.codec.encode(kind, meta, arrays, to=self.to)
+        largest = max(memoryview(f).nbytes for f in frames)
+        if largest > self.max_frame:  # (ZeroMQ would drop the connection, and the message, without a word)
+            raise ValueError(f"a {kind!r} message has a frame of {largest / 2**20:.1f} MB (its header with the "
+                             f"texts, or one array), over transport.max_message_mb ({self.max_frame / 2**20:g} "
+                             f"MB), which its consumers would refuse: raise transport.max_message_mb")
         deadline = time.monotonic() + timeout_s
         while True:
             try:
