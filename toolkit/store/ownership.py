@@ -27,7 +27,7 @@ TRUST_ENV = "SLURM_RLHF_TRUST_CHECKPOINTS"
 
 def check_ours_alone(directory: Path) -> None:
     """Refuse a checkpoint that someone else could have written (PermissionError, with the fix): each file
-    and directory of it must be this user's, not a link, and not writable by others (see `others_may_write`);
+    and directory of it must be this user's, not a link, and not writable by others (see `whose`);
     so must the run directory above it and its `checkpoints` directory (which may be links)."""
     if os.environ.get(TRUST_ENV) == "1":
         return
