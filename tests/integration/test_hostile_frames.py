@@ -5,9 +5,9 @@ The attacker knows the inbox addresses (status.json) but not the run's secret. A
 connects with an earlier attempt's connection password and sends messages of 48 frames of 1 MB, each
 frame under the size limit: the inboxes' gates refuse the connections, so nothing of them is held. As one
 who read a handshake of this attempt on the network (PLAIN sends the password in the clear), it connects
-with the password and sends, round-robin to every inbox while the run goes on: frames under another secret (wrong MAC), frames whose header
-claims arrays of terabytes (with a wrong MAC: never parsed), truncated messages, random bytes, and
-messages above `transport.max_message_mb` (ZeroMQ disconnects the sender before buffering them). As one
+with the password and sends, round-robin to every inbox while the run goes on: frames under another
+secret (wrong MAC), frames whose header claims arrays of terabytes (with a wrong MAC: never parsed),
+truncated messages, random bytes, and messages above `transport.max_message_mb` (ZeroMQ disconnects the sender before buffering them). As one
 who captured valid frames on the network, it also sends frames under the run's own secret addressed to
 another worker (misdirected: the recipient is under the MAC), and frames to the very worker it sends them
 to as an earlier attempt of the run (a requeue, a resume) would have sent them: the key of each attempt is

@@ -192,10 +192,7 @@ class Supervisor:
         plan = plan_resume(self.run_dir.path)
         self.step = plan.next_step - 1  # (what status.json says if the data check fails)
         if plan.checkpoint:  # (before anything is recorded or set aside, or a worker starts)
-            try:
-                check_ours_alone(self.run_dir.path / plan.checkpoint["dir"])
-            except PermissionError as e:
-                raise RunError(str(e)) from None
+            check_ours_alone(self.run_dir.path / plan.checkpoint["dir"])
         self._check_data()
         self._check_reward_code(plan.next_step)
         for problem in plan.problems:
@@ -548,7 +545,6 @@ class Supervisor:
                   "last_metrics": self.last_metrics, "worker_restarts": self.generation}
         self.run_dir.write_status(status)
         self._status_written = time.monotonic()
-
 
     def _rejected_by_reason(self) -> dict[str, int]:
         """What the coordinator dropped (frames, by reason) and refused (connections: transport/gate.py)."""

@@ -25,9 +25,9 @@ import torch
 
 from toolkit.hold import hold
 from toolkit.store import space
-from toolkit.store.ownership import check_ours_alone
 from toolkit.store.experience import fsync_dir
 from toolkit.store.manifest import Manifest, checkpoint_files, live_checkpoints
+from toolkit.store.ownership import check_ours_alone
 
 TAG = "ds"
 

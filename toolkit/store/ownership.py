@@ -22,11 +22,17 @@ import pwd
 import stat
 from pathlib import Path
 
+from toolkit.errors import RunError
+
 TRUST_ENV = "SLURM_RLHF_TRUST_CHECKPOINTS"
 
 
+class NotOursAlone(RunError, PermissionError):
+    """A checkpoint someone else could have written: the run stops with the file named (exit 1)."""
+
+
 def check_ours_alone(directory: Path) -> None:
-    """Refuse a checkpoint that someone else could have written (PermissionError, with the fix): each file
+    """Refuse a checkpoint that someone else could have written (NotOursAlone, with the fix): each file
     and directory of it must be this user's, not a link, and not writable by others (see `whose`);
     so must the run directory above it and its `checkpoints` directory (which may be links)."""
     if os.environ.get(TRUST_ENV) == "1":
@@ -46,7 +52,7 @@ def check_ours_alone(directory: Path) -> None:
             elif why is not None and why.startswith("belongs"):
                 fix = "check what is in it, copy it (the copy is yours) and resume the copy"
         if why is not None:
-            raise PermissionError(
+            raise NotOursAlone(
                 f"{path} {why}, and a checkpoint's files are loaded with pickle, which runs code: resume only "
                 f"from a run directory that is yours alone ({fix}; on a file system that shows every file "
                 f"with another owner or mode, {TRUST_ENV}=1 turns this check off)")

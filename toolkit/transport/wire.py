@@ -25,8 +25,8 @@ has exactly the bytes its dtype and shape need, that `seq` grows per sender (no 
 frame is addressed to this receiver (`to`, covered by the MAC: a valid frame replayed to a receiver it was
 not meant for is refused). Only the socket's frame limit bounds a header, which only the run's own
 processes can have made: a step's texts travel in it, tens of MB in a big step (a cap of 16 MB dropped
-every message of a step of 4,000 samples of 5,000 characters). A frame that fails raises `FrameError` with the reason; receivers log it,
-count it and drop it.
+every message of a step of 4,000 samples of 5,000 characters). A frame that fails raises `FrameError`
+with the reason; receivers log it, count it and drop it.
 """
 
 from __future__ import annotations
