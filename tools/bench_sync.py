@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/bench_sync.py [--repeats N] [--device cuda]
 
-Two processes on this machine form a gloo group over a TCPStore on 127.0.0.1, as trainer rank 0 and one
+Two processes on this machine form a gloo group over the rendezvous store on 127.0.0.1, as trainer rank 0 and one
 generator rank do. With `--device cuda` both hold their tensors on the one GPU, as a trainer and a
 generator sharing a GPU do: NCCL needs a GPU per rank, so `form_group` takes gloo there too, which copies
 each bucket through host memory (NCCL takes gloo's place where the ranks have GPUs of their own). Per model:
@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from toolkit.config.schema import TrainerSection  # noqa: E402
 from toolkit.transport.rendezvous import connect_store, serve_store  # noqa: E402
+from toolkit.transport.wire import new_secret  # noqa: E402
 from toolkit.weights.hf_format import checkpoint_converter  # noqa: E402
 from toolkit.weights.probe import model_logprobs, probe_tokens  # noqa: E402
 from toolkit.weights.sync import WeightReceiver, WeightSender, form_group, gathered_buckets, plan_layout  # noqa: E402
@@ -58,11 +59,13 @@ def build(hidden: int, layers: int, heads: int, intermediate: int, vocab: int):
 
 def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int, device: str) -> None:
     torch.set_num_threads(1)
-    if rank == 0:
-        store = serve_store("127.0.0.1", TIMEOUT_S)
-        port_queue.put(store.port)
+    if rank == 0:  # (the store's key goes to rank 1 with its port, as a run's workers read theirs from a file)
+        key = new_secret()
+        store = serve_store("127.0.0.1", TIMEOUT_S, key)
+        port_queue.put((store.port, key))
     else:
-        store = connect_store("127.0.0.1", port_queue.get(timeout=TIMEOUT_S), TIMEOUT_S)
+        port, key = port_queue.get(timeout=TIMEOUT_S)
+        store = connect_store("127.0.0.1", port, TIMEOUT_S, key)
     device = torch.device(device)
     group = form_group(store, rank, 2, TIMEOUT_S, device)
     unchecked_group = form_group(store, rank, 2, TIMEOUT_S, device, "unchecked")

@@ -146,13 +146,18 @@ def test_the_trainers_state_leaves_the_gpu_between_updates_and_trains_the_same(m
 def _sync_rank(rank: int, port_queue, results, device: str) -> None:
     """Trainer (rank 0) or generator (rank 1) of a weight-sync group, both on `device`."""
     from toolkit.transport.rendezvous import connect_store, serve_store
+    from toolkit.transport.wire import new_secret
     from toolkit.weights.probe import model_logprobs, probe_tokens
     from toolkit.weights.sync import WeightReceiver, WeightSender, form_group, gathered_buckets, plan_layout
 
     device = torch.device(device)
-    store = serve_store("127.0.0.1", 120) if rank == 0 else connect_store("127.0.0.1", port_queue.get(timeout=120), 120)
     if rank == 0:
-        port_queue.put(store.port)
+        key = new_secret()
+        store = serve_store("127.0.0.1", 120, key)
+        port_queue.put((store.port, key))
+    else:
+        port, key = port_queue.get(timeout=120)
+        store = connect_store("127.0.0.1", port, 120, key)
     group = form_group(store, rank, 2, 120, device)
     torch.manual_seed(rank)  # (different weights on each side before the sync)
     model = two_layer_model().to(device)

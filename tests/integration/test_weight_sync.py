@@ -13,13 +13,26 @@ import sys
 import pytest
 import torch
 from tests.conftest import REPO, example, write_config
+from toolkit.launch.env import ATTEMPT, SECRET_FILE
 from toolkit.tiny import build_family
 from toolkit.transport.rendezvous import serve_store
+from toolkit.transport.wire import new_secret
 from toolkit.weights.hf_format import checkpoint_converter, identity
 from toolkit.weights.probe import model_logprobs, probe_tokens
 from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, plan_layout
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def run_key(tmp_path, monkeypatch):
+    """The environment a run gives its workers, from which the rendezvous store takes its key (the peer
+    processes inherit it)."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(new_secret())
+    secret.chmod(0o600)
+    monkeypatch.setenv(SECRET_FILE, str(secret))
+    monkeypatch.setenv(ATTEMPT, "test")
 
 
 def peer(*args, log) -> subprocess.Popen:

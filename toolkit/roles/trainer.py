@@ -12,7 +12,7 @@ On a resume (`start` carries the plan) the trainer loads the checkpoint and trai
 committed experience after it, from the stored tensors, before the first new step; a replay that passed a
 step due a checkpoint ends with one.
 
-Rank 0 hosts the run's TCPStore: the trainer group and the weight-sync group rendezvous on it, and it
+Rank 0 hosts the run's rendezvous store: the trainer group and the weight-sync group rendezvous on it, and it
 tells the other ranks what to do next with a broadcast command (train, checkpoint, sync, stop).
 
 The critic on ranks of its own (a node group hosting the critic alone, as OpenRLHF puts it on GPUs of

@@ -2,7 +2,7 @@
 each other besides gradients (sums, barriers, rank 0's next command, rank 0's data). With the critic on
 ranks of its own, the ranks form two parts, each training its model over a process group of its own.
 
-Rank 0 hosts the run's TCPStore (`prepare`); the others find it in the address book (`join`). The ranks'
+Rank 0 hosts the run's rendezvous store (`prepare`; transport/rendezvous.py); the others find it in the address book (`join`). The ranks'
 models train over torch.distributed's default group (gloo on CPU; on GPU, NCCL for CUDA tensors and gloo
 for CPU ones), which DeepSpeed then uses. With two parts, each part's default group holds its own ranks
 only: DeepSpeed's ZeRO-3 runs collectives and checks of its own over the default group (barriers while it
@@ -30,7 +30,7 @@ class Ranks:
         self.part = self  # (the ranks this rank's models train over: all of them, or with two parts, its own)
 
     def prepare(self, bind_host: str, timeout_s: float) -> dict:
-        """Before registering: rank 0 starts the run's TCPStore; the address book entry to publish."""
+        """Before registering: rank 0 starts the run's rendezvous store; the address book entry to publish."""
         if self.rank != 0:
             return {}
         from toolkit.transport.rendezvous import serve_store
