@@ -2,10 +2,11 @@
 
     .venv/bin/python tools/bench_sync.py [--repeats N] [--device cuda]
 
-Two processes on this machine form a gloo group over the rendezvous store on 127.0.0.1, as trainer rank 0 and one
-generator rank do. With `--device cuda` both hold their tensors on the one GPU, as a trainer and a
-generator sharing a GPU do: NCCL needs a GPU per rank, so `form_group` takes gloo there too, which copies
-each bucket through host memory (NCCL takes gloo's place where the ranks have GPUs of their own). Per model:
+Two processes on this machine form a gloo group over the run's rendezvous store on 127.0.0.1, as trainer
+rank 0 and one generator rank do. With `--device cuda` both hold their tensors on the one GPU, as a
+trainer and a generator sharing a GPU do: NCCL needs a GPU per rank, so `form_group` takes gloo there
+too, which copies each bucket through host memory (NCCL takes gloo's place where the ranks have GPUs of
+their own). Per model:
 - slurm-rlhf: what the trainer does at every sync, `WeightSender.send`: the weights in buckets of
   `trainer.weight_sync_bucket_mb` (its default), converted to the checkpoint format vLLM loads, each packed into a
   send buffer and sent as one broadcast, and the probe's log-probs (one forward pass of 8 tokens, the check

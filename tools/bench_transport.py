@@ -78,14 +78,16 @@ def receiver(system: str, secret: bytes, count: int, conn) -> None:
                       for (name, dtype, shape), f in zip(header["arrays"], frames[1:])}
             meta = {k: v for k, v in header["meta"].items() if k != "stage"}
             return SampleBatch.from_parts(meta, arrays)
-    for _ in range(WARM):
-        take()
-    conn.send("warm")
-    for _ in range(count):
-        batch = take()
-    conn.send((time.monotonic(), len(batch)))
-    close()
-    ctx.term()  # (not destroy(): the inbox's gate reads a socket of the context in a thread of its own)
+    try:
+        for _ in range(WARM):
+            take()
+        conn.send("warm")
+        for _ in range(count):
+            batch = take()
+        conn.send((time.monotonic(), len(batch)))
+    finally:  # (a timeout too: an open socket would hold term() forever)
+        close()
+        ctx.term()  # (not destroy(): the inbox's gate reads a socket of the context in a thread of its own)
 
 
 def stream(system: str, batch: SampleBatch, count: int) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import threading
 import time
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.transport.rendezvous import StoreError, connect_store, serve_store
+from toolkit.transport.sockets import recv_valid
 from toolkit.transport.wire import new_secret
 
 KEY = new_secret()
@@ -40,6 +42,65 @@ def test_the_calls_torch_makes(store):
         assert store.get("group/k") == b"v"
     finally:
         other.close()
+
+
+def test_torchs_own_side_reaches_every_call(store):
+    """torch's C++ side (here a PrefixStore's) calls some methods by their C++ names (getNumKeys,
+    deleteKey) and asks for clones, which must outlive the Python reference torch never keeps."""
+    prefixed = dist.PrefixStore("p", store)
+    prefixed.set("a", b"1")
+    assert prefixed.get("a") == b"1" and prefixed.add("n", 4) == 4 and prefixed.check(["a", "n"])
+    prefixed.wait(["a"])
+    assert prefixed.compare_set("c", b"", b"x") == b"x"
+    prefixed.multi_set(["m1", "m2"], [b"1", b"2"])
+    assert prefixed.multi_get(["m1", "m2"]) == [b"1", b"2"]
+    assert prefixed.num_keys() == store.num_keys() == 5
+    assert prefixed.delete_key("c") and not prefixed.delete_key("c")
+    clone = prefixed.clone()
+    gc.collect()
+    clone.set("from-clone", b"2")
+    assert store.get("p/from-clone") == b"2"
+
+
+def test_a_closed_client_fails_by_name(store):
+    """A group whose store client was closed (an engine's group of a trainer gone) fails by name."""
+    client = connect_store("127.0.0.1", store.port, 30, KEY)
+    prefixed = dist.PrefixStore("q", client)
+    prefixed.set("a", b"1")
+    client.close()
+    with pytest.raises(RuntimeError, match="rendezvous store at tcp://127.0.0.1:[0-9]+ is closed"):
+        prefixed.get("a")
+    assert store.get("q/a") == b"1"
+
+
+def test_a_malformed_request_is_answered_and_the_store_serves_on(store):
+    """A client with the key but a bug (or a buggy version): every odd request gets an error reply naming
+    what was wrong, and the store's thread goes on serving."""
+    client = connect_store("127.0.0.1", store.port, 30, KEY)
+    try:
+        for op, meta, error in [
+            ("set", {"key": ["x"], "value": b"1"}, "key must be a string"),
+            ("set", {"key": "x", "value": "text"}, "value must be bytes"),
+            ("get", {"key": {"a": 1}}, "key must be a string"),
+            ("wait", {"keys": [["unhashable"]]}, "keys must be a list of strings"),
+            ("add", {"key": "n", "n": 2**63}, "n must be a 64-bit integer"),
+            ("check", {"keys": "ab"}, "keys must be a list of strings"),
+            ("explode", {}, "unknown operation 'explode'"),
+        ]:
+            with pytest.raises(StoreError, match=f"rendezvous store: {op}: BadRequest: {error}"):
+                client._call(op, **meta)
+        client.add("n", 2**63 - 1)
+        with pytest.raises(StoreError, match="n would leave 64 bits"):
+            client.add("n", 1)
+        assert client.get("n") == str(2**63 - 1).encode()  # (unchanged by the refused add)
+        for meta in ({"id": 2**64 - 1}, {"id": 1.5}, {"timeout_s": float("inf")}):  # (past what the client sends)
+            request = {"id": 9, "key": "n", "timeout_s": 1.0, **meta}
+            client._socket.send_multipart(client._codec.encode("get", request, to="store"))
+            reply = recv_valid(client._socket, client._codec, client.rejected, 10)
+            assert reply is not None and "error" in reply.meta, meta
+        assert store.server.is_alive() and client.get("n") == str(2**63 - 1).encode()
+    finally:
+        client.close()
 
 
 def test_get_and_wait_are_answered_when_the_key_comes(store):

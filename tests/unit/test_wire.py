@@ -122,6 +122,12 @@ def test_a_valid_frame_reaches_only_the_receiver_it_was_sent_to():
         Codec(SECRET, "scorer:0", accepts={"scorer:0", "scorer"}).decode(command)
     with pytest.raises(FrameError, match="a send-only socket"):  # (the driver's codec takes nothing)
         Codec(SECRET, "driver", accepts=()).decode(tx.encode("x", to=""))
+    # A reply to one sender (the rendezvous store's to a client) reaches that sender alone.
+    client, other = Codec(SECRET, "store-client", accepts=()), Codec(SECRET, "store-client", accepts=())
+    reply = Codec(SECRET, "store").encode("reply", {"id": 1}, to=client.sender)
+    assert client.decode(reply).meta == {"id": 1}
+    with pytest.raises(FrameError, match="misdirected"):
+        other.decode(reply)
 
 
 def forged(header: dict, buffers: list[bytes]) -> list:

@@ -12,8 +12,8 @@ On a resume (`start` carries the plan) the trainer loads the checkpoint and trai
 committed experience after it, from the stored tensors, before the first new step; a replay that passed a
 step due a checkpoint ends with one.
 
-Rank 0 hosts the run's rendezvous store: the trainer group and the weight-sync group rendezvous on it, and it
-tells the other ranks what to do next with a broadcast command (train, checkpoint, sync, stop).
+Rank 0 hosts the run's rendezvous store: the trainer group and the weight-sync groups rendezvous on it,
+and it tells the other ranks what to do next with a broadcast command (train, checkpoint, sync, stop).
 
 The critic on ranks of its own (a node group hosting the critic alone, as OpenRLHF puts it on GPUs of
 its own): the trainer's ranks are the actor's group's, then as many of the critic's group, and each

@@ -2,13 +2,14 @@
 each other besides gradients (sums, barriers, rank 0's next command, rank 0's data). With the critic on
 ranks of its own, the ranks form two parts, each training its model over a process group of its own.
 
-Rank 0 hosts the run's rendezvous store (`prepare`; transport/rendezvous.py); the others find it in the address book (`join`). The ranks'
-models train over torch.distributed's default group (gloo on CPU; on GPU, NCCL for CUDA tensors and gloo
-for CPU ones), which DeepSpeed then uses. With two parts, each part's default group holds its own ranks
-only: DeepSpeed's ZeRO-3 runs collectives and checks of its own over the default group (barriers while it
-partitions a model, the order of each forward pass), which must not mix the actor's ranks with the
-critic's. What every rank of both parts says to each other then goes over a gloo group of all of them
-(`control`). The RL trainer's weight-sync groups rendezvous on the same store.
+Rank 0 hosts the run's rendezvous store (`prepare`; transport/rendezvous.py); the others find it in the
+address book (`join`). The ranks' models train over torch.distributed's default group (gloo on CPU; on
+GPU, NCCL for CUDA tensors and gloo for CPU ones), which DeepSpeed then uses. With two parts, each part's
+default group holds its own ranks only: DeepSpeed's ZeRO-3 runs collectives and checks of its own over
+the default group (barriers while it partitions a model, the order of each forward pass), which must not
+mix the actor's ranks with the critic's. What every rank of both parts says to each other then goes over
+a gloo group of all of them (`control`). The RL trainer's weight-sync groups rendezvous on the same
+store.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ gradients. This store answers only the run's own processes:
 
 `get` and `wait` are answered by the server once their keys exist (the request waits there, not in a
 polling loop), and give up after the store's timeout with an error that names the keys, as TCPStore's do.
+A request the server cannot answer (a key not a string, a count past 64 bits) gets an error reply that
+says what was wrong; nothing a client sends stops the server's thread.
 
 What is left unauthenticated is torch.distributed's own connections between ranks (gloo, NCCL), which
 the store's addresses point to (see README, "Security").
@@ -26,6 +28,7 @@ import collections
 import datetime
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -40,9 +43,12 @@ from toolkit.transport.wire import Codec, attempt_secret, read_secret
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_BYTES = 16 * 2**20  # (keys and values are addresses, ids and small layouts)
-SERVER, CLIENT = "store", "store-client"
+# Keys and values are addresses, ids and small layouts. A frame on its way in is held whole before the gate
+# is asked, so this also bounds what a stranger can make the server hold (for the gate's 10 s handshake).
+MAX_REQUEST_BYTES = 2**20
+SERVER = "store"
 StoreError = getattr(dist, "DistStoreError", RuntimeError)  # (a RuntimeError, as TCPStore's errors are)
+INT64 = 2**63
 
 
 def run_key() -> bytes:
@@ -61,10 +67,14 @@ def serve_store(host: str, timeout_s: float, key: bytes | None = None) -> "Rende
     """Start the store's server on `host` (a free port) and return a client of it (`.port`, `.server`).
     `key`: the attempt's key (default: `run_key()`)."""
     key = run_key() if key is None else key
-    server = StoreServer(host, key, timeout_s)
+    server = StoreServer(host, key)
     server.start()
-    store = RendezvousStore(host, server.port, key, timeout_s)
-    store.server = server  # (the server lives as long as the client that rank 0 holds)
+    try:
+        store = RendezvousStore(host, server.port, key, timeout_s)
+    except BaseException:
+        server.close()
+        raise
+    store.server = server  # (closed with this client; else it serves until the process exits: a daemon thread)
     return store
 
 
@@ -84,18 +94,51 @@ class _Waiting:
     """A `get` or `wait` request that the server answers once its keys exist."""
 
     identity: bytes
+    sender: str
     op: str
     id: int
     keys: list
     until: float
 
 
-class StoreServer(threading.Thread):
-    """The store's keys and values, served on a socket of its own (its own ZeroMQ context and gate)."""
+class BadRequest(ValueError):
+    """A request of the run's own key that is not one the store answers (answered with an error)."""
 
-    def __init__(self, host: str, key: bytes, timeout_s: float):
+
+def _str(meta: dict, field: str) -> str:
+    value = meta.get(field)
+    if not isinstance(value, str):
+        raise BadRequest(f"{field} must be a string, not {type(value).__name__}")
+    return value
+
+
+def _strs(meta: dict, field: str) -> list[str]:
+    value = meta.get(field)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadRequest(f"{field} must be a list of strings")
+    return value
+
+
+def _bytes(meta: dict, field: str) -> bytes:
+    value = meta.get(field)
+    if not isinstance(value, bytes):
+        raise BadRequest(f"{field} must be bytes, not {type(value).__name__}")
+    return value
+
+
+def _int64(meta: dict, field: str) -> int:
+    value = meta.get(field)
+    if type(value) is not int or not -INT64 <= value < INT64:
+        raise BadRequest(f"{field} must be a 64-bit integer")
+    return value
+
+
+class StoreServer(threading.Thread):
+    """The store's keys and values, served on a socket of its own (its own ZeroMQ context and gate).
+    A request it cannot answer gets an error reply; nothing a client sends stops it."""
+
+    def __init__(self, host: str, key: bytes):
         super().__init__(name="rendezvous-store", daemon=True)
-        self.timeout_s = timeout_s
         self.codec = Codec(key, SERVER, accepts={SERVER})
         self.ctx = zmq.Context(1)
         self.socket = self.ctx.socket(zmq.ROUTER)
@@ -117,13 +160,12 @@ class StoreServer(threading.Thread):
     def run(self) -> None:
         try:
             while not self._closing.is_set():
-                if self.socket.poll(100):
-                    identity, *frames = self.socket.recv_multipart()
-                    msg = decode_or_count(self.codec, frames, self.rejected)
-                    if msg is not None:
-                        self._handle(identity, msg.kind, msg.meta)
-                if self.waiting:
-                    self._answer_waiting()
+                try:
+                    self._serve_once()
+                except zmq.ContextTerminated:
+                    break
+                except Exception:  # (a bug here must not end the rendezvous of every group)
+                    log.exception("rendezvous store: a request failed; serving on")
         finally:
             self.socket.close(linger=0)
 
@@ -133,64 +175,94 @@ class StoreServer(threading.Thread):
             self.join(5)
         self.ctx.term()
 
-    def _handle(self, identity: bytes, op: str, meta: dict) -> None:
+    def _serve_once(self) -> None:
+        if self.socket.poll(100):
+            identity, *frames = self.socket.recv_multipart()
+            msg = decode_or_count(self.codec, frames, self.rejected)
+            if msg is not None:
+                self._handle(identity, msg.sender, msg.kind, msg.meta)
+        if self.waiting:
+            self._answer_waiting()
+
+    def _handle(self, identity: bytes, sender: str, op: str, meta: dict) -> None:
+        rid = meta.get("id")
         try:
-            rid, data = int(meta["id"]), self.data
+            rid = _int64(meta, "id")
             if op in ("get", "wait"):
-                keys = [meta["key"]] if op == "get" else list(meta["keys"])
-                self.waiting.append(_Waiting(identity, op, rid, keys, time.monotonic() + float(meta["timeout_s"])))
+                timeout_s = meta.get("timeout_s")
+                if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+                    raise BadRequest("timeout_s must be a positive number of seconds")
+                keys = [_str(meta, "key")] if op == "get" else _strs(meta, "keys")
+                self.waiting.append(_Waiting(identity, sender, op, rid, keys, time.monotonic() + timeout_s))
                 return self._answer_waiting()
-            if op == "set":
-                data[meta["key"]] = bytes(meta["value"])
-                value = None
-            elif op == "add":
-                value = int(data.get(meta["key"], b"0")) + int(meta["n"])
-                data[meta["key"]] = str(value).encode()
-            elif op == "check":
-                value = all(k in data for k in meta["keys"])
-            elif op == "compare_set":  # (TCPStore's: set when the value is `expected`, or absent and `expected` empty)
-                key, current = meta["key"], data.get(meta["key"])
-                if current == meta["expected"] or (current is None and not meta["expected"]):
-                    data[key] = current = bytes(meta["desired"])
-                value = current if current is not None else bytes(meta["expected"])
-            elif op == "delete_key":
-                value = data.pop(meta["key"], None) is not None
-            elif op == "num_keys":
-                value = len(data)
-            else:
-                raise ValueError(f"unknown operation {op!r}")
-        except (KeyError, TypeError, ValueError) as e:  # (an insider's malformed request: answer, go on)
-            return self._reply(identity, {"id": meta.get("id"), "error": f"{op}: {type(e).__name__}: {e}"})
-        self._reply(identity, {"id": rid, "value": value})
+            value = self._answer(op, meta)
+        except Exception as e:  # (an insider's malformed request: answer it, serve on)
+            rid = rid if type(rid) is int and -INT64 <= rid < INT64 else None
+            return self._reply(identity, sender, {"id": rid, "error": f"{op}: {type(e).__name__}: {e}"})
+        self._reply(identity, sender, {"id": rid, "value": value})
         if op in ("set", "add", "compare_set") and self.waiting:
             self._answer_waiting()
+
+    def _answer(self, op: str, meta: dict):
+        data = self.data
+        if op == "set":
+            data[_str(meta, "key")] = _bytes(meta, "value")
+            return None
+        if op == "add":
+            key, n = _str(meta, "key"), _int64(meta, "n")
+            value = int(data.get(key, b"0")) + n
+            if not -INT64 <= value < INT64:
+                raise BadRequest(f"{key} would leave 64 bits")
+            data[key] = str(value).encode()
+            return value
+        if op == "check":
+            return all(k in data for k in _strs(meta, "keys"))
+        if op == "compare_set":  # (TCPStore's: set when the value is `expected`, or absent and `expected` empty)
+            key, expected, desired = _str(meta, "key"), _bytes(meta, "expected"), _bytes(meta, "desired")
+            current = data.get(key)
+            if current == expected or (current is None and not expected):
+                data[key] = current = desired
+            return current if current is not None else expected
+        if op == "delete_key":
+            return data.pop(_str(meta, "key"), None) is not None
+        if op == "num_keys":
+            return len(data)
+        raise BadRequest(f"unknown operation {op!r}")
 
     def _answer_waiting(self) -> None:
         now, still = time.monotonic(), []
         for w in self.waiting:
             if all(k in self.data for k in w.keys):
-                self._reply(w.identity, {"id": w.id, "value": self.data[w.keys[0]] if w.op == "get" else None})
+                value = self.data[w.keys[0]] if w.op == "get" else None
+                self._reply(w.identity, w.sender, {"id": w.id, "value": value})
             elif now < w.until:
                 still.append(w)
             # (else the client gave up already: it raised on its side)
         self.waiting = still
 
-    def _reply(self, identity: bytes, meta: dict) -> None:
-        self.socket.send_multipart([identity, *self.codec.encode("reply", meta, to=CLIENT)])
+    def _reply(self, identity: bytes, to: str, meta: dict) -> None:
+        self.socket.send_multipart([identity, *self.codec.encode("reply", meta, to=to)])
 
 
 class RendezvousStore(dist.Store):
-    """A client of the run's store (thread-safe: one request at a time)."""
+    """A client of the run's store (thread-safe: one request at a time).
+
+    torch holds a store it is given only on its C++ side, and a Python store whose Python object is
+    gone fails every call: whoever forms groups over a client keeps the client for the groups' life
+    (a rank's `Ranks.store`, an engine's `_store`), and a client keeps the clones torch asks of it."""
 
     def __init__(self, host: str, port: int, key: bytes, timeout_s: float):
         super().__init__()
+        self._timeout_s = float(timeout_s)
         self.set_timeout(datetime.timedelta(seconds=timeout_s))
         self.host, self.port, self._key = host, port, key
         self.server = None
+        self._clones: list[RendezvousStore] = []
         self._address = f"{_tcp(host)}:{port}"
-        self._codec = Codec(key, CLIENT, accepts={CLIENT})
+        self._codec = Codec(key, "store-client", accepts=())  # (replies come to its own sender name)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._closed = False
         self.rejected: collections.Counter = collections.Counter()
         self._ctx = zmq.Context(1)
         self._socket = self._ctx.socket(zmq.DEALER)
@@ -201,8 +273,12 @@ class RendezvousStore(dist.Store):
         self._socket.connect(self._address)
 
     def _call(self, op: str, timeout: datetime.timedelta | None = None, **meta):
-        timeout_s = (timeout or self.timeout).total_seconds()
+        timeout_s = (timeout if timeout is not None else self.timeout).total_seconds()
+        if timeout_s <= 0:  # (torch's "no timeout": here every wait ends, after the store's own timeout)
+            timeout_s = self._timeout_s
         with self._lock:
+            if self._closed:
+                raise StoreError(f"the client of the rendezvous store at {self._address} is closed")
             rid = next(self._ids)
             self._socket.send_multipart(self._codec.encode(op, {"id": rid, "timeout_s": timeout_s, **meta}, to=SERVER))
             deadline = time.monotonic() + timeout_s
@@ -218,10 +294,10 @@ class RendezvousStore(dist.Store):
                     break
         if "error" in msg.meta:
             raise StoreError(f"rendezvous store: {msg.meta['error']}")
-        return msg.meta["value"]
+        return msg.meta.get("value")
 
     def set(self, key: str, value) -> None:
-        self._call("set", key=key, value=value.encode() if isinstance(value, str) else bytes(value))
+        self._call("set", key=key, value=_as_bytes(value))
 
     def get(self, key: str) -> bytes:
         return self._call("get", key=key)
@@ -236,8 +312,7 @@ class RendezvousStore(dist.Store):
         self._call("wait", timeout, keys=list(keys))
 
     def compare_set(self, key: str, expected, desired) -> bytes:
-        as_bytes = lambda v: v.encode() if isinstance(v, str) else bytes(v)  # noqa: E731
-        return self._call("compare_set", key=key, expected=as_bytes(expected), desired=as_bytes(desired))
+        return self._call("compare_set", key=key, expected=_as_bytes(expected), desired=_as_bytes(desired))
 
     def delete_key(self, key: str) -> bool:
         return self._call("delete_key", key=key)
@@ -245,13 +320,29 @@ class RendezvousStore(dist.Store):
     def num_keys(self) -> int:
         return self._call("num_keys")
 
+    # (the names torch's C++ side calls these two by)
+    getNumKeys = num_keys
+    deleteKey = delete_key
+
     def clone(self) -> "RendezvousStore":
-        """A client of its own (torch asks for one to call the store from another thread)."""
-        return RendezvousStore(self.host, self.port, self._key, self.timeout.total_seconds())
+        """A client of its own (torch asks for one to call the store from another thread); kept by this
+        one, which closes it with itself."""
+        clone = RendezvousStore(self.host, self.port, self._key, self._timeout_s)
+        self._clones.append(clone)
+        return clone
 
     def close(self) -> None:
-        """Close this client (and the server, if this is rank 0's)."""
-        self._socket.close(linger=0)
-        self._ctx.term()
+        """Close this client and its clones (and the server, if this is rank 0's)."""
+        for clone in self._clones:
+            clone.close()
+        with self._lock:  # (a call under way ends first, by its timeout at the latest)
+            if not self._closed:
+                self._closed = True
+                self._socket.close(linger=0)
+                self._ctx.term()
         if self.server is not None:
             self.server.close()
+
+
+def _as_bytes(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)

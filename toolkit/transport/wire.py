@@ -113,7 +113,8 @@ def read_secret(path: str | os.PathLike) -> bytes:
 
 class Codec:
     """Encodes messages of one sender and decodes (and authenticates) messages of any sender addressed to
-    one of the names in `accepts` (None: any recipient, for tools and tests)."""
+    one of the names in `accepts` (None: any recipient, for tools and tests) or to this codec's own
+    `sender` name (a reply to this one sender)."""
 
     def __init__(self, secret: bytes, sender: str, accepts=None):
         self._secret = secret
@@ -161,7 +162,7 @@ class Codec:
                 or not hmac.compare_digest(self._mac(body), bytes(mac))):
             raise FrameError("bad-mac", "authentication failed (wrong run secret, or the frame was altered)")
         header = self._parse_header(body[1])
-        if self._accepts is not None and header["to"] not in self._accepts:
+        if self._accepts is not None and header["to"] not in self._accepts and header["to"] != self.sender:
             raise FrameError("misdirected", f"a frame for {header['to']!r} from {header['sender']} reached "
                                             f"{'/'.join(sorted(self._accepts)) or 'a send-only socket'}")
         sender, seq = header["sender"], header["seq"]

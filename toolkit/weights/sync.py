@@ -1,12 +1,13 @@
 """Weight sync: trainer rank 0 broadcasts full actor weights to every generator worker, in buckets.
 
-Each generator worker has a group of its own, a dedicated torch.distributed process group (gloo on
-CPU, NCCL on GPUs, gloo where ranks share a GPU: `form_group`) formed by rendezvous on the store that trainer rank 0 hosts: rank 0 is the trainer,
-ranks 1..N that worker's engine ranks (its vLLM workers). A generator that dies breaks only its own
-group: the trainer drops that group and goes on with the others, and the worker started in its place
-joins a new group (a new name, so no key of the old rendezvous is read again), where the trainer first
-sends it the current weights. The groups are separate from the trainer's own data-parallel group.
-The trainer sends each tensor on every group at once (asynchronous broadcasts).
+Each generator worker has a group of its own, a dedicated torch.distributed process group (gloo on CPU,
+NCCL on GPUs, gloo where ranks share a GPU: `form_group`) formed by rendezvous on the store that trainer
+rank 0 hosts (transport/rendezvous.py): rank 0 is the trainer, ranks 1..N that worker's engine ranks (its
+vLLM workers). A generator that dies breaks only its own group: the trainer drops that group and goes on
+with the others, and the worker started in its place joins a new group (a new name, so no key of the old
+rendezvous is read again), where the trainer first sends it the current weights. The groups are separate
+from the trainer's own data-parallel group. The trainer sends each tensor on every group at once
+(asynchronous broadcasts).
 
 Protocol, on each group, root 0:
   join:  layout length (int64[1]), layout (uint8 JSON: {"buckets": [[[name, dtype, shape], ...], ...],

@@ -31,6 +31,7 @@ class HFEngine:
                                            max_new_tokens=r.max_new_tokens, pad_token_id=self.pad_id,
                                            eos_token_id=self.eos_id, output_scores=True, return_dict_in_generate=True)
         self._receiver = None
+        self._store = None  # (the weight-sync group's rendezvous store)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
@@ -87,8 +88,10 @@ class HFEngine:
     def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float,
                          name: str = "0") -> dict:
         """Join the trainer's weight-sync group `name`; {weights, probe}."""
-        store = connect_store(host, port, timeout_s)
-        group = form_group(store, first_rank, world_size, timeout_s, self.device, name)
+        if self._store is not None:  # (the group of a trainer gone)
+            self._store.close()
+        self._store = connect_store(host, port, timeout_s)  # (kept for the group's life: torch holds only its C++ side)
+        group = form_group(self._store, first_rank, world_size, timeout_s, self.device, name)
         self._receiver = WeightReceiver(group, self.device)
         return {"weights": self._receiver.weights, "probe": self._receiver.probe}
 
