@@ -16,6 +16,7 @@ from toolkit.transport.sockets import recv_valid
 from toolkit.transport.wire import new_secret
 
 KEY = new_secret()
+STRANGER_ERRORS = (dist.DistError, TimeoutError)  # (TCPStore's "timed out" and "connection reset" kinds)
 
 
 @pytest.fixture
@@ -105,11 +106,11 @@ def test_a_malformed_request_is_answered_and_the_store_serves_on(store):
 
 def test_get_and_wait_are_answered_when_the_key_comes(store):
     other = connect_store("127.0.0.1", store.port, 30, KEY)
+    started = time.monotonic()
     threading.Timer(0.3, lambda: store.set("late", b"here")).start()
     try:
-        started = time.monotonic()
         assert other.get("late") == b"here"
-        assert time.monotonic() - started >= 0.25
+        assert time.monotonic() - started >= 0.29  # (answered when the key came, not before)
         other.wait(["late"])
     finally:
         other.close()
@@ -121,8 +122,38 @@ def test_a_missing_key_times_out_by_name(store):
         store.get("never")
     with pytest.raises(RuntimeError, match=r"wait \['x', 'y'\]"):
         store.wait(["x", "y"], datetime.timedelta(seconds=0.3))
-    store.set("after", b"1")  # (the store still answers after a timeout: late answers are skipped)
+    store.set_timeout(datetime.timedelta(seconds=30))
+    store.set("after", b"1")  # (the store still answers after a timeout)
     assert store.get("after") == b"1"
+
+
+def test_a_late_answer_is_not_taken_for_the_next(store):
+    """A reply to an earlier request (here one sent raw, not awaited) does not answer the next call."""
+    client = connect_store("127.0.0.1", store.port, 30, KEY)
+    try:
+        client._socket.send_multipart(client._codec.encode("get", {"id": 10**6, "key": "k", "timeout_s": 30.0},
+                                                           to="store"))
+        client.set("k", b"v")  # (its reply comes first, then the earlier get's)
+        assert client.num_keys() == 1  # (not b"v", the get's late answer)
+    finally:
+        client.close()
+
+
+def test_a_request_over_the_limit_fails_at_once_by_name(store):
+    with pytest.raises(StoreError, match=r"set big: a request of [0-9]+ bytes, over the store's limit of 1048576"):
+        store.set("big", b"x" * 2**20)
+    store.set("small", b"x" * 1000)
+    assert store.num_keys() == 1
+
+
+def test_close_ends_clones_and_the_server(store):
+    clone = store.clone()
+    assert clone.num_keys() == 0
+    store.close()
+    with pytest.raises(StoreError, match="is closed"):
+        clone.num_keys()
+    assert not store.server.is_alive()
+    store.close()  # (twice is fine: the fixture does it again)
 
 
 def test_a_stranger_can_neither_read_nor_write(store):
@@ -131,7 +162,7 @@ def test_a_stranger_can_neither_read_nor_write(store):
         connect_store("127.0.0.1", store.port, 1, new_secret())
     assert store.server.gate.refused["unauthenticated"] >= 1
     # torch's own TCPStore client (what a stranger would use against a TCPStore) gets nowhere either.
-    with pytest.raises(Exception):
+    with pytest.raises(STRANGER_ERRORS):
         stranger = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=1))
         stranger.set("address", b"the stranger's")
     assert store.get("address") == b"rank 0's" and store.num_keys() == 1
@@ -139,18 +170,22 @@ def test_a_stranger_can_neither_read_nor_write(store):
 
 def test_a_gloo_group_forms_over_it(store):
     """Two ranks in threads of one process (gloo's constructor waits for its peers)."""
-    out = {}
+    out, clients = {}, []
 
     def rank(r: int) -> None:
         s = store if r == 0 else connect_store("127.0.0.1", store.port, 30, KEY)
+        clients.append(s)
         group = dist.ProcessGroupGloo(dist.PrefixStore("g", s), r, 2, datetime.timedelta(seconds=30))
         t = torch.full((4,), float(r + 1))
         group.allreduce([t]).wait()
         out[r] = t.tolist()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    for client in clients:
+        if client is not store:
+            client.close()
     assert out == {0: [3.0] * 4, 1: [3.0] * 4}

@@ -139,6 +139,7 @@ def forged(header: dict, buffers: list[bytes]) -> list:
 
 @pytest.mark.parametrize("header,buffers,detail", [
     ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": [["x", "object", [1]]]}, [b"12345678"], "dtype"),
+    ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": [["x", ["int32"], [1]]]}, [b"1234"], "dtype"),
     ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": [["x", "int32", [3]]]}, [b"1234"], "needs 12 bytes"),
     ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": [["x", "int32", [-1]]]}, [b""], "bad shape"),
     ({"kind": "k", "sender": "a", "to": "", "seq": 1, "meta": {}, "arrays": []}, [b"extra"], "0 arrays, of 0 bytes joined"),

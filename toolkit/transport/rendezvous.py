@@ -14,7 +14,8 @@ gradients. This store answers only the run's own processes:
 - a client is a `torch.distributed.Store`, so torch's groups use it as they would a TCPStore.
 
 `get` and `wait` are answered by the server once their keys exist (the request waits there, not in a
-polling loop), and give up after the store's timeout with an error that names the keys, as TCPStore's do.
+polling loop); the client gives up after its timeout (the store's, or the one `wait` is given) with an
+error that names the keys, as TCPStore's do, and starts a fresh socket, so nothing of the request is left.
 A request the server cannot answer (a key not a string, a count past 64 bits) gets an error reply that
 says what was wrong; nothing a client sends stops the server's thread.
 
@@ -44,8 +45,11 @@ from toolkit.transport.wire import Codec, attempt_secret, read_secret
 log = logging.getLogger(__name__)
 
 # Keys and values are addresses, ids and small layouts. A frame on its way in is held whole before the gate
-# is asked, so this also bounds what a stranger can make the server hold (for the gate's 10 s handshake).
+# is asked, so this also bounds what a stranger can make the server hold per connection, for the gate's
+# handshake time (transport/gate.py).
 MAX_REQUEST_BYTES = 2**20
+MAX_WAIT_S = 24 * 3600  # (how long the server keeps a get or wait that waits for a key, whatever the client asks)
+SEND_TIMEOUT_MS = 10_000  # (a send queues at once; this bounds only a queue that is full, never here)
 SERVER = "store"
 StoreError = getattr(dist, "DistStoreError", RuntimeError)  # (a RuntimeError, as TCPStore's errors are)
 INT64 = 2**63
@@ -81,7 +85,11 @@ def serve_store(host: str, timeout_s: float, key: bytes | None = None) -> "Rende
 def connect_store(host: str, port: int, timeout_s: float, key: bytes | None = None) -> "RendezvousStore":
     """A client of the store at host:port; raises StoreError if it does not answer within `timeout_s`."""
     store = RendezvousStore(host, port, key if key is not None else run_key(), timeout_s)
-    store.num_keys()  # (as TCPStore's constructor: fail here, by name, if nothing answers)
+    try:
+        store.num_keys()  # (as TCPStore's constructor: fail here, by name, if nothing answers)
+    except BaseException:
+        store.close()
+        raise
     return store
 
 
@@ -193,7 +201,8 @@ class StoreServer(threading.Thread):
                 if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
                     raise BadRequest("timeout_s must be a positive number of seconds")
                 keys = [_str(meta, "key")] if op == "get" else _strs(meta, "keys")
-                self.waiting.append(_Waiting(identity, sender, op, rid, keys, time.monotonic() + timeout_s))
+                until = time.monotonic() + min(timeout_s, MAX_WAIT_S)
+                self.waiting.append(_Waiting(identity, sender, op, rid, keys, until))
                 return self._answer_waiting()
             value = self._answer(op, meta)
         except Exception as e:  # (an insider's malformed request: answer it, serve on)
@@ -262,39 +271,64 @@ class RendezvousStore(dist.Store):
         self._codec = Codec(key, "store-client", accepts=())  # (replies come to its own sender name)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._closed = False
+        self._closing = threading.Event()
         self.rejected: collections.Counter = collections.Counter()
         self._ctx = zmq.Context(1)
-        self._socket = self._ctx.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-        self._socket.setsockopt(zmq.IPV6, int(":" in host))
-        enter(self._socket, self._codec.password)
-        self._socket.connect(self._address)
+        self._socket = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        socket = self._ctx.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        socket.setsockopt(zmq.IPV6, int(":" in self.host))
+        enter(socket, self._codec.password)
+        socket.connect(self._address)
+        return socket
 
     def _call(self, op: str, timeout: datetime.timedelta | None = None, **meta):
         timeout_s = (timeout if timeout is not None else self.timeout).total_seconds()
         if timeout_s <= 0:  # (torch's "no timeout": here every wait ends, after the store's own timeout)
             timeout_s = self._timeout_s
+        what = f"{op} {meta['key'] if 'key' in meta else meta.get('keys', '')}".rstrip()
         with self._lock:
-            if self._closed:
-                raise StoreError(f"the client of the rendezvous store at {self._address} is closed")
+            self._check_open()
             rid = next(self._ids)
-            self._socket.send_multipart(self._codec.encode(op, {"id": rid, "timeout_s": timeout_s, **meta}, to=SERVER))
-            deadline = time.monotonic() + timeout_s
-            while True:
-                msg = recv_valid(self._socket, self._codec, self.rejected, max(0.0, deadline - time.monotonic()))
-                if msg is None:
-                    what = f" {meta.get('key') or meta.get('keys')}" if op in ("get", "wait") else ""
-                    raise StoreError(
-                        f"the rendezvous store at {self._address} did not answer {op}{what} within {timeout_s:g} s: "
-                        "a peer did not come, or the store is gone, or it refused this process's key (another "
-                        "run's, or an earlier attempt's)")
-                if msg.meta.get("id") == rid:  # (else a late answer to a request that timed out)
-                    break
+            frames = self._codec.encode(op, {"id": rid, "timeout_s": timeout_s, **meta}, to=SERVER)
+            if max(len(f) for f in frames) > MAX_REQUEST_BYTES:
+                raise StoreError(f"rendezvous store: {what}: a request of {max(len(f) for f in frames)} bytes, over "
+                                 f"the store's limit of {MAX_REQUEST_BYTES} (keys and values are for addresses and "
+                                 "small layouts)")
+            try:
+                self._socket.send_multipart(frames)
+            except zmq.Again:
+                msg = None
+            else:
+                msg = self._reply_to(rid, time.monotonic() + timeout_s)
+            if msg is None:
+                # A fresh socket: what this one still queues (this request, a late answer) is dropped with it.
+                self._socket.close(linger=0)
+                self._socket = self._connect()
+                raise StoreError(
+                    f"the rendezvous store at {self._address} did not answer {what} within {timeout_s:g} s: a peer "
+                    "did not come, or the store is gone, or it refused this process's key (another run's, or an "
+                    "earlier attempt's)")
         if "error" in msg.meta:
             raise StoreError(f"rendezvous store: {msg.meta['error']}")
         return msg.meta.get("value")
+
+    def _reply_to(self, rid: int, deadline: float):
+        """The server's reply to request `rid`, or None at `deadline`; looks at `close()` twice a second."""
+        while (left := deadline - time.monotonic()) > 0:
+            msg = recv_valid(self._socket, self._codec, self.rejected, min(0.5, left))
+            self._check_open()
+            if msg is not None and msg.meta.get("id") == rid:
+                return msg
+        return None
+
+    def _check_open(self) -> None:
+        if self._closing.is_set():
+            raise StoreError(f"the client of the rendezvous store at {self._address} is closed")
 
     def set(self, key: str, value) -> None:
         self._call("set", key=key, value=_as_bytes(value))
@@ -325,21 +359,25 @@ class RendezvousStore(dist.Store):
     deleteKey = delete_key
 
     def clone(self) -> "RendezvousStore":
-        """A client of its own (torch asks for one to call the store from another thread); kept by this
-        one, which closes it with itself."""
-        clone = RendezvousStore(self.host, self.port, self._key, self._timeout_s)
-        self._clones.append(clone)
+        """A client of its own (torch asks for one to call the store from another thread), with this one's
+        timeout; kept by this one, which closes it with itself."""
+        with self._lock:
+            self._check_open()
+            clone = RendezvousStore(self.host, self.port, self._key, self.timeout.total_seconds() or self._timeout_s)
+            self._clones.append(clone)
         return clone
 
     def close(self) -> None:
-        """Close this client and its clones (and the server, if this is rank 0's)."""
-        for clone in self._clones:
-            clone.close()
-        with self._lock:  # (a call under way ends first, by its timeout at the latest)
-            if not self._closed:
-                self._closed = True
+        """Close this client and its clones (and the server, if this is rank 0's); a call under way on
+        another thread raises StoreError within half a second."""
+        self._closing.set()
+        with self._lock:
+            clones, self._clones = self._clones, []
+            if not self._ctx.closed:
                 self._socket.close(linger=0)
                 self._ctx.term()
+        for clone in clones:
+            clone.close()
         if self.server is not None:
             self.server.close()
 

@@ -234,7 +234,7 @@ def _check_spec(spec) -> tuple[str, str, list[int]]:
     if type(spec) is not list or len(spec) != 3:
         raise FrameError("malformed", "array spec must be [name, dtype, shape]")
     name, dtype, shape = spec
-    if type(name) is not str or dtype not in DTYPES:
+    if type(name) is not str or type(dtype) is not str or dtype not in DTYPES:  # (a list is unhashable)
         raise FrameError("malformed", f"array {name!r}: dtype {dtype!r} not allowed")
     if type(shape) is not list or len(shape) > 8:
         raise FrameError("malformed", f"array {name!r}: bad shape {shape!r}")

@@ -48,8 +48,6 @@ class WeightSyncExtension:
     def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float,
                          name: str = "0") -> dict:
         """Join group `name` as rank `first_rank + <this worker's rank>`; return the number of weights and the probe."""
-        if getattr(self, "_store", None) is not None:  # (the group of a trainer gone)
-            self._store.close()
         self._store = connect_store(host, port, timeout_s)  # (kept for the group's life: torch holds only its C++ side)
         group = form_group(self._store, first_rank + self.rank, world_size, timeout_s, self.device, name)
         self._weight_receiver = WeightReceiver(group, self.device)

@@ -88,8 +88,6 @@ class HFEngine:
     def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float,
                          name: str = "0") -> dict:
         """Join the trainer's weight-sync group `name`; {weights, probe}."""
-        if self._store is not None:  # (the group of a trainer gone)
-            self._store.close()
         self._store = connect_store(host, port, timeout_s)  # (kept for the group's life: torch holds only its C++ side)
         group = form_group(self._store, first_rank, world_size, timeout_s, self.device, name)
         self._receiver = WeightReceiver(group, self.device)
