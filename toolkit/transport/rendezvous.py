@@ -97,6 +97,15 @@ def _tcp(host: str) -> str:
     return f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
 
 
+def _socket(ctx: zmq.Context, kind: int, host: str) -> zmq.Socket:
+    """A socket of the store (server's or client's) for `host`, its frames bounded by MAX_REQUEST_BYTES."""
+    socket = ctx.socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+    socket.setsockopt(zmq.IPV6, int(":" in host))
+    return socket
+
+
 @dataclass
 class _Waiting:
     """A `get` or `wait` request that the server answers once its keys exist."""
@@ -149,10 +158,7 @@ class StoreServer(threading.Thread):
         super().__init__(name="rendezvous-store", daemon=True)
         self.codec = Codec(key, SERVER, accepts={SERVER})
         self.ctx = zmq.Context(1)
-        self.socket = self.ctx.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.IPV6, int(":" in host))
+        self.socket = _socket(self.ctx, zmq.ROUTER, host)
         try:
             self.gate = guard(self.socket, self.codec.password)
             self.port = self.socket.bind_to_random_port(_tcp(host))
@@ -193,7 +199,7 @@ class StoreServer(threading.Thread):
             self._answer_waiting()
 
     def _handle(self, identity: bytes, sender: str, op: str, meta: dict) -> None:
-        rid = meta.get("id")
+        rid = None  # (the reply's id: None where the request's is not one)
         try:
             rid = _int64(meta, "id")
             if op in ("get", "wait"):
@@ -206,7 +212,6 @@ class StoreServer(threading.Thread):
                 return self._answer_waiting()
             value = self._answer(op, meta)
         except Exception as e:  # (an insider's malformed request: answer it, serve on)
-            rid = rid if type(rid) is int and -INT64 <= rid < INT64 else None
             return self._reply(identity, sender, {"id": rid, "error": f"{op}: {type(e).__name__}: {e}"})
         self._reply(identity, sender, {"id": rid, "value": value})
         if op in ("set", "add", "compare_set") and self.waiting:
@@ -277,11 +282,8 @@ class RendezvousStore(dist.Store):
         self._socket = self._connect()
 
     def _connect(self) -> zmq.Socket:
-        socket = self._ctx.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
+        socket = _socket(self._ctx, zmq.DEALER, self.host)
         socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-        socket.setsockopt(zmq.IPV6, int(":" in self.host))
         enter(socket, self._codec.password)
         socket.connect(self._address)
         return socket
@@ -295,8 +297,9 @@ class RendezvousStore(dist.Store):
             self._check_open()
             rid = next(self._ids)
             frames = self._codec.encode(op, {"id": rid, "timeout_s": timeout_s, **meta}, to=SERVER)
-            if max(len(f) for f in frames) > MAX_REQUEST_BYTES:
-                raise StoreError(f"rendezvous store: {what}: a request of {max(len(f) for f in frames)} bytes, over "
+            largest = max(len(f) for f in frames)
+            if largest > MAX_REQUEST_BYTES:
+                raise StoreError(f"rendezvous store: {what}: a request of {largest} bytes, over "
                                  f"the store's limit of {MAX_REQUEST_BYTES} (keys and values are for addresses and "
                                  "small layouts)")
             try:
