@@ -4,15 +4,17 @@
 #   bash tools/gpu_check.sh [OUT_DIR]              (PARTS="tests fp16" bash tools/gpu_check.sh: some parts)
 #
 # tests  the `gpu` tests (tests/gpu): bf16 and fp16 training with the memory switches, the trainer's state
-#        leaving the GPU between updates, weight sync between two processes on the one GPU, a GRPO run in
-#        Flattening;
+#        leaving the GPU between updates, weight sync between two processes on the one GPU, an NCCL group
+#        over the run's own rendezvous store, a GRPO run in Flattening;
 # sync   tools/bench_sync.py --device cuda: weight sync on the one GPU against a raw broadcast of the same bytes;
 # bf16   tools/bench_memory.py on Qwen2.5-0.5B's config (random weights), bf16: peak GPU memory and MFU of
 #        each memory switch;
 # fp16   the same in fp16 (DeepSpeed's dynamic loss scaling), the switches that fp16 changes.
 # Each part has a time limit of its own and the next runs whatever it gave; tables and logs go to OUT_DIR.
-# All four: about 11 minutes on an H200 (their times in two sessions added up), the CPU Adam build included;
-# a 15-minute lease, the machine's start included, fits two or three of them.
+# On a fresh H200 (2026-12-04), the CPU Adam build included: tests about 7 minutes (five of the six in
+# 330 s, then the Flattening run alone in 80 s), sync about 1. The four parts' limits add up to 925 s,
+# more than a 15-minute lease leaves after the machine's start: take `tests sync` in one call, the tables
+# (bf16 fp16) in another.
 set -u
 parts=" ${PARTS:-tests sync bf16 fp16} "
 out=${1:-${OUT:-/tmp/gpu-check}}
@@ -42,7 +44,7 @@ part() {
     quiet < "$out/$log" | tail -"$lines"
 }
 
-part tests 330 pytest.log 40 python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider
+part tests 480 pytest.log 40 python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider
 part sync 75 sync.log 12 python3 tools/bench_sync.py --device cuda --repeats 5
 part bf16 220 memory.log 14 python3 $memory --json "$out/memory.json"
 part fp16 150 fp16.log 10 python3 $memory --dtype float16 --settings baseline,checkpointing,offload_optimizer,lora \

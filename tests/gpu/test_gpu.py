@@ -213,6 +213,31 @@ def test_weight_sync_between_two_processes_on_one_gpu():
     assert receiver["probe_diff"] < 1e-4, receiver
 
 
+@pytest.mark.skipif(ON_CPU, reason="NCCL needs a GPU")
+def test_an_nccl_group_forms_over_the_runs_own_store():
+    """NCCL's C++ side against the run's rendezvous store (a Python torch.distributed.Store behind the
+    run's key): the group takes NCCL for a rank with a GPU of its own and its collectives run. One rank:
+    NCCL refuses two ranks on one GPU, so a group of two needs a second GPU."""
+    from toolkit.transport.rendezvous import serve_store
+    from toolkit.transport.wire import new_secret
+    from toolkit.weights.sync import form_group
+
+    store = serve_store("127.0.0.1", 60, new_secret())
+    try:
+        group = form_group(store, 0, 1, 60, DEVICE)
+        assert group.name() == "nccl"
+        weights = torch.arange(1 << 20, dtype=torch.bfloat16, device=DEVICE)
+        expected = weights.clone()
+        group.broadcast(weights, 0).wait()
+        group.allreduce([weights]).wait()
+        torch.cuda.synchronize()
+        assert torch.equal(weights, expected)
+        assert store.num_keys() >= 1  # (what NCCL and form_group wrote went through the store)
+        del group
+    finally:
+        store.close()
+
+
 @pytest.fixture(scope="module")
 def qwen_actor(tiny, tmp_path_factory) -> Path:
     """Qwen2.5-0.5B's architecture with the tiny tokenizer's 512-token vocabulary, random weights, bf16."""
