@@ -216,25 +216,36 @@ def test_weight_sync_between_two_processes_on_one_gpu():
 @pytest.mark.skipif(ON_CPU, reason="NCCL needs a GPU")
 def test_an_nccl_group_forms_over_the_runs_own_store():
     """NCCL's C++ side against the run's rendezvous store (a Python torch.distributed.Store behind the
-    run's key): the group takes NCCL for a rank with a GPU of its own and its collectives run. One rank:
-    NCCL refuses two ranks on one GPU, so a group of two needs a second GPU."""
+    run's key): the group takes NCCL for a rank with a GPU of its own and its collectives run, and the
+    trainer's sender waits for its transfers within the timeout (a host wait). One rank: NCCL refuses two
+    ranks on one GPU, so a group of two needs a second GPU."""
     from toolkit.transport.rendezvous import serve_store
     from toolkit.transport.wire import new_secret
-    from toolkit.weights.sync import form_group
+    from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, plan_layout
 
+    before = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     store = serve_store("127.0.0.1", 60, new_secret())
+    group = sender = None
     try:
         group = form_group(store, 0, 1, 60, DEVICE)
-        assert group.name() == "nccl"
+        assert group.name() == "nccl" and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == before
         weights = torch.arange(1 << 20, dtype=torch.bfloat16, device=DEVICE)
         expected = weights.clone()
         group.broadcast(weights, 0).wait()
         group.allreduce([weights]).wait()
         torch.cuda.synchronize()
         assert torch.equal(weights, expected)
-        assert store.num_keys() >= 1  # (what NCCL and form_group wrote went through the store)
-        del group
+        assert store.num_keys() >= 1  # (at least form_group's choice of backend went through the store)
+        model = two_layer_model().to(DEVICE)
+        params = list(model.named_parameters())
+        layout = plan_layout(params, 8 * 2**20, [])
+        sender = WeightSender(layout, DEVICE)
+        sender.add("0", group, 60)
+        sent = sender.send(1, gathered_buckets([p for _, p in params], layout.sources, False), lambda: None)
+        assert sent == sum(p.numel() * p.element_size() for _, p in params)
+        assert sender.lost == [] and sender.limits["0"].total_seconds() == 60
     finally:
+        group = sender = None  # (the group goes before the store: NCCL's monitor thread reads the store)
         store.close()
 
 

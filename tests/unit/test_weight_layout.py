@@ -3,7 +3,9 @@ the head-size and KV-cache checks."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import subprocess
 import sys
 
@@ -113,6 +115,79 @@ def test_a_sync_group_takes_nccl_only_when_every_rank_has_a_gpu_of_its_own():
     assert sync_backend(cuda, ["GPU-a", "GPU-b", "GPU-a"]) == "gloo"  # (two ranks on one GPU: NCCL refuses them)
     assert sync_backend(cpu, ["None", "None"]) == "gloo"
     assert sync_backend(cuda, ["GPU-a", "None"]) == "gloo"  # (a generator on the CPU)
+
+
+class StandInNccl:
+    """Stands in for torch's ProcessGroupNCCL, which needs GPUs that no machine here has: it records how
+    it was made, and its broadcasts' works record how they are waited for (or raise, as a dead peer's)."""
+
+    class Options:
+        pass
+
+    def __init__(self, store=None, rank=0, size=2, options=None, dead=False):
+        self.error_handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        self.timeout = getattr(options, "_timeout", None)
+        self.dead, self.waits = dead, []
+
+    def name(self):
+        return "nccl"
+
+    def broadcast(self, tensor, root):
+        group = self
+
+        class Work:
+            def wait(self, timeout=None):
+                group.waits.append(timeout)
+                if group.dead:
+                    raise RuntimeError("NCCL communicator was aborted (a stand-in's error)")
+                return True
+
+        return Work()
+
+
+def test_an_nccl_sync_group_survives_its_peers_errors_and_leaves_the_environment_as_it_was(monkeypatch):
+    """form_group makes an NCCL group with CleanUpOnly error handling (torch's default, SkipCleanUp, would
+    end the trainer from NCCL's watchdog when a generator dies), set for that group alone."""
+    import types
+
+    from toolkit.transport.rendezvous import serve_store
+    from toolkit.transport.wire import new_secret
+    from toolkit.weights.sync import form_group
+
+    monkeypatch.setattr(torch.distributed, "ProcessGroupNCCL", StandInNccl, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid="GPU-a"))
+    store = serve_store("127.0.0.1", 30, new_secret())
+    try:
+        for before in (None, "3"):
+            if before is None:
+                monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+            else:
+                monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", before)
+            group = form_group(store, 0, 1, 42, torch.device("cuda", 0), f"g{before}")
+            assert isinstance(group, StandInNccl) and group.error_handling == "2"
+            assert group.timeout.total_seconds() == 42
+            assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == before
+    finally:
+        store.close()
+
+
+def test_the_sender_waits_for_nccl_transfers_within_the_timeout_and_drops_a_dead_receiver():
+    """NCCL's wait() holds only the GPU stream and raises nothing: the sender waits with the group's
+    timeout, so a dead generator's transfer raises, its group is dropped and the others go on."""
+    from toolkit.weights.sync import SyncLayout, WeightSender
+
+    layout = SyncLayout(["w"], [[0]], [[["w", "float32", [4]]]], [])
+    sender = WeightSender(layout, torch.device("cpu"))
+    alive, dead = StandInNccl(), StandInNccl(dead=False)
+    sender.add("alive", alive, 30)
+    sender.add("dead", dead, 30)
+    sender.add("untimed", StandInNccl())  # (no timeout given: waits as before)
+    dead.dead = True
+    sent = sender.send(1, [[torch.ones(4)]], lambda: None)
+    assert sent == 16 and sender.names == ["alive", "untimed"] and sender.lost == ["dead"]
+    assert set(alive.waits) == {datetime.timedelta(seconds=30)} and len(alive.waits) == 4  # (layout x2, version, bucket)
+    assert dead.waits == [datetime.timedelta(seconds=30)] * 3  # (its layout, then the version that failed)
+    assert sender.groups["untimed"].waits == [None] * 4
 
 
 def test_the_probe_thread_hands_back_its_log_probs_or_its_error():

@@ -281,7 +281,8 @@ class TrainerRole(Role):
         """Rank 0: form the weight-sync group with generator worker `worker_id` (started `generation`
         times again) and send it the layout; blocks until that worker's engine ranks join."""
         name = sync_group_name(worker_id, generation)
-        self.sender.add(worker_id, form_group(self.ranks.store, 0, self._sync_world(), timeout_s, self.device, name))
+        group = form_group(self.ranks.store, 0, self._sync_world(), timeout_s, self.device, name)
+        self.sender.add(worker_id, group, timeout_s)
 
     def _await_generator(self, worker_id: str, generation: int) -> int | None:
         """Rank 0: wait, still hearing the driver, until generator `worker_id` started again reaches its new

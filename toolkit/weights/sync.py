@@ -30,9 +30,11 @@ sync with one raw broadcast of the same bytes).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -69,13 +71,35 @@ def form_group(store: dist.Store, rank: int, world_size: int, timeout_s: float, 
         backend = sync_backend(device, gpus)
         prefixed.set("backend", backend)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":  # not exercised on machines without two GPUs
+    if backend == "nccl":  # (a group of several ranks not exercised: no machine here has two GPUs)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        # A collective that fails or times out aborts this group's communicator and raises, where torch's
+        # default (SkipCleanUp) ends the whole process from NCCL's watchdog thread: a dead generator would
+        # take the trainer down with it. The group reads this as it is made; other groups keep theirs.
+        with _environ(TORCH_NCCL_ASYNC_ERROR_HANDLING=NCCL_CLEAN_UP_ONLY):
+            return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     if device.type == "cuda":
         log.info("weight-sync group %s: gloo, not NCCL (ranks share a GPU): copies through host memory", name)
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+
+
+NCCL_CLEAN_UP_ONLY = "2"  # (torch's ErrorHandlingMode CleanUpOnly)
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """The process's environment with `values` set, restored afterwards."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def sync_backend(device: torch.device, gpus: list[str]) -> str:
@@ -160,6 +184,7 @@ class WeightSender:
     def __init__(self, layout: SyncLayout, device: torch.device):
         self.layout, self.device = layout, device
         self.groups: dict[str, object] = {}  # receiver name -> its group
+        self.limits: dict[str, datetime.timedelta] = {}  # receiver name -> how long its NCCL transfers may take
         self.lost: list[str] = []  # receivers whose group failed (a dead generator), in order
         self.buffers: list[torch.Tensor] = []  # two send buffers (bytes), made at the first sync
 
@@ -167,9 +192,15 @@ class WeightSender:
     def names(self) -> list[str]:
         return list(self.groups)
 
-    def add(self, name: str, group) -> None:
-        """Start sending to `group` (a receiver's new group replaces its old one): the layout first."""
+    def add(self, name: str, group, timeout_s: float | None = None) -> None:
+        """Start sending to `group` (a receiver's new group replaces its old one): the layout first.
+        `timeout_s`: how long a transfer on an NCCL group may take (a gloo group's own timeout bounds its
+        waits); NCCL's `wait()` holds only the GPU stream, so the host waits with this limit, which also
+        makes a dead receiver's transfer raise here, and `sync_s` time the transfers, not their launch."""
         self.groups[name] = group
+        self.limits.pop(name, None)
+        if timeout_s is not None and group.name() == "nccl":
+            self.limits[name] = datetime.timedelta(seconds=timeout_s)
         payload = json.dumps({"buckets": self.layout.wire, "probe": self.layout.probe}).encode()
         payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device), [name])
@@ -246,13 +277,14 @@ class WeightSender:
             for name, work in works:
                 if name in self.groups:
                     try:
-                        work.wait()
-                    except RuntimeError as e:
+                        work.wait(self.limits[name]) if name in self.limits else work.wait()
+                    except RuntimeError as e:  # (NCCL's DistBackendError is one)
                         self._lose(name, e)
         pending.clear()
 
     def _lose(self, name: str, error: Exception) -> None:
         del self.groups[name]
+        self.limits.pop(name, None)
         self.lost.append(name)
         log.warning("weight sync to %s failed, so it is left out from now on (%s: %s); a generator started "
                     "in its place joins a new group", name, type(error).__name__, str(error).splitlines()[0][:200])

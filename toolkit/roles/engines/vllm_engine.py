@@ -59,6 +59,11 @@ class VllmEngine:
         # died is caught here; one rank runs in this process, where vLLM has nothing to time out)
         self.rpc_timeout_s = cfg.transport.step_timeout_s + RPC_MARGIN_S
         self.ranks = vcfg.tensor_parallel_size
+        if self.ranks > 1 and current_platform.is_cuda_alike():
+            # The worker has asked torch whether it has a GPU (Role.device), after which a process forked
+            # from it cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess"); vLLM forks its
+            # ranks unless it sees CUDA initialised. They start as fresh interpreters instead.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if self.ranks > 1 and current_platform.is_cpu():
             # vLLM binds each rank's threads to a NUMA node of its own, and fails where there are fewer
             # nodes than ranks (one, on most nodes): give each rank its share of this worker's CPUs instead.
