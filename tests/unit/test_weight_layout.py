@@ -124,10 +124,10 @@ class StandInNccl:
     class Options:
         pass
 
-    def __init__(self, store=None, rank=0, size=2, options=None, dead=False):
+    def __init__(self, store=None, rank=0, size=2, options=None):
         self.error_handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
         self.timeout = getattr(options, "_timeout", None)
-        self.dead, self.waits = dead, []
+        self.dead, self.waits = False, []  # (a test sets `dead` once the peer has died)
 
     def name(self):
         return "nccl"
@@ -178,7 +178,7 @@ def test_the_sender_waits_for_nccl_transfers_within_the_timeout_and_drops_a_dead
 
     layout = SyncLayout(["w"], [[0]], [[["w", "float32", [4]]]], [])
     sender = WeightSender(layout, torch.device("cpu"))
-    alive, dead = StandInNccl(), StandInNccl(dead=False)
+    alive, dead = StandInNccl(), StandInNccl()
     sender.add("alive", alive, 30)
     sender.add("dead", dead, 30)
     sender.add("untimed", StandInNccl())  # (no timeout given: waits as before)
