@@ -356,6 +356,8 @@ def test_dead_or_hung_workers_are_started_again_alone_and_the_run_ends_as_if_not
         binding = cpu_binding(ranks, sorted(os.sched_getaffinity(0)))  # ("0|1" on 2 cores)
         assert log.count(f"VLLM_CPU_OMP_THREADS_BIND={binding!r}") == 2, log  # (both starts)
         assert log.count(f"Worker_TP{ranks - 1} pid=") >= 2  # (vLLM names the lines of each rank's process)
+        # (spawned, as on GPU nodes, where a fork cannot use CUDA: so this run checks that start too)
+        assert log.count(f"vLLM's {ranks} tensor-parallel ranks started by spawn") == 2, log
     restarts = 2 + again
     assert out.count("starting it again alone (restart ") == restarts
     assert f"restart {restarts} of run.max_worker_restarts 3" in out

@@ -77,6 +77,8 @@ def form_group(store: dist.Store, rank: int, world_size: int, timeout_s: float, 
         # A collective that fails or times out aborts this group's communicator and raises, where torch's
         # default (SkipCleanUp) ends the whole process from NCCL's watchdog thread: a dead generator would
         # take the trainer down with it. The group reads this as it is made; other groups keep theirs.
+        # NCCL sets up the communicator at the group's first transfer, blocking, with no timeout: a peer that
+        # dies just then holds this rank (nonblocking set-up would bound it; not used: README, "on NCCL").
         with _environ(TORCH_NCCL_ASYNC_ERROR_HANDLING=NCCL_CLEAN_UP_ONLY):
             return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     if device.type == "cuda":

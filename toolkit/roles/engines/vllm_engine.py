@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from toolkit.roles.engines import Completion
+
+log = logging.getLogger(__name__)
 
 EXTENSION = "toolkit.weights.vllm_extension.WeightSyncExtension"
 RPC_MARGIN_S = 30.0  # beyond the timeout of the collectives in a call into the engine's ranks (theirs names the peer)
@@ -62,7 +65,8 @@ class VllmEngine:
         if self.ranks > 1 and current_platform.is_cuda_alike():
             # The worker has asked torch whether it has a GPU (Role.device), after which a process forked
             # from it cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess"); vLLM forks its
-            # ranks unless it sees CUDA initialised. They start as fresh interpreters instead.
+            # ranks unless it sees CUDA initialised. They start as fresh interpreters instead (as on CPUs, where
+            # vLLM's platform code spawns them whatever this says: the CPU runs go through the same start).
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if self.ranks > 1 and current_platform.is_cpu():
             # vLLM binds each rank's threads to a NUMA node of its own, and fails where there are fewer
@@ -89,6 +93,9 @@ class VllmEngine:
             worker_extension_cls=EXTENSION,
             enable_sleep_mode=self.sleeps,
         )
+        if self.ranks > 1:  # (the method vLLM took, read once its ranks run: its platform code may set it)
+            log.info("vLLM's %d tensor-parallel ranks started by %s (VLLM_WORKER_MULTIPROC_METHOD)", self.ranks,
+                     os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"))
 
     def _params(self, seeds: list[int]) -> list:
         from vllm import SamplingParams
