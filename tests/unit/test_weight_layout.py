@@ -128,12 +128,15 @@ class StandInNccl:
         self.error_handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
         self.timeout = getattr(options, "_timeout", None)
         self.dead, self.waits = False, []  # (a test sets `dead` once the peer has died)
+        self.sends: list[torch.Tensor] = []  # (what a receiver's broadcasts take in, in order, as from rank 0)
 
     def name(self):
         return "nccl"
 
     def broadcast(self, tensor, root):
         group = self
+        if self.sends:
+            tensor.copy_(self.sends.pop(0))
 
         class Work:
             def wait(self, timeout=None):
@@ -188,6 +191,31 @@ def test_the_sender_waits_for_nccl_transfers_within_the_timeout_and_drops_a_dead
     assert set(alive.waits) == {datetime.timedelta(seconds=30)} and len(alive.waits) == 4  # (layout x2, version, bucket)
     assert dead.waits == [datetime.timedelta(seconds=30)] * 3  # (its layout, then the version that failed)
     assert sender.groups["untimed"].waits == [None] * 4
+
+
+def test_the_receiver_waits_for_nccl_transfers_within_the_timeout_and_raises_when_one_fails():
+    """The generator's side waits on the host with the group's timeout as the sender does: a transfer that
+    fails or outlasts it raises from the receive, where without it the host would block at the first read of
+    the tensor until NCCL's watchdog aborts the group, and then read what was half-written."""
+    from toolkit.weights.sync import WeightReceiver
+
+    def group():
+        made = StandInNccl()
+        layout = json.dumps({"buckets": [[["w", "float32", [4]]]], "probe": []}).encode()
+        made.sends = [torch.tensor([len(layout)]), torch.frombuffer(bytearray(layout), dtype=torch.uint8),
+                      torch.tensor([7]), torch.arange(4.0)]
+        return made
+
+    timed, untimed = group(), group()
+    receivers = [WeightReceiver(timed, torch.device("cpu"), 30), WeightReceiver(untimed, torch.device("cpu"))]
+    for receiver in receivers:
+        version, tensors = receiver.receive()
+        assert version == 7 and [(name, t.tolist()) for name, t in tensors] == [("w", [0, 1, 2, 3])]
+    # (the layout's length and bytes, the version, the one bucket)
+    assert timed.waits == [datetime.timedelta(seconds=30)] * 4 and untimed.waits == [None] * 4
+    timed.dead = True
+    with pytest.raises(RuntimeError, match="aborted"):
+        receivers[0].receive()
 
 
 def test_the_probe_thread_hands_back_its_log_probs_or_its_error():

@@ -327,8 +327,13 @@ class Prober(threading.Thread):
 class WeightReceiver:
     """A generator's side of the group: receives the layout on join, then versions of the weights."""
 
-    def __init__(self, group, device: torch.device):
+    def __init__(self, group, device: torch.device, timeout_s: float | None = None):
+        """`timeout_s`: how long a transfer on an NCCL group may take, as for `WeightSender.add` (NCCL's
+        `wait()` holds only the stream: the host would block at the first read of a tensor, with no limit
+        until the watchdog aborts the group and leaves the tensor half-written)."""
         self.group, self.device = group, device
+        nccl = timeout_s is not None and group.name() == "nccl"
+        self.limit = datetime.timedelta(seconds=timeout_s) if nccl else None
         length = torch.zeros(1, dtype=torch.int64, device=device)
         self._broadcast(length)
         payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
@@ -367,7 +372,8 @@ class WeightReceiver:
                 offset += n
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        self.group.broadcast(tensor, 0).wait()
+        work = self.group.broadcast(tensor, 0)
+        work.wait(self.limit) if self.limit is not None else work.wait()
 
 
 def gathered_buckets(params: list[torch.nn.Parameter], buckets: list[list[int]], zero3: bool,

@@ -50,7 +50,7 @@ class WeightSyncExtension:
         """Join group `name` as rank `first_rank + <this worker's rank>`; return the number of weights and the probe."""
         self._store = connect_store(host, port, timeout_s)  # (kept for the group's life: torch holds only its C++ side)
         group = form_group(self._store, first_rank + self.rank, world_size, timeout_s, self.device, name)
-        self._weight_receiver = WeightReceiver(group, self.device)
+        self._weight_receiver = WeightReceiver(group, self.device, timeout_s)
         return {"weights": self._weight_receiver.weights, "probe": self._weight_receiver.probe}
 
     def receive_weights(self) -> tuple[int, list[float]]:

@@ -90,7 +90,7 @@ class HFEngine:
         """Join the trainer's weight-sync group `name`; {weights, probe}."""
         self._store = connect_store(host, port, timeout_s)  # (kept for the group's life: torch holds only its C++ side)
         group = form_group(self._store, first_rank, world_size, timeout_s, self.device, name)
-        self._receiver = WeightReceiver(group, self.device)
+        self._receiver = WeightReceiver(group, self.device, timeout_s)
         return {"weights": self._receiver.weights, "probe": self._receiver.probe}
 
     def receive_weights(self) -> tuple[int, torch.Tensor]:
