@@ -287,6 +287,23 @@ def test_a_role_that_exits_with_a_message_fails_the_run_and_says_why(tiny, tmp_p
     assert_no_workers_left(tmp_path / "run")
 
 
+def test_a_reward_function_that_stalls_fails_the_run_at_its_timeout_naming_it(tiny, tmp_path):
+    """A reward function that never returns (a judge waiting on a network call) fails the run after its
+    reward.functions[].timeout_s, naming it and the sample, and the scorer worker still ends (the stalled
+    call's thread does not hold it)."""
+    (tmp_path / "judge.py").write_text("import time\n\n\ndef reward(prompt, response, **kw):\n"
+                                       "    time.sleep(3600)\n")
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 2, "name": "stall"},
+                                            reward={"functions": [{"function": "judge.py:reward", "timeout_s": 2}]},
+                                            rollout={"backend": "hf"}))
+    result = cli("run", config, "--run-dir", tmp_path / "run")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"reward function 'reward' \(\S+judge\.py:reward\) gave no reward for prompt id \d+, sample "
+                     r"\d+: no result within 2 s; make it return sooner, or give it a larger timeout_s", result.stderr), \
+        result.stderr
+    assert_no_workers_left(tmp_path / "run")
+
+
 # Each moment of a run (toolkit/hold.py holds one process there), and a way to stop it; every way comes
 # twice or more over the moments. The moments before the first step are reached with vLLM (loading and
 # generating are its own), the others with the faster-starting transformers engine.

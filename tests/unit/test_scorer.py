@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -112,3 +114,56 @@ def test_a_reward_is_a_finite_number_and_nothing_else():
         with pytest.raises(RewardFunctionError, match=re.escape(f"reward function 'f' (m:f) returned {given!r} for "
                                                                 "prompt id 10; rewards must be finite numbers")):
             RewardRole._call_function(("f", lambda **kw: given, {}, "m:f"), b)
+
+
+def test_a_reward_call_past_its_timeout_fails_naming_the_function_and_the_next_call_gets_a_new_thread():
+    """Each function runs in a thread of its own, waited for at most reward.functions[].timeout_s: a call that
+    stalls fails with the function's name and the sample, its thread is left to it (a daemon, which does
+    not hold the worker at exit), and a later call runs in a new thread. Values and exceptions, SystemExit
+    included, come back as from a direct call."""
+    from toolkit.rewards.bounded import BoundedCalls
+    from toolkit.roles.scorer import RewardFunctionError
+
+    released = threading.Event()
+
+    def judge(prompt, response, **fields):
+        released.wait(60)  # (a network call that does not answer, until the test lets it)
+        return 0.5
+
+    b = make_batch()
+    calls = BoundedCalls(judge, 0.2)
+    expected = "reward function 'judge' (m:judge) gave no reward for prompt id 10, sample 0: no result within 0.2 s"
+    with pytest.raises(RewardFunctionError, match=re.escape(expected)):
+        RewardRole._call_function(("judge", calls, {}, "m:judge"), b)
+    stuck = [t for t in threading.enumerate() if t.name == "reward judge"]
+    assert len(stuck) == 1 and stuck[0].daemon and stuck[0].is_alive()
+    released.set()
+    stuck[0].join(10)
+    assert RewardRole._call_function(("judge", calls, {}, "m:judge"), b).tolist() == [0.5, 0.5]
+
+    def failing(**kw):
+        raise ValueError("bad row")
+
+    def quitting(**kw):
+        raise SystemExit("out of quota")
+
+    with pytest.raises(ValueError, match="bad row"):
+        BoundedCalls(failing, 30)()
+    with pytest.raises(SystemExit, match="out of quota"):
+        BoundedCalls(quitting, 30)()
+
+
+def test_a_reward_function_without_a_timeout_is_called_in_the_main_thread():
+    """Without timeout_s a function is called as it is, in the scorer's main thread: one that sets a signal
+    handler (math_verify's own timeouts use SIGALRM) works there and fails in a thread of its own."""
+    from toolkit.rewards.bounded import bounded
+
+    def with_alarm(**kw):
+        previous = signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        signal.signal(signal.SIGALRM, previous)
+        return 1.0
+
+    assert bounded(with_alarm, None) is with_alarm
+    assert RewardRole._call_function(("f", bounded(with_alarm, None), {}, "m:f"), make_batch()).tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="main thread"):
+        bounded(with_alarm, 30)()

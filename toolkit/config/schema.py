@@ -154,6 +154,11 @@ class RewardFunction(Section):
     """Name of the component in metrics (default: the function name)."""
     args: dict[str, Any] = {}
     """Extra keyword arguments for the function."""
+    timeout_s: float | None = Field(default=None, gt=0)
+    """How long one call may take: a call that takes longer fails the run, naming the function and the
+    sample (a judge stalled on a network call would otherwise hold the scorer until transport.step_timeout_s).
+    The calls then run in a thread of their own; unset, in the scorer's main thread, where a function may
+    set signal handlers (math_verify's own timeouts use SIGALRM, which fails in any other thread)."""
 
     @model_validator(mode="after")
     def _importable(self) -> "RewardFunction":

@@ -27,6 +27,7 @@ from toolkit.data.prompts import prompt_text
 from toolkit.data.tokens import fit, render_prompt
 from toolkit.modeling import (gather_responses, last_token_scores, pad_samples, pretrained_kwargs, sequence_logprobs,
                               torch_dtype)
+from toolkit.rewards.bounded import CallTimeout, bounded
 from toolkit.roles.base import Role
 from toolkit.samples import SampleBatch
 
@@ -168,7 +169,8 @@ class RewardRole(_Scoring):
         cfg = self.cfg
         dtype = torch_dtype(cfg.model.dtype)
         actor_vocab = AutoTokenizer.from_pretrained(cfg.tokenizer_path).get_vocab()
-        self.functions = [(f.name, load_function(f.function), f.args, f.function) for f in cfg.reward.functions]
+        self.functions = [(f.name, bounded(load_function(f.function), f.timeout_s), f.args, f.function)
+                          for f in cfg.reward.functions]
         self.reward_models = []
         for rm in cfg.reward.models:
             tokenizer = AutoTokenizer.from_pretrained(rm.path)
@@ -234,6 +236,11 @@ class RewardRole(_Scoring):
         for i in range(len(batch)):
             try:
                 given = fn(prompt=prompt_text(batch.prompts[i]), response=batch.responses[i], **batch.fields[i], **args)
+            except CallTimeout as e:
+                raise RewardFunctionError(
+                    f"reward function {name!r} ({path}) gave no reward for prompt id {int(batch.prompt_ids[i])}, "
+                    f"sample {int(batch.sample_index[i])}: {e}; make it return sooner, or give it a larger "
+                    "timeout_s in reward.functions") from None
             except Exception as e:
                 raise RewardFunctionError(
                     f"reward function {name!r} ({path}) failed on prompt id {int(batch.prompt_ids[i])}, "
