@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from tests.conftest import example, write_config
@@ -170,3 +173,25 @@ def test_bind_host_is_an_address_an_interface_or_a_network_resolved_on_each_node
     monkeypatch.setattr(env.socket, "gethostbyname", lambda name: "127.0.1.1")
     assert env.node_address() == "127.0.1.1"  # (a machine with nothing else)
     assert env.interface_of("127.0.0.1") == "lo" and env.interface_of("10.0.0.1") is None
+
+
+def test_the_jobs_end_is_read_from_squeue_within_a_limit(monkeypatch, tmp_path):
+    """The driver asks squeue when its job ends (after SIGUSR1); a controller that does not answer within
+    END_TIME_TIMEOUT_S gives None (the driver stops as if the end were now), where the TimeoutExpired was
+    raised out of the driver's signal handler. squeue here is a script on PATH that answers or hangs."""
+    import datetime
+    import types
+
+    from toolkit.launch import slurm
+
+    squeue = tmp_path / "squeue"
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(slurm, "END_TIME_TIMEOUT_S", 1.0)
+    launcher = types.SimpleNamespace(job_id="7")
+    for script, expected in [("echo 2026-12-04T20:15:00", datetime.datetime(2026, 12, 4, 20, 15).timestamp()),
+                             ("echo NONE", None), ("exec sleep 60", None), ("exit 1", None)]:
+        squeue.write_text(f"#!/bin/sh\n{script}\n")
+        squeue.chmod(0o700)
+        started = time.monotonic()
+        assert slurm.SlurmLauncher.end_time(launcher) == expected, script
+        assert time.monotonic() - started < 30, script  # (the hung one is killed at the limit, 1 s)

@@ -25,6 +25,9 @@ from toolkit.placement.plan import WorkerGroup
 
 TASK_FAILED = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,-]+): (?P<what>.+)")
 STEP_ID = re.compile(r"StepId=(?P<step>\d+\.\d+)")
+# How long the driver asks Slurm for the job's end: its main thread answers no heartbeat meanwhile, and
+# workers give up on a driver silent for transport.heartbeat_timeout_s (30 s by default).
+END_TIME_TIMEOUT_S = 10.0
 
 
 def hostnames(nodelist: str) -> list[str]:
@@ -125,9 +128,13 @@ class SlurmLauncher:
         return match["step"] if match else None
 
     def end_time(self) -> float | None:
-        """When Slurm will end the job (unix time), or None if it has no limit or cannot say."""
-        out = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", "%e"], capture_output=True, text=True,
-                             timeout=30)
+        """When Slurm will end the job (unix time), or None if it has no limit or cannot say (within
+        END_TIME_TIMEOUT_S: the driver then stops as if the end were now, the safe side)."""
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", "%e"], capture_output=True, text=True,
+                                 timeout=END_TIME_TIMEOUT_S)
+        except (subprocess.TimeoutExpired, OSError):
+            return None
         try:
             return datetime.datetime.strptime(out.stdout.split()[0], "%Y-%m-%dT%H:%M:%S").timestamp()
         except (IndexError, ValueError):

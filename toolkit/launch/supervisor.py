@@ -285,16 +285,17 @@ class Supervisor:
         self.requeue()
 
     def _on_usr1(self, signum, frame) -> None:
+        # (Slurm is asked for the job's end after the step, not here: a query in a signal handler held
+        # whatever the driver was doing, and a timeout raised out of it)
         self.preempt = True
-        if self.end_time is None:
-            self.end_time = self.launcher.end_time() or time.time()
-        log.warning("SIGUSR1: stopping while %.0f s are left before the job ends", self.end_time - time.time())
+        log.warning("SIGUSR1: the job ends soon; stopping once another step no longer fits")
 
     def _time_for_a_step(self, records: list[dict]) -> bool:
         """Another step, a checkpoint and the stop fit before the end (estimated from the last steps run,
         also by earlier attempts of the run)."""
         if self.end_time is None:
             self.end_time = self.launcher.end_time() or time.time()
+            log.warning("%.0f s are left before the job ends", self.end_time - time.time())
         ran = [r for r in [*self.history, *records] if "step_s" in r]
         step_s = max((r["step_s"] for r in ran[-3:]), default=30.0)
         checkpoint_s = max((r.get("checkpoint_s") or 0.0 for r in ran), default=0.0) + 5.0
