@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -379,4 +380,26 @@ def test_a_message_over_the_frame_limit_is_refused_by_its_sender_with_the_settin
     finally:
         outbox.close()
         inbox.close()
+        ctx.term()
+
+
+def test_a_heartbeat_to_a_coordinator_that_reads_nothing_still_finds_it_lost():
+    """The heartbeat thread sends without blocking: once ZeroMQ's queue to a coordinator that reads nothing
+    is full (1000 messages, here in about a second at 1 ms a heartbeat), a blocking send held the thread
+    before its silence check, so the worker never learned it was alone."""
+    import threading
+
+    from toolkit.transport.control import Heartbeat
+
+    with socket.socket() as s:  # (a port nobody listens on: the connection never completes)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = zmq.Context()
+    lost = threading.Event()
+    beat = Heartbeat(ctx, new_secret(), f"tcp://127.0.0.1:{port}", "generator:0", 0.001, 3.0, lambda s: lost.set())
+    beat.start()
+    try:
+        assert lost.wait(60), "the heartbeat thread never found the coordinator silent"
+    finally:
+        beat.stop()
         ctx.term()

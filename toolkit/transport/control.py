@@ -78,8 +78,12 @@ class Heartbeat(threading.Thread):
         rejected = collections.Counter()
         try:
             while not self._stop_event.is_set():
-                sock.send_multipart(self._codec.encode("heartbeat", {"status": dict(self.status)},
-                                                       to="coordinator"))
+                try:  # (a queue the coordinator does not read is full after 1000: the heartbeat is dropped, and
+                    # the silence below decides, where a blocking send would have held this thread for good)
+                    sock.send_multipart(self._codec.encode("heartbeat", {"status": dict(self.status)},
+                                                           to="coordinator"), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
                 deadline = time.monotonic() + self._interval_s
                 while (left := deadline - time.monotonic()) > 0 and not self._stop_event.is_set():
                     if sock.poll(int(min(left, STOP_POLL_S) * 1000) + 1):  # (short polls: `stop` acts at once)
