@@ -195,3 +195,25 @@ def test_the_jobs_end_is_read_from_squeue_within_a_limit(monkeypatch, tmp_path):
         started = time.monotonic()
         assert slurm.SlurmLauncher.end_time(launcher) == expected, script
         assert time.monotonic() - started < 30, script  # (the hung one is killed at the limit, 1 s)
+
+
+def test_a_scancel_that_does_not_answer_in_time_is_logged_not_raised(monkeypatch, tmp_path, caplog):
+    """The driver kills a hung worker's step with scancel before starting it again; a controller that did
+    not answer within SCANCEL_TIMEOUT_S raised TimeoutExpired out of the driver (a real run on this
+    cluster ended so, its status.json still saying `running`). Now it is logged, and the launcher goes on
+    to kill the step's srun. scancel here is a script on PATH that hangs, or fails."""
+    from toolkit.launch import slurm
+
+    scancel = tmp_path / "scancel"
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(slurm, "SCANCEL_TIMEOUT_S", 1.0)
+    for script, said in [("exec sleep 60", "timed out after 1.0 seconds"), ("exit 1", None)]:
+        scancel.write_text(f"#!/bin/sh\n{script}\n")
+        scancel.chmod(0o700)
+        caplog.clear()
+        started = time.monotonic()
+        slurm._kill_step("7.2")
+        assert time.monotonic() - started < 30, script  # (the hung one is killed at the limit, 1 s)
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert (warned == [f"scancel --signal=KILL 7.2: Command '['scancel', '--signal=KILL', '7.2']' {said}; "
+                           "killing its srun instead"]) if said else warned == [], warned

@@ -11,6 +11,7 @@ RUN_DIR/logs/srun-<group>.log and named in errors.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
 import signal
@@ -25,9 +26,12 @@ from toolkit.placement.plan import WorkerGroup
 
 TASK_FAILED = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,-]+): (?P<what>.+)")
 STEP_ID = re.compile(r"StepId=(?P<step>\d+\.\d+)")
-# How long the driver asks Slurm for the job's end: its main thread answers no heartbeat meanwhile, and
-# workers give up on a driver silent for transport.heartbeat_timeout_s (30 s by default).
+# How long the driver asks Slurm for the job's end before it stops as if the end were now (the driver
+# waits for it between steps).
 END_TIME_TIMEOUT_S = 10.0
+SCANCEL_TIMEOUT_S = 30.0
+
+log = logging.getLogger(__name__)
 
 
 def hostnames(nodelist: str) -> list[str]:
@@ -115,7 +119,7 @@ class SlurmLauncher:
         name = worker_id.split(":")[0]
         old, step = self.steps[name], self.step_id(name)
         if old.poll() is None and step:
-            subprocess.run(["scancel", "--signal=KILL", step], capture_output=True, timeout=30)
+            _kill_step(step)
         if not wait_all([old], 30):
             _signal(old, signal.SIGKILL)
             wait_all([old], 10)
@@ -175,7 +179,7 @@ class SlurmLauncher:
         for name, proc in running.items():
             step = self.step_id(name)
             if proc.poll() is None and step:
-                subprocess.run(["scancel", "--signal=KILL", step], capture_output=True, timeout=30)
+                _kill_step(step)
         if not self.wait(30):
             for proc in self.steps.values():
                 _signal(proc, signal.SIGKILL)
@@ -189,6 +193,15 @@ class SlurmLauncher:
                 return f.read().decode(errors="replace")
         except OSError:
             return ""
+
+
+def _kill_step(step: str) -> None:
+    """scancel -s KILL of a job step, within SCANCEL_TIMEOUT_S: a controller that does not answer in time
+    is logged, not raised (whoever called goes on to kill the step's srun)."""
+    try:
+        subprocess.run(["scancel", "--signal=KILL", step], capture_output=True, timeout=SCANCEL_TIMEOUT_S)
+    except (subprocess.TimeoutExpired, OSError) as e:
+        log.warning("scancel --signal=KILL %s: %s; killing its srun instead", step, e)
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

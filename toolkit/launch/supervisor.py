@@ -116,6 +116,9 @@ class Supervisor:
         except RunError as e:
             self.state, self.error = "failed", str(e)
             raise
+        except Exception as e:  # (a defect of ours: status.json must not go on saying `running`)
+            self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+            raise
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the clean-up short
                 signal.signal(sig, signal.SIG_IGN)
