@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -266,6 +268,49 @@ def test_a_cancelled_generator_step_is_started_again_alone_in_the_same_allocatio
     for n in range(4):  # every step's experience whole: each sample group once
         s = experience.read(run_dir / "experience" / experience.file_name(n))["samples"]
         assert len(set(zip(s["group_index"].tolist(), s["sample_index"].tolist()))) == len(s["prompt_ids"]) == 64
+    assert_nothing_left(run_dir, job_id)
+
+
+def test_a_hung_generator_is_started_again_while_slurm_is_slow_and_the_other_workers_hear_the_driver(tiny,
+                                                                                                    tmp_path):
+    """A generator stopped (SIGSTOP) in step 2 is found hung by its missed heartbeats and started again
+    alone, while Slurm is slow: the scancel of its step takes 22 s (a `scancel` first on the job's PATH that
+    waits, then runs Slurm's; what a busy controller does), over the 12 s of silence the workers allow the
+    driver (transport.heartbeat_timeout_s). The driver answers their heartbeats meanwhile, so the trainer and
+    the scorer go on, and the run finishes (before, both ended themselves, and the run with them)."""
+    from toolkit.hold import ENV, held_pid
+
+    slow = tmp_path / "slow-slurm"
+    slow.mkdir()
+    said = tmp_path / "scancel-calls"
+    (slow / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {said}\nsleep 22\nexec {shutil.which("scancel")} "$@"\n')
+    (slow / "scancel").chmod(0o755)
+    run_dir = tmp_path / "hung"
+    config = run_config(tiny, tmp_path, steps=3, transport={"heartbeat_timeout_s": 12})
+    result = cli("submit", config, "--run-dir", run_dir, timeout=120,
+                 env={ENV: "generating@2", "PATH": f"{slow}:{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stderr
+    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+    deadline = time.monotonic() + 300
+    while not (pid := held_pid(run_dir, "generating")):
+        assert squeue(job_id) and time.monotonic() < deadline, "the job ended or stalled before step 2"
+        time.sleep(0.2)
+    before = json.loads((run_dir / "status.json").read_text())["workers"]
+    assert before["generator:0"]["pid"] == pid
+    os.kill(pid, signal.SIGSTOP)  # (every node of this cluster is this machine)
+    deadline = time.monotonic() + 400
+    while squeue(job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished", status.get("error")
+    assert said.read_text().splitlines()[0] == f"--signal=KILL {before['generator:0']['slurm_step']}"
+    after = status["workers"]
+    for worker in ("trainer:0", "scorer:0"):  # neither ended itself while the driver waited for scancel
+        assert after[worker]["pid"] == before[worker]["pid"]
+    assert after["generator:0"]["pid"] != pid and status["worker_restarts"] == {"generator:0": 1}
+    output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
+    assert "sent no heartbeat for" in output and "starting it again alone (restart 1 of" in output
+    assert "is back; the run goes on" in output
     assert_nothing_left(run_dir, job_id)
 
 

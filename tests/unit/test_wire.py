@@ -403,3 +403,42 @@ def test_a_heartbeat_to_a_coordinator_that_reads_nothing_still_finds_it_lost():
     finally:
         beat.stop()
         ctx.term()
+
+
+def test_the_coordinator_answers_heartbeats_while_the_driver_waits_on_slurm_and_keeps_the_rest_in_order():
+    """While the driver's main thread waits on something else (here 6 s of sleep, for a scancel of a hung
+    step on a busy controller), `answering()` answers the worker's heartbeats (it is not lost, with 2 s of
+    silence allowed) and keeps its other messages for `recv` after, in order. The register kept meanwhile
+    routes commands once handed out, after the driver forgot the worker it restarted. Then, with nobody
+    answering, the same worker finds the driver lost: the check above could fail."""
+    import threading
+
+    from toolkit.launch.coordinator import Coordinator
+    from toolkit.transport.control import ControlClient, Heartbeat
+
+    ctx = zmq.Context()
+    coordinator = Coordinator(ctx, SECRET, "127.0.0.1")
+    lost = threading.Event()
+    beat = Heartbeat(ctx, SECRET, coordinator.address, "generator:0", 0.2, 2.0, lambda s: lost.set())
+    worker = ControlClient(ctx, Codec(SECRET, "generator:0", accepts={"generator:0"}), coordinator.address)
+    try:
+        beat.start()
+        with coordinator.answering():
+            for kind in ("register", "ready", "synced"):
+                worker.send(kind)
+            time.sleep(6.0)
+            assert not lost.is_set(), "the worker heard no pong while the driver waited"
+        assert coordinator.status.get("generator:0") == {} and coordinator.silent(["generator:0"], 2.0) == []
+        coordinator.forget("generator:0")  # (as a restart does, after the launcher started the new process)
+        got = [coordinator.recv(5) for _ in range(3)]
+        assert [(w, m.kind) for w, m in got] == [("generator:0", k) for k in ("register", "ready", "synced")]
+        assert coordinator.recv(0.5) is None  # (heartbeats are answered, not handed out)
+        coordinator.send("generator:0", "start")
+        command = worker.recv(10)
+        assert command is not None and command.kind == "start"
+        assert lost.wait(60), "the worker never found the driver silent"  # (no `recv`, no `answering`)
+    finally:
+        beat.stop()
+        worker.socket.close(linger=0)
+        coordinator.close()
+        ctx.term()

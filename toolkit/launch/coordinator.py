@@ -9,12 +9,20 @@ secret that connects under a worker's name gets nothing meant for it (before, wi
 commands and pongs went to the newest connection of that name, and the worker, hearing no pong, ended
 itself). The coordinator remembers when each worker was last heard from and the status
 its last heartbeat carried; `recv` hands the driver every message except heartbeats.
+
+The driver's main thread answers heartbeats whenever it waits for messages. Where it waits on something
+else (a Slurm command such as the scancel of a hung worker's step, a step that must end), `answering()`
+lends the socket to a thread that answers them and keeps every other message for `recv`: without it,
+every worker would hear nothing for that long and end itself after transport.heartbeat_timeout_s, which
+Slurm's commands on a busy controller can exceed (scancel is given 30 s, scontrol requeue 60 s).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import threading
 import time
 
 import zmq
@@ -24,6 +32,9 @@ from toolkit.transport.sockets import decode_or_count
 from toolkit.transport.wire import Codec, Message
 
 log = logging.getLogger(__name__)
+
+ANSWER_POLL_MS = 100
+"""Longest wait of the answering thread before it looks whether the driver wants its socket back."""
 
 
 class Coordinator:
@@ -39,34 +50,65 @@ class Coordinator:
         self.status: dict[str, dict] = {}
         self.routes: dict[str, bytes] = {}  # worker -> the identity of its command connection
         self.rejected: collections.Counter = collections.Counter()
+        self.kept: collections.deque[tuple[bytes, str, Message]] = collections.deque()  # (taken, not handed out)
 
     def recv(self, timeout_s: float) -> tuple[str, Message] | None:
         """The next non-heartbeat message as (worker_id, message), or None after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        while True:
+        while not self.kept:
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if not self.socket.poll(left_ms):
                 return None
-            identity, *frames = self.socket.recv_multipart()
-            msg = decode_or_count(self.codec, frames, self.rejected)
-            if msg is None:
-                continue
-            name = identity.decode(errors="replace")
-            if msg.sender != name:  # (the routing identity is not authenticated; the sender is)
-                self.rejected["identity"] += 1
-                log.warning("dropped a frame: connection %r sent as %r; %d dropped so far", name, msg.sender,
-                            sum(self.rejected.values()))
-                continue
-            peer = msg.sender.split("#")[0]  # (`trainer:0`, or `trainer:0/hb`)
-            worker_id = peer.removesuffix("/hb")
-            self.last_seen[worker_id] = time.monotonic()
-            if msg.kind == "heartbeat":
-                self.status[worker_id] = msg.meta.get("status", {})
-                self.socket.send_multipart([identity, *self.codec.encode("pong", to=peer)])
-                continue
-            if msg.kind == "register":  # (not any message: one a killed process left queued comes after)
-                self.routes[worker_id] = identity
-            return worker_id, msg
+            if (item := self._take()) is not None:
+                self.kept.append(item)
+        identity, worker_id, msg = self.kept.popleft()
+        if msg.kind == "register":  # (not any message: one a killed process left queued comes after; and
+            self.routes[worker_id] = identity  # when handed out: a worker started again is forgotten before)
+        return worker_id, msg
+
+    @contextlib.contextmanager
+    def answering(self):
+        """While the body runs (and does not use this coordinator), a thread answers heartbeats and keeps
+        the other messages, in order, for `recv` after it."""
+        done = threading.Event()
+        thread = threading.Thread(target=self._answer_until, args=(done,), name="coordinator-answering", daemon=True)
+        thread.start()  # (the socket passes to the thread and back with the start and the join: ZeroMQ asks for that)
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+    def _answer_until(self, done: threading.Event) -> None:
+        while not done.is_set():
+            try:
+                if self.socket.poll(ANSWER_POLL_MS) and (item := self._take()) is not None:
+                    self.kept.append(item)
+            except zmq.ZMQError as e:  # (the context ended under it: the driver is ending)
+                log.warning("heartbeats no longer answered: %s", e)
+                return
+
+    def _take(self) -> tuple[bytes, str, Message] | None:
+        """The message waiting on the socket as (connection, worker_id, message); None for a heartbeat
+        (answered) and for a frame dropped."""
+        identity, *frames = self.socket.recv_multipart()
+        msg = decode_or_count(self.codec, frames, self.rejected)
+        if msg is None:
+            return None
+        name = identity.decode(errors="replace")
+        if msg.sender != name:  # (the routing identity is not authenticated; the sender is)
+            self.rejected["identity"] += 1
+            log.warning("dropped a frame: connection %r sent as %r; %d dropped so far", name, msg.sender,
+                        sum(self.rejected.values()))
+            return None
+        peer = msg.sender.split("#")[0]  # (`trainer:0`, or `trainer:0/hb`)
+        worker_id = peer.removesuffix("/hb")
+        self.last_seen[worker_id] = time.monotonic()
+        if msg.kind == "heartbeat":
+            self.status[worker_id] = msg.meta.get("status", {})
+            self.socket.send_multipart([identity, *self.codec.encode("pong", to=peer)])
+            return None
+        return identity, worker_id, msg
 
     def send(self, worker_id: str, kind: str, **meta) -> None:
         """Send to the worker's command connection; nothing if it has not registered (ZeroMQ dropped it too)."""

@@ -285,7 +285,8 @@ class Supervisor:
         self._write_status()
         self.curves.close()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self.requeue()
+        with self.coordinator.answering():
+            self.requeue()
 
     def _on_usr1(self, signum, frame) -> None:
         # (Slurm is asked for the job's end after the step, not here: a query in a signal handler held
@@ -297,7 +298,8 @@ class Supervisor:
         """Another step, a checkpoint and the stop fit before the end (estimated from the last steps run,
         also by earlier attempts of the run)."""
         if self.end_time is None:
-            self.end_time = self.launcher.end_time() or time.time()
+            with self.coordinator.answering():
+                self.end_time = self.launcher.end_time() or time.time()
             log.warning("%.0f s are left before the job ends", self.end_time - time.time())
         ran = [r for r in [*self.history, *records] if "step_s" in r]
         step_s = max((r["step_s"] for r in ran[-3:]), default=30.0)
@@ -308,7 +310,9 @@ class Supervisor:
         self.stopping = True
         for worker_id in self.worker_ids:
             self.coordinator.send(worker_id, "shutdown")
-        if not self.launcher.wait(timeout_s=60):
+        with self.coordinator.answering():  # (a worker that takes long to end must not think the driver gone)
+            ended = self.launcher.wait(timeout_s=60)
+        if not ended:
             log.warning("some workers did not exit within 60 s of shutdown; stopping them")
 
     # ----- events and health ----------------------------------------------------------------------
@@ -489,7 +493,8 @@ class Supervisor:
         self.echo(f"{self._describe(worker_id)} {why}; starting it again alone (restart {self.worker_restarts} "
                   f"of run.max_worker_restarts {self.cfg.run.max_worker_restarts})\n{self._log_hint(worker_id)}")
         inbox = (self.book.get(worker_id) or {}).get("inbox")
-        self.launcher.restart(worker_id, {E.INBOX_PORT: inbox.rsplit(":", 1)[1]} if inbox else {})
+        with self.coordinator.answering():  # (the scancel of a hung step and its end can take a minute)
+            self.launcher.restart(worker_id, {E.INBOX_PORT: inbox.rsplit(":", 1)[1]} if inbox else {})
         self.book.pop(worker_id, None)
         self.ready.discard(worker_id)
         self.coordinator.forget(worker_id)
