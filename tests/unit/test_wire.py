@@ -442,3 +442,45 @@ def test_the_coordinator_answers_heartbeats_while_the_driver_waits_on_slurm_and_
         worker.socket.close(linger=0)
         coordinator.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("receiver", ["inbox", "coordinator"])
+def test_a_receive_ends_at_its_timeout_while_bad_frames_keep_coming(receiver, caplog):
+    """A peer (another process) that holds the connection password, not the key, sends garbage without
+    pause: the receive still returns None at its timeout (1 s), where it had looked at its deadline only
+    when nothing was queued, and so waited as long as the flood went on (here up to 60 s). And the log
+    holds a line per power of two of the drops, not one per drop (which filled a run's log)."""
+    from toolkit.launch.coordinator import Coordinator
+
+    ctx = zmq.Context()
+    if receiver == "inbox":
+        target = Inbox(ctx, Codec(SECRET, "scorer:0"), "127.0.0.1", hwm=1000)  # (a queue that seldom runs dry)
+    else:
+        target = Coordinator(ctx, SECRET, "127.0.0.1")
+    script = textwrap.dedent(f"""
+        import time, zmq
+        from toolkit.transport.gate import enter
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.{"PUSH" if receiver == "inbox" else "DEALER"})
+        sock.setsockopt(zmq.LINGER, 0)
+        enter(sock, {target.codec.password!r})
+        sock.connect({target.address!r})
+        until = time.monotonic() + 60
+        while time.monotonic() < until:
+            sock.send_multipart([b"garbage", b"x", b"y"])
+    """)
+    flood = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        while sum(target.rejected.values()) < 100:  # (the flood is on)
+            assert target.recv(0.1) is None
+        started = time.monotonic()
+        assert target.recv(1.0) is None
+        assert time.monotonic() - started < 30
+        assert flood.poll() is None and target.rejected["malformed"] > 100  # (it went on all the while)
+        drops = [r for r in caplog.records if r.getMessage().startswith("dropped a frame")]
+        assert len(drops) == target.rejected["malformed"].bit_length(), (len(drops), target.rejected)
+    finally:
+        flood.kill()
+        flood.wait(30)
+        target.close()
+        ctx.term()

@@ -61,6 +61,8 @@ class Coordinator:
                 return None
             if (item := self._take()) is not None:
                 self.kept.append(item)
+            elif time.monotonic() >= deadline:  # (heartbeats or bad frames that keep coming do not hold it)
+                return None
         identity, worker_id, msg = self.kept.popleft()
         if msg.kind == "register":  # (not any message: one a killed process left queued comes after; and
             self.routes[worker_id] = identity  # when handed out: a worker started again is forgotten before)
@@ -98,8 +100,9 @@ class Coordinator:
         name = identity.decode(errors="replace")
         if msg.sender != name:  # (the routing identity is not authenticated; the sender is)
             self.rejected["identity"] += 1
-            log.warning("dropped a frame: connection %r sent as %r; %d dropped so far", name, msg.sender,
-                        sum(self.rejected.values()))
+            if (n := self.rejected["identity"]) & (n - 1) == 0:  # (1, 2, 4, ...: as for other bad frames)
+                log.warning("dropped a frame: connection %r sent as %r; %d dropped so far, %d for this reason",
+                            name, msg.sender, sum(self.rejected.values()), n)
             return None
         peer = msg.sender.split("#")[0]  # (`trainer:0`, or `trainer:0/hb`)
         worker_id = peer.removesuffix("/hb")

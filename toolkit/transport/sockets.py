@@ -143,13 +143,18 @@ def recv_valid(socket: zmq.Socket, codec: Codec, rejected: collections.Counter, 
         msg = decode_or_count(codec, frames, rejected)
         if msg is not None:
             return msg
+        if time.monotonic() >= deadline:  # (a peer that keeps bad frames coming must not hold us past it)
+            return None
 
 
 def decode_or_count(codec: Codec, frames: list, rejected: collections.Counter) -> Message | None:
-    """Decode frames; on a bad frame log it, count its reason and return None."""
+    """Decode frames; on a bad frame count its reason, log it (at counts 1, 2, 4, ... of that reason) and
+    return None."""
     try:
         return codec.decode(frames)
     except FrameError as e:
         rejected[e.reason] += 1
-        log.warning("dropped a frame (%s); %d dropped so far", e, sum(rejected.values()))
+        if (n := rejected[e.reason]) & (n - 1) == 0:  # (the 1st, 2nd, 4th, ... of each reason: a flood
+            log.warning("dropped a frame (%s); %d dropped so far, %d for this reason (logged at 1, 2, 4, ...)",
+                        e, sum(rejected.values()), n)  # of bad frames does not fill the run's log)
         return None
