@@ -56,11 +56,11 @@ class Driver(Supervisor):
             self._pump(lambda: all(self.synced.get(g) == version for g in self.generator_ids),
                        self.cfg.transport.step_timeout_s, "the resumed weights to reach the generators")
         inboxes = [self.book[w]["inbox"] for w in self.generator_ids]
-        # (the driver answers no heartbeat while it waits here: it waits less than the workers allow for that)
-        self.outbox = Outbox(self.ctx, Codec(secret, "driver", accepts=()), inboxes,
-                             self.cfg.transport.max_inflight_messages, to=self.generator_group,
-                             connect_timeout_s=self.cfg.transport.heartbeat_timeout_s / 2,
-                             max_message_mb=self.cfg.transport.max_message_mb)
+        with self.coordinator.answering():  # (the workers hear the driver while it connects)
+            self.outbox = Outbox(self.ctx, Codec(secret, "driver", accepts=()), inboxes,
+                                 self.cfg.transport.max_inflight_messages, to=self.generator_group,
+                                 connect_timeout_s=self.cfg.transport.heartbeat_timeout_s / 2,
+                                 max_message_mb=self.cfg.transport.max_message_mb)
         self.next_dispatch = resume["next_step"]
         for step in range(resume["next_step"], self.cfg.run.steps):
             if self.preempt and not self._time_for_a_step(records):
