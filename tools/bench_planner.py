@@ -45,7 +45,8 @@ def one(nodes: int, model: str) -> dict:
     return {"seconds": seconds, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "plans": found.fitting + found.not_fitting, "estimated": found.estimated, "fitting": found.fitting,
             "best": (f"{best.setting.strategy} {best.setting.describe()} TP{best.setting.tensor_parallel} "
-                     f"ZeRO-{best.setting.zero_stage} mb {best.setting.micro_batch}: {best.estimate.step_s:.1f} s"
+                     f"ZeRO-{best.setting.zero_stage} mb {best.setting.micro_batch}"
+                     f"{' offload' * best.setting.offload}: {best.estimate.step_s:.1f} s"
                      if best else f"none fits (closest: {over} per device of {cluster.device.memory_gb:g} GB)")}
 
 

@@ -6,10 +6,11 @@ Each run of the file (a published figure with its source and the text that gives
 planner: its models' config.json files (tests/fixtures/model_configs), the cluster file with the run's
 node count, its workload, and the layout the source describes (`layout.strategy`, with the generation
 engine it used, and `layout.tensor_parallel` where the source sets its generation's TP size, as
-DeepSpeed-Chat's `--inference_tp_size`). The prediction is the fastest plan of that layout that fits
-(the planner chooses ZeRO stage, micro-batch and TP size, as the publishers tuned theirs), with the
-per-GPU batch sizes the source states where it does (`settings`); the source's own split of the step
-(`phases`) is printed beside ours. Pairs of runs of one workload on the same hardware are ranked both
+DeepSpeed-Chat's `--inference_tp_size`, and `layout.offload` where the source moves models to host
+memory between phases, as DeepSpeed-Chat's `--offload_reference_model`; off where it does not say). The
+prediction is the fastest plan of that layout that fits (the planner chooses ZeRO stage, micro-batch and
+TP size, as the publishers tuned theirs), with the per-GPU batch sizes the source states where it does
+(`settings`); the source's own split of the step (`phases`) is printed beside ours. Pairs of runs of one workload on the same hardware are ranked both
 ways. The last line: how many runs are predicted within 25%, and the largest error, leaving out runs
 that set a rate of the cluster files (`calibrates`), since they cannot check it.
 
@@ -52,7 +53,8 @@ def predict(run: dict, rates: dict | None = None):
                  dtype_bytes=load["dtype_bytes"], updates_per_step=load.get("updates_per_step", 1),
                  switches=Switches(**run.get("switches", {})), max_policy_lag=run["layout"].get("max_policy_lag", 0))
     cluster = with_rates(load_cluster(CLUSTERS / run["cluster"]), rates).model_copy(update={"nodes": run["nodes"]})
-    found = search(cluster, w, 3, strategies=(run["layout"]["strategy"],))
+    found = search(cluster, w, 3, strategies=(run["layout"]["strategy"],),
+                   offload=run["layout"].get("offload", False))
     settings = run.get("settings", {})
     pool = found.fit or (found.rejected if settings else [])
     if not pool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pytest
 import yaml
@@ -71,6 +73,51 @@ def test_step_time_of_flattening_by_hand():
     assert e.phases["train"] == pytest.approx(3.3 + 9.6 + 0.5 + 1.0 + 0.16)
     assert e.phases["sync"] == 0.0 and e.phases["transport"] == 0.0  # shared tensors, no hop
     assert e.fits and e.memory["all"] > 16e9
+
+
+def test_offload_gives_each_phase_of_a_shared_gpu_the_device_by_hand():
+    """placement.offload on one GPU (Flattening, ZeRO-2, fp32): training holds the trainer's 16 GB of state
+    and 1.1 GB of activations and logits; scoring, the reference (4 GB and 12.8 MB of logits) beside the
+    trainer's weights alone (its 12 GB of gradients and Adam states parked in host memory while it does
+    not train); generation, its 16 MB beside those weights. So the peak is training's, 4 GB under all of
+    it at once, and each step moves the reference there and back (2 x 4 GB) and the parked state out and
+    in (2 x 12 GB) over PCIe (2.5e10 B/s). On a CPU the same setting changes nothing."""
+    w = workload()
+    groups = (Group("all", ("generation", "reference", "reward", "actor")),)
+    gpu = simple_cluster(gpus_per_node=1, shared=False)
+    kept, moved = (estimate(Layout("flattening", groups, 2, 8, 1, "hf", offload), w, gpu) for offload in (False, True))
+    trainer = 16e9 + 10 * 8 * 200 * 1000 * 17 * 4 + 8 * 200 * 1000 * 4 * 3
+    reference = 4e9 + 8 * 200 * 1000 * 4 * 2
+    assert kept.memory["all"] == pytest.approx(trainer + reference + 8 * (200 * 8000 + 100 * 1000 * 4))
+    assert moved.memory["all"] == pytest.approx(trainer)
+    assert moved.phases["generate"] == kept.phases["generate"]
+    assert moved.phases["score"] - kept.phases["score"] == pytest.approx(2 * 4e9 / 2.5e10)
+    assert moved.phases["train"] - kept.phases["train"] == pytest.approx(2 * 12e9 / 2.5e10)
+    cpu = [estimate(Layout("flattening", groups, 2, 8, 1, "hf", offload), w, simple_cluster()) for offload in (False, True)]
+    assert cpu[0].memory == cpu[1].memory and cpu[0].phases == cpu[1].phases
+
+
+def test_the_planner_turns_offload_on_where_nothing_fits_without_it_and_writes_it(tiny, tmp_path):
+    """On one 20 GB GPU the case above needs 21.1 GB at once: every plan that fits offloads (with vLLM in
+    the trainer's process too: its KV cache gets the device the parked state and the reference leave), the
+    closest without it is told why not, and the plan written says placement.offload: true. Where the
+    generator is a group of its own and everything fits without it, offloading only costs time."""
+    from toolkit.placement.planner import report, write_config as write_plan
+
+    c = simple_cluster(gpus_per_node=1, shared=False, device={"memory_gb": 20, "flops": 1e12, "memory_bandwidth": 1e11})
+    found = search(c, workload(), 2, strategies=("flattening",))
+    assert found.fit and all(p.setting.offload for p in found.fit)
+    assert {p.setting.generation_engine for p in found.fit} == {"hf", "vllm"}
+    assert any(not p.setting.offload for p in found.rejected)
+    assert "offload" in report(c, workload(), found).splitlines()[3]  # (the table's header)
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny)))
+    write_plan(cfg, found.fit[0], tmp_path / "planned.yaml")
+    written = load_config(tmp_path / "planned.yaml")
+    assert written.placement.offload and setting_of(written).offload
+    roomy = search(simple_cluster(gpus_per_node=1, shared=False, nodes=3), workload(), 2, strategies=("separation",))
+    step = {p.setting: p.estimate.step_s for p in roomy.fit}
+    assert not roomy.fit[0].setting.offload and any(s.offload for s in step)  # (a small search shows every plan)
+    assert all(step[s] > step[dataclasses.replace(s, offload=False)] for s in step if s.offload)
 
 
 def test_separation_pays_for_sync_and_hops():
@@ -255,7 +302,9 @@ def test_deepspeed_chats_opt13b_ppo_fits_one_a100_node_with_the_switches_it_name
     the reference and reward model sharded over the 8 ranks as DeepSpeed-Chat shards them; under ZeRO-2
     (a whole reference on every GPU) the planner names the switch DeepSpeed-Chat's script turns on
     (gradient checkpointing; the critic and reward model hold values, not the vocabulary's logits), and
-    with it ZeRO-2 plans fit too. Split as OpenRLHF splits a node (vLLM on some GPUs, the training models
+    with it ZeRO-2 plans fit too; so do ZeRO-2 plans with `placement.offload` (the reference in host memory
+    but while it scores, as DeepSpeed-Chat's `--offload_reference_model`, and the trainer's optimizer
+    state there while it generates). Split as OpenRLHF splits a node (vLLM on some GPUs, the training models
     under ZeRO-3 with the reference sharded beside them on the others), it fits without a switch, and its
     best plan is written as a config that submits."""
     config = write_config(tmp_path, example("tiny-ppo.yaml", tiny,
@@ -268,8 +317,9 @@ def test_deepspeed_chats_opt13b_ppo_fits_one_a100_node_with_the_switches_it_name
     assert "(all[generation,reference,reward,actor,critic] 1n x8, ZeRO-2, mb 1): all (generation, reference, reward, " \
            "actor, critic) needs" in result.stdout and "fits with trainer.gradient_checkpointing: true (" in result.stdout
     plans = json.loads(cli(*args, "--strategy", "flattening", "--json", timeout=120).stdout)["plans"]
-    assert {p["zero_stage"] for p in plans if p["fits"]} == {3}
-    assert all(not p["fits"] for p in plans if p["zero_stage"] < 3)
+    assert {p["zero_stage"] for p in plans if p["fits"] and not p["offload"]} == {3}
+    assert all(not p["fits"] for p in plans if p["zero_stage"] < 3 and not p["offload"])
+    assert {p["zero_stage"] for p in plans if p["fits"] and p["offload"]} >= {2}
     plans = json.loads(cli(*args, "--strategy", "flattening", "--json", "--set", "trainer.gradient_checkpointing=true",
                            timeout=120).stdout)["plans"]
     assert {p["zero_stage"] for p in plans if p["fits"]} >= {2, 3}
@@ -364,7 +414,7 @@ def test_128_nodes_are_searched_without_keeping_every_plan():
     every layout is known, its step time bounded below, and only those that can be among the kept are
     estimated), the fastest kept plans in order; the 70B PPO fits only with the reference and reward
     models sharded over the trainer's ranks (ZeRO-3), and separation is told why not (each scorer worker
-    holds whole models)."""
+    holds a whole model, offloading or not)."""
     cluster = load_cluster(CLUSTERS / "2x8-h100.yaml").model_copy(update={"nodes": 128})
     found = search(cluster, llama_ppo("meta-llama--Llama-2-7b-hf.json"), 3)
     assert found.estimated < 10_000 and found.fitting > 100_000 and len(found.fit) == 200
@@ -381,8 +431,9 @@ def test_128_nodes_are_searched_without_keeping_every_plan():
     assert big.fit and {(c.setting.strategy, c.setting.zero_stage) for c in big.fit} == {("colocate_all_models", 3)}
     trainer = next(g for g in big.fit[0].setting.groups if "actor" in g.models)
     assert trainer.workers >= 256 and big.fit[0].estimate.memory["trainer"] <= 80e9
-    assert any("scorer (reference, reward) needs 2" in why for c in big.rejected if c.setting.strategy == "separation"
-               for why in c.estimate.short)
+    needs = [float(m.group(1)) for c in big.rejected if c.setting.strategy == "separation" for why in c.estimate.short
+             if (m := re.search(r"scorer \(reference, reward\) needs ([\d.]+) GB", why))]
+    assert needs and min(needs) > 140  # (a whole 70B model, 140 GB, even with the other in host memory)
 
 
 @pytest.mark.parametrize("strategy", list(PRESETS))

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.placement.layout import Group, Layout, on_trainer_ranks
+from toolkit.placement.plan import ROLE_OF, WorkerGroup, group_of, several_roles, stages
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
@@ -259,6 +260,21 @@ def host_s(m: ModelShape, w: Workload, cluster, world: int, zero: int, updates: 
     return seconds
 
 
+def parked_bytes(m: ModelShape, w: Workload, world: int, zero: int, sw: Switches) -> float:
+    """What `placement.offload` moves to host memory from the end of an update to the start of the next on
+    a rank that also generates (`training.engine.park`): the optimizer's states, fp32 master weights and
+    gradients, under ZeRO-1/2 without ZeRO-Offload (which keeps them in host memory already); 0 otherwise."""
+    if zero not in (1, 2) or sw.offload_optimizer:
+        return 0.0
+    return trainer_memory(m, w, world, zero, 0, sw) - m.params * w.dtype_bytes
+
+
+def offloads(g: Group, s: Layout, cluster) -> bool:
+    """Whether `placement.offload` moves models of group `g` to host memory between its phases: on GPUs,
+    in a group hosting several roles (on a CPU the host is the device: the calls move nothing)."""
+    return s.offload and bool(cluster.gpus_per_node) and several_roles(g.models)
+
+
 def forward_memory(m: ModelShape, w: Workload, shards: int = 1) -> float:
     """A scoring model's weights (over `shards` ZeRO-3 ranks) and one forward batch's logits."""
     return m.params * w.dtype_bytes / shards + w.forward_batch_size * w.tokens * m.outputs * 4 * 2
@@ -304,23 +320,28 @@ def engines(g: Group, tp: int) -> int:
 class GroupMemory:
     """What one group needs per device (`need`), and what goes with it: for a group that trains, its
     models and what the rest of the group needs beside them (`trained`, for `remedy`); for one that
-    generates, vLLM's KV cache per device or the transformers batch; `short`: why it cannot generate."""
+    generates, vLLM's KV cache per device or the transformers batch; `short`: why it cannot generate;
+    `moves`: whether placement.offload moves anything of it to host memory (with offload on)."""
 
     need: float
     trained: tuple | None = None
     kv_cache_gb: float | None = None
     generate_batch: int | None = None
     short: str | None = None
+    moves: bool = False
 
 
 def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
     """Memory per device of group `g` of setting `s` (its models share its devices). It depends on the
-    group and the setting's ZeRO stage, micro-batch, TP size and engine alone, so the planner computes it
-    once for each."""
+    group and the setting's ZeRO stage, micro-batch, TP size, engine and offload alone, so the planner
+    computes it once for each."""
     name, models, workers = g.name, g.models, g.workers
-    need = idle = 0.0  # idle: what the trainer keeps between updates (no activations)
+    need = idle = parked = 0.0  # idle: what the trainer keeps between updates (no activations)
     shapes = trainer_need = None
     kv_cache_gb = generate_batch = short = None
+    # placement.offload: each phase has the device to itself, but for the trainer's weights and sharded
+    # scoring models, so the peak is the largest phase's (without it, everything is there at once)
+    moves = offloads(g, s, cluster)
     if g.trains:
         shapes = trained_models(w, g.trains)
         need += sum(trainer_memory(m, w, workers, s.zero_stage, s.micro_batch, switches_of(w.switches, lora))
@@ -328,20 +349,30 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
         idle = sum(trainer_memory(m, w, workers, s.zero_stage, 0, switches_of(w.switches, lora))
                    for m, lora in shapes) - need
         trainer_need = need
-    # (with the trainer under ZeRO-3, sharded over its ranks: the scoring roles' `sharded`)
-    if "reference" in models:
-        sharded = on_trainer_ranks(models, "reference") and s.zero_stage == 3
-        need += forward_memory(w.reference, w, workers if sharded else 1)
-    if "reward" in models:
-        sharded = on_trainer_ranks(models, "reward") and s.zero_stage == 3
-        need += sum(forward_memory(m, w, workers if sharded else 1) for m in w.reward_models)
+        if moves and "generation" in models:
+            parked = sum(parked_bytes(m, w, workers, s.zero_stage, switches_of(w.switches, lora)) for m, lora in shapes)
+    # (with the trainer under ZeRO-3, sharded over its ranks: the scoring roles' `sharded`; offloading
+    # leaves those on the device, and moves the others there for their own phase only)
+    scoring = []  # (what each scoring role moved to host memory needs in its phase, the trainer's state then)
+    for role, shapes_of in (("reference", [w.reference]), ("reward", list(w.reward_models))):
+        if role in models:
+            deferred = on_trainer_ranks(models, role) and workers > 1  # (in the training step, state back)
+            sharded = deferred and s.zero_stage == 3
+            role_need = sum(forward_memory(m, w, workers if sharded else 1) for m in shapes_of)
+            if moves and not sharded:
+                scoring.append((role_need, idle - (0.0 if deferred else parked)))
+            else:
+                need += role_need
+    peak = max([need] + [need + state + role_need for role_need, state in scoring])
     if "generation" in models:  # (last: a vLLM engine's KV cache gets what the rest of the group leaves)
         own = g.own_engine or s.zero_stage == 3
         tp = s.tensor_parallel
         # vLLM in the trainer's process sleeps (gives back weights and KV cache) while the trainer
-        # works, on a GPU: it shares the device with the trainer's state between updates only.
+        # works, on a GPU: it shares the device with the trainer's state between updates only (less what
+        # placement.offload parks in host memory meanwhile).
         asleep = s.generation_engine == "vllm" and not g.own_engine and not cluster.shared
-        beside = need + idle if asleep else need
+        phased = moves or asleep
+        beside = need + idle - parked if phased else need
         if s.generation_engine == "vllm":
             budget = kv_budget(w, cluster.device.memory_gb - beside / GB, tp)
             kv_cache_gb = budget / GB
@@ -356,9 +387,9 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
             batch = min(per, fits if w.generate_batch is None else w.generate_batch or per)
             generate_batch = batch
         generating = beside + generation_memory(w, batch, tp, own, budget)
-        need = max(need, generating) if asleep else generating
-    return GroupMemory(need, None if shapes is None else (shapes, need - trainer_need), kv_cache_gb, generate_batch,
-                       short)
+        peak = max(peak, generating) if phased else generating
+    return GroupMemory(peak, None if shapes is None else (shapes, peak - trainer_need), kv_cache_gb, generate_batch,
+                       short, bool(scoring) or parked > 0)
 
 
 def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
@@ -437,17 +468,22 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
     busy = {g.name: 0.0 for g in s.groups}  # seconds each group works a step (for the overlap of async mode)
     each = math.ceil(w.samples / g_workers)  # what each generating worker sends on
     for model, shapes in (("reference", [w.reference]), ("reward", list(w.reward_models))):
+        group, sharded = s.group(model), False
         if s.together(model, "generation"):
-            n, workers = each, g_workers                   # right after generation, on each worker
-        elif on_trainer_ranks(s.group(model).models, model):
+            n, workers, calls = each, g_workers, 1         # right after generation, on each worker
+        elif on_trainer_ranks(group.models, model):
             workers = s.group("actor").workers             # every trainer rank its shard (the roles' `deferred`)
-            n = math.ceil(w.samples / workers)
+            n, calls = math.ceil(w.samples / workers), 1
+            sharded = s.zero_stage == 3 and workers > 1
         elif s.together(model, "actor"):
-            n, workers = w.samples, 1                      # on trainer rank 0
+            n, workers, calls = w.samples, 1, g_workers    # on trainer rank 0
         else:
             workers = s.workers(model)
-            n = math.ceil(g_workers / workers) * each      # messages shared round-robin
-        busy[s.group(model).name] += sum(forward_s(m, n, workers) for m in shapes)
+            calls = math.ceil(g_workers / workers)         # messages shared round-robin
+            n = calls * each
+        busy[group.name] += sum(forward_s(m, n, workers) for m in shapes)
+        if offloads(group, s, cluster) and not sharded and shapes:  # to the device and back for each call
+            busy[group.name] += calls * 2 * sum(m.params for m in shapes) * b / links.host
     e.phases["score"] = sum(busy.values())
 
     # Training: each trainer group its models over its ranks. A critic on ranks of its own trains while
@@ -477,6 +513,9 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
                 if s.zero_stage == 3:
                     volume += 2 * m.params * b * ring * micro_batches
                 train += volume / link(t_nodes) + links.latency_s * micro_batches
+        if offloads(g, s, cluster) and "generation" in g.models:  # parked while it generates, and back
+            train += 2 * sum(parked_bytes(m, w, t_workers, s.zero_stage, switches_of(w.switches, lora))
+                             for m, lora in trained_models(w, g.trains)) / links.host
         trains[g.name] = train
     e.phases["train"] = sum(trains.values()) if cluster.shared else max(trains.values())
     if s.critic_apart:  # each critic rank sends its shard's values (fp32 per token) and gets the returns back
@@ -511,8 +550,6 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
 
 def _hops(s: Layout) -> int:
     """Times the step's samples change group between generation and the trainer (placement.plan.stages)."""
-    from toolkit.placement.plan import ROLE_OF, WorkerGroup, group_of, stages
-
     groups = [WorkerGroup(g.name, tuple(dict.fromkeys(ROLE_OF[m] for m in g.models)), g.workers, models=g.models)
               for g in s.groups]
     hosts = [group_of(groups, role).name for role in stages(groups)]

@@ -79,7 +79,8 @@ class Group:
 @dataclass(frozen=True)
 class Layout:
     """A whole layout as the planner weighs it: the groups, the trainer's ZeRO stage and micro-batch,
-    and the generator's TP size and engine."""
+    the generator's TP size and engine, and whether a group of several roles moves what the phase that
+    runs does not need to host memory (`placement.offload`)."""
 
     strategy: str
     groups: tuple[Group, ...]
@@ -87,6 +88,7 @@ class Layout:
     micro_batch: int
     tensor_parallel: int = 1
     generation_engine: str = "vllm"    # vllm, or hf (transformers `generate`, as where generation shares the actor)
+    offload: bool = False              # placement.offload
 
     def group(self, model: str) -> Group:
         return next(g for g in self.groups if model in g.models)

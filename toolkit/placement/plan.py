@@ -19,6 +19,11 @@ ROLE_OF = {"generation": "generator", "reference": "reference", "reward": "rewar
 SCORING = ("reference", "reward")
 
 
+def several_roles(models) -> bool:
+    """Whether a node group hosting `models` runs more than one role (where `placement.offload` acts)."""
+    return len({ROLE_OF[m] for m in models}) > 1
+
+
 @dataclass(frozen=True)
 class WorkerGroup:
     """One kind of worker on its own node group (under Slurm: one job step on its own nodes)."""

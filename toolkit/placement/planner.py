@@ -23,6 +23,7 @@ from pathlib import Path
 
 from toolkit.placement.cost import DTYPE_BYTES, GB, Estimate, ModelShape, Switches, Workload, estimate, group_memory
 from toolkit.placement.layout import PRESETS, Group, Layout, generates_with_actor, generation_with_actor
+from toolkit.placement.plan import several_roles
 from toolkit.table import text_table
 
 STRATEGIES = tuple(PRESETS)
@@ -86,8 +87,10 @@ def mean_prompt_tokens(cfg, limit: int = 256) -> float:
     return sum(lengths) / max(len(lengths), 1)
 
 
-def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: int = 200) -> Found:
-    """The `keep` fastest plans that fit, and the `keep` closest to fitting of the others.
+def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: int = 200,
+           offload: bool | None = None) -> Found:
+    """The `keep` fastest plans that fit, and the `keep` closest to fitting of the others (`offload`:
+    only plans with that `placement.offload`; None: with and without, where it makes a difference).
 
     Node counts per group come from `node_counts` (every count up to 16, then 1 and 1.5 times powers of
     two, and whatever is left of the cluster); a generator never has more workers than prompts. ZeRO
@@ -138,7 +141,7 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
 
     def memory(g, s, w, cluster):
         """`group_memory`, remembered for each group and trainer and generator setting."""
-        key = (g, s.zero_stage, s.micro_batch, s.tensor_parallel, s.generation_engine)
+        key = (g, s.zero_stage, s.micro_batch, s.tensor_parallel, s.generation_engine, s.offload)
         if key not in remembered:
             remembered[key] = group_memory(g, s, w, cluster)
         return remembered[key]
@@ -159,25 +162,40 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
                     # the actor's group generates with transformers, or, with one worker, with vLLM in the
                     # trainer's process (rollout.backend vllm): both are plans
                     for engine in ("vllm",) if own_generator else ("hf", "vllm") if workers == 1 else ("hf",):
-                        layouts.append((groups, tp, engine, *_trainer_options(w, groups, zero_stage, settings)))
+                        for moves in _offloads(cluster, groups, offload):
+                            layouts.append((groups, tp, engine, moves,
+                                            *_trainer_options(w, groups, zero_stage, settings)))
         if len(layouts) <= keep or cluster.shared:  # (a small search: every setting of every layout)
-            for groups, tp, engine, trainers, options in layouts:
+            for groups, tp, engine, moves, trainers, options in layouts:
                 for zero, mb in options:
-                    s = Layout(strategy, groups, zero, mb, tp, engine)
-                    add(Candidate(s, estimate(s, w, cluster)))
+                    s = Layout(strategy, groups, zero, mb, tp, engine, moves)
+                    if not moves or any(memory(g, s, w, cluster).moves for g in groups):  # (else: its twin)
+                        add(Candidate(s, estimate(s, w, cluster, memory)))
             continue
-        pick = {}  # trainer groups and engine: their (zero, micro-batch) and training seconds
-        for groups, tp, engine, trainers, options in layouts:
-            if options and (trainers, engine) not in pick:
-                pick[trainers, engine] = _fastest_trainer(options, strategy, groups, tp, engine, w, cluster, usable,
-                                                          memory)
+        pick = {}  # trainer groups, engine and offload: their (zero, micro-batch) and training seconds
+        for groups, tp, engine, moves, trainers, options in layouts:
+            if options and (trainers, engine, moves) not in pick:
+                pick[trainers, engine, moves] = _fastest_trainer(options, strategy, groups, tp, engine, moves, w,
+                                                                 cluster, usable, memory)
         # Each layout with its trainer's setting; its memory per group is known without an estimate.
-        plans, fits, short = [Layout(strategy, x[0], *pick[x[3], x[2]][0], x[1], x[2]) for x in layouts if x[4]], [], []
+        plans = [Layout(strategy, groups, *pick[trainers, engine, moves][0], tp, engine, moves)
+                 for groups, tp, engine, moves, trainers, options in layouts if options]
+        plans = [s for s in plans if not s.offload or any(memory(g, s, w, cluster).moves for g in s.groups)]
+        fits, short = [], []
         for s in plans:
             need = [memory(g, s, w, cluster) for g in s.groups]
             ok = all(m.need <= usable and not m.short for m in need)
             count(ok)
             (fits if ok else short).append((s, max(m.need for m in need)))
+        # Offloading only adds moves where the generator is a group of its own: a plan with it is slower
+        # than its twin without it, when that fits with the same trainer setting (else it may fit, or fit a
+        # larger micro-batch: it is weighed).
+        twins = {dataclasses.replace(s, offload=True) for s, _ in fits if not s.offload}
+        dominated = {i for i, (s, _) in enumerate(fits)
+                     if s in twins and not several_roles(s.group("generation").models)}
+        if dominated:
+            fits = [x for i, x in enumerate(fits) if i not in dominated]
+            found.skipped[strategy] = len(dominated)
         # Bounds. A plan takes at least its generation and training seconds: those that fit go least first,
         # and once `keep` plans are kept, the rest that take longer than every plan kept are not estimated.
         # Of those that do not fit, the least memory first, until `keep` are kept and each strategy's closest.
@@ -185,7 +203,7 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
         order = sorted(range(len(fits)), key=bounds.__getitem__)
         for n, i in enumerate(order):
             if len(heap) == keep and bounds[i] >= -heap[0][0]:
-                found.skipped[strategy] = len(fits) - n
+                found.skipped[strategy] = found.skipped.get(strategy, 0) + len(fits) - n
                 break
             add(Candidate(fits[i][0], estimate(fits[i][0], w, cluster, memory)), counted=True)
         short.sort(key=lambda x: x[1])
@@ -198,6 +216,15 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     kept = [c for _, _, c in sorted(closest, key=lambda item: (-item[0], item[1]))]
     found.rejected = kept + [c for _, c in of_strategy.values() if c not in kept]
     return found
+
+
+def _offloads(cluster, groups, only: bool | None = None) -> tuple[bool, ...]:
+    """The `placement.offload` settings worth weighing for `groups` (`only` that one, when given): both on
+    GPUs where a group hosts several roles (it frees the device for each phase, and costs the moves over
+    PCIe), off elsewhere (it would change nothing)."""
+    if only is not None:
+        return (only,)
+    return (False, True) if cluster.gpus_per_node and any(several_roles(g.models) for g in groups) else (False,)
 
 
 def node_counts(nodes: int) -> list[int]:
@@ -307,10 +334,11 @@ def _bounds(plans: list[Layout], pick, w: Workload, cluster, memory) -> list[flo
     bounds = []
     for s in plans:
         trainers, gen = s.trainers, s.group("generation")
-        key = (gen, s.tensor_parallel, s.generation_engine) + (() if gen.own_engine else (trainers, s.zero_stage, s.micro_batch))
+        key = (gen, s.tensor_parallel, s.generation_engine, s.offload) + (
+            () if gen.own_engine else (trainers, s.zero_stage, s.micro_batch))
         if key not in generating:
             generating[key] = estimate(s, w, cluster, memory).phases["generate"]
-        train_s = pick[trainers, s.generation_engine][1]
+        train_s = pick[trainers, s.generation_engine, s.offload][1]
         overlap = w.max_policy_lag >= 1 and gen.own_engine
         bounds.append(max(generating[key], train_s) if overlap else generating[key] + train_s)
     return bounds
@@ -335,7 +363,7 @@ def _micro_batches(w: Workload, trainers: int) -> list[int]:
     return [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= per_update and per_update % m == 0]
 
 
-def _fastest_trainer(options, strategy, groups, tp, engine, w, cluster, usable,
+def _fastest_trainer(options, strategy, groups, tp, engine, offload, w, cluster, usable,
                      memory=group_memory) -> tuple[tuple[int, int], float]:
     """Of (zero, micro-batch) `options`, the one with the fewest generate + train + sync seconds (only
     the trainer groups' part of them changes) under which the trainer groups fit their devices; when
@@ -344,7 +372,7 @@ def _fastest_trainer(options, strategy, groups, tp, engine, w, cluster, usable,
     names = [g.name for g in groups if g.trains]
 
     def rate(option):
-        e = estimate(Layout(strategy, groups, *option, tp, engine), w, cluster, memory)
+        e = estimate(Layout(strategy, groups, *option, tp, engine, offload), w, cluster, memory)
         need = max(e.memory[name] for name in names)
         return (need > usable, need if need > usable else e.phases["generate"] + e.phases["train"] + e.phases["sync"],
                 e.phases["train"])
@@ -363,12 +391,13 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
              f"workload: {w.samples} samples/step, {w.prompt_tokens:.0f} prompt + {w.response_tokens:.0f} response "
              f"tokens, actor {w.actor.params / 1e6:,.1f}M parameters", ""]
     if fit:
-        rows = [("#", "strategy", "node groups (nodes x workers)", "engine", "TP", "ZeRO", "mb", "step s", "generate",
-                 "score", "train", "sync", "other", "peak GB")]
+        rows = [("#", "strategy", "node groups (nodes x workers)", "engine", "offload", "TP", "ZeRO", "mb", "step s",
+                 "generate", "score", "train", "sync", "other", "peak GB")]
         for i, c in enumerate(fit[:top], 1):
             s, e = c.setting, c.estimate
             phases = (f"{e.phases[k]:.3f}" for k in ("generate", "score", "train", "sync", "transport"))
-            rows.append((str(i), s.strategy, s.describe(), s.generation_engine, str(s.tensor_parallel),
+            rows.append((str(i), s.strategy, s.describe(), s.generation_engine, "yes" if s.offload else "-",
+                         str(s.tensor_parallel),
                          str(s.zero_stage), str(s.micro_batch), f"{e.step_s:.3f}", *phases,
                          f"{max(e.memory.values()) / GB:.2f}"))
         lines.append(text_table(rows))
@@ -386,7 +415,8 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
             closest = min((c for c in rejected if c.setting.strategy == strategy),
                           key=lambda c: max(c.estimate.memory.values()))
             lines.append(f"  {strategy} ({closest.setting.describe()}, ZeRO-{closest.setting.zero_stage}, "
-                         f"mb {closest.setting.micro_batch}): {'; '.join(closest.estimate.short)}")
+                         f"mb {closest.setting.micro_batch}{', offload' * closest.setting.offload}): "
+                         f"{'; '.join(closest.estimate.short)}")
     missing = [s for s in found.strategies if s not in {c.setting.strategy for c in [*fit, *rejected]}
                and s not in found.skipped]
     if missing and not cluster.shared:
@@ -409,7 +439,8 @@ def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
                             "gpus_per_worker": g.gpus_per_worker, "same_nodes_as": g.same_nodes_as}
                            for g in s.groups],
                 "tensor_parallel": s.tensor_parallel, "zero_stage": s.zero_stage, "micro_batch": s.micro_batch,
-                "generation_engine": s.generation_engine, "step_s": e.step_s, "phases_s": dict(e.phases),
+                "generation_engine": s.generation_engine, "offload": s.offload, "step_s": e.step_s,
+                "phases_s": dict(e.phases),
                 "memory_gb_per_device": {name: need / GB for name, need in e.memory.items()}}
 
     closest = sorted(rejected, key=lambda c: max(c.estimate.memory.values(), default=0.0))
@@ -433,7 +464,7 @@ def as_config(cfg, c: Candidate) -> dict:
     s = c.setting
     data = cfg.model_dump(mode="json", exclude_none=True)
     data["placement"] = placement_of(s, data.get("placement", {}))
-    data["placement"]["offload"] = cfg.placement.offload
+    data["placement"]["offload"] = s.offload
     data["trainer"].update(zero_stage=s.zero_stage, micro_batch_size=s.micro_batch)
     rollout_of(c, data["rollout"])
     return data
@@ -487,4 +518,4 @@ def setting_of(cfg) -> Layout:
     groups = tuple(Group(g.name, g.models, g.nodes, g.workers, g.gpus_per_worker, g.same_nodes_as) for g in plan(cfg))
     tp = cfg.rollout.vllm.tensor_parallel_size if any(g.own_engine for g in groups) else 1  # (the actor's: whole)
     return Layout(cfg.placement.strategy, groups, cfg.trainer.zero_stage, cfg.trainer.micro_batch_size, tp,
-                  cfg.generation_backend)
+                  cfg.generation_backend, cfg.placement.offload)
