@@ -311,7 +311,8 @@ class PlacementSection(Section):
     runs: the scorer models during generation and training (GPU only), and the trainer's optimizer
     states, fp32 master weights and gradients from the end of each update to the start of the next,
     while the generator runs (ZeRO-1/2; on a CPU machine these calls run but move nothing). With vLLM in
-    the trainer's process on GPU, vLLM sleeps while the trainer works, whatever this says."""
+    the trainer's process on GPU, vLLM sleeps while the trainer works, whatever this says. `slurm-rlhf
+    plan` (and `init`) weighs it on GPU clusters and writes what its plan uses."""
 
     @model_validator(mode="after")
     def _groups(self) -> "PlacementSection":
