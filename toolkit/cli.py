@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", required=True, help="cluster file (see templates/clusters/)")
     p.add_argument("--nodes", type=int, default=None, help="plan for this many nodes of the cluster file's kind")
     p.add_argument("--strategy", action="append", default=None, help="only this strategy (repeatable)")
+    p.add_argument("--offload", choices=("auto", "on", "off"), default="auto",
+                   help="placement.offload in the plans: weighed both ways on GPU clusters (auto, the default), "
+                        "or only on or off")
     p.add_argument("--top", type=int, default=None,
                    help="plans shown (default 10; with --json: every plan kept unless given)")
     p.add_argument("--json", action="store_true",
@@ -552,7 +555,8 @@ def cmd_plan(args) -> int:
     if args.write and not Path(args.write).resolve().parent.is_dir():
         raise ConfigError(f"--write {args.write}: its folder {Path(args.write).resolve().parent} does not exist")
     w = workload_of(cfg, args.prompt_tokens, args.response_tokens, params)
-    found = search(cluster, w, cfg.trainer.zero_stage, tuple(args.strategy or STRATEGIES))
+    found = search(cluster, w, cfg.trainer.zero_stage, tuple(args.strategy or STRATEGIES),
+                   offload={"auto": None, "on": True, "off": False}[args.offload])
     if args.json:
         print(json.dumps(as_json(cluster, w, found, args.top), indent=1))
     else:

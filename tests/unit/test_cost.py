@@ -320,6 +320,9 @@ def test_deepspeed_chats_opt13b_ppo_fits_one_a100_node_with_the_switches_it_name
     assert {p["zero_stage"] for p in plans if p["fits"] and not p["offload"]} == {3}
     assert all(not p["fits"] for p in plans if p["zero_stage"] < 3 and not p["offload"])
     assert {p["zero_stage"] for p in plans if p["fits"] and p["offload"]} >= {2}
+    pinned = json.loads(cli(*args, "--strategy", "flattening", "--json", "--offload", "off", timeout=120).stdout)["plans"]
+    assert pinned and not any(p["offload"] for p in pinned)  # (--offload off: as before the planner weighed it)
+    assert [p["step_s"] for p in pinned if p["fits"]] == [p["step_s"] for p in plans if p["fits"] and not p["offload"]]
     plans = json.loads(cli(*args, "--strategy", "flattening", "--json", "--set", "trainer.gradient_checkpointing=true",
                            timeout=120).stdout)["plans"]
     assert {p["zero_stage"] for p in plans if p["fits"]} >= {2, 3}

@@ -146,6 +146,11 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
             remembered[key] = group_memory(g, s, w, cluster)
         return remembered[key]
 
+    def distinct(s) -> bool:
+        """Whether plan `s` is one of its own: one that offloads and moves nothing is its twin without
+        (unless `offload` pins it on)."""
+        return not s.offload or offload is True or any(memory(g, s, w, cluster).moves for g in s.groups)
+
     for strategy in strategies:
         layout = [(name, tuple(m for m in models if m != "critic" or w.critic is not None))  # GRPO: no critic
                   for name, models in PRESETS[strategy].items()]
@@ -169,7 +174,7 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
             for groups, tp, engine, moves, trainers, options in layouts:
                 for zero, mb in options:
                     s = Layout(strategy, groups, zero, mb, tp, engine, moves)
-                    if not moves or any(memory(g, s, w, cluster).moves for g in groups):  # (else: its twin)
+                    if distinct(s):
                         add(Candidate(s, estimate(s, w, cluster, memory)))
             continue
         pick = {}  # trainer groups, engine and offload: their (zero, micro-batch) and training seconds
@@ -180,7 +185,7 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
         # Each layout with its trainer's setting; its memory per group is known without an estimate.
         plans = [Layout(strategy, groups, *pick[trainers, engine, moves][0], tp, engine, moves)
                  for groups, tp, engine, moves, trainers, options in layouts if options]
-        plans = [s for s in plans if not s.offload or any(memory(g, s, w, cluster).moves for g in s.groups)]
+        plans = [s for s in plans if distinct(s)]
         fits, short = [], []
         for s in plans:
             need = [memory(g, s, w, cluster) for g in s.groups]
@@ -190,7 +195,7 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
         # Offloading only adds moves where the generator is a group of its own: a plan with it is slower
         # than its twin without it, when that fits with the same trainer setting (else it may fit, or fit a
         # larger micro-batch: it is weighed).
-        twins = {dataclasses.replace(s, offload=True) for s, _ in fits if not s.offload}
+        twins = {dataclasses.replace(s, offload=True) for s, _ in fits if not s.offload}  # (none when pinned)
         dominated = {i for i, (s, _) in enumerate(fits)
                      if s in twins and not several_roles(s.group("generation").models)}
         if dominated:
