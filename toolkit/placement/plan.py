@@ -12,6 +12,7 @@ to the group that hosts the next stage.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 ROLE_OF = {"generation": "generator", "reference": "reference", "reward": "reward", "actor": "trainer",
@@ -19,7 +20,8 @@ ROLE_OF = {"generation": "generator", "reference": "reference", "reward": "rewar
 SCORING = ("reference", "reward")
 
 
-def several_roles(models) -> bool:
+@functools.lru_cache(maxsize=256)
+def several_roles(models: tuple[str, ...]) -> bool:
     """Whether a node group hosting `models` runs more than one role (where `placement.offload` acts)."""
     return len({ROLE_OF[m] for m in models}) > 1
 

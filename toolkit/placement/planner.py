@@ -159,17 +159,18 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
         # runs it)
         critics = (None, *CRITIC_APART) if w.critic is not None and own_generator else (None,)
         layouts = []
+        offloads = _offloads(cluster, [models for _, models in layout], offload)  # (a critic apart: the same roles)
         for critic in critics:
             for split, tp, share in _arrangements(cluster, layout, tps if own_generator else [1], own_generator, critic):
                 groups = _groups(cluster, layout, split, tp, share, critic)
                 workers = None if groups is None else next(g.workers for g in groups if "generation" in g.models)
                 if workers is not None and workers <= w.prompts:
+                    trainers, options = _trainer_options(w, groups, zero_stage, settings)
                     # the actor's group generates with transformers, or, with one worker, with vLLM in the
                     # trainer's process (rollout.backend vllm): both are plans
                     for engine in ("vllm",) if own_generator else ("hf", "vllm") if workers == 1 else ("hf",):
-                        for moves in _offloads(cluster, groups, offload):
-                            layouts.append((groups, tp, engine, moves,
-                                            *_trainer_options(w, groups, zero_stage, settings)))
+                        for moves in offloads:
+                            layouts.append((groups, tp, engine, moves, trainers, options))
         if len(layouts) <= keep or cluster.shared:  # (a small search: every setting of every layout)
             for groups, tp, engine, moves, trainers, options in layouts:
                 for zero, mb in options:
@@ -185,22 +186,23 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
         # Each layout with its trainer's setting; its memory per group is known without an estimate.
         plans = [Layout(strategy, groups, *pick[trainers, engine, moves][0], tp, engine, moves)
                  for groups, tp, engine, moves, trainers, options in layouts if options]
-        plans = [s for s in plans if distinct(s)]
-        fits, short = [], []
-        for s in plans:
+        # Offloading only adds moves where the generator is a group of its own: a plan with it is slower
+        # than its twin without it, when that fits with the same trainer setting (else it may fit, or fit a
+        # larger micro-batch: it is weighed). So the plans without it go first.
+        fits, short, fitting = [], [], set()
+        for s in sorted(plans, key=lambda s: s.offload):
+            if not distinct(s):
+                continue
+            if s.offload and dataclasses.replace(s, offload=False) in fitting:
+                count(True)
+                found.skipped[strategy] = found.skipped.get(strategy, 0) + 1
+                continue
             need = [memory(g, s, w, cluster) for g in s.groups]
             ok = all(m.need <= usable and not m.short for m in need)
             count(ok)
+            if ok and not s.offload and not several_roles(s.group("generation").models):
+                fitting.add(s)
             (fits if ok else short).append((s, max(m.need for m in need)))
-        # Offloading only adds moves where the generator is a group of its own: a plan with it is slower
-        # than its twin without it, when that fits with the same trainer setting (else it may fit, or fit a
-        # larger micro-batch: it is weighed).
-        twins = {dataclasses.replace(s, offload=True) for s, _ in fits if not s.offload}  # (none when pinned)
-        dominated = {i for i, (s, _) in enumerate(fits)
-                     if s in twins and not several_roles(s.group("generation").models)}
-        if dominated:
-            fits = [x for i, x in enumerate(fits) if i not in dominated]
-            found.skipped[strategy] = len(dominated)
         # Bounds. A plan takes at least its generation and training seconds: those that fit go least first,
         # and once `keep` plans are kept, the rest that take longer than every plan kept are not estimated.
         # Of those that do not fit, the least memory first, until `keep` are kept and each strategy's closest.
@@ -223,13 +225,13 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     return found
 
 
-def _offloads(cluster, groups, only: bool | None = None) -> tuple[bool, ...]:
-    """The `placement.offload` settings worth weighing for `groups` (`only` that one, when given): both on
-    GPUs where a group hosts several roles (it frees the device for each phase, and costs the moves over
-    PCIe), off elsewhere (it would change nothing)."""
+def _offloads(cluster, groups_models, only: bool | None = None) -> tuple[bool, ...]:
+    """The `placement.offload` settings worth weighing for groups hosting `groups_models` (`only` that one,
+    when given): both on GPUs where a group hosts several roles (it frees the device for each phase, and
+    costs the moves over PCIe), off elsewhere (it would change nothing)."""
     if only is not None:
         return (only,)
-    return (False, True) if cluster.gpus_per_node and any(several_roles(g.models) for g in groups) else (False,)
+    return (False, True) if cluster.gpus_per_node and any(map(several_roles, groups_models)) else (False,)
 
 
 def node_counts(nodes: int) -> list[int]:
