@@ -444,6 +444,36 @@ def test_the_coordinator_answers_heartbeats_while_the_driver_waits_on_slurm_and_
         ctx.term()
 
 
+def test_an_interrupt_while_the_answering_thread_ends_waits_for_it(monkeypatch):
+    """A Ctrl-C (or SIGTERM, which the driver turns into the same) that comes while `answering()` joins its
+    thread must not leave the thread on the socket: the driver's clean-up closes that socket next, and a
+    ZeroMQ socket used by two threads at once can abort the process. Here the thread takes 2 s to notice
+    (its poll), and the interrupt comes 0.3 s into the join."""
+    import signal
+    import threading
+
+    from toolkit.launch import coordinator as module
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "ANSWER_POLL_MS", 2000)
+    previous = signal.signal(signal.SIGUSR2, interrupt)
+    ctx = zmq.Context()
+    coordinator = module.Coordinator(ctx, SECRET, "127.0.0.1")
+    timer = threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with coordinator.answering():
+                timer.start()
+        assert not any(t.name == "coordinator-answering" for t in threading.enumerate())
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR2, previous)
+        coordinator.close()
+        ctx.term()
+
+
 @pytest.mark.parametrize("receiver", ["inbox", "coordinator"])
 def test_a_receive_ends_at_its_timeout_while_bad_frames_keep_coming(receiver, caplog):
     """A peer (another process) that holds the connection password, not the key, sends garbage without

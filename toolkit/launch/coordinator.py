@@ -72,23 +72,36 @@ class Coordinator:
     def answering(self):
         """While the body runs (and does not use this coordinator), a thread answers heartbeats and keeps
         the other messages, in order, for `recv` after it."""
-        done = threading.Event()
-        thread = threading.Thread(target=self._answer_until, args=(done,), name="coordinator-answering", daemon=True)
-        thread.start()  # (the socket passes to the thread and back with the start and the join: ZeroMQ asks for that)
+        done, ended = threading.Event(), threading.Event()
+        thread = threading.Thread(target=self._answer_until, args=(done, ended), name="coordinator-answering",
+                                  daemon=True)
+        thread.start()  # (the socket passes to the thread and back with the start and its end: ZeroMQ asks for that)
         try:
             yield
         finally:
             done.set()
+            # A Ctrl-C or SIGTERM (KeyboardInterrupt here) while the thread ends must not leave it on the socket,
+            # which the driver's clean-up closes next: it is waited for still, then the interrupt goes on. (Not
+            # with join(): an interrupted join marks a thread that runs on as ended, in CPython 3.11.)
+            interrupted = None
+            while not ended.is_set():
+                try:
+                    ended.wait(0.1)
+                except KeyboardInterrupt as e:
+                    interrupted = e
             thread.join()
+            if interrupted is not None:
+                raise interrupted
 
-    def _answer_until(self, done: threading.Event) -> None:
-        while not done.is_set():
-            try:
+    def _answer_until(self, done: threading.Event, ended: threading.Event) -> None:
+        try:
+            while not done.is_set():
                 if self.socket.poll(ANSWER_POLL_MS) and (item := self._take()) is not None:
                     self.kept.append(item)
-            except zmq.ZMQError as e:  # (the context ended under it: the driver is ending)
-                log.warning("heartbeats no longer answered: %s", e)
-                return
+        except zmq.ZMQError as e:  # (the context ended under it: the driver is ending)
+            log.warning("heartbeats no longer answered: %s", e)
+        finally:
+            ended.set()
 
     def _take(self) -> tuple[bytes, str, Message] | None:
         """The message waiting on the socket as (connection, worker_id, message); None for a heartbeat
