@@ -445,30 +445,53 @@ def test_the_coordinator_answers_heartbeats_while_the_driver_waits_on_slurm_and_
 
 
 def test_an_interrupt_while_the_answering_thread_ends_waits_for_it(monkeypatch):
-    """A Ctrl-C (or SIGTERM, which the driver turns into the same) that comes while `answering()` joins its
-    thread must not leave the thread on the socket: the driver's clean-up closes that socket next, and a
-    ZeroMQ socket used by two threads at once can abort the process. Here the thread takes 2 s to notice
-    (its poll), and the interrupt comes 0.3 s into the join."""
+    """A Ctrl-C (or SIGTERM, which the driver turns into the same) that comes while `answering()` waits for
+    its thread must not leave the thread on the socket: the driver's clean-up closes that socket next, and
+    a ZeroMQ socket used by two threads at once can abort the process. Here the thread, in its poll, sends
+    the interrupt once the driver waits (or after 5 s, to a driver that waits otherwise), then stays on
+    the socket 1 s more."""
     import signal
     import threading
 
     from toolkit.launch import coordinator as module
 
+    waiting, sent = threading.Event(), threading.Event()
+
+    class Event(threading.Event):  # (the coordinator's: its first wait with a timeout is the driver's)
+        def wait(self, timeout=None):
+            if timeout is not None:
+                waiting.set()
+            return super().wait(timeout)
+
+    class Socket:  # (the coordinator's socket, its poll held as described)
+        def __init__(self, socket):
+            self.socket = socket
+
+        def poll(self, timeout_ms):
+            if not sent.is_set():
+                waiting.wait(5)
+                sent.set()
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
+                time.sleep(1.0)
+            return 0
+
+        def close(self, linger=None):
+            self.socket.close(linger=linger)
+
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(module, "ANSWER_POLL_MS", 2000)
+    monkeypatch.setattr(module.threading, "Event", Event)
     previous = signal.signal(signal.SIGUSR2, interrupt)
     ctx = zmq.Context()
     coordinator = module.Coordinator(ctx, SECRET, "127.0.0.1")
-    timer = threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2))
+    coordinator.socket = Socket(coordinator.socket)
     try:
         with pytest.raises(KeyboardInterrupt):
             with coordinator.answering():
-                timer.start()
-        assert not any(t.name == "coordinator-answering" for t in threading.enumerate())
+                pass
+        assert sent.is_set() and not any(t.name == "coordinator-answering" for t in threading.enumerate())
     finally:
-        timer.cancel()
         signal.signal(signal.SIGUSR2, previous)
         coordinator.close()
         ctx.term()
