@@ -345,8 +345,9 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
     need = idle = parked = 0.0  # idle: what the trainer keeps between updates (no activations)
     shapes = trainer_need = None
     kv_cache_gb = generate_batch = short = None
-    # placement.offload: each phase has the device to itself, but for the trainer's weights and sharded
-    # scoring models, so the peak is the largest phase's (without it, everything is there at once)
+    # placement.offload: each phase has the device to itself, but for the trainer's weights (and its
+    # gradients, as counted at rest) and sharded scoring models, so the peak is the largest phase's
+    # (without it, everything is there at once)
     moves = offloads(g, s, cluster)
     if g.trains:
         shapes = trained_models(w, g.trains)
