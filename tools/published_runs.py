@@ -10,9 +10,10 @@ DeepSpeed-Chat's `--inference_tp_size`, and `layout.offload` where the source mo
 memory between phases, as DeepSpeed-Chat's `--offload_reference_model`; off where it does not say). The
 prediction is the fastest plan of that layout that fits (the planner chooses ZeRO stage, micro-batch and
 TP size, as the publishers tuned theirs), with the per-GPU batch sizes the source states where it does
-(`settings`); the source's own split of the step (`phases`) is printed beside ours. Pairs of runs of one workload on the same hardware are ranked both
-ways. The last line: how many runs are predicted within 25%, and the largest error, leaving out runs
-that set a rate of the cluster files (`calibrates`), since they cannot check it.
+(`settings`); the source's own split of the step (`phases`) is printed beside ours. Pairs of runs of one
+workload on the same hardware are ranked both ways. The last line: how many runs are predicted within 25%,
+and the largest error, leaving out runs that set a rate of the cluster files (`calibrates`), since they
+cannot check it.
 
 `--set SECTION.FIELD=VALUE` (repeatable) changes a rate of every cluster file for this table, to see what a
 rate does to each prediction, e.g. `--set overheads.decode_step_hf=0.025` (the figures in the cluster

@@ -27,7 +27,7 @@ import time
 
 import zmq
 
-from toolkit.transport.gate import guard
+from toolkit.transport.gate import guard, tally
 from toolkit.transport.sockets import decode_or_count
 from toolkit.transport.wire import Codec, Message
 
@@ -112,8 +112,7 @@ class Coordinator:
             return None
         name = identity.decode(errors="replace")
         if msg.sender != name:  # (the routing identity is not authenticated; the sender is)
-            self.rejected["identity"] += 1
-            if (n := self.rejected["identity"]) & (n - 1) == 0:  # (1, 2, 4, ...: as for other bad frames)
+            if (n := tally(self.rejected, "identity")) is not None:
                 log.warning("dropped a frame: connection %r sent as %r; %d dropped so far, %d for this reason",
                             name, msg.sender, sum(self.rejected.values()), n)
             return None

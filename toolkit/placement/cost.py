@@ -264,15 +264,15 @@ def optimizer_bytes(m: ModelShape, w: Workload, world: int, zero: int, sw: Switc
     return trained_params(m, sw) * (8 + (4 if w.dtype_bytes < 4 else 0)) / (world if zero >= 1 else 1)
 
 
-def parked_bytes(m: ModelShape, w: Workload, world: int, zero: int, sw: Switches) -> float:
+def parked_bytes(w: Workload, models: list[tuple[ModelShape, bool]], world: int, zero: int) -> float:
     """What `placement.offload` moves to host memory from the end of an update to the start of the next on
-    a rank that also generates (`training.engine.park`), under ZeRO-1/2 without ZeRO-Offload (which keeps
-    it in host memory already); 0 otherwise. The optimizer's states and master weights: on the H200 a
-    bf16 model's parking freed 12 bytes a weight, no gradients (they are not kept between updates; the
-    memory at rest still counts them, on the safe side)."""
-    if zero not in (1, 2) or sw.offload_optimizer:
+    a rank that trains `models` (`trained_models`) and also generates (`training.engine.park`), under
+    ZeRO-1/2 without ZeRO-Offload (which keeps it in host memory already); 0 otherwise. The optimizer's
+    states and master weights: on the H200 a bf16 model's parking freed 12 bytes a weight, no gradients
+    (they are not kept between updates; the memory at rest still counts them, on the safe side)."""
+    if zero not in (1, 2) or w.switches.offload_optimizer:
         return 0.0
-    return optimizer_bytes(m, w, world, zero, sw)
+    return sum(optimizer_bytes(m, w, world, zero, switches_of(w.switches, lora)) for m, lora in models)
 
 
 def offloads(g: Group, s: Layout, cluster) -> bool:
@@ -357,7 +357,7 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
                    for m, lora in shapes) - need
         trainer_need = need
         if moves and "generation" in models:
-            parked = sum(parked_bytes(m, w, workers, s.zero_stage, switches_of(w.switches, lora)) for m, lora in shapes)
+            parked = parked_bytes(w, shapes, workers, s.zero_stage)
     # (with the trainer under ZeRO-3, sharded over its ranks: the scoring roles' `sharded`; offloading
     # leaves those on the device, and moves the others there for their own phase only)
     scoring = []  # (what each scoring role moved to host memory needs in its phase, the trainer's state then)
@@ -521,8 +521,7 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
                     volume += 2 * m.params * b * ring * micro_batches
                 train += volume / link(t_nodes) + links.latency_s * micro_batches
         if offloads(g, s, cluster) and "generation" in g.models:  # parked while it generates, and back
-            train += 2 * sum(parked_bytes(m, w, t_workers, s.zero_stage, switches_of(w.switches, lora))
-                             for m, lora in trained_models(w, g.trains)) / links.host
+            train += 2 * parked_bytes(w, trained_models(w, g.trains), t_workers, s.zero_stage) / links.host
         trains[g.name] = train
     e.phases["train"] = sum(trains.values()) if cluster.shared else max(trains.values())
     if s.critic_apart:  # each critic rank sends its shard's values (fp32 per token) and gets the returns back

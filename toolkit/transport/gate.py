@@ -74,12 +74,18 @@ class Gate(threading.Thread):
         if (mechanism == b"PLAIN" and len(credentials) == 2 and credentials[0] == USER
                 and hmac.compare_digest(credentials[1], self.password)):
             return [b"1.0", request_id, b"200", b"OK", USER, b""]
-        self.refused["unauthenticated"] += 1
-        n = self.refused["unauthenticated"]
-        if n & (n - 1) == 0:  # (1, 2, 4, 8, ...: a flood of peers does not fill the log)
+        if (n := tally(self.refused, "unauthenticated")) is not None:
             log.warning("refused a connection from %s (%s; not this run's key, or an earlier attempt's); "
                         "%d refused so far", address, mechanism.decode(errors="replace") or "no mechanism", n)
         return [b"1.0", request_id, b"400", b"not this run's key", b"", b""]
+
+
+def tally(counter: collections.Counter, reason: str) -> int | None:
+    """Count one more of `reason` in `counter`; its new count when it is one to log (the 1st, 2nd, 4th,
+    8th, ...: a flood of refused peers or bad frames does not fill the run's log), else None."""
+    counter[reason] += 1
+    n = counter[reason]
+    return n if n & (n - 1) == 0 else None
 
 
 def guard(socket: zmq.Socket, password: bytes) -> Gate:

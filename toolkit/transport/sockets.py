@@ -15,7 +15,7 @@ from typing import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from toolkit.transport.gate import enter, guard
+from toolkit.transport.gate import enter, guard, tally
 from toolkit.transport.wire import Codec, FrameError, Message
 
 log = logging.getLogger(__name__)
@@ -153,8 +153,7 @@ def decode_or_count(codec: Codec, frames: list, rejected: collections.Counter) -
     try:
         return codec.decode(frames)
     except FrameError as e:
-        rejected[e.reason] += 1
-        if (n := rejected[e.reason]) & (n - 1) == 0:  # (the 1st, 2nd, 4th, ... of each reason: a flood
+        if (n := tally(rejected, e.reason)) is not None:
             log.warning("dropped a frame (%s); %d dropped so far, %d for this reason (logged at 1, 2, 4, ...)",
-                        e, sum(rejected.values()), n)  # of bad frames does not fill the run's log)
+                        e, sum(rejected.values()), n)
         return None
