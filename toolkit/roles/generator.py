@@ -78,7 +78,9 @@ class GeneratorRole(Role):
         joined = self.engine.join_weight_sync(host, int(port), 1, 1 + self.engine.ranks, cfg.transport.step_timeout_s,
                                               sync_group_name(self.worker.id, self.worker.generation))
         self.probe = joined["probe"]
-        log.info("joined the weight-sync group (%d weights)", joined["weights"])
+        log.info("joined the weight-sync group (%d weights)%s", joined["weights"],
+                 f"; {joined['engine_groups']} process group(s) of vLLM's own ranks proved the run's key"
+                 if joined.get("engine_groups") else "")
         if self.worker.generation:
             # Started again in place of a worker that failed: the trainer sends the current weights into
             # the new group first, and no prompt is taken before they are in.

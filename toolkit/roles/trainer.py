@@ -101,6 +101,7 @@ class TrainerRole(Role):
             self.engines["critic"] = build_engine(critic, t, t.critic_lr, cfg.model.dtype, self.dp.world, accumulation,
                                                   optimizer_steps)
         self.actor, self.critic = self.engines.get("actor"), self.engines.get("critic")
+        self.ranks.prove(timeout_s)  # (DeepSpeed's group of the engines: before any gradient travels)
         k = cfg.algorithm.kl
         self.kl = make_kl_controller(k.coef, k.adaptive, k.target, k.horizon)
         self.version = 0

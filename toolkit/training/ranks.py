@@ -9,7 +9,7 @@ default group holds its own ranks only: DeepSpeed's ZeRO-3 runs collectives and 
 the default group (barriers while it partitions a model, the order of each forward pass), which must not
 mix the actor's ranks with the critic's. What every rank of both parts says to each other then goes over
 a gloo group of all of them (`control`). The RL trainer's weight-sync groups rendezvous on the same
-store.
+store. Before anything travels on a gloo group, every connection of it proves the store's key (`prove`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Ranks:
         self.rank, self.world = rank, world
         self.store = None
         self.control = None  # (with two parts: the gloo group of every rank; None: the default group)
+        self.control_proven = False
         self.part = self  # (the ranks this rank's models train over: all of them, or with two parts, its own)
 
     def prepare(self, bind_host: str, timeout_s: float) -> dict:
@@ -65,6 +66,21 @@ class Ranks:
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.PrefixStore(name, self.store), rank=self.rank - first,
                                 world_size=size, timeout=timeout)
+        if size > 1:
+            _deepspeed_world_group()
+        self.prove(timeout_s)
+
+    def prove(self, timeout_s: float) -> None:
+        """Every connection of the ranks' gloo groups proves the run's key (transport/peers.py): the control
+        group, and those of torch.distributed's registry not proven yet (the default group and DeepSpeed's,
+        made in `join`; every rank calls this again once its engines are built, for any DeepSpeed made
+        then). Collective."""
+        from toolkit.transport.peers import prove_peers, prove_registered
+
+        if self.control is not None and not self.control_proven:
+            prove_peers(self.control, self.rank, self.world, self.store.key, "trainer/control", timeout_s)
+            self.control_proven = True
+        prove_registered(self.store.key, timeout_s)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks (a copy)."""
@@ -182,3 +198,15 @@ class Ranks:
             options = dist.GatherOptions()
             options.rootRank = 0
             self.control.gather([out] if out is not None else [], [t], options).wait()
+
+
+def _deepspeed_world_group() -> None:
+    """DeepSpeed's clone of the default group, made now: every engine takes the one DeepSpeed keeps (its
+    data-parallel group) and broadcasts the model's weights over it as it starts, so its connections
+    prove the key before that (`Ranks.prove`)."""
+    import deepspeed.comm as ds_dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils import groups
+
+    ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    groups._clone_world_group()

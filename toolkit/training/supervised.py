@@ -59,6 +59,7 @@ class SupervisedRole(Role):
         model = self.task.model(torch_dtype(cfg.model.dtype))
         self.engine = build_engine(model, t, t.lr, cfg.model.dtype, self.ranks.world, accumulation, self.steps,
                                    lora=t.lora)
+        self.ranks.prove(cfg.transport.step_timeout_s)  # (DeepSpeed's group: before any gradient travels)
         torch.manual_seed(cfg.run.seed + 1 + self.ranks.rank)  # dropout: each rank its own stream
         self.step, self.checkpointed, self.extra_files = 0, -1, {}
         plan = self.worker.resume or {}

@@ -19,8 +19,9 @@ error that names the keys, as TCPStore's do, and starts a fresh socket, so nothi
 A request the server cannot answer (a key not a string, a count past 64 bits) gets an error reply that
 says what was wrong; nothing a client sends stops the server's thread.
 
-What is left unauthenticated is torch.distributed's own connections between ranks (gloo, NCCL), which
-the store's addresses point to (see README, "Security").
+torch.distributed's own connections between ranks, which the store's addresses point to, are not
+authenticated by gloo or NCCL: once a gloo group is formed, its ranks prove this store's key over each
+of them (transport/peers.py; see README, "Security").
 """
 
 from __future__ import annotations
@@ -280,6 +281,12 @@ class RendezvousStore(dist.Store):
         self.rejected: collections.Counter = collections.Counter()
         self._ctx = zmq.Context(1)
         self._socket = self._connect()
+
+    @property
+    def key(self) -> bytes:
+        """The attempt's key (the groups formed on this store prove it over their connections:
+        transport/peers.py)."""
+        return self._key
 
     def _connect(self) -> zmq.Socket:
         socket = _socket(self._ctx, zmq.DEALER, self.host)

@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from toolkit.transport.peers import prove_peers
 from toolkit.weights.hf_format import Converter, identity
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,12 @@ def sync_group_name(worker_id: str, generation: int) -> str:
 
 def form_group(store: dist.Store, rank: int, world_size: int, timeout_s: float, device: torch.device,
                name: str = "0"):
-    """The weight-sync process group `name` over `store`: gloo for CPU tensors; for CUDA ones NCCL, or gloo
-    where two ranks share one GPU (NCCL needs a GPU per rank; gloo copies through host memory then). A rank
-    other than 0 first says which GPU it has and that it has arrived (`arrived`), so that rank 0 can wait
-    for it without blocking; rank 0 then says which backend the group takes."""
+    """The weight-sync process group `name` over `store` (the run's: transport/rendezvous.py): gloo for CPU
+    tensors; for CUDA ones NCCL, or gloo where two ranks share one GPU (NCCL needs a GPU per rank; gloo
+    copies through host memory then). A rank other than 0 first says which GPU it has and that it has
+    arrived (`arrived`), so that rank 0 can wait for it without blocking; rank 0 then says which backend
+    the group takes. Every connection of a gloo group proves the store's key before it is returned
+    (transport/peers.py: one taken by a stranger raises StrangerInGroup)."""
     prefixed = _prefixed(store, name)
     gpu = torch.cuda.get_device_properties(device).uuid if device.type == "cuda" else None
     if rank:
@@ -83,7 +86,9 @@ def form_group(store: dist.Store, rank: int, world_size: int, timeout_s: float, 
             return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     if device.type == "cuda":
         log.info("weight-sync group %s: gloo, not NCCL (ranks share a GPU): copies through host memory", name)
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    prove_peers(group, rank, world_size, store.key, f"weight-sync/{name}", timeout_s)  # (before the layout goes)
+    return group
 
 
 NCCL_CLEAN_UP_ONLY = "2"  # (torch's ErrorHandlingMode CleanUpOnly)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 
+from toolkit.transport.peers import prove_registered
 from toolkit.transport.rendezvous import connect_store
 from toolkit.weights.sync import WeightReceiver, form_group
 
@@ -47,11 +48,17 @@ logging.getLogger(RELOAD_LOGGER).addFilter(ExpectedReloadWarnings())
 class WeightSyncExtension:
     def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float,
                          name: str = "0") -> dict:
-        """Join group `name` as rank `first_rank + <this worker's rank>`; return the number of weights and the probe."""
+        """Join group `name` as rank `first_rank + <this worker's rank>`; return the number of weights, the
+        probe, and how many of vLLM's own groups proved the key."""
         self._store = connect_store(host, port, timeout_s)  # (kept for the group's life: torch holds only its C++ side)
         group = form_group(self._store, first_rank + self.rank, world_size, timeout_s, self.device, name)
+        # vLLM's own groups between its tensor-parallel ranks (gloo on CPU) connect as any gloo group does.
+        # Every rank of this engine is here at once, so they prove the key too (none with one rank): after
+        # vLLM's start-up has used them, before any weights of the trainer come.
+        proved = prove_registered(self._store.key, timeout_s)
         self._weight_receiver = WeightReceiver(group, self.device, timeout_s)
-        return {"weights": self._weight_receiver.weights, "probe": self._weight_receiver.probe}
+        return {"weights": self._weight_receiver.weights, "probe": self._weight_receiver.probe,
+                "engine_groups": proved}
 
     def receive_weights(self) -> tuple[int, list[float]]:
         """Receive the next version of the weights into the model; return it and the trainer's probe
