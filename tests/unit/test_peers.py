@@ -9,6 +9,7 @@ import select
 import socket
 import struct
 import threading
+import time
 
 import pytest
 import torch
@@ -74,21 +75,21 @@ PREAMBLE = struct.Struct("<6Q")  # gloo's tcp message header: nbytes, opcode, sl
 SEND_UNBOUND, SEND_READY, RECV_READY = 1, 2, 3
 
 
-def _stranger(sockets: list[socket.socket], quiet_s: float = 1.5) -> bytes:
+def _stranger(sockets: list[socket.socket], until: threading.Thread, leave_after: int | None) -> bytes:
     """Speak gloo's pair protocol as the peer would, taking what is sent, sending nothing: say "ready" to
-    each message announced, keep its bytes, until nothing comes for `quiet_s`. Every payload received."""
+    each message announced and keep its bytes, until the thread `until` ends (at most 120 s), or until
+    `leave_after` bytes came (then leave: it cannot answer). Every payload received."""
     buffers = {s: b"" for s in sockets}
     payload = b""
-    while True:
-        ready, _, _ = select.select(list(buffers), [], [], quiet_s)
-        if not ready:
-            return payload
+    deadline = time.monotonic() + 120
+    while buffers and until.is_alive() and time.monotonic() < deadline:
+        if leave_after is not None and len(payload) >= leave_after:
+            break
+        ready, _, _ = select.select(list(buffers), [], [], 0.1)
         for s in ready:
             chunk = s.recv(65536)
             if not chunk:
                 del buffers[s]
-                if not buffers:
-                    return payload
                 continue
             data = buffers[s] + chunk
             while len(data) >= PREAMBLE.size:
@@ -101,6 +102,9 @@ def _stranger(sockets: list[socket.socket], quiet_s: float = 1.5) -> bytes:
                 payload += data[PREAMBLE.size:size]
                 data = data[size:]
             buffers[s] = data
+    for s in sockets:  # (gone: a rank still waiting on it fails at once)
+        s.close()
+    return payload
 
 
 def _hijack_try(index: int, prove: bool) -> tuple[bytes, dict]:
@@ -113,14 +117,16 @@ def _hijack_try(index: int, prove: bool) -> tuple[bytes, dict]:
 
     def rank(r: int) -> None:
         try:
-            groups[r] = group = _group(store, r, 10)
+            groups[r] = group = _group(store, r, 30)
             if prove:
-                prove_peers(group, r, 2, KEY, "g", 10)
+                prove_peers(group, r, 2, KEY, "g", 30)
             group.broadcast(torch.full((8,), 1234.5) if r == 0 else torch.zeros(8), 0).wait(
-                datetime.timedelta(seconds=10))
+                datetime.timedelta(seconds=30))
             errors[r] = None
-        except Exception as e:  # (reported to the test)
+        except Exception as e:  # (reported to the test, without the frames that hold the group)
             errors[r] = e
+            while e is not None:
+                e.__traceback__, e = None, e.__cause__ or e.__context__
 
     first = threading.Thread(target=rank, args=(0,))
     first.start()
@@ -133,12 +139,10 @@ def _hijack_try(index: int, prove: bool) -> tuple[bytes, dict]:
         strangers.append(s)
     second = threading.Thread(target=rank, args=(1,))
     second.start()
-    received = _stranger(strangers)
-    for s in strangers:  # (gone: a rank still waiting on it fails at once)
-        s.close()
-    first.join(60)
+    received = _stranger(strangers, first, leave_after=32 if prove else None)
+    first.join(120)
     groups.pop(0, None)  # (rank 0's listener closes with its group: rank 1's unread connection ends)
-    second.join(60)
+    second.join(120)
     return received, errors
 
 
