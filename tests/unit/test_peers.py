@@ -20,23 +20,24 @@ from toolkit.transport.peers import StrangerInGroup, prove_peers
 KEY = b"k" * 32
 
 
-def _group(store, rank: int, timeout_s: float):
-    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
+def _group(store, rank: int, timeout_s: float, size: int = 2):
+    return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
 
 
-def _both(store, keys, timeout_s: float = 30) -> dict:
-    """Ranks 0 and 1 of a gloo group over `store`, each proving with its key of `keys`: {rank: error or None}."""
+def _all(store, keys, timeout_s: float = 30) -> dict:
+    """The ranks of a gloo group over `store`, one per key of `keys`, each proving with its key:
+    {rank: error or None}."""
     errors = {}
 
     def rank(r: int) -> None:
         try:
-            group = _group(store, r, timeout_s)
-            prove_peers(group, r, 2, keys[r], "g", timeout_s)
+            group = _group(store, r, timeout_s, len(keys))
+            prove_peers(group, r, len(keys), keys[r], "g", timeout_s)
             errors[r] = None
         except Exception as e:  # (reported to the test)
             errors[r] = e
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(keys))]
     [t.start() for t in threads]
     [t.join(120) for t in threads]
     return errors
@@ -48,11 +49,16 @@ def loopback(monkeypatch):
 
 
 def test_ranks_with_the_key_pass_and_one_without_it_is_named(loopback):
-    assert _both(dist.HashStore(), [KEY, KEY]) == {0: None, 1: None}
-    errors = _both(dist.HashStore(), [KEY, b"x" * 32])
+    assert _all(dist.HashStore(), [KEY, KEY]) == {0: None, 1: None}
+    assert _all(dist.HashStore(), [KEY, KEY, KEY]) == {0: None, 1: None, 2: None}
+    errors = _all(dist.HashStore(), [KEY, b"x" * 32])
     assert all(isinstance(e, StrangerInGroup) for e in errors.values()), errors
     assert "connection of rank 0 to rank 1 answered the check of the run's key wrongly" in str(errors[0])
     assert "connection of rank 1 to rank 0 answered the check of the run's key wrongly" in str(errors[1])
+    errors = _all(dist.HashStore(), [KEY, KEY, b"x" * 32])  # (the others' pair checks out)
+    assert all(isinstance(e, StrangerInGroup) for e in errors.values()), errors
+    assert "connection of rank 0 to rank 2 answered" in str(errors[0])
+    assert "connection of rank 1 to rank 2 answered" in str(errors[1])
 
 
 def test_an_answer_binds_the_group_and_both_ranks():

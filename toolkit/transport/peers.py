@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 CHALLENGE, ANSWER = 0x5EC1, 0x5EC2  # (tags of the two messages on each pair)
 NONCE_BYTES = 32
+ANSWER_BYTES = 32  # (HMAC-SHA256)
 _proven: set[tuple[str, int]] = set()  # registered groups of this process already checked (`prove_registered`)
 
 
@@ -55,24 +56,23 @@ def prove_peers(group, rank: int, size: int, key: bytes, name: str, timeout_s: f
     peers = [p for p in range(size) if p != rank]
     mine = {p: secrets.token_bytes(NONCE_BYTES) for p in peers}
     theirs = {p: torch.zeros(NONCE_BYTES, dtype=torch.uint8) for p in peers}
-    answers = {p: torch.zeros(32, dtype=torch.uint8) for p in peers}
-    sends = []
-    waiting_for = peers[0]
+    answers = {p: torch.zeros(ANSWER_BYTES, dtype=torch.uint8) for p in peers}
+    sends = []  # (rank, work): each send is waited for at the end
+    peer = peers[0]
     try:
-        sends += [group.send([_tensor(mine[p])], p, CHALLENGE) for p in peers]
-        for p in peers:
-            waiting_for = p
-            group.recv([theirs[p]], p, CHALLENGE).wait(timeout)
-        sends += [group.send([_tensor(answer(key, name, rank, p, theirs[p].numpy().tobytes()))], p, ANSWER)
-                  for p in peers]
-        for p in peers:
-            waiting_for = p
-            group.recv([answers[p]], p, ANSWER).wait(timeout)
-        for work in sends:
+        for peer in peers:
+            sends.append((peer, group.send([_tensor(mine[peer])], peer, CHALLENGE)))
+        for peer in peers:
+            group.recv([theirs[peer]], peer, CHALLENGE).wait(timeout)
+            reply = answer(key, name, rank, peer, theirs[peer].numpy().tobytes())
+            sends.append((peer, group.send([_tensor(reply)], peer, ANSWER)))
+        for peer in peers:
+            group.recv([answers[peer]], peer, ANSWER).wait(timeout)
+        for peer, work in sends:
             work.wait(timeout)
     except RuntimeError as e:
         raise StrangerInGroup(
-            f"process group {name!r}: rank {waiting_for} did not answer the check of the run's key over its "
+            f"process group {name!r}: rank {peer} did not answer the check of the run's key over its "
             f"connection to rank {rank} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}): "
             f"it ended, or a process without the run's key connected in its place; nothing else was sent on "
             f"this group") from e
