@@ -147,8 +147,9 @@ def _hijack_try(index: int, prove: bool) -> tuple[bytes, dict]:
     second.start()
     received = _stranger(strangers, first, leave_after=32 if prove else None)
     first.join(120)
-    groups.pop(0, None)  # (rank 0's listener closes with its group: rank 1's unread connection ends)
-    second.join(120)
+    if received:  # (rank 0's listener closes with its group: rank 1's unread connection ends at once)
+        groups.pop(0, None)
+    second.join(120)  # (else rank 0's group stays until rank 1 has taken what it sent)
     return received, errors
 
 
