@@ -28,7 +28,6 @@ class Ranks:
         self.rank, self.world = rank, world
         self.store = None
         self.control = None  # (with two parts: the gloo group of every rank; None: the default group)
-        self.control_proven = False
         self.part = self  # (the ranks this rank's models train over: all of them, or with two parts, its own)
 
     def prepare(self, bind_host: str, timeout_s: float) -> dict:
@@ -46,6 +45,7 @@ class Ranks:
         then times out after `timeout_s`. `split_at`: the ranks form two parts, [0, split_at) and
         [split_at, world), each with a default group of its own (`part`), and all of them the `control`
         group."""
+        from toolkit.transport.peers import prove_peers
         from toolkit.transport.rendezvous import connect_store
 
         if self.rank != 0:
@@ -59,6 +59,7 @@ class Ranks:
                                                                               "trainer/part1")
             self.control = dist.ProcessGroupGloo(dist.PrefixStore("trainer/control", self.store), self.rank,
                                                  self.world, timeout)
+            prove_peers(self.control, self.rank, self.world, self.store.key, "trainer/control", timeout_s)
             self.part = Ranks(self.rank - first, size)
             self.part.store = self.store
         # DeepSpeed reads these; each worker sees only its own GPUs, so its local rank is 0.
@@ -71,15 +72,12 @@ class Ranks:
         self.prove(timeout_s)
 
     def prove(self, timeout_s: float) -> None:
-        """Every connection of the ranks' gloo groups proves the run's key (transport/peers.py): the control
-        group, and those of torch.distributed's registry not proven yet (the default group and DeepSpeed's,
-        made in `join`; every rank calls this again once its engines are built, for any DeepSpeed made
-        then). Collective."""
-        from toolkit.transport.peers import prove_peers, prove_registered
+        """Every connection of the groups of torch.distributed's registry not proven yet proves the run's key
+        (transport/peers.py): the default group and DeepSpeed's, made in `join`; every rank calls this again
+        once its engines are built, for any DeepSpeed made then (the control group proves it in `join`, as
+        it is made). Collective."""
+        from toolkit.transport.peers import prove_registered
 
-        if self.control is not None and not self.control_proven:
-            prove_peers(self.control, self.rank, self.world, self.store.key, "trainer/control", timeout_s)
-            self.control_proven = True
         prove_registered(self.store.key, timeout_s)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,7 @@ def prove_peers(group, rank: int, size: int, key: bytes, name: str, timeout_s: f
     except RuntimeError as e:
         raise StrangerInGroup(
             f"process group {name!r}: rank {peer} did not answer the check of the run's key over its "
-            f"connection to rank {rank} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}): "
+            f"connection to rank {rank} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}): "
             f"it ended, or a process without the run's key connected in its place; nothing else was sent on "
             f"this group") from e
     for p in peers:
