@@ -293,8 +293,9 @@ class WeightSender:
         del self.groups[name]
         self.limits.pop(name, None)
         self.lost.append(name)
+        first_line = (str(error).splitlines() or [""])[0][:200]  # (an error with no text has no line)
         log.warning("weight sync to %s failed, so it is left out from now on (%s: %s); a generator started "
-                    "in its place joins a new group", name, type(error).__name__, str(error).splitlines()[0][:200])
+                    "in its place joins a new group", name, type(error).__name__, first_line)
 
 
 class Prober(threading.Thread):
