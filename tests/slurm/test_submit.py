@@ -271,13 +271,64 @@ def test_a_cancelled_generator_step_is_started_again_alone_in_the_same_allocatio
     assert_nothing_left(run_dir, job_id)
 
 
+def test_a_killed_generator_of_a_two_task_step_is_started_again_with_its_step(tiny, tmp_path):
+    """Two generator workers in one srun step (one node); kill -9 of one of them while it generates step 2.
+    srun ends the other task too (--kill-on-bad-exit), so the driver starts the whole step again, as a new
+    step of the same job on the same node, each task at its rank; the trainer's step goes on, and the run
+    finishes with every step's experience whole (before, a step of several tasks ended the run)."""
+    from toolkit.hold import ENV, held_pid
+    from toolkit.store import experience
+
+    run_dir = tmp_path / "two"
+    config = run_config(tiny, tmp_path, steps=4, placement={"generator": {"workers": 2, "nodes": 1}})
+    result = cli("submit", config, "--run-dir", run_dir, env={ENV: "generating@3"}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+    deadline = time.monotonic() + 300
+    while not (pid := held_pid(run_dir, "generating")):
+        assert squeue(job_id) and time.monotonic() < deadline, "the job ended or stalled before step 2"
+        time.sleep(0.2)
+    before = json.loads((run_dir / "status.json").read_text())["workers"]
+    killed = next(w for w in ("generator:0", "generator:1") if before[w]["pid"] == pid)
+    other = "generator:1" if killed == "generator:0" else "generator:0"
+    step = before[killed]["slurm_step"]
+    assert before[other]["slurm_step"] == step  # (one step, two tasks)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 300
+    while squeue(job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished", status.get("error")
+    after = status["workers"]
+    assert after["trainer:0"]["pid"] == before["trainer:0"]["pid"]  # the trainer's step went on
+    assert after["scorer:0"]["pid"] == before["scorer:0"]["pid"]
+    new = after[killed]["slurm_step"]
+    assert new.split(".")[0] == step.split(".")[0] and new != step  # the same job, a new step ...
+    assert after[other]["slurm_step"] == new
+    for w in (killed, other):  # ... with both tasks, each on the node it had, as new processes
+        assert after[w]["node"] == before[w]["node"] and after[w]["pid"] != before[w]["pid"]
+        assert after[w]["inbox"] == before[w]["inbox"]  # (each listens where it did)
+    assert status["worker_restarts"] == {"generator:0": 1, "generator:1": 1}
+    output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
+    assert f"({killed}, pid {pid} on node {before[killed]['node']}, Slurm step {step}) exited with" in output
+    assert (f"starting it again with the other task(s) of its step, {other} (restart 1 of "
+            "run.max_worker_restarts 3)") in output
+    assert output.count("is back; the run goes on") == 2
+    assert output.count("sending the prompts of step(s)") == 1  # (once, for both)
+    for n in range(4):  # every step's experience whole: each sample group once
+        s = experience.read(run_dir / "experience" / experience.file_name(n))["samples"]
+        assert len(set(zip(s["group_index"].tolist(), s["sample_index"].tolist()))) == len(s["prompt_ids"]) == 64
+    assert_nothing_left(run_dir, job_id)
+
+
 def test_a_hung_generator_is_started_again_while_slurm_is_slow_and_the_other_workers_hear_the_driver(tiny,
                                                                                                     tmp_path):
-    """A generator stopped (SIGSTOP) in step 2 is found hung by its missed heartbeats and started again
-    alone, while Slurm is slow: the scancel of its step takes 22 s (a `scancel` first on the job's PATH that
-    waits, then runs Slurm's; what a busy controller does), over the 12 s of silence the workers allow the
-    driver (transport.heartbeat_timeout_s). The driver answers their heartbeats meanwhile, so the trainer and
-    the scorer go on, and the run finishes (before, both ended themselves, and the run with them)."""
+    """One of two generator tasks of a step, stopped (SIGSTOP) in step 2, is found hung by its missed
+    heartbeats and started again with the other task (which was working), while Slurm is slow: the scancel of
+    their step takes 22 s (a `scancel` first on the job's PATH that waits, then runs Slurm's; what a busy
+    controller does), over the 12 s of silence the workers allow the driver (transport.heartbeat_timeout_s).
+    The driver answers their heartbeats meanwhile, so the trainer and the scorer go on, and the run
+    finishes (before, both ended themselves, and the run with them)."""
     from toolkit.hold import ENV, held_pid
 
     slow = tmp_path / "slow-slurm"
@@ -286,7 +337,8 @@ def test_a_hung_generator_is_started_again_while_slurm_is_slow_and_the_other_wor
     (slow / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {said}\nsleep 22\nexec {shutil.which("scancel")} "$@"\n')
     (slow / "scancel").chmod(0o755)
     run_dir = tmp_path / "hung"
-    config = run_config(tiny, tmp_path, steps=3, transport={"heartbeat_timeout_s": 12})
+    config = run_config(tiny, tmp_path, steps=3, transport={"heartbeat_timeout_s": 12},
+                        placement={"generator": {"workers": 2, "nodes": 1}})
     result = cli("submit", config, "--run-dir", run_dir, timeout=120,
                  env={ENV: "generating@2", "PATH": f"{slow}:{os.environ['PATH']}"})
     assert result.returncode == 0, result.stderr
@@ -296,21 +348,24 @@ def test_a_hung_generator_is_started_again_while_slurm_is_slow_and_the_other_wor
         assert squeue(job_id) and time.monotonic() < deadline, "the job ended or stalled before step 2"
         time.sleep(0.2)
     before = json.loads((run_dir / "status.json").read_text())["workers"]
-    assert before["generator:0"]["pid"] == pid
+    hung = next(w for w in ("generator:0", "generator:1") if before[w]["pid"] == pid)
     os.kill(pid, signal.SIGSTOP)  # (every node of this cluster is this machine)
     deadline = time.monotonic() + 400
     while squeue(job_id) and time.monotonic() < deadline:
         time.sleep(0.5)
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished", status.get("error")
-    assert said.read_text().splitlines()[0] == f"--signal=KILL {before['generator:0']['slurm_step']}"
+    assert said.read_text().splitlines()[0] == f"--signal=KILL {before[hung]['slurm_step']}"
     after = status["workers"]
     for worker in ("trainer:0", "scorer:0"):  # neither ended itself while the driver waited for scancel
         assert after[worker]["pid"] == before[worker]["pid"]
-    assert after["generator:0"]["pid"] != pid and status["worker_restarts"] == {"generator:0": 1}
+    for worker in ("generator:0", "generator:1"):
+        assert after[worker]["pid"] != before[worker]["pid"]
+    assert status["worker_restarts"] == {"generator:0": 1, "generator:1": 1}
     output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
-    assert "sent no heartbeat for" in output and "starting it again alone (restart 1 of" in output
-    assert "is back; the run goes on" in output
+    assert f"({hung}, pid {pid} on node" in output.split("sent no heartbeat for")[0]
+    assert "starting it again with the other task(s) of its step, generator:" in output
+    assert output.count("is back; the run goes on") == 2
     assert_nothing_left(run_dir, job_id)
 
 

@@ -175,6 +175,27 @@ def test_bind_host_is_an_address_an_interface_or_a_network_resolved_on_each_node
     assert env.interface_of("127.0.0.1") == "lo" and env.interface_of("10.0.0.1") is None
 
 
+def test_tasks_started_again_each_listen_on_the_port_of_their_rank(tiny, tmp_path):
+    """The tasks of a Slurm step started again share one environment: each takes its own rank's port;
+    a rank with none (or no variable: a first start) listens where the system puts it."""
+    from toolkit.launch import env
+    from toolkit.launch.slurm import SlurmLauncher
+
+    base = {env.RUN_DIR: "/r", env.CONTROL: "tcp://h:1", env.SECRET_FILE: "/s", env.ATTEMPT: "a", env.GROUP: "generator",
+            env.BIND_HOST: "127.0.0.1"}
+    started = env.inbox_ports({1: 40002, 0: 40001})
+    assert started == {env.INBOX_PORT: "0:40001,1:40002"}
+    assert [env.WorkerEnv.from_environ({**base, **started, "SLURM_PROCID": str(r)}).inbox_port
+            for r in range(3)] == [40001, 40002, None]
+    assert env.WorkerEnv.from_environ({**base, "SLURM_PROCID": "0"}).inbox_port is None
+    assert env.inbox_ports({}) == {}
+    launcher = SlurmLauncher.__new__(SlurmLauncher)  # (what it starts again: its groups alone)
+    _, groups = groups_for(tiny, tmp_path, generator={"workers": 3})
+    launcher.groups = {g.name: g for g in groups}
+    assert launcher.restarts_with("generator:1") == ["generator:0", "generator:1", "generator:2"]
+    assert launcher.restarts_with("scorer:0") == ["scorer:0"]
+
+
 def test_the_jobs_end_is_read_from_squeue_within_a_limit(monkeypatch, tmp_path):
     """The driver asks squeue when its job ends (after SIGUSR1); a controller that does not answer within
     END_TIME_TIMEOUT_S gives None (the driver stops as if the end were now), where the TimeoutExpired was

@@ -38,7 +38,8 @@ class RunSection(Section):
     """Seed for prompt order, sampling and model initialisation."""
     max_worker_restarts: int = Field(default=3, ge=0)
     """A generator or scorer worker that dies or hangs (no heartbeat for transport.heartbeat_timeout_s)
-    is started again alone, at most this many times per attempt of the run (0: the run stops instead).
+    is started again alone (under Slurm with the other tasks of its srun step), at most this many times
+    per attempt of the run (0: the run stops instead).
     It listens where its predecessor did, rejoins the weight sync and gets the current weights; the
     prompts of unfinished steps are generated again with the same seeds, and the trainer keeps the first
     copy of each sample group. A worker that reports an error of its own is not started again: the run

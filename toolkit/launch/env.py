@@ -19,8 +19,8 @@ RANK = "SLURM_RLHF_RANK"                # rank in the group (default: SLURM_PROC
 BIND_HOST = "SLURM_RLHF_BIND_HOST"      # transport.bind_host as given (address, interface or network),
                                         # resolved on each node (default: this node's address)
 ALLOCATOR = "SLURM_RLHF_ALLOCATOR"      # run.allocator: the worker starts itself again with it preloaded
-INBOX_PORT = "SLURM_RLHF_INBOX_PORT"    # a worker started again listens where the one it replaces did,
-                                        # so its peers' sockets reconnect to it by themselves
+INBOX_PORT = "SLURM_RLHF_INBOX_PORT"    # workers started again listen where the ones they replace did, so
+                                        # their peers' sockets reconnect by themselves: `rank:port,...`
 
 
 @dataclass
@@ -46,9 +46,16 @@ class WorkerEnv:
         rank = environ.get(RANK, environ.get("SLURM_PROCID"))
         if rank is None:
             raise RuntimeError(f"{RANK} and SLURM_PROCID are both unset")
-        port = environ.get(INBOX_PORT)
+        ports = dict(entry.split(":") for entry in environ.get(INBOX_PORT, "").split(",") if entry)
+        port = ports.get(str(int(rank)))
         return cls(environ[RUN_DIR], environ[CONTROL], environ[SECRET_FILE], environ[ATTEMPT], environ[GROUP],
                    int(rank), resolve_bind_host(environ.get(BIND_HOST)), int(port) if port else None)
+
+
+def inbox_ports(ports: dict[int, int]) -> dict[str, str]:
+    """The environment that has workers started again listen where those they replace did: {rank: port}
+    (one worker's, or those of a Slurm step's tasks, each taking its rank's)."""
+    return {INBOX_PORT: ",".join(f"{rank}:{port}" for rank, port in sorted(ports.items()))} if ports else {}
 
 
 def resolve_bind_host(spec: str | None) -> str:

@@ -62,8 +62,9 @@ class LocalLauncher:
                 [sys.executable, "-m", "toolkit.worker"], env=env, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
 
-    def can_restart(self, worker_id: str) -> bool:
-        return True  # (each worker is its own process)
+    def restarts_with(self, worker_id: str) -> list[str]:
+        """The workers started again when `worker_id` is: itself alone (each worker is its own process)."""
+        return [worker_id]
 
     def restart(self, worker_id: str, env: dict[str, str]) -> None:
         """Start worker `worker_id` again alone (with `env` added), after killing what is left of it (a hung

@@ -108,14 +108,15 @@ class SlurmLauncher:
                                                       stderr=subprocess.STDOUT, start_new_session=True)
         self.groups[group.name] = group
 
-    def can_restart(self, worker_id: str) -> bool:
-        """A worker can be started again alone when it is its step's only task."""
-        group = self.groups.get(worker_id.split(":")[0])
-        return group is not None and group.workers == 1
+    def restarts_with(self, worker_id: str) -> list[str]:
+        """The workers started again when `worker_id` is: every task of its step. A step's tasks end together
+        (--kill-on-bad-exit ends the others when one dies), and Slurm adds no task to a running step."""
+        return self.groups[worker_id.split(":")[0]].worker_ids()
 
     def restart(self, worker_id: str, env: dict[str, str]) -> None:
-        """Start worker `worker_id` again alone (with `env` added) as a new step on the same nodes, after
-        ending what is left of its step (a hung worker: scancel -s KILL)."""
+        """Start the step of worker `worker_id` again, every task of it (`restarts_with`; with `env` added),
+        as a new step on the same nodes, after ending what is left of it (a hung worker: scancel -s KILL).
+        Each task gets the rank it had, on the node it had (the same node list and task layout)."""
         name = worker_id.split(":")[0]
         old, step = self.steps[name], self.step_id(name)
         if old.poll() is None and step:

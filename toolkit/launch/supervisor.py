@@ -67,7 +67,7 @@ class Supervisor:
         self.checkpointed: dict | None = None
         self.restarts = 0  # times this run was resumed (from the manifest)
         self.resume: dict = {}  # the resume plan the workers got (a worker started again gets it too)
-        self.worker_restarts = 0  # workers started again alone in this attempt (run.max_worker_restarts)
+        self.worker_restarts = 0  # workers started again in this attempt (run.max_worker_restarts)
         self.generation: dict[str, int] = {}  # times each worker was started again
         self.restarting: dict[str, float] = {}  # workers started again and not ready yet -> since when
         self.trainer_restarts = 0  # times the run was started again after its trainer was lost (run_attempts)
@@ -369,7 +369,8 @@ class Supervisor:
             log.info("%s ready", worker_id)
             if self.restarting.pop(worker_id, None) is not None:
                 self.echo(f"{self._describe(worker_id)} is back; the run goes on")
-                self._restarted(worker_id)
+                if not self.restarting:  # (once for workers started again together: they lost the same work)
+                    self._restarted(worker_id)
         elif msg.kind == "failed":
             dead = self._dead_peer(worker_id, REPORT_GRACE_S)
             if dead is not None:  # its peers fail in their collectives: the dead worker is the cause
@@ -437,6 +438,8 @@ class Supervisor:
             raise self._lost(ended.worker_id, self._exited(ended) + self._no_restart_left(ended.worker_id))
         limit = self.cfg.transport.heartbeat_timeout_s
         for worker_id, silent_s in self.coordinator.silent(self.worker_ids, limit):
+            if worker_id in self.restarting:  # (started again with another's step just now)
+                continue
             if self._may_restart(worker_id):
                 self._restart(worker_id, f"sent no heartbeat for {silent_s:.0f} s (hung?)")
                 continue
@@ -467,14 +470,13 @@ class Supervisor:
                         f"run.max_trainer_restarts {limit} used (raise it to allow more)")
 
     def _restartable(self, worker_id: str) -> bool:
-        """A worker of an RL run that hosts no trainer (generators, scorers), which the launcher can start
-        again alone (locally any; on Slurm the only task of its step)."""
-        return (self.cfg.stage == "rl" and "trainer" not in self._roles_of(worker_id)
-                and self.launcher.can_restart(worker_id))
+        """A worker of an RL run that hosts no trainer (generators, scorers): it can be started again without
+        the trainers (locally alone; on Slurm with the other tasks of its step)."""
+        return self.cfg.stage == "rl" and "trainer" not in self._roles_of(worker_id)
 
     def _may_restart(self, worker_id: str) -> bool:
-        """A restartable worker that died or hung is started again alone while the run is running and
-        restarts are left."""
+        """A restartable worker that died or hung is started again while the run is running and restarts
+        are left."""
         return (self.state == "running" and not self.stopping and self._restartable(worker_id)
                 and self.worker_restarts < self.cfg.run.max_worker_restarts)
 
@@ -486,22 +488,29 @@ class Supervisor:
                 f"{self.cfg.run.max_worker_restarts} used (raise it to allow more)")
 
     def _restart(self, worker_id: str, why: str) -> None:
-        """Kill what is left of `worker_id` and start it again, listening where it did; its start, its
-        catching up and the work it lost follow as events (`_restarted`)."""
+        """Kill what is left of `worker_id` and start it again, listening where it did, with the workers the
+        launcher starts again with it (on Slurm, the other tasks of its step); their start, their catching
+        up and the work they lost follow as events (`_restarted`). One restart of the run's budget."""
+        together = self.launcher.restarts_with(worker_id)
+        others = [w for w in together if w != worker_id]
         self.worker_restarts += 1
-        self.generation[worker_id] = self.generation.get(worker_id, 0) + 1
-        self.echo(f"{self._describe(worker_id)} {why}; starting it again alone (restart {self.worker_restarts} "
+        how = f"with the other task(s) of its step, {', '.join(others)}" if others else "alone"
+        self.echo(f"{self._describe(worker_id)} {why}; starting it again {how} (restart {self.worker_restarts} "
                   f"of run.max_worker_restarts {self.cfg.run.max_worker_restarts})\n{self._log_hint(worker_id)}")
-        inbox = (self.book.get(worker_id) or {}).get("inbox")
+        ports = {int(w.split(":")[1]): int(inbox.rsplit(":", 1)[1]) for w in together
+                 if (inbox := (self.book.get(w) or {}).get("inbox"))}
         with self.coordinator.answering():  # (the scancel of a hung step and its end can take a minute)
-            self.launcher.restart(worker_id, {E.INBOX_PORT: inbox.rsplit(":", 1)[1]} if inbox else {})
-        self.book.pop(worker_id, None)
-        self.ready.discard(worker_id)
-        self.coordinator.forget(worker_id)
-        self.restarting[worker_id] = time.monotonic()
+            self.launcher.restart(worker_id, E.inbox_ports(ports))
+        for w in together:
+            self.generation[w] = self.generation.get(w, 0) + 1
+            self.book.pop(w, None)
+            self.ready.discard(w)
+            self.coordinator.forget(w)
+            self.restarting[w] = time.monotonic()
 
     def _restarted(self, worker_id: str) -> None:
-        """A worker started again is ready (the stage redoes the work it lost)."""
+        """A worker started again is ready, the last of those started again (the stage redoes the work
+        they lost)."""
 
     def _describe(self, worker_id: str) -> str:
         group, rank = worker_id.split(":")

@@ -87,8 +87,8 @@ def new_secret() -> bytes:
 
 
 def attempt_secret(secret: bytes, attempt: str) -> bytes:
-    """The key of one attempt of a run (one start of its workers by a driver; a worker started again alone
-    keeps it): frames of an earlier attempt (a requeue, a resume, a restart of every worker), captured on
+    """The key of one attempt of a run (one start of its workers by a driver; a worker started again keeps
+    it): frames of an earlier attempt (a requeue, a resume, a restart of every worker), captured on
     the network, do not authenticate in a later one, whose receivers know none of their sequence numbers."""
     return hmac.new(secret, b"slurm-rlhf attempt " + attempt.encode(), "sha256").digest()
 
