@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import shutil
 import signal
@@ -36,6 +37,7 @@ EXAMPLES = """examples:
   slurm-rlhf init --model models/tiny/model --cluster templates/clusters/2x8-h100.yaml --out run.yaml
   slurm-rlhf export runs/r1 out/model [--step 40] [--ema]   # a checkpoint as a Hugging Face model directory
   slurm-rlhf generate runs/r1 --input prompts.jsonl --output samples.jsonl --n 4
+  slurm-rlhf eval runs/r1                       # score every checkpoint on the prompts the run held out
   slurm-rlhf chat runs/r1                       # talk to the newest checkpoint (or any model directory)
   slurm-rlhf report runs/r1                     # runs/r1/report/index.html: curves, phases, timeline, samples
 """
@@ -176,6 +178,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: chat messages through the tokenizer's chat template, text as it is; on: text too, "
                         "as a user message")
     p.add_argument("--force", action="store_true", help="replace --output if it exists")
+
+    p = sub.add_parser("eval", help="score an RL run's checkpoints, by its own rewards, on prompts it held out "
+                                    "(data.eval_fraction) or on a file of prompts")
+    p.add_argument("run_dir")
+    p.add_argument("--input", help="a file of prompts (JSON Lines, Parquet or a saved dataset, read with the run's "
+                                   "data keys; default: the prompts the run held out)")
+    p.add_argument("--steps", metavar="STEP,STEP,...", help="the checkpoints to score (default: every one)")
+    p.add_argument("--name", help="what the results are filed under: RUN_DIR/eval/NAME (default: heldout, or the "
+                                  "--input file's name)")
+    p.add_argument("--ema", action="store_true", help="the checkpoints' EMA copies (runs with trainer.ema)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per response at most (default: rollout.max_new_tokens)")
+    p.add_argument("--seed", type=int, default=0, help="sample j of prompt k is drawn with a seed of its own, a hash "
+                                                       "of (seed, k, j) (default 0)")
+    p.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto",
+                   help="vllm, or transformers generate (hf); auto: vllm where installed")
 
     p = sub.add_parser("chat", help="talk to a run's checkpoint or any Hugging Face model, one turn per line "
                                     "('clear' starts over, 'quit', 'exit' or Ctrl-D ends)")
@@ -581,7 +601,7 @@ def _sampling(args):
     from toolkit.use.sampler import Sampling
 
     for name in ("max_new_tokens", "n"):
-        if getattr(args, name, 1) < 1:
+        if (value := getattr(args, name, 1)) is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ConfigError("--temperature must be >= 0 and --top-p in (0, 1]")
@@ -625,6 +645,21 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from toolkit.use.evaluate import evaluate
+
+    steps = None
+    if args.steps:
+        try:
+            steps = sorted({int(s) for s in args.steps.split(",")})
+        except ValueError:
+            raise ConfigError(f"--steps {args.steps!r}: expected step numbers separated by commas") from None
+    args.max_model_len = None
+    os.umask(0o077)  # (what it writes in the run directory is its owner's alone, as the run's own files)
+    evaluate(args.run_dir, _sampling(args), args.input, steps, args.name, args.ema, args.backend, args.seed)
+    return 0
+
+
 def cmd_report(args) -> int:
     from toolkit.report.page import write_report
 
@@ -663,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"run": cmd_run, "sft": lambda a: cmd_run(a, "sft"), "rm": lambda a: cmd_run(a, "rm"),
                "resume": cmd_resume, "inspect": cmd_inspect, "submit": cmd_submit, "render": cmd_render,
                "status": cmd_status, "cancel": cmd_cancel, "validate": cmd_validate, "plan": cmd_plan,
-               "tiny": cmd_tiny, "export": cmd_export, "generate": cmd_generate, "chat": cmd_chat,
+               "tiny": cmd_tiny, "export": cmd_export, "generate": cmd_generate, "eval": cmd_eval, "chat": cmd_chat,
                "report": cmd_report, "init": cmd_init}[args.command]
     # SIGINT and SIGTERM (scancel, a Slurm time limit) end every command through its clean-up: what it was
     # writing removed, vLLM shut down with its temporary files; also where SIGINT was inherited as ignored

@@ -1,5 +1,6 @@
 """Using a trained model: `export` (a verified copy of a checkpoint, its EMA, refusals that name what is
-wrong), `generate` (vLLM and transformers agree on greedy samples; seeds; input errors by line) and `chat`."""
+wrong), `generate` (vLLM and transformers agree on greedy samples; seeds; input errors by line), `eval`
+(checkpoints scored on held-out prompts) and `chat`."""
 
 from __future__ import annotations
 
@@ -176,6 +177,88 @@ def test_generate_names_the_bad_line(trained, tmp_path, line, message):
     result = cli("generate", trained, "--input", bad, "--output", tmp_path / "out.jsonl", "--backend", "hf")
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not list(tmp_path.glob("*out.jsonl*"))  # nothing half written
+
+
+@pytest.fixture(scope="module")
+def held_out(tiny, tmp_path_factory) -> Path:
+    """A 3-step GRPO run that holds a tenth of its prompts out (data.eval_fraction), a checkpoint after every
+    step (steps 1, 2, 3)."""
+    tmp = tmp_path_factory.mktemp("held-out")
+    config = write_config(tmp, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": "held-out", "seed": 4},
+                                       trainer={"lr": 0.01}, checkpoint={"every_steps": 1, "keep": 3},
+                                       data={"eval_fraction": 0.1}))
+    result = cli("run", config, "--run-dir", tmp / "run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return tmp / "run"
+
+
+def test_eval_scores_checkpoints_on_the_held_out_prompts_with_the_runs_rewards(held_out, tmp_path):
+    """`eval` samples each chosen checkpoint greedily on the prompts the run held out (none of which it
+    trained on: read back from its experience files) and scores them with the run's reward function; each
+    sample's reward is digit_ratio of its response, recomputed here, and the summary's means are theirs. A
+    second call with --n 2 at temperature 1 replaces step 3's line and keeps step 2's; TensorBoard gets the
+    summary's curves in a run of their own. Prompts of a file (--input) are filed under its name."""
+    from tests.conftest import tensorboard_scalars
+    from toolkit.config import load_config
+    from toolkit.data.dataset import StageData
+    from toolkit.rewards.examples import digit_ratio
+    from toolkit.store import experience
+
+    cfg = load_config(held_out / "config.yaml")
+    held = {e.id for e in StageData(cfg.data, "rl", "prompt", cfg.run.seed).eval}
+    trained_on = {int(i) for path in (held_out / "experience").glob("step-*.h5")
+                  for i in experience.read(path)["samples"]["prompt_ids"]}
+    assert len(held) >= 10 and trained_on and not held & trained_on
+
+    result = cli("eval", held_out, "--steps", "2,3")
+    assert result.returncode == 0, result.stderr
+    out = held_out / "eval" / "heldout"
+    summary = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in summary] == [2, 3]
+    for record in summary:
+        assert record["n"] == 1 and record["temperature"] == 0 and record["prompts"] == len(held)
+        rows = [json.loads(line) for line in (out / f"step-{record['step']:06d}.jsonl").read_text().splitlines()]
+        assert {r["prompt_id"] for r in rows} == held and len(rows) == len(held)
+        for r in rows:
+            assert abs(r["reward"] - digit_ratio(r["prompt"], r["response"])) < 1e-6
+            assert r["reward/digit_ratio"] == r["reward"] and 1 <= r["response_tokens"] <= cfg.rollout.max_new_tokens
+        assert abs(record["reward_mean"] - sum(r["reward"] for r in rows) / len(rows)) < 1e-6
+        assert f"step {record['step']:>6}  reward {record['reward_mean']:+.4f}" in result.stdout
+    assert summary[0]["reward_mean"] != summary[1]["reward_mean"]  # (different weights, different samples)
+    for path in (out / "summary.jsonl", out / "step-000002.jsonl"):
+        assert path.stat().st_mode & 0o777 == 0o600
+    assert (out.stat().st_mode & 0o777, out.parent.stat().st_mode & 0o777) == (0o700, 0o700)
+
+    again = cli("eval", held_out, "--steps", "3", "--n", "2", "--temperature", "1")
+    assert again.returncode == 0, again.stderr
+    second = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
+    assert second[0] == summary[0] and second[1]["n"] == 2 and second[1]["samples"] == 2 * len(held)
+    assert second[1]["reward_best_of_n_mean"] >= second[1]["reward_mean"]
+    curves = tensorboard_scalars(held_out / "tensorboard" / "eval-heldout")
+    assert curves["eval/reward_mean"] == pytest.approx({2: summary[0]["reward_mean"], 3: second[1]["reward_mean"]})
+    assert set(curves) >= {"eval/reward/digit_ratio", "eval/response_len_mean", "eval/finished_frac",
+                           "eval/reward_best_of_n_mean"}
+    assert not list(out.glob(".*"))  # (no temporary file left)
+
+    given = tmp_path / "my.prompts.jsonl"  # (--input: rows read with the run's data keys, fields passed on)
+    given.write_text('{"prompt": "Numbers and apples:", "topic": "apples"}\n{"prompt": "Count:", "topic": "x"}\n')
+    third = cli("eval", held_out, "--steps", "3", "--input", given)
+    assert third.returncode == 0, third.stderr
+    written = held_out / "eval" / "my-prompts" / "step-000003.jsonl"
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
+    assert [(r["prompt_id"], r["prompt"]) for r in rows] == [(0, "Numbers and apples:"), (1, "Count:")]
+    assert all(abs(r["reward"] - digit_ratio(r["prompt"], r["response"])) < 1e-6 for r in rows)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "9"], "no checkpoint at step(s) 9; it has 2, 3, 4"),
+    (["--input", "missing.jsonl"], "--input missing.jsonl: no such file"),
+    (["--name", "../x"], "--name '../x': use letters, digits"),
+    ([], "the run holds out no prompts (data.eval_fraction is 0): give prompts to evaluate on with --input FILE"),
+])
+def test_eval_names_what_is_wrong(trained, args, message):
+    result = cli("eval", trained, *args)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
 def test_chat_answers_each_turn_and_starts_over(trained, greedy):

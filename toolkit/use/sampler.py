@@ -32,6 +32,7 @@ class Sample:
     tokens: int
     finished: bool      # ended with the end-of-sequence token (not cut at max_new_tokens)
     logprob: float      # sum of the sampled tokens' log-probs under the model (before temperature and top-p)
+    token_ids: list[int]  # the response's tokens (with the end-of-sequence token where it ended with one)
 
 
 def sample_seed(seed: int, prompt: int, sample: int) -> int:
@@ -121,7 +122,7 @@ class Sampler:
                                          seed=sample_seed(self.seed, first_index + k, j)))
         outputs = self.llm.generate(requests, sp, use_tqdm=False)
         samples = [Sample(c.text, len(c.token_ids), c.finish_reason == "stop",
-                          float(sum(step[t].logprob for t, step in zip(c.token_ids, c.logprobs))))
+                          float(sum(step[t].logprob for t, step in zip(c.token_ids, c.logprobs))), list(c.token_ids))
                    for c in (out.outputs[0] for out in outputs)]
         return [samples[k * params.n:(k + 1) * params.n] for k in range(len(prompts))]
 
@@ -145,7 +146,7 @@ class Sampler:
         finished = eos is not None and eos in row
         end = row.index(eos) + 1 if finished else len(row)
         return Sample(self.tokenizer.decode(row[:end], skip_special_tokens=True), end, finished,
-                      float(logprobs[:end].sum()))
+                      float(logprobs[:end].sum()), row[:end])
 
     def close(self) -> None:
         self.llm = self.model = None

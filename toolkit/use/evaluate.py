@@ -1,0 +1,236 @@
+"""`slurm-rlhf eval RUN_DIR`: an RL run's checkpoints scored, by the run's own rewards, on prompts it did not
+train on.
+
+The prompts are the rows the run held out (`data.eval_fraction`: RL leaves them out of its prompts), or
+the rows of a file (`--input`, read with the run's data keys, as its prompts were). Each checkpoint the
+run has (or those of `--steps`) samples every prompt `--n` times, greedily by default, the prompt
+rendered and cut as the generators do (data.chat_template, rollout.max_prompt_tokens). The run's reward
+components (reward.functions and reward.models, weighted and clipped) score the samples with the
+scorer's own code.
+
+Written: a table, one row per checkpoint; RUN_DIR/eval/<name>/summary.jsonl (one line per checkpoint,
+with the settings it was sampled with; a checkpoint evaluated again replaces its line) and
+step-NNNNNN.jsonl (every sample, its reward and each component); TensorBoard scalars (tags `eval/...`,
+at the checkpoint's step, its policy version) in RUN_DIR/tensorboard/eval-<name>, a run of its own beside
+the training curves, written again from summary.jsonl each time. Every file is written whole under a
+temporary name and renamed, readable by its owner alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from toolkit.errors import ConfigError
+from toolkit.use.sampler import Sampling
+
+@dataclass
+class EvalPrompt:
+    id: int        # the row's id in the run's data (held out), or its index in --input
+    location: str  # file:line, for errors
+    prompt: object  # text, or chat messages
+    fields: dict   # the row's other fields, passed to reward functions as in training
+
+
+def heldout_prompts(cfg) -> list[EvalPrompt]:
+    """The prompts the run held out of its RL part (data.eval_fraction)."""
+    from toolkit.data.dataset import StageData
+
+    held = StageData(cfg.data, "rl", "prompt", cfg.run.seed).eval
+    if not held:
+        raise ConfigError(f"the run holds out no prompts (data.eval_fraction is {cfg.data.eval_fraction:g}"
+                          f"{', and none of its rows fell in that share' if cfg.data.eval_fraction else ''}): give "
+                          "prompts to evaluate on with --input FILE, or set data.eval_fraction in the next run")
+    return [EvalPrompt(e.id, e.location, e.prompt, e.fields) for e in held]
+
+
+def file_prompts(path: str, cfg) -> list[EvalPrompt]:
+    """The rows of `path` as prompts, read with the run's data keys (data.prompt_key, messages_key,
+    input_key): ConfigError naming the file and line of a bad row."""
+    from toolkit.data.examples import example_of
+    from toolkit.data.sources import read_source
+
+    if not Path(path).is_file():
+        raise ConfigError(f"--input {path}: no such file")
+    examples = [example_of(row, "prompt", cfg.data, k) for k, row in enumerate(read_source(path))]
+    return [EvalPrompt(e.id, e.location, e.prompt, e.fields) for e in examples]
+
+
+def reward_scorer(cfg):
+    """The run's reward components: the scorer's RewardRole, in this process, on its device."""
+    import torch
+
+    from toolkit.roles.scorer import RewardRole
+
+    group = SimpleNamespace(gpus_per_worker=int(torch.cuda.is_available()), roles=["reward"], models=["reward"],
+                            workers=1)
+    role = RewardRole(SimpleNamespace(cfg=cfg, status={}, group=group))
+    role.setup()
+    return role
+
+
+def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, steps: list[int] | None = None,
+             name: str | None = None, ema: bool = False, backend: str = "auto", seed: int = 0, echo=print) -> Path:
+    """Evaluate the checkpoints of `run_dir` (those of `steps`; default every one) with `params` (max_new_tokens
+    None: the run's rollout.max_new_tokens); the summary file."""
+    from transformers import AutoTokenizer
+
+    from toolkit.config import load_config
+    from toolkit.data.tokens import render_prompt
+    from toolkit.use.sampler import Sampler
+    from toolkit.use.source import checkpoints, resolve
+
+    run = Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir}: not a run directory (no config.yaml); eval scores the checkpoints of an RL run")
+    cfg = load_config(run / "config.yaml")
+    if cfg.stage != "rl":
+        raise ConfigError(f"{run_dir} is an {cfg.stage} stage: eval scores RL checkpoints with the run's rewards "
+                          "(an sft or rm stage evaluates itself on its eval rows: data.eval_fraction)")
+    if params.max_new_tokens is None:
+        params = replace(params, max_new_tokens=cfg.rollout.max_new_tokens)
+    found = sorted(checkpoints(run))
+    if steps is None:
+        steps = found
+    missing = [s for s in steps if s not in found]
+    if missing or not steps:
+        raise ConfigError(f"{run_dir}: no checkpoint at step(s) {', '.join(map(str, missing)) or '(none)'}; it has "
+                          f"{', '.join(map(str, found)) or 'none yet (checkpoint.every_steps sets how often)'}")
+    name = name or (re.sub(r"[^A-Za-z0-9_-]+", "-", Path(input_path).stem) if input_path else "heldout")
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise ConfigError(f"--name {name!r}: use letters, digits, '-' and '_' (it names a directory)")
+    prompts = file_prompts(input_path, cfg) if input_path else heldout_prompts(cfg)
+    sources = [resolve(str(run), step, ema) for step in steps]  # (every copy checked before any is loaded)
+    tokenizer = AutoTokenizer.from_pretrained(str(sources[0].path))
+    limit = cfg.rollout.max_prompt_tokens
+    tokens = []
+    for p in prompts:
+        try:
+            tokens.append(render_prompt(tokenizer, p.prompt, cfg.data.chat_template)[-limit:])
+        except ValueError as e:
+            raise ConfigError(f"{p.location}: {e}") from None
+    settings = {"prompts": len(prompts), "n": params.n, "temperature": params.temperature, "top_p": params.top_p,
+                "max_new_tokens": params.max_new_tokens, "seed": seed, "ema": ema,
+                "input": str(Path(input_path).resolve()) if input_path else "held out (data.eval_fraction)"}
+    echo(f"evaluating {len(steps)} checkpoint(s) of {run} on {len(prompts)} prompt(s) ({settings['input']}), "
+         f"{params.n} sample(s) each of at most {params.max_new_tokens} tokens, temperature {params.temperature:g}")
+    rewards = reward_scorer(cfg)
+    out = run / "eval" / name
+    for directory in (out.parent, out):
+        directory.mkdir(exist_ok=True, mode=0o700)
+    summary = out / "summary.jsonl"
+    for source in sources:
+        started = time.monotonic()
+        sampler = Sampler(source.path, backend, max(map(len, tokens)) + params.max_new_tokens, seed,
+                          tokenizer=tokenizer)
+        try:
+            samples = sampler.sample(tokens, params)
+        finally:
+            sampler.close()
+        batch = _batch(source.step, prompts, tokens, samples)
+        with rewards._on_device():
+            rewards.score(batch)
+        record = {"step": source.step, **_summary(batch, params.n), "eval_s": round(time.monotonic() - started, 3),
+                  **settings}
+        _write_jsonl(out / f"step-{source.step:06d}.jsonl", _sample_rows(batch))
+        merged = sorted([r for r in _read_jsonl(summary) if r["step"] != source.step] + [record],
+                        key=lambda r: r["step"])
+        _write_jsonl(summary, merged)  # (after each checkpoint: an eval stopped part-way keeps what it did)
+        _write_curves(run / "tensorboard" / f"eval-{name}", merged)
+        echo(row_line(record, batch.reward_names))
+    echo(f"wrote {summary} (and the samples of each step beside it); TensorBoard: {run / 'tensorboard'} "
+         f"(run eval-{name})")
+    return summary
+
+
+def _batch(step: int, prompts: list[EvalPrompt], tokens: list[list[int]], samples: list[list]):
+    """The samples of every prompt as a SampleBatch, as the scorer gets them from a generator."""
+    from toolkit.samples import SampleBatch, ragged
+
+    flat = [(k, j, s) for k, row in enumerate(samples) for j, s in enumerate(row)]
+    response_tokens, response_offsets = ragged([s.token_ids for _, _, s in flat], np.int32)
+    prompt_tokens, prompt_offsets = ragged([tokens[k] for k, _, _ in flat], np.int32)
+    return SampleBatch(
+        step=step, prompt_ids=np.asarray([prompts[k].id for k, _, _ in flat], np.int64),
+        group_index=np.asarray([k for k, _, _ in flat], np.int32),
+        sample_index=np.asarray([j for _, j, _ in flat], np.int32),
+        policy_version=np.full(len(flat), step, np.int32), prompt_tokens=prompt_tokens, prompt_offsets=prompt_offsets,
+        response_tokens=response_tokens, response_offsets=response_offsets,
+        behaviour_logprobs=np.zeros(len(response_tokens), np.float32),
+        finished=np.asarray([s.finished for _, _, s in flat], bool), prompts=[prompts[k].prompt for k, _, _ in flat],
+        responses=[s.text for _, _, s in flat], fields=[prompts[k].fields for k, _, _ in flat])
+
+
+def _summary(batch, n: int) -> dict:
+    total = batch.reward_total.astype(np.float64)
+    out = {"samples": len(batch), "reward_mean": float(total.mean()), "reward_std": float(total.std()),
+           "response_len_mean": float(batch.response_lengths.mean()), "finished_frac": float(batch.finished.mean())}
+    if n > 1:  # (best of n: the mean over prompts of each prompt's best sample)
+        out["reward_best_of_n_mean"] = float(total.reshape(-1, n).max(axis=1).mean())
+    for k, component in enumerate(batch.reward_names):
+        out[f"reward/{component}"] = float(batch.rewards[:, k].astype(np.float64).mean())
+    return out
+
+
+def _sample_rows(batch) -> list[dict]:
+    return [{"prompt_id": int(batch.prompt_ids[i]), "sample": int(batch.sample_index[i]), "prompt": batch.prompts[i],
+             "response": batch.responses[i], "response_tokens": int(batch.response_lengths[i]),
+             "finished": bool(batch.finished[i]), "reward": float(batch.reward_total[i]),
+             **{f"reward/{c}": float(batch.rewards[i, k]) for k, c in enumerate(batch.reward_names)}}
+            for i in range(len(batch))]
+
+
+def row_line(record: dict, components: list[str]) -> str:
+    parts = [f"step {record['step']:>6}", f"reward {record['reward_mean']:+.4f} (std {record['reward_std']:.4f})"]
+    if "reward_best_of_n_mean" in record:
+        parts.append(f"best of {record['n']} {record['reward_best_of_n_mean']:+.4f}")
+    if len(components) > 1:
+        parts += [f"{c} {record[f'reward/{c}']:+.4f}" for c in components]
+    parts += [f"length {record['response_len_mean']:.1f}", f"finished {record['finished_frac']:.2f}",
+              f"{record['eval_s']:.1f} s"]
+    return "  ".join(parts)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    """`rows` as JSON Lines, whole or not at all (a temporary name, fsync, rename), mode 600."""
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_curves(directory: Path, records: list[dict]) -> None:
+    """The summary's numbers as TensorBoard scalars (eval/<name>), the directory written again whole."""
+    from toolkit.launch.curves import summary_writer
+
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True, mode=0o700)
+    writer = summary_writer()(str(directory))
+    try:
+        for r in records:
+            for key, value in r.items():
+                if key.startswith("reward") or key in ("response_len_mean", "finished_frac"):
+                    writer.add_scalar(f"eval/{key}", value, r["step"])
+    finally:
+        writer.close()
