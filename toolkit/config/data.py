@@ -59,7 +59,8 @@ class DataSection(Section):
     """Split the rows between the stages (each stage uses its part); none: every stage uses every row."""
     eval_fraction: float = Field(default=0.0, ge=0, lt=1)
     """Share of a stage's part held out for evaluation (by the same seeded hash): sft and rm evaluate on
-    these rows; RL leaves them out of its prompts."""
+    these rows; RL leaves them out of its prompts, and `slurm-rlhf eval RUN_DIR` scores its checkpoints on
+    them."""
     shuffle: bool = True
     """Shuffle the rows (seeded by run.seed) on every pass."""
     prompt_key: str = "prompt"
