@@ -229,30 +229,49 @@ def test_a_killed_trainer_goes_on_from_its_checkpoint_in_the_same_allocation(tin
     assert_nothing_left(run_dir, job_id)
 
 
-def test_a_cancelled_generator_step_is_started_again_alone_in_the_same_allocation(tiny, tmp_path):
-    """scancel of the generator's job step while it generates step 2: the driver starts the generator again
-    alone, as a new step of the same job on the same node; the trainer's step goes on, and the run
-    finishes with every step's experience whole."""
+def submit_held(config: Path, run_dir: Path, hold: str, env: dict | None = None) -> tuple[str, int, dict]:
+    """Submit a run whose first process to reach `hold` (toolkit/hold.py) waits there; once one does: (job id,
+    its pid, status.json's workers)."""
     from toolkit.hold import ENV, held_pid
-    from toolkit.store import experience
 
-    run_dir = tmp_path / "gen"
-    result = cli("submit", run_config(tiny, tmp_path, steps=4), "--run-dir", run_dir, env={ENV: "generating@3"},
-                 timeout=120)
+    result = cli("submit", config, "--run-dir", run_dir, env={ENV: hold, **(env or {})}, timeout=120)
     assert result.returncode == 0, result.stderr
     job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
     deadline = time.monotonic() + 300
-    while not held_pid(run_dir, "generating"):
-        assert squeue(job_id) and time.monotonic() < deadline, "the job ended or stalled before step 2"
+    while not (pid := held_pid(run_dir, hold)):
+        assert squeue(job_id) and time.monotonic() < deadline, f"the job ended or stalled before {hold}"
         time.sleep(0.2)
-    before = json.loads((run_dir / "status.json").read_text())["workers"]
-    step = before["generator:0"]["slurm_step"]
-    subprocess.run(["scancel", step], check=True, timeout=30)
-    deadline = time.monotonic() + 300
+    return job_id, pid, json.loads((run_dir / "status.json").read_text())["workers"]
+
+
+def finished(run_dir: Path, job_id: str, timeout: float = 300) -> dict:
+    """status.json once the job has ended, which it must have by `timeout` and as finished."""
+    deadline = time.monotonic() + timeout
     while squeue(job_id) and time.monotonic() < deadline:
         time.sleep(0.5)
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished", status.get("error")
+    return status
+
+
+def assert_experience_whole(run_dir: Path, steps: int) -> None:
+    """Every step's committed experience has each sample group once."""
+    from toolkit.store import experience
+
+    for n in range(steps):
+        s = experience.read(run_dir / "experience" / experience.file_name(n))["samples"]
+        assert len(set(zip(s["group_index"].tolist(), s["sample_index"].tolist()))) == len(s["prompt_ids"]) == 64
+
+
+def test_a_cancelled_generator_step_is_started_again_alone_in_the_same_allocation(tiny, tmp_path):
+    """scancel of the generator's job step while it generates step 2: the driver starts the generator again
+    alone, as a new step of the same job on the same node; the trainer's step goes on, and the run
+    finishes with every step's experience whole."""
+    run_dir = tmp_path / "gen"
+    job_id, _, before = submit_held(run_config(tiny, tmp_path, steps=4), run_dir, "generating@3")
+    step = before["generator:0"]["slurm_step"]
+    subprocess.run(["scancel", step], check=True, timeout=30)
+    status = finished(run_dir, job_id)
     after = status["workers"]
     assert after["trainer:0"]["pid"] == before["trainer:0"]["pid"]  # the trainer's step went on
     assert after["trainer:0"]["slurm_step"] == before["trainer:0"]["slurm_step"]
@@ -265,9 +284,7 @@ def test_a_cancelled_generator_step_is_started_again_alone_in_the_same_allocatio
     assert f"Slurm step {step}) exited with" in output
     assert "starting it again alone (restart 1 of run.max_worker_restarts 3)" in output
     assert f"Slurm step {new}) is back; the run goes on" in output
-    for n in range(4):  # every step's experience whole: each sample group once
-        s = experience.read(run_dir / "experience" / experience.file_name(n))["samples"]
-        assert len(set(zip(s["group_index"].tolist(), s["sample_index"].tolist()))) == len(s["prompt_ids"]) == 64
+    assert_experience_whole(run_dir, 4)
     assert_nothing_left(run_dir, job_id)
 
 
@@ -276,29 +293,15 @@ def test_a_killed_generator_of_a_two_task_step_is_started_again_with_its_step(ti
     srun ends the other task too (--kill-on-bad-exit), so the driver starts the whole step again, as a new
     step of the same job on the same node, each task at its rank; the trainer's step goes on, and the run
     finishes with every step's experience whole (before, a step of several tasks ended the run)."""
-    from toolkit.hold import ENV, held_pid
-    from toolkit.store import experience
-
     run_dir = tmp_path / "two"
     config = run_config(tiny, tmp_path, steps=4, placement={"generator": {"workers": 2, "nodes": 1}})
-    result = cli("submit", config, "--run-dir", run_dir, env={ENV: "generating@3"}, timeout=120)
-    assert result.returncode == 0, result.stderr
-    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
-    deadline = time.monotonic() + 300
-    while not (pid := held_pid(run_dir, "generating")):
-        assert squeue(job_id) and time.monotonic() < deadline, "the job ended or stalled before step 2"
-        time.sleep(0.2)
-    before = json.loads((run_dir / "status.json").read_text())["workers"]
+    job_id, pid, before = submit_held(config, run_dir, "generating@3")
     killed = next(w for w in ("generator:0", "generator:1") if before[w]["pid"] == pid)
     other = "generator:1" if killed == "generator:0" else "generator:0"
     step = before[killed]["slurm_step"]
     assert before[other]["slurm_step"] == step  # (one step, two tasks)
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 300
-    while squeue(job_id) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["state"] == "finished", status.get("error")
+    status = finished(run_dir, job_id)
     after = status["workers"]
     assert after["trainer:0"]["pid"] == before["trainer:0"]["pid"]  # the trainer's step went on
     assert after["scorer:0"]["pid"] == before["scorer:0"]["pid"]
@@ -315,9 +318,7 @@ def test_a_killed_generator_of_a_two_task_step_is_started_again_with_its_step(ti
             "run.max_worker_restarts 3)") in output
     assert output.count("is back; the run goes on") == 2
     assert output.count("sending the prompts of step(s)") == 1  # (once, for both)
-    for n in range(4):  # every step's experience whole: each sample group once
-        s = experience.read(run_dir / "experience" / experience.file_name(n))["samples"]
-        assert len(set(zip(s["group_index"].tolist(), s["sample_index"].tolist()))) == len(s["prompt_ids"]) == 64
+    assert_experience_whole(run_dir, 4)
     assert_nothing_left(run_dir, job_id)
 
 
@@ -329,8 +330,6 @@ def test_a_hung_generator_is_started_again_while_slurm_is_slow_and_the_other_wor
     controller does), over the 12 s of silence the workers allow the driver (transport.heartbeat_timeout_s).
     The driver answers their heartbeats meanwhile, so the trainer and the scorer go on, and the run
     finishes (before, both ended themselves, and the run with them)."""
-    from toolkit.hold import ENV, held_pid
-
     slow = tmp_path / "slow-slurm"
     slow.mkdir()
     said = tmp_path / "scancel-calls"
@@ -339,22 +338,10 @@ def test_a_hung_generator_is_started_again_while_slurm_is_slow_and_the_other_wor
     run_dir = tmp_path / "hung"
     config = run_config(tiny, tmp_path, steps=3, transport={"heartbeat_timeout_s": 12},
                         placement={"generator": {"workers": 2, "nodes": 1}})
-    result = cli("submit", config, "--run-dir", run_dir, timeout=120,
-                 env={ENV: "generating@2", "PATH": f"{slow}:{os.environ['PATH']}"})
-    assert result.returncode == 0, result.stderr
-    job_id = str(json.loads((run_dir / "job.json").read_text())["job_id"])
-    deadline = time.monotonic() + 300
-    while not (pid := held_pid(run_dir, "generating")):
-        assert squeue(job_id) and time.monotonic() < deadline, "the job ended or stalled before step 2"
-        time.sleep(0.2)
-    before = json.loads((run_dir / "status.json").read_text())["workers"]
+    job_id, pid, before = submit_held(config, run_dir, "generating@2", env={"PATH": f"{slow}:{os.environ['PATH']}"})
     hung = next(w for w in ("generator:0", "generator:1") if before[w]["pid"] == pid)
     os.kill(pid, signal.SIGSTOP)  # (every node of this cluster is this machine)
-    deadline = time.monotonic() + 400
-    while squeue(job_id) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["state"] == "finished", status.get("error")
+    status = finished(run_dir, job_id, timeout=400)
     assert said.read_text().splitlines()[0] == f"--signal=KILL {before[hung]['slurm_step']}"
     after = status["workers"]
     for worker in ("trainer:0", "scorer:0"):  # neither ended itself while the driver waited for scancel
