@@ -249,6 +249,14 @@ def test_eval_scores_checkpoints_on_the_held_out_prompts_with_the_runs_rewards(h
     assert [(r["prompt_id"], r["prompt"]) for r in rows] == [(0, "Numbers and apples:"), (1, "Count:")]
     assert all(abs(r["reward"] - digit_ratio(r["prompt"], r["response"])) < 1e-6 for r in rows)
 
+    report = cli("report", held_out, "--out", tmp_path / "report")  # (the report draws what eval wrote)
+    assert report.returncode == 0, report.stderr
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert (tmp_path / "report" / "evaluation.png").stat().st_size > 1000
+    assert f"<td>heldout</td><td>2</td><td>{summary[0]['reward_mean']:.4f}</td>" in page
+    assert f"<td>heldout</td><td>3</td><td>{second[1]['reward_mean']:.4f}</td>" in page
+    assert "<td>my-prompts</td><td>3</td>" in page
+
 
 @pytest.mark.parametrize("args, message", [
     (["--steps", "9"], "no checkpoint at step(s) 9; it has 2, 3, 4"),
@@ -327,6 +335,7 @@ def test_report_draws_the_run_from_its_files(trained, tmp_path):
     assert html.escape(record["meta"]["responses"][best]) in page
     assert f"{float(record['samples']['reward_total'][best]):.4f}" in page
     assert "node group" in page and "algorithm: grpo" in page  # the placement table and the config
+    assert "None yet: <code>slurm-rlhf eval RUN_DIR</code>" in page  # (no eval of this run)
 
     # The timeline files hold each step's phases in causal order: generated, then scored, then trained.
     timelines = read_timelines(trained)

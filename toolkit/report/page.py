@@ -1,5 +1,5 @@
 """The report page: reads a run directory (metrics.jsonl, timeline/, experience/, config.yaml,
-status.json), draws the figures and writes REPORT_DIR/index.html with every figure embedded (one file
+status.json, and eval/ where `slurm-rlhf eval` wrote), draws the figures and writes REPORT_DIR/index.html with every figure embedded (one file
 to copy or mail) and each figure as a PNG beside it. Nothing of the run is changed."""
 
 from __future__ import annotations
@@ -56,6 +56,31 @@ def _samples_section(run_dir: Path, steps: list[int]) -> str:
         parts.append(f"<h3>step {step} (mean reward {mean:.4f} over {len(total)} samples; the best and the worst "
                      f"{SAMPLES_SHOWN})</h3><table>{''.join(rows)}</table>")
     return "".join(parts) or "<p>No committed experience.</p>"
+
+
+def _evaluations(run_dir: Path) -> dict[str, list[dict]]:
+    """{name: summary lines} of what `slurm-rlhf eval` wrote for the run (RUN_DIR/eval/<name>/summary.jsonl)."""
+    from toolkit.store.manifest import read_jsonl
+
+    return {path.parent.name: read_jsonl(path) for path in sorted((run_dir / "eval").glob("*/summary.jsonl"))}
+
+
+def _evaluation_section(summaries: dict[str, list[dict]], target: Path) -> str:
+    """The evaluation figure and a table of every checkpoint's figures, or a line saying how to get them."""
+    from toolkit.report import plots
+
+    if not any(summaries.values()):
+        return "<p>None yet: <code>slurm-rlhf eval RUN_DIR</code> scores the checkpoints on held-out prompts.</p>"
+    rows = ["<tr><th>prompts</th><th>checkpoint</th><th>reward</th><th>best of n</th><th>response length</th>"
+            "<th>finished</th><th>samples</th><th>temperature</th></tr>"]
+    for name, records in summaries.items():
+        for r in records:
+            best = f"{r['reward_best_of_n_mean']:.4f}" if "reward_best_of_n_mean" in r else ""
+            rows.append(f"<tr><td>{html.escape(name)}</td><td>{r['step']}</td><td>{r['reward_mean']:.4f}</td>"
+                        f"<td>{best}</td><td>{r['response_len_mean']:.1f}</td><td>{r['finished_frac']:.2f}</td>"
+                        f"<td>{r['samples']}</td><td>{r['temperature']:g}</td></tr>")
+    figure = _figure("evaluation", plots.evaluations(summaries), target, "reward on evaluation prompts")
+    return f"{figure}<table>{''.join(rows)}</table>"
 
 
 def _placement(run_dir: Path) -> str:
@@ -132,6 +157,7 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
 <h1>{title}</h1><table>{head}</table>
 <h2>Curves</h2>{_figure("curves", plots.curves(metrics), target, "curves")}
 <h2>Step time by phase</h2>{_figure("step_time", plots.step_time(metrics), target, "step time by phase")}
+<h2>Evaluation</h2>{_evaluation_section(_evaluations(run), target)}
 <h2>Timeline of the last {len(window) - 1 if len(window) > last_steps else len(window)} steps</h2>
 {_figure("timeline", plots.timeline(timelines, start, last["time"]), target, "timeline")}
 <h2>Samples</h2>{_samples_section(run, samples_at)}

@@ -70,6 +70,26 @@ def step_time(metrics: list[dict]):
     return fig
 
 
+def evaluations(summaries: dict[str, list[dict]]):
+    """`slurm-rlhf eval`'s mean reward (and best of n, where sampled) at each checkpoint, one line per set of
+    prompts (RUN_DIR/eval/<name>/summary.jsonl), at the checkpoint's policy version."""
+    if not any(summaries.values()):
+        return None
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    for name, records in summaries.items():
+        points = [(r["step"], r["reward_mean"]) for r in records]
+        line, = ax.plot(*zip(*points), marker=".", label=f"{name}: mean")
+        best = [(r["step"], r["reward_best_of_n_mean"]) for r in records if "reward_best_of_n_mean" in r]
+        if best:
+            ax.plot(*zip(*best), marker="^", linestyle=":", color=line.get_color(), label=f"{name}: best of n")
+    ax.set_xlabel("checkpoint (policy version)")
+    ax.set_title("reward on evaluation prompts (slurm-rlhf eval)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 def intervals(rows: list[dict], start: float, end: float) -> list[tuple[str, float, float]]:
     """(phase, from, to) of a worker's phase changes, clipped to [start, end]; waiting phases left out."""
     out = []
