@@ -75,3 +75,30 @@ def test_a_live_loader_is_waited_for_and_its_lock_file_kept_until_it_dies(extens
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"loaded ['{OP}']" in done.stdout
     assert not (extensions / OP / "lock").exists()
+
+
+def test_deepspeeds_world_group_made_at_join_loads_the_op_through_the_flock(extensions):
+    """`Ranks.join` makes DeepSpeed's clone of the default group early (training/ranks.py), and DeepSpeed's
+    init_distributed loads the shared-memory op. That load must go through load_op too: unguarded, it took
+    torch's lock file while a trainer rank beside it, in load_op, removed that file as left by a dead
+    process, and the first process then failed in its release (a CI run: `FileNotFoundError: ...
+    deepspeed_shm_comm/lock`); and a stale file made it wait forever. With a stale file in place, the
+    group is made and the file is gone."""
+    (extensions / OP).mkdir(exist_ok=True)
+    (extensions / OP / "lock").touch()
+    code = ("import torch.distributed as dist\n"
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "from toolkit.training.ranks import _deepspeed_world_group\n"
+            "_deepspeed_world_group(); print('made', flush=True)\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"waited 300 s: the load waited for the stale lock file\n{err[-3000:]}")
+    assert proc.returncode == 0 and "made" in out, err[-3000:]
+    assert "left by a process killed while it loaded DeepSpeed's deepspeed_shm_comm op" in err
+    assert not (extensions / OP / "lock").exists()

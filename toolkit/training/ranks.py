@@ -206,5 +206,8 @@ def _deepspeed_world_group() -> None:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import groups
 
+    from toolkit.training.ops import load_ops
+
+    load_ops()  # (init_distributed loads the shared-memory op: through the flock, as every load must be)
     ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
     groups._clone_world_group()
