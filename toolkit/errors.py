@@ -1,6 +1,11 @@
 """Project errors: what the user did wrong (ConfigError) or how a run failed (RunError)."""
 
 
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of an error's text, at most `limit` characters ('' for an error with no text)."""
+    return (str(error).splitlines() or [""])[0][:limit]
+
+
 class ToolkitError(Exception):
     """An error the CLI prints without a traceback."""
 

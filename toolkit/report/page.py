@@ -1,6 +1,7 @@
 """The report page: reads a run directory (metrics.jsonl, timeline/, experience/, config.yaml,
-status.json, and eval/ where `slurm-rlhf eval` wrote), draws the figures and writes REPORT_DIR/index.html with every figure embedded (one file
-to copy or mail) and each figure as a PNG beside it. Nothing of the run is changed."""
+status.json, and eval/ where `slurm-rlhf eval` wrote), draws the figures and writes REPORT_DIR/index.html
+with every figure embedded (one file to copy or mail) and each figure as a PNG beside it. Nothing of the
+run is changed."""
 
 from __future__ import annotations
 

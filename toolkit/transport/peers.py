@@ -28,6 +28,8 @@ import secrets
 
 import torch
 
+from toolkit.errors import first_line
+
 log = logging.getLogger(__name__)
 
 CHALLENGE, ANSWER = 0x5EC1, 0x5EC2  # (tags of the two messages on each pair)
@@ -73,7 +75,7 @@ def prove_peers(group, rank: int, size: int, key: bytes, name: str, timeout_s: f
     except RuntimeError as e:
         raise StrangerInGroup(
             f"process group {name!r}: rank {peer} did not answer the check of the run's key over its "
-            f"connection to rank {rank} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}): "
+            f"connection to rank {rank} ({type(e).__name__}: {first_line(e)}): "
             f"it ended, or a process without the run's key connected in its place; nothing else was sent on "
             f"this group") from e
     for p in peers:

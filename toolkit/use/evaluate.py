@@ -85,6 +85,7 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
 
     from toolkit.config import load_config
     from toolkit.data.tokens import render_prompt
+    from toolkit.store.manifest import read_jsonl
     from toolkit.use.sampler import Sampler
     from toolkit.use.source import checkpoints, resolve
 
@@ -127,6 +128,7 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     for directory in (out.parent, out):
         directory.mkdir(exist_ok=True, mode=0o700)
     summary = out / "summary.jsonl"
+    lines = {r["step"]: r for r in read_jsonl(summary)}  # (of earlier calls; a step evaluated now is replaced)
     for source in sources:
         started = time.monotonic()
         sampler = Sampler(source.path, backend, max(map(len, tokens)) + params.max_new_tokens, seed,
@@ -141,8 +143,8 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
         record = {"step": source.step, **_summary(batch, params.n), "eval_s": round(time.monotonic() - started, 3),
                   **settings}
         _write_jsonl(out / f"step-{source.step:06d}.jsonl", _sample_rows(batch))
-        merged = sorted([r for r in _read_jsonl(summary) if r["step"] != source.step] + [record],
-                        key=lambda r: r["step"])
+        lines[source.step] = record
+        merged = [lines[s] for s in sorted(lines)]
         _write_jsonl(summary, merged)  # (after each checkpoint: an eval stopped part-way keeps what it did)
         _write_curves(run / "tensorboard" / f"eval-{name}", merged)
         echo(row_line(record, batch.reward_names))
@@ -197,12 +199,6 @@ def row_line(record: dict, components: list[str]) -> str:
     parts += [f"length {record['response_len_mean']:.1f}", f"finished {record['finished_frac']:.2f}",
               f"{record['eval_s']:.1f} s"]
     return "  ".join(parts)
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:

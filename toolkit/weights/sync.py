@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from toolkit.errors import first_line
 from toolkit.transport.peers import prove_peers
 from toolkit.weights.hf_format import Converter, identity
 
@@ -293,9 +294,8 @@ class WeightSender:
         del self.groups[name]
         self.limits.pop(name, None)
         self.lost.append(name)
-        first_line = (str(error).splitlines() or [""])[0][:200]  # (an error with no text has no line)
         log.warning("weight sync to %s failed, so it is left out from now on (%s: %s); a generator started "
-                    "in its place joins a new group", name, type(error).__name__, first_line)
+                    "in its place joins a new group", name, type(error).__name__, first_line(error))
 
 
 class Prober(threading.Thread):
