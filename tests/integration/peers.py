@@ -7,6 +7,8 @@ generator CONFIG BACKEND HOST PORT OUT SEQS [REFRESH]
                                                and how many frames torch.compile compiled meanwhile
 zero3 RANK CONFIG DIR                          a ZeRO-3 trainer rank (of 2): one training step, then sync
 receiver CONFIG DIR                            an HF engine that receives the ZeRO-3 trainer's weights
+late PORT NAME SECONDS                         rank 1 of weight-sync group NAME that, once in it, waits
+                                               SECONDS before it takes part in an all-reduce of [1, 2, 3]
 """
 
 from __future__ import annotations
@@ -134,6 +136,18 @@ def receiver(config, directory) -> None:
                directory / "received.pt")
 
 
+def late(port, name, seconds) -> None:
+    import torch
+
+    from toolkit.transport.rendezvous import connect_store
+    from toolkit.weights.sync import form_group
+
+    store = connect_store("127.0.0.1", int(port), 120)
+    group = form_group(store, 1, 2, 120, torch.device("cpu"), name)
+    time.sleep(float(seconds))
+    group.allreduce([torch.tensor([1.0, 2.0, 3.0])]).wait()
+
+
 if __name__ == "__main__":
     kind, *args = sys.argv[1:]
-    {"generator": generator, "zero3": zero3, "receiver": receiver}[kind](*args)
+    {"generator": generator, "zero3": zero3, "receiver": receiver, "late": late}[kind](*args)

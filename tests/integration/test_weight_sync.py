@@ -9,17 +9,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from tests.conftest import REPO, example, write_config
 from toolkit.launch.env import ATTEMPT, SECRET_FILE
 from toolkit.tiny import build_family
-from toolkit.transport.rendezvous import serve_store
+from toolkit.transport.rendezvous import connect_store, serve_store
 from toolkit.transport.wire import new_secret
 from toolkit.weights.hf_format import checkpoint_converter, identity
 from toolkit.weights.probe import model_logprobs, probe_tokens
-from toolkit.weights.sync import WeightSender, form_group, gathered_buckets, plan_layout
+from toolkit.weights.sync import WeightSender, _prefixed, arrived, form_group, gathered_buckets, plan_layout
 
 pytestmark = pytest.mark.integration
 
@@ -165,3 +166,40 @@ def test_zero3_trainer_sends_full_gathered_weights(tiny, tmp_path):
         assert tensor.shape == initial[name].shape
         assert torch.equal(received["weights"][name], tensor), name
     assert any(not torch.equal(expected[n], initial[n].data) for n in expected)  # the step changed the weights
+
+
+def test_a_peer_that_arrived_and_ended_fails_its_group_within_connect_s_not_the_timeout(tmp_path):
+    """Rank 0 forms a weight-sync group only once its peers arrived (`arrived`), as the trainer does with
+    a generator started again. A peer that ended after it arrived never connects: rank 0's group fails,
+    named, within `connect_s`, not after the group's timeout (the trainer waited startup_timeout_s,
+    600 s by default, before). A peer that connects and then takes longer than `connect_s` to send
+    still gets the whole timeout: it is the connections alone that `connect_s` bounds."""
+    store = serve_store("127.0.0.1", 120)
+    client = connect_store("127.0.0.1", store.port, 120)  # (kept: torch's side of a store needs its Python one)
+    gone = _prefixed(client, "generator:0#1")
+    gone.set("gpu/1", "None")  # (what form_group's rank 1 writes on arriving; this one then ends)
+    gone.set("arrived/1", "1")
+    assert arrived(store, "generator:0#1", 2)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"weight-sync group 'generator:0#1': its 1 peer rank\(s\) had arrived, "
+                                           r"but did not connect within 3 s"):
+        form_group(store, 0, 2, 600, torch.device("cpu"), "generator:0#1", connect_s=3)
+    assert time.monotonic() - started < 60
+
+    log_path = tmp_path / "late.log"
+    with open(log_path, "w") as log:
+        proc = peer("late", store.port, "generator:0#2", 8, log=log)
+    try:
+        deadline = time.monotonic() + 120
+        while not arrived(store, "generator:0#2", 2):
+            assert time.monotonic() < deadline and proc.poll() is None, log_path.read_text()
+            time.sleep(0.1)
+        group = form_group(store, 0, 2, 120, torch.device("cpu"), "generator:0#2", connect_s=3)
+        started = time.monotonic()
+        total = torch.tensor([10.0, 20.0, 30.0])
+        group.allreduce([total]).wait()  # (the peer sends after 8 s, past connect_s)
+        assert time.monotonic() - started > 3
+        assert total.tolist() == [11.0, 22.0, 33.0]
+    finally:
+        finish(proc, log_path)
+

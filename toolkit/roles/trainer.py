@@ -51,6 +51,10 @@ from toolkit.weights.sync import WeightSender, arrived, form_group, gathered_buc
 log = logging.getLogger(__name__)
 
 STOP, TRAIN, CHECKPOINT, SYNC = 0, 1, 2, 3
+REJOIN_CONNECT_S = 60.0
+"""How long a generator started again may take to connect to its new weight-sync group once every one
+of its ranks arrived there (seconds pass between the two only on a busy node): past it, rank 0 takes
+it for one that ended in between, and goes on until the driver's next start of it comes."""
 
 
 class TrainerRole(Role):
@@ -278,11 +282,12 @@ class TrainerRole(Role):
         """The size of a weight-sync group: trainer rank 0 and the engine ranks of one generator worker."""
         return 1 + (self.cfg.rollout.vllm.tensor_parallel_size if self.cfg.generation_backend == "vllm" else 1)
 
-    def _join_sync(self, worker_id: str, generation: int, timeout_s: float) -> None:
+    def _join_sync(self, worker_id: str, generation: int, timeout_s: float, connect_s: float | None = None) -> None:
         """Rank 0: form the weight-sync group with generator worker `worker_id` (started `generation`
-        times again) and send it the layout; blocks until that worker's engine ranks join."""
+        times again) and send it the layout; blocks until that worker's engine ranks join (`connect_s`:
+        how long they may take, where they have arrived already: see `form_group`)."""
         name = sync_group_name(worker_id, generation)
-        group = form_group(self.ranks.store, 0, self._sync_world(), timeout_s, self.device, name)
+        group = form_group(self.ranks.store, 0, self._sync_world(), timeout_s, self.device, name, connect_s)
         self.sender.add(worker_id, group, timeout_s)
 
     def _await_generator(self, worker_id: str, generation: int) -> int | None:
@@ -318,8 +323,8 @@ class TrainerRole(Role):
         if generation is None:
             return
         try:
-            self._join_sync(worker_id, generation, self.cfg.transport.startup_timeout_s)
-        except RuntimeError as e:  # (it failed again while loading: the driver starts another)
+            self._join_sync(worker_id, generation, self.cfg.transport.startup_timeout_s, REJOIN_CONNECT_S)
+        except RuntimeError as e:  # (it failed again while joining: the driver starts another)
             log.warning("generator %s did not join its new weight-sync group: %s", worker_id, e)
             return
         self.ranks.command(SYNC)

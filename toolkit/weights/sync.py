@@ -57,13 +57,16 @@ def sync_group_name(worker_id: str, generation: int) -> str:
 
 
 def form_group(store: dist.Store, rank: int, world_size: int, timeout_s: float, device: torch.device,
-               name: str = "0"):
+               name: str = "0", connect_s: float | None = None):
     """The weight-sync process group `name` over `store` (the run's: transport/rendezvous.py): gloo for CPU
     tensors; for CUDA ones NCCL, or gloo where two ranks share one GPU (NCCL needs a GPU per rank; gloo
     copies through host memory then). A rank other than 0 first says which GPU it has and that it has
     arrived (`arrived`), so that rank 0 can wait for it without blocking; rank 0 then says which backend
     the group takes. Every connection of a gloo group proves the store's key before it is returned
-    (transport/peers.py: one taken by a stranger raises StrangerInGroup)."""
+    (transport/peers.py: one taken by a stranger raises StrangerInGroup).
+    `connect_s`: how long a gloo group's connections may take to form, where every peer has arrived
+    already and connects at once (a peer that ended after it arrived never does): then a RuntimeError
+    names the group; the group's transfers still wait up to `timeout_s`."""
     prefixed = _prefixed(store, name)
     gpu = torch.cuda.get_device_properties(device).uuid if device.type == "cuda" else None
     if rank:
@@ -87,7 +90,16 @@ def form_group(store: dist.Store, rank: int, world_size: int, timeout_s: float, 
             return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     if device.type == "cuda":
         log.info("weight-sync group %s: gloo, not NCCL (ranks share a GPU): copies through host memory", name)
-    group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    connect = timeout if connect_s is None else datetime.timedelta(seconds=min(connect_s, timeout_s))
+    try:
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, connect)
+    except RuntimeError as e:
+        if connect == timeout:
+            raise
+        raise RuntimeError(f"weight-sync group {name!r}: its {world_size - 1} peer rank(s) had arrived, but did not "
+                           f"connect within {connect.total_seconds():g} s (one ended after it arrived?): "
+                           f"{first_line(e)}") from e
+    group._set_default_timeout(timeout)  # (the collectives' limit; each point-to-point wait names its own)
     prove_peers(group, rank, world_size, store.key, f"weight-sync/{name}", timeout_s)  # (before the layout goes)
     return group
 
