@@ -42,7 +42,8 @@ class Worker:
         secret = attempt_secret(read_secret(wenv.secret_file), wenv.attempt)
         self.codec = Codec(secret, self.id, accepts={self.id, self.group.name})  # (its group: PUSH spreads)
         t = cfg.transport
-        self.control = ControlClient(self.ctx, self.codec, wenv.control, t.max_message_mb)
+        # Commands come to this process's own name (launch/coordinator.py), not to the worker's.
+        self.control = ControlClient(self.ctx, Codec(secret, self.id, accepts=()), wenv.control, t.max_message_mb)
         self.heartbeat = Heartbeat(self.ctx, secret, wenv.control, self.id, t.heartbeat_interval_s,
                                    t.heartbeat_timeout_s, self._coordinator_lost)
         # (each phase change also goes to RUN_DIR/timeline/<worker>.jsonl, for the report)

@@ -351,6 +351,67 @@ def test_the_coordinator_takes_a_workers_identity_from_the_authenticated_sender(
         ctx.term()
 
 
+def test_commands_bind_the_process_of_a_worker_and_an_earlier_processs_messages_are_dropped():
+    """A worker started again is a new process of the same worker id. A command captured on its way to
+    the earlier process (here: its raw frames) is refused by the new one, as misdirected: it is addressed
+    to the earlier process's name, not to the worker's (which the new one would take, its sequence
+    numbers starting afresh). The pong of a heartbeat likewise. The other way, once the driver forgets
+    the earlier process (a restart), what it sent is dropped and counted, before and after the new one
+    registers, where before it was taken as the new one's (a `failed` left queued as it died would end
+    the run)."""
+    from toolkit.launch.coordinator import Coordinator
+    from toolkit.transport.control import ControlClient
+
+    ctx = zmq.Context()
+    coordinator = Coordinator(ctx, SECRET, "127.0.0.1")
+    earlier = ControlClient(ctx, Codec(SECRET, "generator:0", accepts=()), coordinator.address)
+    later = ControlClient(ctx, Codec(SECRET, "generator:0", accepts=()), coordinator.address)
+    hb = ctx.socket(zmq.DEALER)
+    try:
+        earlier.send("register")
+        assert coordinator.recv(10)[1].kind == "register"
+        coordinator.send("generator:0", "start", book={})
+        assert earlier.socket.poll(10000)
+        captured = earlier.socket.recv_multipart()
+        assert earlier.codec.decode(captured).kind == "start"  # (the process it was meant for takes it)
+        with pytest.raises(FrameError, match="misdirected"):
+            later.codec.decode(captured)
+        hb_codec = Codec(SECRET, "generator:0/hb", accepts=())
+        hb.setsockopt(zmq.IDENTITY, hb_codec.sender.encode())
+        hb.setsockopt(zmq.LINGER, 0)
+        from toolkit.transport.gate import enter
+
+        enter(hb, hb_codec.password)
+        hb.connect(coordinator.address)
+        hb.send_multipart(hb_codec.encode("heartbeat", {"status": {}}, to="coordinator"))
+        assert coordinator.recv(2) is None  # (it answers the heartbeat)
+        assert hb.poll(10000)
+        pong = hb.recv_multipart()
+        assert hb_codec.decode(pong).kind == "pong"
+        with pytest.raises(FrameError, match="misdirected"):
+            Codec(SECRET, "generator:0/hb", accepts=()).decode(pong)
+
+        coordinator.forget("generator:0")  # (the driver restarts it)
+        earlier.send("failed", error="left queued as it died")
+        assert coordinator.recv(1) is None and coordinator.rejected["earlier-process"] == 1
+        later.send("register")
+        earlier.send("ready")
+        later.send("ready")
+        got = [coordinator.recv(10) for _ in range(2)]
+        assert [(w, m.kind, m.sender) for w, m in got] == [("generator:0", k, later.codec.sender)
+                                                           for k in ("register", "ready")]
+        assert coordinator.rejected["earlier-process"] == 2
+        coordinator.send("generator:0", "start", book={})
+        command = later.recv(10)
+        assert command is not None and command.kind == "start" and not earlier.socket.poll(500)
+    finally:
+        for client in (earlier, later):
+            client.socket.close(linger=0)
+        hb.close(linger=0)
+        coordinator.close()
+        ctx.term()
+
+
 def test_a_header_as_large_as_a_big_steps_texts_is_read():
     """A step's prompts and responses travel in the header: 4,000 samples of 5,000 characters make 19 MB,
     which a cap of 16 MB on headers dropped as malformed (every message of such a step, so the run waited

@@ -7,7 +7,12 @@ the connection a worker registered over (a worker started again is a new process
 anew); an identity already connected is not handed over to a new connection. So a peer without the run's
 secret that connects under a worker's name gets nothing meant for it (before, with ZeroMQ's handover, the
 commands and pongs went to the newest connection of that name, and the worker, hearing no pong, ended
-itself). The coordinator remembers when each worker was last heard from and the status
+itself). Each command and pong is addressed to that process's name, which the MAC covers, and the
+worker takes nothing addressed otherwise: a frame captured on its way to an earlier process of a worker
+started again is refused by the new one (the worker's name alone would pass). The other way, a message
+of an earlier process of a worker that was started again (one it left queued as it died, or one
+captured and sent again) is dropped once the new one registers, where it was taken as the new one's.
+The coordinator remembers when each worker was last heard from and the status
 its last heartbeat carried; `recv` hands the driver every message except heartbeats.
 
 The driver's main thread answers heartbeats whenever it waits for messages. Where it waits on something
@@ -49,13 +54,18 @@ class Coordinator:
         self.last_seen: dict[str, float] = {}
         self.status: dict[str, dict] = {}
         self.routes: dict[str, bytes] = {}  # worker -> the identity of its command connection
+        self.earlier: set[bytes] = set()  # the command connections of processes replaced (`forget`)
         self.rejected: collections.Counter = collections.Counter()
         self.kept: collections.deque[tuple[bytes, str, Message]] = collections.deque()  # (taken, not handed out)
 
     def recv(self, timeout_s: float) -> tuple[str, Message] | None:
         """The next non-heartbeat message as (worker_id, message), or None after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        while not self.kept:
+        while True:
+            while self.kept and not self._current(*self.kept[0]):
+                self.kept.popleft()
+            if self.kept:
+                break
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if not self.socket.poll(left_ms):
                 return None
@@ -67,6 +77,17 @@ class Coordinator:
         if msg.kind == "register":  # (not any message: one a killed process left queued comes after; and
             self.routes[worker_id] = identity  # when handed out: a worker started again is forgotten before)
         return worker_id, msg
+
+    def _current(self, identity: bytes, worker_id: str, msg: Message) -> bool:
+        """Whether `msg` comes from the process that is `worker_id` now: its register, or what the process
+        that registered last sends. One of an earlier process is dropped, counted and logged."""
+        if identity not in self.earlier and (msg.kind == "register"
+                                             or self.routes.get(worker_id, identity) == identity):
+            return True
+        if (n := tally(self.rejected, "earlier-process")) is not None:
+            log.warning("dropped %r from %s, an earlier process of %s; %d dropped so far, %d for this reason",
+                        msg.kind, msg.sender, worker_id, sum(self.rejected.values()), n)
+        return False
 
     @contextlib.contextmanager
     def answering(self):
@@ -121,7 +142,7 @@ class Coordinator:
         self.last_seen[worker_id] = time.monotonic()
         if msg.kind == "heartbeat":
             self.status[worker_id] = msg.meta.get("status", {})
-            self.socket.send_multipart([identity, *self.codec.encode("pong", to=peer)])
+            self.socket.send_multipart([identity, *self.codec.encode("pong", to=msg.sender)])
             return None
         return identity, worker_id, msg
 
@@ -129,7 +150,7 @@ class Coordinator:
         """Send to the worker's command connection; nothing if it has not registered (ZeroMQ dropped it too)."""
         identity = self.routes.get(worker_id)
         if identity is not None:
-            self.socket.send_multipart([identity, *self.codec.encode(kind, meta, to=worker_id)])
+            self.socket.send_multipart([identity, *self.codec.encode(kind, meta, to=identity.decode())])
 
     def silent(self, worker_ids, timeout_s: float) -> list[tuple[str, float]]:
         """Workers among `worker_ids` (that have registered) not heard from for more than `timeout_s`."""
@@ -141,7 +162,8 @@ class Coordinator:
         """A worker replaced by a new process: what its heartbeats said no longer holds."""
         self.last_seen.pop(worker_id, None)
         self.status.pop(worker_id, None)
-        self.routes.pop(worker_id, None)
+        if (identity := self.routes.pop(worker_id, None)) is not None:
+            self.earlier.add(identity)
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -1,7 +1,8 @@
 """Control plane, worker side: a DEALER for commands and events, and a heartbeat thread.
 
 Both connect to the coordinator's ROUTER socket, each under its codec's sender name (unique to the
-process) as routing identity. The heartbeat thread has its own socket (ZeroMQ sockets are not
+process) as routing identity, and take only frames addressed to that name: a command or pong captured
+on its way to an earlier process of the same worker (one that was started again) is refused. The heartbeat thread has its own socket (ZeroMQ sockets are not
 thread-safe) and codec, named `<worker>/hb`; the coordinator answers each heartbeat with a
 `pong`. A worker that hears no pong for `timeout_s` assumes the driver is gone and ends itself and its
 children, so no worker outlives its run.
@@ -63,7 +64,8 @@ class Heartbeat(threading.Thread):
                  timeout_s: float, on_lost: Callable[[float], None]):
         super().__init__(name=f"heartbeat-{worker_id}", daemon=True)
         self._ctx, self._address, self._worker_id = ctx, address, worker_id
-        self._codec = Codec(secret, f"{worker_id}/hb", accepts={f"{worker_id}/hb"})
+        # (pongs come to this thread's own name, unique to the process: one of an earlier process is refused)
+        self._codec = Codec(secret, f"{worker_id}/hb", accepts=())
         self._interval_s, self._timeout_s, self._on_lost = interval_s, timeout_s, on_lost
         self._stop_event = threading.Event()
         self.status: dict = {}
