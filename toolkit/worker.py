@@ -126,7 +126,8 @@ class Worker:
                     for role in self.roles.values():
                         role.on_shutdown()
                     return
-                target = {"sync": "generator", "checkpoint": "trainer", "join_sync": "trainer"}.get(msg.kind)
+                target = {"sync": "generator", "checkpoint": "trainer", "join_sync": "trainer",
+                          "missing": "trainer"}.get(msg.kind)
                 if target in self.roles:
                     self.roles[target].on_command(msg)
                 else:

@@ -396,6 +396,48 @@ def test_dead_or_hung_workers_are_started_again_alone_and_the_run_ends_as_if_not
     print(f"duplicate samples dropped: {dropped}")
 
 
+def test_a_generator_started_again_has_only_the_samples_the_trainer_misses_generated_again(tiny, tmp_path):
+    """Two generator workers, one killed (-9) while it generates step 1, after the trainer took the other's
+    samples of that step. Once it is back, the trainer says which sample groups it still misses, and only
+    their prompts go out again: the other generator's groups are not generated twice (before, every
+    prompt of the step went out again, and the trainer dropped the second copies as duplicates)."""
+    from toolkit.hold import ENV, held_pid
+
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": "missing"},
+                                            rollout={"backend": "hf"}, placement={"generator": {"workers": 2}},
+                                            transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4}))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, ENV: "generating@2"})
+    try:
+        deadline = time.monotonic() + 300
+        while not (pid := held_pid(run_dir, "generating@2")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
+            time.sleep(0.1)
+        while not ((trainer := json.loads((run_dir / "status.json").read_text())["workers"]["trainer:0"]).get("step")
+                   == 1 and trainer.get("samples")):  # (the other generator's part of step 1 is in)
+            assert proc.poll() is None and time.monotonic() < deadline, "the other generator's samples never came"
+            time.sleep(0.2)
+        assert 0 < trainer["samples"] < 64
+        print(f"the trainer holds {trainer['samples']} samples of step 1 when the generator is killed")
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert "asking the trainer which samples of step(s) 1 it still misses" in out, out
+    missing = 16 - trainer["samples"] // 4
+    assert f"sending {missing} of the 16 prompts of step 1 again (their samples were lost)" in out, out
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["worker_restarts"] for m in metrics][-1] == 1
+    assert sum(m["duplicate_samples"] for m in metrics) == 0  # (none generated twice)
+    for step in range(3):
+        s = experience.read(run_dir / "experience" / experience.file_name(step))["samples"]
+        assert len(set(zip(s["group_index"].tolist(), s["sample_index"].tolist()))) == len(s["prompt_ids"]) == 64
+
+
 def test_a_hung_trainer_then_a_dead_one_restart_every_worker_from_the_checkpoint_in_the_same_run(baseline, tiny,
                                                                                                 tmp_path):
     """SIGSTOP of the trainer (found by its missed heartbeats) in its weight sync after step 1 or 2, then

@@ -317,7 +317,9 @@ def test_a_killed_generator_of_a_two_task_step_is_started_again_with_its_step(ti
     assert (f"starting it again with the other task(s) of its step, {other} (restart 1 of "
             "run.max_worker_restarts 3)") in output
     assert output.count("is back; the run goes on") == 2
-    assert output.count("sending the prompts of step(s)") == 1  # (once, for both)
+    assert output.count("asking the trainer which samples of step(s)") == 1  # (once, for both)
+    resent = re.findall(r"sending (\d+) of the 16 prompts of step \d+ again \(their samples were lost\)", output)
+    assert resent and all(1 <= int(n) <= 16 for n in resent), output  # (the killed task's, at least)
     assert_experience_whole(run_dir, 4)
     assert_nothing_left(run_dir, job_id)
 

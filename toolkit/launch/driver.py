@@ -129,17 +129,23 @@ class Driver(Supervisor):
             self.sending = False
 
     def _between_events(self) -> None:
-        """Send again the prompts whose samples the trainer dropped as too old (asynchronous `drop` mode)."""
+        """Send again the prompts whose samples the trainer misses: dropped as too old (asynchronous `drop`
+        mode), or lost with a worker started again."""
         while self.regenerate and self.outbox is not None and not self.sending:
             step, slots = self.regenerate.pop(0)
-            self._send_prompts(step, slots)
+            if step in self.in_flight:  # (not a step trained meanwhile)
+                self._send_prompts(step, slots)
 
     def _restarted(self, worker_id: str) -> None:
-        """A generator or scorer started again: the work it held is lost, so the prompts of every step not
-        finished go out again (the same seeds give the same samples; the trainer keeps the first copy)."""
-        for step, prompts in sorted(self.in_flight.items()):
-            self.regenerate.append((step, list(range(len(prompts)))))
-        self.echo(f"sending the prompts of step(s) {', '.join(map(str, sorted(self.in_flight))) or 'none'} again")
+        """A generator or scorer started again: the work it held is lost. The trainer says which sample
+        groups of the steps not finished it still misses, and their prompts go out again (`regenerate`;
+        the same seeds give the same samples, and the trainer keeps the first copy of a group that comes
+        twice, one that a worker still held). Before, every prompt of those steps went out again."""
+        if not self.in_flight:
+            return
+        steps = sorted(self.in_flight)
+        self.coordinator.send(self.trainer_id, "missing", steps=[[s, len(self.in_flight[s])] for s in steps])
+        self.echo(f"asking the trainer which samples of step(s) {', '.join(map(str, steps))} it still misses")
 
     def _record_replayed(self) -> None:
         """Metrics of steps trained again on a resume, for steps whose metrics were never written."""
@@ -165,6 +171,9 @@ class Driver(Supervisor):
                 self.sync_checks[m["version"]] = max(self.sync_checks.get(m["version"], 0.0), m["check_diff"])
         elif msg.kind == "regenerate":
             self.regenerate.append((m["step"], m["group_index"]))
+            if m.get("lost") and m["step"] in self.in_flight:
+                self.echo(f"sending {len(m['group_index'])} of the {len(self.in_flight[m['step']])} prompts of "
+                          f"step {m['step']} again (their samples were lost)")
         else:
             return False
         return True

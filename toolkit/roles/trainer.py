@@ -331,9 +331,25 @@ class TrainerRole(Role):
         self.worker.control.send("weights_ready", step=-1, version=self.version, to=[worker_id], rejoin=True)
         self._sync(fold_ema=False, to=[worker_id])
 
+    def _missing(self, steps: list[list[int]]) -> None:
+        """Rank 0, after a generator or scorer was started again: for each [step, prompts] not trained
+        yet, the prompts whose sample groups have not come in (lost with the worker, or still on their
+        way from another: those come twice then, and the second copy is dropped) go to the driver to be
+        generated again."""
+        for step, prompts in steps:
+            if step < self.expected_step:
+                continue
+            missing = sorted(set(range(prompts)) - self.received.get(step, set()))
+            log.info("step %d: %d of %d sample group(s) not in after a worker was started again%s", step,
+                     len(missing), prompts, "; generating them again" if missing else "")
+            if missing:
+                self.worker.control.send("regenerate", step=step, group_index=missing, lost=True)
+
     def on_command(self, msg) -> None:
         if msg.kind == "join_sync":
             return self._rejoin(msg.meta["worker"], msg.meta["generation"])
+        if msg.kind == "missing":
+            return self._missing(msg.meta["steps"])
         if msg.kind != "checkpoint":  # the driver asks before stopping (e.g. the job's time is nearly up)
             return super().on_command(msg)
         if self.rank > 0:  # a rank that also generates: rank 0 is about to broadcast CHECKPOINT
