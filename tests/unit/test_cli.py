@@ -174,3 +174,14 @@ def test_inspect_of_a_file_that_is_not_experience_names_it(tmp_path):
         assert "experience/step-NNNNNN.h5" in result.stderr
     result = cli("inspect", tmp_path, timeout=60)  # (a directory, not a run's)
     assert result.returncode == 2 and f"{tmp_path} is not a run directory (no config.yaml)" in result.stderr
+
+
+def test_status_says_restarts_of_a_whole_step_as_one_range():
+    """A Slurm step of 8 generator tasks restarts whole: `status` says so in one range, not 8 entries; ranks
+    are ordered as numbers (10 after 9), and a rank started again more often stands alone."""
+    from toolkit.launch.jobs import restarts_text
+
+    restarts = {f"generator:{r}": 1 for r in range(12)} | {"generator:9": 2, "scorer:0": 1}
+    assert restarts_text(restarts) == ("generator:0-8 started again 1 time(s), generator:9 started again 2 time(s), "
+                                       "generator:10-11 started again 1 time(s), scorer:0 started again 1 time(s)")
+    assert restarts_text({"scorer:0": 3}) == "scorer:0 started again 3 time(s)"

@@ -98,8 +98,7 @@ def status_text(rd: RunDir) -> str:
         lines.append(f"restarts: resumed {resumes} time(s) from its checkpoint and experience"
                      + (f", {job['requeues']} of them after a Slurm requeue" if job.get("requeues") else ""))
     if status.get("worker_restarts"):
-        lines.append("restarts: " + ", ".join(f"{w} started again {n} time(s)"
-                                              for w, n in sorted(status["worker_restarts"].items())))
+        lines.append("restarts: " + restarts_text(status["worker_restarts"]))
     if status.get("error"):
         lines.append("error: " + status["error"])
     last = status.get("last_metrics")
@@ -120,6 +119,19 @@ def status_text(rd: RunDir) -> str:
                      str(w.get("phase", "-")), str(w.get("step", "-")), str(w.get("policy_version", "-")), heard))
     lines.append(text_table(rows))
     return "\n".join(lines)
+
+
+def restarts_text(restarts: dict[str, int]) -> str:
+    """How often each worker was started again, consecutive ranks of a group started as often in one
+    range (a Slurm step of 8 tasks restarts whole: `generator:0-7 started again 1 time(s)`)."""
+    runs: list[list] = []  # [group, first rank, last rank, times]
+    for group, rank, times in sorted((w.split(":")[0], int(w.split(":")[1]), n) for w, n in restarts.items()):
+        if runs and runs[-1][0] == group and runs[-1][2] == rank - 1 and runs[-1][3] == times:
+            runs[-1][2] = rank
+        else:
+            runs.append([group, rank, rank, times])
+    return ", ".join(f"{group}:{first}{f'-{last}' if last > first else ''} started again {times} time(s)"
+                     for group, first, last, times in runs)
 
 
 def follow(rd: RunDir, job_id: str) -> int:
