@@ -225,6 +225,15 @@ def test_eval_scores_checkpoints_on_the_held_out_prompts_with_the_runs_rewards(h
         assert abs(record["reward_mean"] - sum(r["reward"] for r in rows) / len(rows)) < 1e-6
         assert f"step {record['step']:>6}  reward {record['reward_mean']:+.4f}" in result.stdout
     assert summary[0]["reward_mean"] != summary[1]["reward_mean"]  # (different weights, different samples)
+    # One vLLM engine for both: step 3's weights loaded into it in place; they sample what an engine
+    # started with them does.
+    assert result.stdout.count("(sampling with vllm, started with the weights of step") == 1, result.stdout
+    alone = cli("eval", held_out, "--steps", "3", "--name", "alone")
+    assert alone.returncode == 0 and "started with the weights of step 3" in alone.stdout, alone.stderr
+    fresh = [json.loads(line) for line in (held_out / "eval" / "alone" / "step-000003.jsonl").read_text().splitlines()]
+    loaded = [json.loads(line) for line in (out / "step-000003.jsonl").read_text().splitlines()]
+    assert [(r["prompt_id"], r["response"], r["response_tokens"]) for r in fresh] == \
+        [(r["prompt_id"], r["response"], r["response_tokens"]) for r in loaded]
     for path in (out / "summary.jsonl", out / "step-000002.jsonl"):
         assert path.stat().st_mode & 0o777 == 0o600
     assert (out.stat().st_mode & 0o777, out.parent.stat().st_mode & 0o777) == (0o700, 0o700)

@@ -129,25 +129,30 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
         directory.mkdir(exist_ok=True, mode=0o700)
     summary = out / "summary.jsonl"
     lines = {r["step"]: r for r in read_jsonl(summary)}  # (of earlier calls; a step evaluated now is replaced)
-    for source in sources:
-        started = time.monotonic()
-        sampler = Sampler(source.path, backend, max(map(len, tokens)) + params.max_new_tokens, seed,
-                          tokenizer=tokenizer)
-        try:
-            samples = sampler.sample(tokens, params)
-        finally:
+    sampler = None  # (one vLLM engine for every checkpoint: each next one's weights are loaded into it)
+    try:
+        for source in sources:
+            started = time.monotonic()
+            if sampler is None or not sampler.load_weights(source.path):
+                if sampler is not None:
+                    sampler.close()
+                sampler = Sampler(source.path, backend, max(map(len, tokens)) + params.max_new_tokens, seed,
+                                  tokenizer=tokenizer)
+                echo(f"(sampling with {sampler.backend}, started with the weights of step {source.step})")
+            batch = _batch(source.step, prompts, tokens, sampler.sample(tokens, params))
+            with rewards._on_device():
+                rewards.score(batch)
+            record = {"step": source.step, **_summary(batch, params.n),
+                      "eval_s": round(time.monotonic() - started, 3), **settings}
+            _write_jsonl(out / f"step-{source.step:06d}.jsonl", _sample_rows(batch))
+            lines[source.step] = record
+            merged = [lines[s] for s in sorted(lines)]
+            _write_jsonl(summary, merged)  # (after each checkpoint: an eval stopped part-way keeps what it did)
+            _write_curves(run / "tensorboard" / f"eval-{name}", merged)
+            echo(row_line(record, batch.reward_names))
+    finally:
+        if sampler is not None:
             sampler.close()
-        batch = _batch(source.step, prompts, tokens, samples)
-        with rewards._on_device():
-            rewards.score(batch)
-        record = {"step": source.step, **_summary(batch, params.n), "eval_s": round(time.monotonic() - started, 3),
-                  **settings}
-        _write_jsonl(out / f"step-{source.step:06d}.jsonl", _sample_rows(batch))
-        lines[source.step] = record
-        merged = [lines[s] for s in sorted(lines)]
-        _write_jsonl(summary, merged)  # (after each checkpoint: an eval stopped part-way keeps what it did)
-        _write_curves(run / "tensorboard" / f"eval-{name}", merged)
-        echo(row_line(record, batch.reward_names))
     echo(f"wrote {summary} (and the samples of each step beside it); TensorBoard: {run / 'tensorboard'} "
          f"(run eval-{name})")
     return summary

@@ -68,7 +68,7 @@ class Sampler:
         self.model_dir = str(model)
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(self.model_dir)
         self.seed = seed
-        config = json.loads((Path(model) / "config.json").read_text())
+        self.config = config = json.loads((Path(model) / "config.json").read_text())
         limit = context_limit(model)
         if max_model_len is None:
             max_model_len = min(limit[0] if limit else 2048, 2048)
@@ -97,6 +97,21 @@ class Sampler:
 
             self.model = AutoModelForCausalLM.from_pretrained(
                 self.model_dir, dtype=getattr(torch, dtype) if dtype != "auto" else "auto").eval()
+
+    def load_weights(self, model: Path) -> bool:
+        """vLLM: take the weights of `model`, of the same configuration as the one loaded, in place (the
+        engine, its KV cache and its start-up are kept: `eval` goes from checkpoint to checkpoint so).
+        False, with nothing changed, where the configuration differs or the backend is transformers
+        (whose start is the load itself): make a new Sampler then."""
+        if self.backend != "vllm" or json.loads((Path(model) / "config.json").read_text()) != self.config:
+            return False
+        from toolkit.weights.vllm_extension import refresh_worker
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model)})
+        self.llm.collective_rpc(refresh_worker)
+        self.llm.reset_prefix_cache()  # (cached blocks hold the old weights' keys and values)
+        self.model_dir = str(model)
+        return True
 
     def sample(self, prompts: list[list[int]], params: Sampling, first_index: int = 0) -> list[list[Sample]]:
         """`params.n` samples of each prompt (token ids); the first is prompt `first_index` of the input."""

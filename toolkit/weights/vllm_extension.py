@@ -80,6 +80,12 @@ class WeightSyncExtension:
         _refresh_derived(self.model_runner.model)
 
 
+def refresh_worker(worker) -> None:
+    """For `LLM.collective_rpc` after vLLM's own `reload_weights` of a vLLM worker (eval's next checkpoint,
+    an engine without this extension): the derived weights redone, as after a sync."""
+    _refresh_derived(worker.model_runner.model)
+
+
 def _refresh_derived(model) -> None:
     """Redo the CPU weight processing that vLLM's reload skips (see the module docstring)."""
     from vllm.platforms import current_platform
