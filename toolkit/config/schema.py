@@ -41,10 +41,10 @@ class RunSection(Section):
     is started again alone (under Slurm with the other tasks of its srun step), at most this many times
     per attempt of the run (0: the run stops instead).
     It listens where its predecessor did, rejoins the weight sync and gets the current weights; the
-    prompts of unfinished steps are generated again with the same seeds, and the trainer keeps the first
-    copy of each sample group. A worker that reports an error of its own is not started again: the run
-    stops and names the error. Under Slurm, only a worker that is its step's only task (one worker per
-    group) is started again, as a new step on the same nodes; where a step has several ranks the run stops."""
+    prompts whose samples the trainer still misses are generated again with the same seeds, and the
+    trainer keeps the first copy of each sample group. A worker that reports an error of its own is not
+    started again: the run stops and names the error. Under Slurm a worker is started again with the
+    other tasks of its srun step, as a new step on the same nodes (one restart for the step)."""
     max_trainer_restarts: int = Field(default=2, ge=0)
     """A trainer rank that dies or hangs (no error of its own) stops every worker, and the run goes on from
     its last checkpoint at once, in the same process and (under Slurm) the same allocation: at most this
