@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "of (seed, k, j) (default 0)")
     p.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto",
                    help="vllm, or transformers generate (hf); auto: vllm where installed")
+    p.add_argument("--follow", action="store_true",
+                   help="then score each checkpoint the run writes next, as it comes, until the run ends (its "
+                        "local driver, or its Slurm job); checkpoints that checkpoint.keep prunes later are scored too")
+    p.add_argument("--poll-s", type=float, default=30.0, help="with --follow: how often to look (default 30 s)")
 
     p = sub.add_parser("chat", help="talk to a run's checkpoint or any Hugging Face model, one turn per line "
                                     "('clear' starts over, 'quit', 'exit' or Ctrl-D ends)")
@@ -656,7 +660,10 @@ def cmd_eval(args) -> int:
             raise ConfigError(f"--steps {args.steps!r}: expected step numbers separated by commas") from None
     args.max_model_len = None
     os.umask(0o077)  # (what it writes in the run directory is its owner's alone, as the run's own files)
-    evaluate(args.run_dir, _sampling(args), args.input, steps, args.name, args.ema, args.backend, args.seed)
+    if args.poll_s <= 0:
+        raise ConfigError(f"--poll-s {args.poll_s:g}: give a number of seconds above 0")
+    evaluate(args.run_dir, _sampling(args), args.input, steps, args.name, args.ema, args.backend, args.seed,
+             follow_s=args.poll_s if args.follow else None)
     return 0
 
 

@@ -267,8 +267,63 @@ def test_eval_scores_checkpoints_on_the_held_out_prompts_with_the_runs_rewards(h
     assert "<td>my-prompts</td><td>3</td>" in page
 
 
+def test_eval_follow_scores_each_checkpoint_as_the_run_writes_it_and_ends_with_the_run(tiny, tmp_path):
+    """`eval --follow` beside a running run: it scores the checkpoints there, waits while the run goes (held
+    in its third training step until eval has scored the first two), scores each next one as it comes, into
+    the engine it started with model.actor's weights, and ends once the run has ended, with every
+    checkpoint scored once and the same figures a plain `eval` of the ended run gives."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from toolkit.hold import ENV, held_file, held_pid
+
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 4, "name": "followed", "seed": 4},
+                                            trainer={"lr": 0.01}, checkpoint={"every_steps": 1, "keep": 4},
+                                            data={"eval_fraction": 0.1}))
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+                           env={**os.environ, ENV: "training@3"})
+    follow = None
+    try:
+        deadline = time.monotonic() + 300
+        while not held_pid(run_dir, "training@3"):
+            assert run.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 2"
+            time.sleep(0.2)
+        follow = subprocess.Popen([sys.executable, "-m", "toolkit", "eval", str(run_dir), "--follow", "--poll-s", "0.5"],
+                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                  start_new_session=True)
+        summary = run_dir / "eval" / "heldout" / "summary.jsonl"
+        while not (summary.exists() and len(summary.read_text().splitlines()) == 2):
+            assert follow.poll() is None and time.monotonic() < deadline + 300, "eval did not score steps 1 and 2"
+            time.sleep(0.2)
+        time.sleep(2)  # (it waits while the run is held: it must not end, nor score anything more)
+        assert follow.poll() is None and len(summary.read_text().splitlines()) == 2
+        held_file(run_dir, "training@3").unlink()  # (the run goes on)
+        assert run.wait(timeout=300) == 0
+        out, _ = follow.communicate(timeout=300)
+    finally:
+        for proc in (run, follow):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert follow.returncode == 0, out
+    assert out.count("(sampling with vllm, started with") == 1 and "the run's first weights, model.actor" in out, out
+    assert out.index("waiting for the next checkpoint (its local driver (pid") < out.index("step      3  reward"), out
+    followed = [json.loads(line) for line in summary.read_text().splitlines()]
+    assert [r["step"] for r in followed] == [1, 2, 3, 4]
+    plain = cli("eval", run_dir, "--name", "after")
+    assert plain.returncode == 0, plain.stderr
+    after = [json.loads(line) for line in (run_dir / "eval" / "after" / "summary.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward_mean"], r["response_len_mean"]) for r in after] == \
+        [(r["step"], r["reward_mean"], r["response_len_mean"]) for r in followed]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--steps", "9"], "no checkpoint at step(s) 9; it has 2, 3, 4"),
+    (["--follow", "--steps", "2"], "--follow scores every checkpoint as the run writes it; leave out --steps"),
+    (["--follow", "--poll-s", "0"], "--poll-s 0: give a number of seconds above 0"),
     (["--input", "missing.jsonl"], "--input missing.jsonl: no such file"),
     (["--name", "../x"], "--name '../x': use letters, digits"),
     ([], "the run holds out no prompts (data.eval_fraction is 0): give prompts to evaluate on with --input FILE"),

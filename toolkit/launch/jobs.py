@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from toolkit.errors import ConfigError, RunError
 from toolkit.launch.env import node_name
@@ -184,6 +185,16 @@ def live_job(rd: RunDir) -> str | None:
         return None
     state = slurm_job(str(job_id))["state"]
     return None if ended(state) else f"slurm job {job_id} is {state}"
+
+
+def run_going(path: Path) -> str | None:
+    """Whether the run in `path` goes on, in words: its local driver holds the directory's lock, or its
+    Slurm job is queued or running; None once neither is so."""
+    rd = RunDir(path)
+    if rd.lock_held():
+        pid = rd.read_json(rd.status).get("driver", {}).get("pid")
+        return f"its local driver{f' (pid {pid})' if pid else ''} runs"
+    return live_job(rd)
 
 
 def cancel(rd: RunDir, timeout_s: float = 60) -> str:

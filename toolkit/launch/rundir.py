@@ -80,6 +80,22 @@ class RunDir:
             return
         self._lock = lock
 
+    def lock_held(self) -> bool:
+        """Whether a process holds the directory's lock (`hold_lock`: a local driver runs it now)."""
+        try:
+            probe = os.open(self.path / "driver.lock", os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:  # (no locks on this file system: nothing is ever held)
+            return False
+        finally:
+            os.close(probe)
+        return False
+
     def release_lock(self) -> None:
         lock, self._lock = self._lock, None
         if lock is not None:

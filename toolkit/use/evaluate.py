@@ -78,15 +78,18 @@ def reward_scorer(cfg):
 
 
 def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, steps: list[int] | None = None,
-             name: str | None = None, ema: bool = False, backend: str = "auto", seed: int = 0, echo=print) -> Path:
+             name: str | None = None, ema: bool = False, backend: str = "auto", seed: int = 0, echo=print,
+             follow_s: float | None = None) -> Path:
     """Evaluate the checkpoints of `run_dir` (those of `steps`; default every one) with `params` (max_new_tokens
-    None: the run's rollout.max_new_tokens); the summary file."""
+    None: the run's rollout.max_new_tokens); the summary file. `follow_s`: then, while the run goes (its
+    local driver, or its Slurm job queued or running), look for new checkpoints this often and evaluate
+    each as it comes, so that checkpoints pruned later (checkpoint.keep) are scored too."""
     from transformers import AutoTokenizer
 
     from toolkit.config import load_config
     from toolkit.data.tokens import render_prompt
     from toolkit.store.manifest import read_jsonl
-    from toolkit.use.sampler import Sampler
+    from toolkit.use.sampler import Sampler, pick_backend
     from toolkit.use.source import checkpoints, resolve
 
     run = Path(run_dir)
@@ -99,10 +102,12 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     if params.max_new_tokens is None:
         params = replace(params, max_new_tokens=cfg.rollout.max_new_tokens)
     found = sorted(checkpoints(run))
+    if follow_s is not None and steps is not None:
+        raise ConfigError("--follow scores every checkpoint as the run writes it; leave out --steps")
     if steps is None:
         steps = found
     missing = [s for s in steps if s not in found]
-    if missing or not steps:
+    if missing or not (steps or follow_s is not None):
         raise ConfigError(f"{run_dir}: no checkpoint at step(s) {', '.join(map(str, missing)) or '(none)'}; it has "
                           f"{', '.join(map(str, found)) or 'none yet (checkpoint.every_steps sets how often)'}")
     name = name or (re.sub(r"[^A-Za-z0-9_-]+", "-", Path(input_path).stem) if input_path else "heldout")
@@ -110,7 +115,7 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
         raise ConfigError(f"--name {name!r}: use letters, digits, '-' and '_' (it names a directory)")
     prompts = file_prompts(input_path, cfg) if input_path else heldout_prompts(cfg)
     sources = [resolve(str(run), step, ema) for step in steps]  # (every copy checked before any is loaded)
-    tokenizer = AutoTokenizer.from_pretrained(str(sources[0].path))
+    tokenizer = AutoTokenizer.from_pretrained(str(sources[0].path if sources else cfg.tokenizer_path))
     limit = cfg.rollout.max_prompt_tokens
     tokens = []
     for p in prompts:
@@ -121,7 +126,8 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     settings = {"prompts": len(prompts), "n": params.n, "temperature": params.temperature, "top_p": params.top_p,
                 "max_new_tokens": params.max_new_tokens, "seed": seed, "ema": ema,
                 "input": str(Path(input_path).resolve()) if input_path else "held out (data.eval_fraction)"}
-    echo(f"evaluating {len(steps)} checkpoint(s) of {run} on {len(prompts)} prompt(s) ({settings['input']}), "
+    echo(f"evaluating {len(steps)} checkpoint(s) of {run}{' and each one it writes next' * (follow_s is not None)} "
+         f"on {len(prompts)} prompt(s) ({settings['input']}), "
          f"{params.n} sample(s) each of at most {params.max_new_tokens} tokens, temperature {params.temperature:g}")
     rewards = reward_scorer(cfg)
     out = run / "eval" / name
@@ -130,15 +136,33 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     summary = out / "summary.jsonl"
     lines = {r["step"]: r for r in read_jsonl(summary)}  # (of earlier calls; a step evaluated now is replaced)
     sampler = None  # (one vLLM engine for every checkpoint: each next one's weights are loaded into it)
+    done = set(steps)
+
+    def started_with(source):
+        echo(f"(sampling with {pick_backend(backend)}, started with the weights of step {source.step})")
+        return Sampler(source.path, backend, max(map(len, tokens)) + params.max_new_tokens, seed, tokenizer=tokenizer)
+
     try:
-        for source in sources:
+        if follow_s is not None and pick_backend(backend) == "vllm":  # (started while it waits: each checkpoint's
+            echo("(sampling with vllm, started with the run's first weights, model.actor)")  # weights load in place)
+            sampler = Sampler(Path(cfg.model.actor), backend, max(map(len, tokens)) + params.max_new_tokens, seed,
+                              tokenizer=tokenizer)
+        while sources or follow_s is not None:
+            if not sources and not (sources := _next_checkpoints(run, done, ema, follow_s, echo)):
+                break
+            source = sources.pop(0)
             started = time.monotonic()
-            if sampler is None or not sampler.load_weights(source.path):
+            try:
+                sampler = _loaded(sampler, source, started_with)
+            except Exception:
+                if (source.path / "config.json").exists():
+                    raise
+                echo(f"step {source.step}: passed over, its checkpoint was removed before it was read "
+                     "(checkpoint.keep; --follow scores those the run still keeps when it looks)")
                 if sampler is not None:
-                    sampler.close()
-                sampler = Sampler(source.path, backend, max(map(len, tokens)) + params.max_new_tokens, seed,
-                                  tokenizer=tokenizer)
-                echo(f"(sampling with {sampler.backend}, started with the weights of step {source.step})")
+                    sampler.close()  # (its weights may be half loaded)
+                    sampler = None
+                continue
             batch = _batch(source.step, prompts, tokens, sampler.sample(tokens, params))
             with rewards._on_device():
                 rewards.score(batch)
@@ -156,6 +180,40 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     echo(f"wrote {summary} (and the samples of each step beside it); TensorBoard: {run / 'tensorboard'} "
          f"(run eval-{name})")
     return summary
+
+
+def _loaded(sampler, source, start):
+    """`sampler` with the weights of checkpoint `source` loaded in place, or a new one (`start(source)`)."""
+    if sampler is not None and sampler.load_weights(source.path):
+        return sampler
+    if sampler is not None:
+        sampler.close()
+    return start(source)
+
+
+def _next_checkpoints(run: Path, done: set[int], ema: bool, every_s: float, echo) -> list:
+    """The checkpoints of `run` written since those in `done` (added to it), looked for every `every_s`
+    seconds while the run goes; [] once it has ended and none is new. One removed before it was read
+    (checkpoint.keep) is passed over, said."""
+    from toolkit.launch.jobs import run_going
+    from toolkit.use.source import checkpoints, resolve
+
+    said = False
+    while True:
+        going = run_going(run)  # (before the look: a checkpoint written just before the end is still found)
+        sources = []
+        for step in sorted(set(checkpoints(run)) - done):
+            done.add(step)
+            try:
+                sources.append(resolve(str(run), step, ema))
+            except ConfigError as e:
+                echo(f"step {step}: passed over, {e}")
+        if sources or not going:
+            return sources
+        if not said:
+            echo(f"waiting for the next checkpoint ({going}; looking every {every_s:g} s)")
+            said = True
+        time.sleep(every_s)
 
 
 def _batch(step: int, prompts: list[EvalPrompt], tokens: list[list[int]], samples: list[list]):
