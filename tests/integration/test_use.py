@@ -313,6 +313,12 @@ def test_eval_follow_scores_each_checkpoint_as_the_run_writes_it_and_ends_with_t
     assert out.index("waiting for the next checkpoint (its local driver (pid") < out.index("step      3  reward"), out
     followed = [json.loads(line) for line in summary.read_text().splitlines()]
     assert [r["step"] for r in followed] == [1, 2, 3, 4]
+    idle = tmp_path / "idle"  # (a run directory with no checkpoint and nothing running it: nothing to wait for)
+    idle.mkdir()
+    shutil.copy(run_dir / "config.yaml", idle / "config.yaml")
+    refused = cli("eval", idle, "--follow", timeout=120)
+    assert refused.returncode != 0 and "no checkpoint to score, and the run is not going" in refused.stderr, \
+        refused.stderr
     plain = cli("eval", run_dir, "--name", "after")
     assert plain.returncode == 0, plain.stderr
     after = [json.loads(line) for line in (run_dir / "eval" / "after" / "summary.jsonl").read_text().splitlines()]

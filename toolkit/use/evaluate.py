@@ -104,6 +104,13 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     found = sorted(checkpoints(run))
     if follow_s is not None and steps is not None:
         raise ConfigError("--follow scores every checkpoint as the run writes it; leave out --steps")
+    if follow_s is not None and not found:
+        from toolkit.launch.jobs import run_going
+
+        if not run_going(run):
+            raise ConfigError(f"{run_dir}: no checkpoint to score, and the run is not going (its local driver "
+                              "does not run it, and it has no Slurm job queued or running); start or resume it, "
+                              "then follow it")
     if steps is None:
         steps = found
     missing = [s for s in steps if s not in found]
