@@ -324,6 +324,9 @@ def test_eval_follow_scores_each_checkpoint_as_the_run_writes_it_and_ends_with_t
     after = [json.loads(line) for line in (run_dir / "eval" / "after" / "summary.jsonl").read_text().splitlines()]
     assert [(r["step"], r["reward_mean"], r["response_len_mean"]) for r in after] == \
         [(r["step"], r["reward_mean"], r["response_len_mean"]) for r in followed]
+    status = cli("status", run_dir, timeout=60).stdout  # (a line per set of prompts scored)
+    assert f"eval heldout: step 4 reward {followed[-1]['reward_mean']:+.4f} (4 checkpoint(s) scored;" in status, status
+    assert "eval after: step 4" in status
 
 
 @pytest.mark.parametrize("args, message", [

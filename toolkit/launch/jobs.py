@@ -109,6 +109,7 @@ def status_text(rd: RunDir) -> str:
                                                  "eval_accuracy", "generate_s", "train_s", "sync_s", "step_s",
                                                  "tokens_per_s")
                                                 if isinstance(last.get(k), (int, float))))
+    lines += eval_lines(rd.path)
     rows = [("worker", "node", "pid", "slurm step", "phase", "step", "policy_version", "last heard")]
     running = status["state"] in ("starting", "running")
     for worker_id, w in status.get("workers", {}).items():
@@ -120,6 +121,21 @@ def status_text(rd: RunDir) -> str:
                      str(w.get("phase", "-")), str(w.get("step", "-")), str(w.get("policy_version", "-")), heard))
     lines.append(text_table(rows))
     return "\n".join(lines)
+
+
+def eval_lines(path: Path) -> list[str]:
+    """A line per set of prompts that `slurm-rlhf eval` scored the run's checkpoints on: its newest
+    checkpoint's reward, and how many it scored."""
+    from toolkit.store.manifest import read_jsonl
+
+    lines = []
+    for summary in sorted(path.glob("eval/*/summary.jsonl")):
+        records = read_jsonl(summary)
+        if records:
+            last = records[-1]
+            lines.append(f"eval {summary.parent.name}: step {last['step']} reward {last['reward_mean']:+.4f} "
+                         f"({len(records)} checkpoint(s) scored; {summary})")
+    return lines
 
 
 def restarts_text(restarts: dict[str, int]) -> str:
