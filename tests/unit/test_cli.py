@@ -185,3 +185,29 @@ def test_status_says_restarts_of_a_whole_step_as_one_range():
     assert restarts_text(restarts) == ("generator:0-8 started again 1 time(s), generator:9 started again 2 time(s), "
                                        "generator:10-11 started again 1 time(s), scorer:0 started again 1 time(s)")
     assert restarts_text({"scorer:0": 3}) == "scorer:0 started again 3 time(s)"
+
+
+def test_a_driver_starting_while_a_follower_looks_at_its_lock_still_takes_it(tmp_path):
+    """`eval --follow` sees whether a run goes by taking its driver.lock shared for a moment (`lock_held`);
+    a driver starting just then waits that moment out (it was refused as "still running"). Once it holds
+    the lock, a follower sees it held, and another driver is refused."""
+    import fcntl
+    import threading
+
+    from toolkit.errors import ConfigError
+    from toolkit.launch.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    probe = os.open(run.path / "driver.lock", os.O_RDONLY | os.O_CREAT, 0o600)
+    fcntl.flock(probe, fcntl.LOCK_SH)  # (a follower's look, held 0.3 s here)
+    threading.Timer(0.3, os.close, (probe,)).start()
+    assert RunDir(run.path).lock_held() is False  # (a shared holder is not a driver)
+    run.hold_lock()
+    try:
+        assert RunDir(run.path).lock_held() is True
+        with pytest.raises(ConfigError, match="is still running: its local driver"):
+            RunDir(run.path).hold_lock()
+    finally:
+        run.release_lock()
+    assert RunDir(run.path).lock_held() is False

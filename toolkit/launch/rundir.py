@@ -20,8 +20,14 @@ from pathlib import Path
 
 from toolkit.config import RunConfig, dump_config
 from toolkit.errors import ConfigError
+from toolkit.flock import take
 from toolkit.newdir import check_new
 from toolkit.transport.wire import new_secret
+
+
+LOCK_WAIT_S = 1.0
+"""How long a driver tries to lock its run directory before it takes it for another driver's: a process
+that follows the run (`lock_held`, `eval --follow`) holds the lock a moment now and then."""
 
 
 class RunDir:
@@ -68,20 +74,21 @@ class RunDir:
         self.private()  # (a resume runs with the user's umask, often 022, unless set here)
         lock = os.fdopen(os.open(self.path / "driver.lock", os.O_WRONLY | os.O_CREAT, 0o600), "w")
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            taken = take(lock.fileno(), LOCK_WAIT_S, 0.05)
+        except OSError:  # (no locks on this file system)
+            lock.close()
+            return
+        if not taken:
             lock.close()
             pid = self.read_json(self.status).get("driver", {}).get("pid")
             raise ConfigError(f"{self.path} is still running: its local driver{f' (pid {pid})' if pid else ''} "
                               f"holds driver.lock; let it end, or stop it with `slurm-rlhf cancel {self.path}`, "
-                              "then resume") from None
-        except OSError:
-            lock.close()
-            return
+                              "then resume")
         self._lock = lock
 
     def lock_held(self) -> bool:
-        """Whether a process holds the directory's lock (`hold_lock`: a local driver runs it now)."""
+        """Whether a process holds the directory's lock (`hold_lock`: a local driver runs it now). It takes
+        the lock shared for a moment to see: a driver starting just then tries again (`LOCK_WAIT_S`)."""
         try:
             probe = os.open(self.path / "driver.lock", os.O_RDONLY)
         except FileNotFoundError:
