@@ -145,15 +145,13 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     sampler = None  # (one vLLM engine for every checkpoint: each next one's weights are loaded into it)
     done = set(steps)
 
-    def started_with(source):
-        echo(f"(sampling with {pick_backend(backend)}, started with the weights of step {source.step})")
-        return Sampler(source.path, backend, max(map(len, tokens)) + params.max_new_tokens, seed, tokenizer=tokenizer)
+    def started_with(path: Path, weights: str):
+        echo(f"(sampling with {pick_backend(backend)}, started with {weights})")
+        return Sampler(path, backend, max(map(len, tokens)) + params.max_new_tokens, seed, tokenizer=tokenizer)
 
     try:
-        if follow_s is not None and pick_backend(backend) == "vllm":  # (started while it waits: each checkpoint's
-            echo("(sampling with vllm, started with the run's first weights, model.actor)")  # weights load in place)
-            sampler = Sampler(Path(cfg.model.actor), backend, max(map(len, tokens)) + params.max_new_tokens, seed,
-                              tokenizer=tokenizer)
+        if follow_s is not None and pick_backend(backend) == "vllm":  # (started while it waits for checkpoints,
+            sampler = started_with(Path(cfg.model.actor), "the run's first weights, model.actor")  # loaded in place)
         while sources or follow_s is not None:
             if not sources and not (sources := _next_checkpoints(run, done, ema, follow_s, echo)):
                 break
@@ -190,12 +188,12 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
 
 
 def _loaded(sampler, source, start):
-    """`sampler` with the weights of checkpoint `source` loaded in place, or a new one (`start(source)`)."""
+    """`sampler` with the weights of checkpoint `source` loaded in place, or a new one (`start`)."""
     if sampler is not None and sampler.load_weights(source.path):
         return sampler
     if sampler is not None:
         sampler.close()
-    return start(source)
+    return start(source.path, f"the weights of step {source.step}")
 
 
 def _next_checkpoints(run: Path, done: set[int], ema: bool, every_s: float, echo) -> list:
