@@ -275,6 +275,30 @@ def metric_lines(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def start_held(config: Path, run_dir: Path, hold: str, stdout=subprocess.PIPE,
+               timeout_s: float = 300) -> tuple[subprocess.Popen, int]:
+    """`slurm-rlhf run CONFIG` in a session of its own, its first process to reach `hold` (a moment of
+    toolkit/hold.py, e.g. `training@3`) held there: (the driver's process, text output to `stdout`; the
+    held process's pid) once it is held. The run is killed with its group if it never is."""
+    import signal
+
+    from toolkit.hold import ENV, held_pid
+
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
+                            cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, ENV: hold})
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not (pid := held_pid(run_dir, hold)):
+            assert proc.poll() is None and time.monotonic() < deadline, f"the run ended or stalled before {hold}"
+            time.sleep(0.1)
+    except BaseException:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc, pid
+
+
 def run_and_kill(config: Path, run_dir: Path, after_commits: int | None = None, timeout_s: float = 300,
                  until=None, hold: str | None = None) -> None:
     """Start `slurm-rlhf run CONFIG` and SIGKILL it (its process group and every worker's) right after its

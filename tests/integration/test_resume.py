@@ -26,8 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import (REPO, alive, cli, exact_grpo, example, left_in, run_and_kill, tensorboard_scalars,
-                            wandb_history, write_config)
+from tests.conftest import (REPO, alive, cli, exact_grpo, example, left_in, run_and_kill, start_held,
+                            tensorboard_scalars, wandb_history, write_config)
 from tests.conftest import experience_commits as commits
 from toolkit.store import experience
 
@@ -401,20 +401,13 @@ def test_a_generator_started_again_has_only_the_samples_the_trainer_misses_gener
     samples of that step. Once it is back, the trainer says which sample groups it still misses, and only
     their prompts go out again: the other generator's groups are not generated twice (before, every
     prompt of the step went out again, and the trainer dropped the second copies as duplicates)."""
-    from toolkit.hold import ENV, held_pid
-
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 3, "name": "missing"},
                                             rollout={"backend": "hf"}, placement={"generator": {"workers": 2}},
                                             transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4}))
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, ENV: "generating@2"})
+    proc, pid = start_held(config, run_dir, "generating@2")
     try:
         deadline = time.monotonic() + 300
-        while not (pid := held_pid(run_dir, "generating@2")):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
-            time.sleep(0.1)
         while not ((trainer := json.loads((run_dir / "status.json").read_text())["workers"]["trainer:0"]).get("step")
                    == 1 and trainer.get("samples")):  # (the other generator's part of step 1 is in)
             assert proc.poll() is None and time.monotonic() < deadline, "the other generator's samples never came"
@@ -492,18 +485,12 @@ def test_a_full_disk_is_named_and_the_last_checkpoint_is_left_untouched(tiny, tm
     file, not for the checkpoint after it): the run fails with an error that names the checkpoint's path
     and the free space, leaves no half-written checkpoint, and the last good one is intact (every file's
     SHA-256 as the manifest recorded it)."""
-    from toolkit.hold import ENV, held_file, held_pid
+    from toolkit.hold import held_file
     from toolkit.store.manifest import Manifest, checkpoint_files
 
     run_dir = small_disk / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(exact_grpo(tiny, tmp_path)), "--run-dir",
-                             str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, ENV: "training@4"})
+    proc, _ = start_held(exact_grpo(tiny, tmp_path), run_dir, "training@4")
     try:
-        deadline = time.monotonic() + 300
-        while not held_pid(run_dir, "training"):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 3"
-            time.sleep(0.1)
         used = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
         experience_bytes = max(r["bytes"] for r in Manifest(run_dir).records() if r["kind"] == "experience")
         filler = small_disk / "filler"

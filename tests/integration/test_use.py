@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, cli, example, left_in, short_tmpdir, write_config
+from tests.conftest import REPO, cli, example, left_in, short_tmpdir, start_held, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -277,21 +277,16 @@ def test_eval_follow_scores_each_checkpoint_as_the_run_writes_it_and_ends_with_t
     import sys
     import time
 
-    from toolkit.hold import ENV, held_file, held_pid
+    from toolkit.hold import held_file
 
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 4, "name": "followed", "seed": 4},
                                             trainer={"lr": 0.01}, checkpoint={"every_steps": 1, "keep": 4},
                                             data={"eval_fraction": 0.1}))
     run_dir = tmp_path / "run"
-    run = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)], cwd=REPO,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-                           env={**os.environ, ENV: "training@3"})
+    run, _ = start_held(config, run_dir, "training@3", stdout=subprocess.DEVNULL)
     follow = None
     try:
         deadline = time.monotonic() + 300
-        while not held_pid(run_dir, "training@3"):
-            assert run.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 2"
-            time.sleep(0.2)
         follow = subprocess.Popen([sys.executable, "-m", "toolkit", "eval", str(run_dir), "--follow", "--poll-s", "0.5"],
                                   cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                   start_new_session=True)
