@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -103,6 +102,7 @@ def one(name: str, model_dir: str, args) -> dict:
     from toolkit.modeling import pretrained_kwargs
     from toolkit.training.engine import build_engine
     from toolkit.training.lora import parameter_counts
+    from toolkit.training.ranks import alone
 
     setting = SETTINGS[name]
     torch.manual_seed(0)
@@ -111,6 +111,7 @@ def one(name: str, model_dir: str, args) -> dict:
         model_dir, **pretrained_kwargs(model_dir, getattr(torch, args.dtype), setting.get("attention", "sdpa")))
     engine_settings = {"zero_stage": 2, "lr": 1e-3, "micro_batch_size": args.batch, **setting.get("engine", {})}
     settings = EngineSection(**engine_settings)
+    alone(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     engine = build_engine(model, settings, settings.lr, args.dtype, 1, 1, lora=settings.lora)
     trainable, total = parameter_counts(engine.module)
     cuda = engine.device.type == "cuda"
@@ -165,12 +166,6 @@ def _optimizers(optimizer) -> list:
     return [inner] if inner is not None else [optimizer]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(args, names: list[str]) -> list[dict]:
     """Every setting in a fresh process (a process's peak memory is its own): the baseline, then the others
     `args.jobs` at a time."""
@@ -188,9 +183,7 @@ def measure(args, names: list[str]) -> list[dict]:
 def measure_one(args, name: str, model_dir: Path) -> dict:
     """Setting `name` measured in a process of its own: its figures, or {"setting", "failed": exit code}."""
     env = {"TORCH_EXTENSIONS_DIR": os.path.join(sys.prefix, "torch_extensions"),  # where setup built the ops
-           **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {})}
+           **os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {})}
     command = [sys.executable, __file__, "--one", name, "--model-dir", str(model_dir), *_shape(args)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

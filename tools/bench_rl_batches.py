@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -41,11 +40,6 @@ def main() -> int:
     parser.add_argument("--max-response", type=int, default=480)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                      LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
     import numpy as np
@@ -60,6 +54,9 @@ def main() -> int:
     from toolkit.table import text_table
     from toolkit.tiny import build_tokenizer
     from toolkit.training.engine import build_engine
+    from toolkit.training.ranks import alone
+
+    alone(torch.device("cpu"))
 
     longest = args.prompt + args.max_response
     shape = argparse.Namespace(hidden=512, layers=8, heads=8, intermediate=1376, seq=longest, config=None,

@@ -130,14 +130,13 @@ def main() -> int:
     hf_step, hf_seq = decode_costs(HFEngine(cfg, torch.device("cpu")))
 
     # Forward passes and DeepSpeed updates on random samples of the run's lengths.
-    import deepspeed
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from toolkit.modeling import pad_samples, sequence_logprobs
     from toolkit.samples import SampleBatch, ragged
-    from toolkit.roles.trainer import deepspeed_engine
     from toolkit.roles.update import Experience, train_on
+    from toolkit.training.engine import build_engine
+    from toolkit.training.ranks import alone
 
     n = cfg.samples_per_step
     g = torch.Generator().manual_seed(0)
@@ -154,18 +153,16 @@ def main() -> int:
     forward_s = best_of(lambda: sequence_logprobs(model, padded, 1.0, fbs), 5)
     forward_call = max((forward_s - 2 * P * tokens / F) / calls, 0.0)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    alone(torch.device("cpu"))
     mask = padded.action_mask
     zeros = torch.zeros_like(mask)
     exp = Experience(padded, zeros, zeros, zeros, torch.randn(mask.shape, generator=g) * mask)
     per_update = {}
     for mb in (8, 16):
         run_cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"micro_batch_size": mb})})
-        engine = deepspeed_engine(deepspeed, AutoModelForCausalLM.from_pretrained(cfg.model.actor), 1e-6, run_cfg, 1)
+        t = run_cfg.trainer
+        accumulation = n // (t.micro_batch_size * t.updates_per_step)
+        engine = build_engine(AutoModelForCausalLM.from_pretrained(cfg.model.actor), t, 1e-6, "float32", 1, accumulation)
         seconds = best_of(lambda: train_on(exp, engine, None, run_cfg, g), 3)
         per_update[mb] = seconds - 6 * P * tokens / F - 16 * P / B
     train_micro_batch = max((per_update[8] - per_update[16]) / (n / 8 - n / 16), 0.0)
@@ -191,7 +188,7 @@ def main() -> int:
     message = best_of(lambda: (push.send_multipart(codec.encode(*batch.to_message()), copy=False),
                                SampleBatch.from_message(codec.decode(pull.recv_multipart(copy=False)))), 9)
     flat = np.zeros(len(rt), np.float32)
-    record = experience.record_of(batch, {"old_logprobs": flat, "advantages": flat}, 0, "grpo", 1, 0.0, n)
+    record = experience.record_of(batch, {"old_logprobs": flat, "advantages": flat}, "grpo", 1, 0.0, n)
     with tempfile.TemporaryDirectory() as d:
         step = best_of(lambda: experience.commit(Path(d), 0, record), 5)
     print(f"samples message {message * 1e3:.2f} ms, experience commit {step * 1e3:.2f} ms", file=sys.stderr)

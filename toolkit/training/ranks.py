@@ -64,8 +64,7 @@ class Ranks:
             self.part.store = self.store
         # DeepSpeed reads these; each worker sees only its own GPUs, so its local rank is 0.
         os.environ.update(RANK=str(self.rank - first), WORLD_SIZE=str(size), LOCAL_RANK="0")
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.PrefixStore(name, self.store), rank=self.rank - first,
+        dist.init_process_group(_backend(device), store=dist.PrefixStore(name, self.store), rank=self.rank - first,
                                 world_size=size, timeout=timeout)
         if size > 1:
             _deepspeed_world_group()
@@ -196,6 +195,19 @@ class Ranks:
             options = dist.GatherOptions()
             options.rootRank = 0
             self.control.gather([out] if out is not None else [], [t], options).wait()
+
+
+def alone(device: torch.device) -> None:
+    """The default process group of this process alone, for a tool that trains on one rank (a benchmark, the
+    calibration), which DeepSpeed then takes as it is. Its store lives in memory: there is no port to pick.
+    A port found free and then handed to torch can be taken by another process in between (a CI run's
+    benchmark failed so: EADDRINUSE)."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # (DeepSpeed reads these)
+    dist.init_process_group(_backend(device), store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _backend(device: torch.device) -> str:
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def _deepspeed_world_group() -> None:
