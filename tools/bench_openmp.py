@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=1, help="busy processes beside the run (default 1)")
     parser.add_argument("--keep", type=Path, help="write the runs here (default: a temporary directory)")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps: 2 or more (the first step is left out of the medians)")
     from tests.conftest import example, write_config
     from toolkit.tiny import build_tiny
 

@@ -42,6 +42,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--model", default=str(REPO / "models" / "tiny" / "model"))
     args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps: 3 or more (the first two steps are left out of the medians)")
 
     from toolkit.table import text_table
 

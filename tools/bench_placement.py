@@ -31,6 +31,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--strategies", default="separation,flattening,interleaving")
     args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps: 3 or more (the first two steps are left out of the medians)")
 
     from toolkit.config import load_config
     from toolkit.placement.cluster import load_cluster

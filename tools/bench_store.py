@@ -131,6 +131,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="steps of the tiny run (0: skip it)")
     args = parser.parse_args()
+    if args.steps == 1:
+        parser.error("--steps: 2 or more (the first step is left out of the share), or 0 to skip the run")
     directory = Path(args.dir).absolute()
     made = [d for d in (directory, *directory.parents) if not d.exists()]  # (removed again at the end)
     directory.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,100 @@
+"""The tools under tools/ that measure a part by calling the toolkit's own functions (a role's `handle`,
+the engine builder, the experience record, the weight sender), not through the CLI, run end to end on a
+small workload, and what they print holds. Nothing else runs them: changes inside the toolkit broke two
+of them unnoticed (calibrate.py called a function that had gone, bench_generate.py built a worker that
+lacked what the generator now reads). Their speed figures are not checked here; the README's tables come
+from their full runs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from toolkit.placement.cluster import load_cluster
+
+pytestmark = pytest.mark.integration
+
+
+def tool(*args: str) -> str:
+    """The tool's tables (its stdout)."""
+    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def ratio_of(out: str) -> float:
+    """The figure of the tool's last line, `ratio R  (...)`."""
+    found = re.search(r"^ratio (\d+\.\d+)", out.strip().splitlines()[-1])
+    assert found, out[-2000:]
+    return float(found.group(1))
+
+
+def rows_of(out: str, first_words: tuple[str, ...]) -> dict[str, list[str]]:
+    """The table rows that start with each of `first_words`: the cells after the label, split on spaces."""
+    rows = {}
+    for line in out.splitlines():
+        for label in first_words:
+            if line.startswith(label + " ") and label not in rows:
+                rows[label] = line[len(label):].split()
+    assert set(rows) == set(first_words), out[-2000:]
+    return rows
+
+
+def test_calibrate_writes_a_cluster_file_the_planner_reads(tmp_path):
+    out = tmp_path / "cluster.yaml"
+    done = subprocess.run([sys.executable, "tools/calibrate.py", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "vLLM is not installed" not in done.stderr  # (its decode figures measured by vLLM itself)
+    cluster = load_cluster(out)
+    assert cluster.nodes == 1 and cluster.shared
+    assert cluster.device.flops > 1e9 and cluster.device.memory_bandwidth > 1e8
+    assert cluster.links.intra_node > 1e6 and 0 < cluster.links.latency_s < 0.1
+    o = cluster.overheads
+    # (a per-call cost is the time beyond the FLOP and byte terms, 0 where a busy machine hid it)
+    assert 0 < o.decode_step_vllm + o.decode_per_sequence_vllm < 1
+    assert 0 < o.decode_step_hf + o.decode_per_sequence_hf < 1
+    assert 0 < o.message < 1 and 0 < o.step < 1
+    assert "calibrate.py --config templates/examples/tiny-grpo.yaml" in cluster.measured
+
+
+def test_bench_generate_generates_the_same_tokens_each_way():
+    out = tool("tools/bench_generate.py", "--repeats=1", "--new-tokens=8")
+    rows = rows_of(out, ("bare vLLM (n=4 per prompt)", "bare vLLM, per-sample seed + log-probs",
+                         "slurm-rlhf generator"))
+    assert {cells[0] for cells in rows.values()} == {str(16 * 4 * 8)}  # every response full length
+    assert ratio_of(out) > 0
+
+
+@pytest.mark.parametrize("name, args, same", [
+    ("bench_rl_batches", ["--samples=16", "--rows=4", "--max-response=64", "--repeats=1"], "weights diff"),
+    ("bench_scoring", ["--samples=16", "--batch=4", "--max-response=64", "--repeats=1"], "max log-prob diff"),
+])
+def test_packed_and_padded_batches_compute_the_same(name, args, same):
+    """Training updates (bench_rl_batches) and log-prob passes (bench_scoring) packed against padded: the
+    tool prints the largest difference, in the last column of the packed row."""
+    out = tool(f"tools/{name}.py", *args)
+    assert same in out
+    packed = next(line for line in out.splitlines() if "packed" in line and not line.startswith("ratio"))
+    assert " 0% " in packed  # (no padding)
+    assert float(packed.split()[-1]) < 1e-4
+    assert ratio_of(out) > 0
+
+
+def test_bench_sync_store_and_transport_run_their_tables(tmp_path):
+    """The weight sender against a raw broadcast, the experience commit against a plain write, and the
+    rollout stream against raw pyzmq: each row's ratio is a number, and the last line's is their lowest."""
+    for name, args, columns in (("bench_sync", ["--repeats=1"], ("Llama (bench_trl) 26M", "Llama, 32k vocab 134M")),
+                                ("bench_store", ["--repeats=1", "--steps=0", f"--dir={tmp_path}"],
+                                 ("512 x 512 tokens", "1024 x 2048 tokens")),
+                                ("bench_transport", ["--repeats=1", "--steps=0"],
+                                 ("512 x 512 tokens", "1024 x 2048 tokens"))):
+        out = tool(f"tools/{name}.py", *args)
+        rows = rows_of(out, columns)
+        assert ratio_of(out) > 0, name
+        if name != "bench_sync":  # (its row has the ratio without the check too; the lowest is of the with-check one)
+            assert all(float(cells[-1]) > 0 for cells in rows.values()), name
