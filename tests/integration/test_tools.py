@@ -71,7 +71,7 @@ def test_bench_generate_generates_the_same_tokens_each_way():
 
 
 @pytest.mark.parametrize("name, args, same", [
-    ("bench_rl_batches", ["--samples=16", "--rows=4", "--max-response=64", "--repeats=1"], "weights diff"),
+    ("bench_rl_batches", ["--samples=8", "--rows=2", "--max-response=32", "--repeats=1"], "weights diff"),
     ("bench_scoring", ["--samples=16", "--batch=4", "--max-response=64", "--repeats=1"], "max log-prob diff"),
 ])
 def test_packed_and_padded_batches_compute_the_same(name, args, same):
