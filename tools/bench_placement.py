@@ -2,11 +2,13 @@
 beside the measured one.
 
     python tools/bench_placement.py [--cluster templates/clusters/this-machine.yaml] [--steps 8]
+                                    [--strategies separation,flattening,interleaving] [--set rollout.max_policy_lag=1]
 
 Each strategy is a real `slurm-rlhf run` (local launcher) of templates/examples/tiny-grpo.yaml; the
 measured step time is the median `step_s` of its steps after the first two (start-up: lazy allocations,
 first compilation of kernels). The prediction is `placement.cost.estimate` for the same config, with the
-rates of the cluster file (write one for this machine with tools/calibrate.py).
+rates of the cluster file (write one for this machine with tools/calibrate.py). `--set` changes the
+config of every run and of its prediction alike (e.g. asynchronous mode, `rollout.max_policy_lag=1`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main() -> int:
     parser.add_argument("--config", default=str(REPO / "templates/examples/tiny-grpo.yaml"))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--strategies", default="separation,flattening,interleaving")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="a config change for every run (repeatable)")
     args = parser.parse_args()
     if args.steps < 3:
         parser.error("--steps: 3 or more (the first two steps are left out of the medians)")
@@ -45,7 +49,8 @@ def main() -> int:
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in args.strategies.split(","):
-            sets = [f"run.steps={args.steps}", f"placement.strategy={strategy}", "checkpoint.every_steps=1000"]
+            sets = [f"run.steps={args.steps}", f"placement.strategy={strategy}", "checkpoint.every_steps=1000",
+                    *args.set]
             cfg = load_config(args.config, sets)
             run_dir = Path(tmp) / strategy
             cmd = [sys.executable, "-m", "toolkit", "run", args.config, "--run-dir", str(run_dir)]
@@ -69,7 +74,8 @@ def main() -> int:
                          *phases))
             print(f"{strategy}: done", file=sys.stderr)
     print(f"cluster file: {args.cluster} ({cluster.measured})")
-    print(f"workload: {args.config}, {args.steps} steps, median of steps 3..{args.steps}")
+    print(f"workload: {args.config}{''.join(f' --set {s}' for s in args.set)}, {args.steps} steps, "
+          f"median of steps 3..{args.steps}")
     print(text_table(rows))
     print(f"largest error: {worst:.0%}")
     return 0
