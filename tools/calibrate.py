@@ -11,6 +11,8 @@ then checks the planner's predictions against whole runs):
   forward_call              no-gradient forward passes (log-probs) beyond their FLOPs
   train_micro_batch, optimizer_step   DeepSpeed updates with two micro-batch sizes, beyond their FLOPs
   message, step             one samples message (encode, MAC, send, decode); one HDF5 experience commit
+  generation_idle           the share of the cores vLLM's generation leaves idle: a probe thread per core at
+                            nice 19 multiplies matrices beside it, against the same probes alone
 Run it with the thread count the runs will have (default: every core).
 """
 
@@ -18,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -73,13 +77,81 @@ def zmq_rates() -> dict:
     return {"intra_node": bandwidth, "latency_s": latency}
 
 
+def idle_probe(core: int) -> int:
+    """`--idle-probe CORE`: one thread on CORE at nice 19 multiplying matrices from a line `go` on stdin to a
+    line `stop`, then printing how many a second. Beside other work it gets what that work leaves idle."""
+    import threading
+
+    os.sched_setaffinity(0, {core})
+    os.nice(19)
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    stop = threading.Event()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+    count, started = 0, time.perf_counter()
+    while not stop.is_set():
+        a @ a
+        count += 1
+    print(count / (time.perf_counter() - started), flush=True)
+    return 0
+
+
+def probes_rate(cores: list[int], during, timeout_s: float = 120.0) -> float:
+    """Matmuls a second of one `idle_probe` per core while `during()` runs."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--idle-probe", str(c)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for c in cores]
+
+    def line(p) -> str:
+        if not select.select([p.stdout], [], [], timeout_s)[0]:
+            raise TimeoutError(f"an idle probe said nothing in {timeout_s:g} s")
+        return p.stdout.readline().strip()
+
+    try:
+        for p in procs:
+            if line(p) != "ready":
+                raise RuntimeError("an idle probe failed to start")
+        for word in ("go", "stop"):
+            for p in procs:
+                p.stdin.write(word + "\n")
+                p.stdin.flush()
+            if word == "go":
+                during()
+        return sum(float(line(p)) for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def generation_idle(engine, prompts, cores: list[int], seconds: float = 5.0) -> float:
+    """The share of `cores` that `engine` generating `prompts` (again and again, `seconds` long) leaves to
+    other work: the probes' rate beside it over their rate alone."""
+    def generate():
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            engine.generate(prompts, list(range(len(prompts))))
+
+    alone = probes_rate(cores, lambda: time.sleep(seconds))
+    beside = probes_rate(cores, generate)
+    return min(max(beside / alone, 0.0), 0.95)
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--idle-probe"]:
+        return idle_probe(int(sys.argv[2]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "templates/examples/tiny-grpo.yaml"))
     parser.add_argument("--out", type=Path, help="cluster file to write (default: print it)")
     parser.add_argument("--memory-gb", type=float, help="memory of the machine (default: read from /proc/meminfo)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from toolkit.launch.openmp import wait_passively
+
+    wait_passively()  # (as in every process of a run; OpenMP threads that spin would leave no core idle)
 
     import numpy as np
     import torch
@@ -90,6 +162,7 @@ def main() -> int:
     from toolkit.placement.planner import mean_prompt_tokens
 
     cfg = load_config(args.config)
+    cores = sorted(os.sched_getaffinity(0))  # (before vLLM pins this process's threads)
     shape = ModelShape.from_config(cfg.model.actor)
     P, b = shape.params, 4
     rates = machine_rates(torch)
@@ -127,7 +200,8 @@ def main() -> int:
 
     from toolkit.roles.engines.hf_engine import HFEngine
 
-    hf_step, hf_seq = decode_costs(HFEngine(cfg, torch.device("cpu")))
+    hf = HFEngine(cfg, torch.device("cpu"))
+    hf_step, hf_seq = decode_costs(hf)
 
     # Forward passes and DeepSpeed updates on random samples of the run's lengths.
     from transformers import AutoModelForCausalLM
@@ -194,21 +268,26 @@ def main() -> int:
     print(f"samples message {message * 1e3:.2f} ms, experience commit {step * 1e3:.2f} ms", file=sys.stderr)
 
     # vLLM last: it pins this process's threads to cores, which would change the figures above.
-    vllm_step, vllm_seq = hf_step, hf_seq
+    vllm_step, vllm_seq, generator = hf_step, hf_seq, hf
     try:
         from toolkit.roles.engines.vllm_engine import VllmEngine
 
-        vllm_step, vllm_seq = decode_costs(VllmEngine(cfg, torch.device("cpu")))
+        generator = VllmEngine(cfg, torch.device("cpu"))
+        vllm_step, vllm_seq = decode_costs(generator)
     except ImportError:
-        print("vLLM is not installed: decode_step_vllm is the transformers figure", file=sys.stderr)
+        print("vLLM is not installed: decode_step_vllm and generation_idle are the transformers figures",
+              file=sys.stderr)
     print(f"decode step: transformers {hf_step * 1e3:.2f} ms + {hf_seq * 1e6:.1f} us/sequence, "
           f"vLLM {vllm_step * 1e3:.2f} ms + {vllm_seq * 1e6:.1f} us/sequence", file=sys.stderr)
+    idle = generation_idle(generator, prompts_of(cfg.samples_per_step), cores)
+    print(f"generation leaves {idle:.0%} of {len(cores)} core(s) idle", file=sys.stderr)
 
     memory_gb = args.memory_gb or _meminfo_gb()
     cluster = {
         "name": f"this machine ({os.cpu_count()} cores, {torch.get_num_threads()} threads, {memory_gb:.0f} GB)",
         "nodes": 1, "gpus_per_node": 0, "shared": True,
-        "device": {"memory_gb": round(memory_gb, 1), "flops": float(f"{F:.3g}"), "memory_bandwidth": float(f"{B:.3g}")},
+        "device": {"memory_gb": round(memory_gb, 1), "flops": float(f"{F:.3g}"), "memory_bandwidth": float(f"{B:.3g}"),
+                   "generation_idle": round(idle, 2)},
         "links": {"intra_node": float(f"{links['intra_node']:.3g}"), "inter_node": float(f"{links['intra_node']:.3g}"),
                   "latency_s": float(f"{links['latency_s']:.3g}")},
         "overheads": {k: float(f"{v:.3g}") for k, v in {

@@ -57,6 +57,9 @@ def test_calibrate_writes_a_cluster_file_the_planner_reads(tmp_path):
     assert 0 < o.decode_step_vllm + o.decode_per_sequence_vllm < 1
     assert 0 < o.decode_step_hf + o.decode_per_sequence_hf < 1
     assert 0 < o.message < 1 and 0 < o.step < 1
+    # the share of the cores vLLM's generation left to probes beside it, as printed
+    assert 0 <= cluster.device.generation_idle < 1
+    assert f"generation leaves {cluster.device.generation_idle:.0%} of" in done.stderr
     assert "calibrate.py --config templates/examples/tiny-grpo.yaml" in cluster.measured
 
 

@@ -555,6 +555,37 @@ def test_asynchronous_mode_takes_the_busiest_group_not_the_sum():
     assert shared.step_s == pytest.approx(sum(shared.phases.values()))
 
 
+def test_asynchronous_mode_on_one_shared_machine_fills_what_generation_leaves_idle():
+    """On one machine the groups take turns on its cores, except for the share that generation leaves idle
+    (device.generation_idle): the next step's scoring and training fill it, the rest comes on top."""
+    separation = Layout("separation", (Group("generator", ("generation",)), Group("scorer", ("reference", "reward")),
+                                       Group("trainer", ("actor",))), 2, 8)
+    device = {"memory_gb": 1000, "flops": 1e12, "memory_bandwidth": 1e11}
+    base = simple_cluster().overheads.model_dump()
+    fits = []
+    for decode_s in (0.01, 1.0):  # (generation shorter than scoring + training, then longer)
+        steps = {}
+        for idle in (0.0, 0.4, 0.9):
+            cluster = simple_cluster(device={**device, "generation_idle": idle},
+                                     overheads={**base, "decode_step_vllm": decode_s})
+            sync, lagged = (estimate(separation, workload(max_policy_lag=lag), cluster) for lag in (0, 1))
+            p = sync.phases
+            assert lagged.phases == p and sync.step_s == pytest.approx(sum(p.values()))
+            steps[idle] = lagged.step_s
+            left = max(0.0, p["score"] + p["train"] - idle * p["generate"])  # (what does not fit in the idle share)
+            assert lagged.step_s == pytest.approx(p["generate"] + left + p["sync"] + p["transport"])
+        rest = p["score"] + p["train"]
+        assert steps[0.0] == pytest.approx(sum(p.values()))  # nothing idle: no gain
+        fits.append(rest < 0.4 * p["generate"])
+        if rest > 0.9 * p["generate"]:  # what generation leaves idle holds part of the rest
+            assert steps[0.4] == pytest.approx(steps[0.0] - 0.4 * p["generate"])
+            assert steps[0.9] == pytest.approx(steps[0.0] - 0.9 * p["generate"])
+        else:  # all of it, from 0.4 (or 0.9) of generation on
+            assert rest < 0.4 * p["generate"]
+            assert steps[0.4] == steps[0.9] == pytest.approx(p["generate"] + p["sync"] + p["transport"])
+    assert fits == [False, True]
+
+
 def test_one_worker_that_trains_and_generates_is_planned_with_either_engine(tiny, tmp_path):
     """With one worker, the actor's group generates with transformers or with vLLM in the trainer's process;
     the engine a plan was estimated with is what --write writes (rollout.backend) and what reads back."""

@@ -30,6 +30,10 @@ class Device(_Section):
     host_optimizer: float = Field(default=7e7, gt=0)
     """Parameters/s the host's optimizer (DeepSpeed's CPU Adam) steps for one device's share, with
     `trainer.offload_optimizer` (GPU nodes: the node's cores are shared by its GPUs)."""
+    generation_idle: float = Field(default=0.0, ge=0, lt=1)
+    """The share of the device that generation leaves idle, for other work beside it: on a `shared`
+    machine, the scoring and training of an asynchronous step (`rollout.max_policy_lag`) run in it. vLLM
+    on CPU keeps only part of the cores busy; 0 assumes generation takes the whole device."""
 
 
 class Links(_Section):

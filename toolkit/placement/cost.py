@@ -23,7 +23,8 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
                   or reward model with the trainer under ZeRO-3 holds P*b/W (sharded over the trainer's
                   W ranks)
 Time (seconds per step, phases one after the other; with max_policy_lag >= 1 and generators of their
-own, the busiest group's seconds, as generation of the next steps overlaps training):
+own, the busiest group's seconds, as generation of the next steps overlaps training; on a shared machine,
+generate + max(0, score + train - generation_idle * generate) + sync + transport):
   generate  waves * (2*P*n*Lp/(TP*F) + Lr * (max(2*P*n/(TP*F), (P*b/TP + KV)/B) + c_decode + c_seq*n)),
             n = the sequences of a wave (vLLM: what its KV cache holds; transformers: its batch)
   score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker; a
@@ -545,12 +546,20 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
 
     # Asynchronous mode (its own generators, max_policy_lag >= 1): the next steps' generation and scoring
     # run while the trainer trains, so a step takes what its busiest group does (the weight sync holds
-    # both the generator and the trainer).
-    if w.max_policy_lag >= 1 and own_engine and not cluster.shared:
-        busy[generator.name] += e.phases["generate"] + e.phases["sync"]
-        for g in s.trainers:  # (the critic's ranks apart take no part in the sync)
-            busy[g.name] += e.phases["train"] + (e.phases["sync"] if "actor" in g.models else 0.0)
-        e.overlapped_s = max(busy.values()) + e.phases["transport"]
+    # both the generator and the trainer). On one shared machine the groups take turns on its devices,
+    # except for the share that generation leaves idle (device.generation_idle): scoring and training
+    # fill that first, and what does not fit in it comes on top of generation.
+    if w.max_policy_lag >= 1 and own_engine:
+        p = e.phases
+        if cluster.shared:
+            rest = p["score"] + p["train"]
+            e.overlapped_s = (p["generate"] + max(0.0, rest - dev.generation_idle * p["generate"])
+                              + p["sync"] + p["transport"])
+        else:
+            busy[generator.name] += p["generate"] + p["sync"]
+            for g in s.trainers:  # (the critic's ranks apart take no part in the sync)
+                busy[g.name] += p["train"] + (p["sync"] if "actor" in g.models else 0.0)
+            e.overlapped_s = max(busy.values()) + p["transport"]
     return e
 
 
