@@ -147,7 +147,8 @@ def test_fit_cuts_the_prompt_from_the_left():
 @pytest.mark.parametrize("text,kind,expected", [
     ('{"prompt": "a"}\n[1, 2]\n', "prompt", ":2: expected a JSON object"),
     ('{"prompt": "a"}\n{"prompt": "b"\n', "prompt", ":2: not valid JSON"),
-    ('{"prompt": ""}\n', "prompt", ":1: no non-empty string field 'prompt'"),
+    ('{"prompt": ""}\n', "prompt", ":1: field 'prompt' is '' (str), not non-empty text"),
+    ('{"prompt": "a"}\n{"prompt": 3}\n', "prompt", ":2: field 'prompt' is 3 (int), not non-empty text"),
     ('{"question": "a"}\n', "prompt", "set data.prompt_key to the field holding the prompt"),
     ('{"prompt": "a", "chosen": "b"}\n', "pair", ":1: field 'rejected' (the other response) is missing"),
     ('{"prompt": "a"}\n', "sft", ":1: no response: expected a field 'response', 'chosen' or 'messages'"),

@@ -137,6 +137,9 @@ def with_input(prompt: str | list, data: dict, key: str | None, where: str, sett
 
 def _text(data: dict, key: str, where: str, what: str) -> str:
     value = data.get(key)
+    if key in data and not (isinstance(value, str) and value):  # (there, but not text)
+        raise ConfigError(f"{where}: field {key!r} is {value!r:.60} ({type(value).__name__}), not non-empty text; "
+                          f"fix the row, or set data.{what}_key to the field holding the {what}")
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where}: no non-empty string field {key!r} (fields: {sorted(data)}); set "
                           f"data.{what}_key to the field holding the {what}")
