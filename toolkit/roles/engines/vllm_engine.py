@@ -42,6 +42,20 @@ def eager_helpers_on_cpu() -> None:
         torch._dynamo.config.disable = True
 
 
+def whole_prefills_on_cpu(platform, max_model_len: int, ranks: int) -> dict:
+    """On CPU, vLLM's engine arguments that prefill every prompt in one engine step. With chunked prefill
+    (vLLM's default), a step whose prompts hold more tokens than an engine step takes
+    (max_num_batched_tokens, 4096 per rank on CPU) prefills a prompt in parts; the token sampled after a
+    part is thrown away and vLLM rewinds the request's seeded generator (`set_offset`), which a CPU
+    generator does not have: the generator failed with "CPU Generator does not use offset" (e.g. 32
+    prompts x 8 samples of 15-token prompts, `init`'s starter config). Without chunking, prompts that do
+    not fit wait for the next engine step instead, and each sample is the same (its own seed). On GPUs the
+    defaults stay."""
+    if not platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096 * ranks, max_model_len)}
+
+
 class VllmEngine:
     def __init__(self, cfg, device, beside_trainer: bool = False):
         """`beside_trainer`: in the trainer's process (Flattening on one device): the trainer loads its
@@ -75,12 +89,13 @@ class VllmEngine:
                 self.ranks, sorted(os.sched_getaffinity(0)), cfg.placement.name_with("generation")))
         if vcfg.enforce_eager:
             eager_helpers_on_cpu()
+        max_model_len = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
         self.llm = LLM(
             model=cfg.model.actor,
             tokenizer=str(cfg.tokenizer_path),
             dtype=cfg.model.dtype,
             seed=cfg.run.seed,
-            max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
+            max_model_len=max_model_len,
             tensor_parallel_size=vcfg.tensor_parallel_size,
             distributed_executor_backend="uni" if vcfg.tensor_parallel_size == 1 else "mp",
             enforce_eager=vcfg.enforce_eager,
@@ -92,6 +107,7 @@ class VllmEngine:
             max_logprobs=-1,  # prompt_logprobs(top=-1) may ask for the whole vocabulary (checks)
             worker_extension_cls=EXTENSION,
             enable_sleep_mode=self.sleeps,
+            **whole_prefills_on_cpu(current_platform, max_model_len, vcfg.tensor_parallel_size),
         )
         if self.ranks > 1:  # (the method vLLM took, read once its ranks run: its platform code may set it)
             log.info("vLLM's %d tensor-parallel ranks started by %s (VLLM_WORKER_MULTIPROC_METHOD)", self.ranks,
