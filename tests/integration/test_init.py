@@ -41,11 +41,13 @@ def test_init_writes_a_config_that_runs_here(tiny, tmp_path):
     prompts = [json.loads(line) for line in (tmp_path / "prompts.example.jsonl").read_text().splitlines()]
     assert len(prompts) >= 8 and all(isinstance(p["prompt"], str) for p in prompts)
     assert cli("validate", tmp_path / "run.yaml").returncode == 0
-    result = cli("run", tmp_path / "run.yaml", "--run-dir", tmp_path / "run", "--set", "run.steps=2",
-                 "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=2",
+    # a step of the starter's own batch (32 prompts x 8 samples: more prompt tokens than one vLLM engine step
+    # takes on CPU, which killed its generator before it prefilled prompts whole), with short responses
+    result = cli("run", tmp_path / "run.yaml", "--run-dir", tmp_path / "run", "--set", "run.steps=1",
                  "--set", "rollout.max_new_tokens=8")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert record["samples"] == data["rollout"]["prompts_per_step"] * data["rollout"]["group_size"] == 256
 
     again = cli("init", "--model", tiny / "model", "--out", tmp_path / "run.yaml")
     assert again.returncode == 2 and "exists; choose another name, or --force" in again.stderr
