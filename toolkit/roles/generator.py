@@ -99,7 +99,7 @@ class GeneratorRole(Role):
         group_size = self.cfg.rollout.group_size
         self.status.update(phase="generating", step=step)
         hold("generating", self.worker.wenv.run_dir)
-        prompts = [self._tokenize(t) for t in texts]
+        prompts = self._tokenize(step, texts)
         per_prompt = lambda values: [v for v in values for _ in range(group_size)]  # noqa: E731
         samples = {"prompts": per_prompt(prompts), "prompt_ids": per_prompt(meta["prompt_ids"]),
                    "group_index": per_prompt(meta["group_index"]), "sample_index": list(range(group_size)) * len(prompts),
@@ -189,15 +189,17 @@ class GeneratorRole(Role):
         return probe.check(expected, actual, self.cfg.sync_check_tolerance, version,
                            f"generator worker {self.worker.id} ({self.cfg.generation_backend})")
 
-    def _tokenize(self, prompt) -> list[int]:
-        """Token ids of a prompt (text or chat messages), cut from the left to rollout.max_prompt_tokens."""
-        tokens = render_prompt(self.tokenizer, prompt, self.cfg.data.chat_template)
+    def _tokenize(self, step: int, texts: list) -> list[list[int]]:
+        """Token ids of each prompt (text or chat messages), cut from the left to rollout.max_prompt_tokens
+        (one warning for the prompts of a message, not one each: a data set of long prompts would fill the log)."""
         limit = self.cfg.rollout.max_prompt_tokens
-        if len(tokens) > limit:
-            self.truncated += 1
-            log.warning("prompt of %d tokens cut to its last %d (%d cut so far)", len(tokens), limit, self.truncated)
-            tokens = tokens[-limit:]
-        return tokens
+        rendered = [render_prompt(self.tokenizer, t, self.cfg.data.chat_template) for t in texts]
+        cut = [len(tokens) for tokens in rendered if len(tokens) > limit]
+        if cut:
+            self.truncated += len(cut)
+            log.warning("step %d: %d of %d prompt(s) cut from the left to rollout.max_prompt_tokens %d (the longest "
+                        "had %d tokens; %d cut so far)", step, len(cut), len(texts), limit, max(cut), self.truncated)
+        return [tokens[-limit:] for tokens in rendered]
 
     def close(self) -> None:
         self.engine.close()
