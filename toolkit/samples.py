@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 KIND = "samples"
-META = ("step", "prompts", "responses", "fields", "reward_names", "reward_weights", "timings")
+META = ("step", "prompts", "responses", "fields", "reward_names", "reward_weights", "timings", "eval_samples")
 
 
 def ragged(seqs: list, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -55,6 +55,7 @@ class SampleBatch:
     reward_names: list[str] = field(default_factory=list)
     reward_weights: list[float] = field(default_factory=list)
     timings: dict = field(default_factory=dict)   # seconds per stage and which worker spent them
+    eval_samples: int = 0  # > 0: samples of an evaluation (eval.every_steps), not trained on: how many it has
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -80,7 +81,7 @@ class SampleBatch:
 
     @classmethod
     def from_parts(cls, meta: dict, arrays: dict[str, np.ndarray]) -> "SampleBatch":
-        return cls(**{name: meta[name] for name in META}, **arrays)
+        return cls(**{name: meta[name] for name in META if name in meta}, **arrays)  # (records before eval_samples)
 
     def to_message(self, stage: str = "trainer") -> tuple[str, dict, dict]:
         """(kind, meta, arrays) for `Outbox.send`; `stage` is the role that takes the samples next."""

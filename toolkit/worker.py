@@ -134,7 +134,7 @@ class Worker:
                     log.warning("ignored command %r", msg.kind)
             elif msg.kind == "prompts":
                 self.run_stages("generator", msg.meta)
-                if follower:
+                if follower and not msg.meta.get("eval_samples"):  # (an evaluation trains nothing)
                     trainer.follow(once=True)
             else:
                 self.run_stages(msg.meta["stage"], SampleBatch.from_message(msg))

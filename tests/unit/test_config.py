@@ -203,6 +203,25 @@ def test_values_that_could_not_work_are_refused(tiny, tmp_path, overrides, expec
     assert expected in error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny)), overrides)
 
 
+@pytest.mark.parametrize("example_name, overrides, expected, fixed", [
+    ("tiny-grpo.yaml", ["eval.every_steps=2"],
+     "eval.every_steps is 2, but data.eval_fraction is 0: no prompts are held out of training to evaluate on",
+     ["data.eval_fraction=0.1"]),
+    ("tiny-ppo.yaml", ["eval.every_steps=2", "data.eval_fraction=0.1", "placement.strategy=flattening",
+                       "placement.all.workers=2"],
+     "eval.every_steps: node group 'all' scores the reward models on its 2 trainer ranks",
+     ["placement.all.workers=1"]),
+])
+def test_an_evaluation_in_the_run_that_could_not_be_made_is_refused(tiny, tmp_path, example_name, overrides, expected,
+                                                                    fixed):
+    """Nothing held out to evaluate on; reward models scored on the trainer's ranks inside the training step
+    (deferred), where an evaluation's samples never go. With the change of `fixed` the config loads (one
+    trainer rank scores each message as it comes)."""
+    config = write_config(tmp_path, example(example_name, tiny))
+    assert expected in error_of(config, overrides)
+    assert load_config(config, overrides + fixed).eval.every_steps == 2
+
+
 def test_files_that_are_not_what_they_should_be_are_named(tiny, tmp_path):
     """A config that is not UTF-8, a stage that is not a name, a model whose config.json is not a JSON
     object or not JSON: each once ended in a traceback."""

@@ -19,7 +19,7 @@ from toolkit.config.data import DataSection
 from toolkit.config.lora_targets import lora_target_problem
 from toolkit.config.model_files import (attention_heads, context_problem, head_problem, kv_cache_problem,
                                         main_tokenizer_problem, model_config, tokenizer_problem, vllm_cpu_problem)
-from toolkit.placement.layout import PRESETS, generation_with_actor
+from toolkit.placement.layout import PRESETS, generation_with_actor, on_trainer_ranks
 
 SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 
@@ -142,6 +142,21 @@ class RolloutSection(Section):
     """Asynchronous mode: `wait` sends a step's prompts only when the generators hold weights within
     max_policy_lag of it; `drop` sends them one step earlier (the generators never wait for weights), drops
     the groups that turn out older than max_policy_lag and generates them again with newer weights."""
+
+
+class EvalSection(Section):
+    every_steps: Annotated[int, Field(ge=0)] = 0
+    """Evaluate in the run: after every this many steps (and after the last), the generators sample the
+    prompts held out of training (data.eval_fraction) with the weights of that step, the run's rewards
+    score them, and nothing is trained on them. Written to RUN_DIR/eval/in-run/ (as `slurm-rlhf eval`
+    writes: summary.jsonl, each step's samples, TensorBoard `eval-in-run`) and drawn by `report`. 0: never
+    (`slurm-rlhf eval` scores the checkpoints afterwards, or beside the run with --follow)."""
+    n: PositiveInt = 1
+    """Samples per held-out prompt (more than 1: the best of them is reported too)."""
+    temperature: float = Field(default=0.0, ge=0)
+    """Sampling temperature of the evaluation; 0: greedy."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling threshold of the evaluation (with temperature > 0)."""
 
 
 class RewardFunction(Section):
@@ -383,6 +398,8 @@ class RunConfig(Section):
     """Models."""
     rollout: RolloutSection = RolloutSection()
     """Sampling."""
+    eval: EvalSection = EvalSection()
+    """Evaluation on held-out prompts during the run."""
     reward: RewardSection
     """Rewards."""
     algorithm: AlgorithmSection = AlgorithmSection()
@@ -560,6 +577,17 @@ class RunConfig(Section):
                              f"{generators.workers} generator worker(s): (lag + 2) x workers = {ahead}; raise it")
         if self.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.backend is 'vllm' but vLLM is not installed; install it or use backend: hf")
+        if self.eval.every_steps and not self.data.eval_fraction:
+            raise ValueError(f"eval.every_steps is {self.eval.every_steps}, but data.eval_fraction is 0: no prompts "
+                             "are held out of training to evaluate on; set data.eval_fraction (e.g. 0.05), or "
+                             "eval.every_steps: 0")
+        deferred = [(name, g) for name, models, g in layout if on_trainer_ranks(models, "reward") and g.workers > 1]
+        if self.eval.every_steps and self.reward.models and deferred:
+            raise ValueError(f"eval.every_steps: node group {deferred[0][0]!r} scores the reward models on its "
+                             f"{deferred[0][1].workers} trainer ranks, inside the training step, where an evaluation "
+                             "cannot reach them; give the reward models a node group without the actor (e.g. "
+                             "placement.strategy: separation), or evaluate beside the run: slurm-rlhf eval RUN_DIR "
+                             "--follow")
         if self.generation_backend == "vllm":
             problem = kv_cache_problem(model_files(self.model.actor, info), longest, self.model.dtype, tp,
                                        self.rollout.vllm.kv_cache_gb)

@@ -13,6 +13,12 @@ A step, in the synchronous (on-policy) mode:
 In asynchronous mode (`rollout.max_policy_lag` N > 0) the prompts of steps up to N ahead are already
 out while a step trains, so generation overlaps training; the trainer drops samples older than N
 (`stale: drop`) and the driver sends their prompts again.
+
+With `eval.every_steps`, after each such step (and the last) the held-out prompts go to the generators
+too, marked as an evaluation: they are sampled and scored as a step's are (no reference model), and
+trainer rank 0 writes them apart (RUN_DIR/eval/in-run) and says `evaluated`; nothing is trained on them.
+Synchronously they come before the next step's prompts, so they are sampled with the weights of the step
+just trained; asynchronously, behind the steps already out (`policy_version_min/max` say with which).
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ class Driver(Supervisor):
         self.regenerate: list[tuple[int, list[int]]] = []  # (step, prompt slots) the trainer dropped
         self.sending = False
         self.last_done: float | None = None  # when the last step finished (this attempt)
+        self.eval_prompts = []  # the prompts held out of training, when the run evaluates itself (eval.every_steps)
+        if cfg.eval.every_steps:
+            from toolkit.use.evaluate import heldout_prompts
+
+            self.eval_prompts = heldout_prompts(cfg)
+        self.evaluating: dict[int, float] = {}  # step -> when its evaluation went out (not yet `evaluated`)
 
     def _loop(self, resume: dict, secret: bytes, records: list[dict]) -> None:
         from toolkit.transport.sockets import Outbox
@@ -64,8 +76,14 @@ class Driver(Supervisor):
         self.next_dispatch = resume["next_step"]
         for step in range(resume["next_step"], self.cfg.run.steps):
             if self.preempt and not self._time_for_a_step(records):
-                break
+                return  # (an evaluation still out is not waited for: the time limit is near)
             records.append(self._step(step))
+            every = self.cfg.eval.every_steps
+            if every and ((step + 1) % every == 0 or step + 1 == self.cfg.run.steps):
+                self._send_evaluation(step + 1)
+        if self.evaluating:
+            self._pump(lambda: not self.evaluating, self.cfg.transport.step_timeout_s,
+                       f"the evaluation of step(s) {', '.join(map(str, sorted(self.evaluating)))}")
 
     def _close(self) -> None:
         if self.outbox is not None:
@@ -112,21 +130,28 @@ class Driver(Supervisor):
     def progress_line(self, r: dict) -> str:
         return progress_line(r, self.cfg.run.steps)
 
-    def _send_prompts(self, step: int, slots: list[int]) -> None:
-        """The prompts at positions `slots` of `step`, split evenly over the generators (one message each)."""
-        prompts = self.in_flight[step]
+    def _send_prompts(self, step: int, slots: list[int], prompts: list | None = None, **meta) -> None:
+        """The prompts at positions `slots` of `step` (or of `prompts`, with `meta` added to each message),
+        split evenly over the generators (one message each)."""
+        prompts = self.in_flight[step] if prompts is None else prompts
         self.sending = True  # (no regeneration goes out from the health checks while the socket is full)
         try:
             for part in np.array_split(np.asarray(slots, dtype=np.int64), len(self.generator_ids)):
                 if len(part) == 0:
                     continue
                 chosen = [prompts[i] for i in part]
-                self.outbox.send("prompts", {"step": step, "prompt_ids": [p.id for p in chosen],
+                self.outbox.send("prompts", {"step": step, **meta, "prompt_ids": [p.id for p in chosen],
                                              "group_index": [int(i) for i in part],
                                              "prompts": [p.prompt for p in chosen], "fields": [p.fields for p in chosen]},
                                  timeout_s=self.cfg.transport.step_timeout_s, while_blocked=self._pump_once)
         finally:
             self.sending = False
+
+    def _send_evaluation(self, step: int) -> None:
+        """The held-out prompts, marked as an evaluation of the weights of `step` steps (eval.n samples each)."""
+        self.evaluating[step] = time.monotonic()
+        prompts = self.eval_prompts
+        self._send_prompts(step, list(range(len(prompts))), prompts, eval_samples=len(prompts) * self.cfg.eval.n)
 
     def _between_events(self) -> None:
         """Send again the prompts whose samples the trainer misses: dropped as too old (asynchronous `drop`
@@ -141,6 +166,10 @@ class Driver(Supervisor):
         groups of the steps not finished it still misses, and their prompts go out again (`regenerate`;
         the same seeds give the same samples, and the trainer keeps the first copy of a group that comes
         twice, one that a worker still held). Before, every prompt of those steps went out again."""
+        if self.evaluating:  # (its samples may be lost with the worker: the run does not wait for them)
+            self.echo(f"the evaluation of step(s) {', '.join(map(str, sorted(self.evaluating)))} may be incomplete "
+                      f"after the restart of {worker_id}; not waiting for it (slurm-rlhf eval scores the checkpoints)")
+            self.evaluating.clear()
         if not self.in_flight:
             return
         steps = sorted(self.in_flight)
@@ -169,6 +198,12 @@ class Driver(Supervisor):
             self.synced[worker_id] = m["version"]
             if m.get("check_diff") is not None:  # the worst generator's probe difference after this sync
                 self.sync_checks[m["version"]] = max(self.sync_checks.get(m["version"], 0.0), m["check_diff"])
+        elif msg.kind == "evaluated":
+            from toolkit.use.evaluate import row_line
+
+            sent = self.evaluating.pop(m["step"], None)
+            wall = f" ({time.monotonic() - sent:.1f} s after it went out)" if sent is not None else ""
+            self.echo(f"eval {row_line(m['record'], m['components'])}{wall}")
         elif msg.kind == "regenerate":
             self.regenerate.append((m["step"], m["group_index"]))
             if m.get("lost") and m["step"] in self.in_flight:

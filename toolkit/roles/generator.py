@@ -96,8 +96,9 @@ class GeneratorRole(Role):
         """The samples of the prompts in `meta`: one SampleBatch, or with `rollout.stream_groups` an iterator
         of SampleBatches of whole prompt groups, each sent on as soon as it is complete (`_stream`)."""
         step, texts = meta["step"], meta["prompts"]
-        group_size = self.cfg.rollout.group_size
-        self.status.update(phase="generating", step=step)
+        evaluation = meta.get("eval_samples", 0)  # (> 0: held-out prompts, sampled as eval.* says, not trained on)
+        group_size = self.cfg.eval.n if evaluation else self.cfg.rollout.group_size
+        self.status.update(phase="evaluating" if evaluation else "generating", step=step)
         hold("generating", self.worker.wenv.run_dir)
         prompts = self._tokenize(step, texts)
         per_prompt = lambda values: [v for v in values for _ in range(group_size)]  # noqa: E731
@@ -107,12 +108,13 @@ class GeneratorRole(Role):
         samples["seeds"] = [sample_seed(self.cfg.run.seed, step, pid, k)
                             for pid, k in zip(samples["prompt_ids"], samples["sample_index"])]
         n = len(samples["prompts"])  # (sample i: of prompt i // group_size, its sample i % group_size)
-        if self.streams:
+        if self.streams and not evaluation:
             return self._stream(step, samples)
         started = time.monotonic()
-        completions = self.engine.generate(samples["prompts"], samples["seeds"])
+        completions = self.engine.generate(samples["prompts"], samples["seeds"], self.cfg.eval if evaluation else None)
         batch = self._batch(step, samples, list(range(n)), completions, time.monotonic() - started)
-        self._generated(step, n, len(batch.response_tokens), batch.timings["generate_s"])
+        batch.eval_samples = evaluation
+        self._generated(step, n, len(batch.response_tokens), batch.timings["generate_s"], evaluation=bool(evaluation))
         return batch
 
     @property
@@ -161,12 +163,14 @@ class GeneratorRole(Role):
             prompts=pick("texts"), responses=[c.text for c in completions], fields=pick("fields"),
             timings={"generate_s": generate_s, "generator": self.worker.id})
 
-    def _generated(self, step: int, samples: int, tokens: int, seconds: float, parts: int = 1) -> None:
-        """A step's samples have all gone: log it, and give the device back where vLLM sleeps."""
-        log.info("step %d: %d samples, %d tokens in %.2f s%s", step, samples, tokens, seconds,
-                 f" (sent on in {parts} parts)" if parts > 1 else "")
-        if hasattr(self.engine, "sleep"):  # (vLLM in the trainer's process, on GPU: it gives its memory back
-            self.engine.sleep()            # while the trainer works; a no-op anywhere else)
+    def _generated(self, step: int, samples: int, tokens: int, seconds: float, parts: int = 1,
+                   evaluation: bool = False) -> None:
+        """A step's samples have all gone: log it, and give the device back where vLLM sleeps (not after an
+        evaluation: the next step's generation follows it)."""
+        log.info("step %d: %d %ssamples, %d tokens in %.2f s%s", step, samples, "evaluation " * evaluation, tokens,
+                 seconds, f" (sent on in {parts} parts)" if parts > 1 else "")
+        if hasattr(self.engine, "sleep") and not evaluation:  # (vLLM in the trainer's process, on GPU: it gives
+            self.engine.sleep()  # its memory back while the trainer works; a no-op anywhere else)
         self.status["phase"] = "idle"
 
     def on_command(self, msg) -> None:

@@ -133,7 +133,8 @@ class ReferenceRole(_Scoring):
         return [self.reference]
 
     def handle(self, batch: SampleBatch) -> SampleBatch:
-        return batch if self.deferred else super().handle(batch)
+        # (an evaluation's samples need only their rewards)
+        return batch if self.deferred or batch.eval_samples else super().handle(batch)
 
     def logprobs(self, padded) -> torch.Tensor:
         """The reference log-probs of a padded shard of samples (for the trainer, when `deferred`); the

@@ -226,10 +226,13 @@ class TrainerRole(Role):
         self.received: dict[int, set[int]] = {}  # sample groups in by step: a second copy is a duplicate
         self.duplicates: dict[int, int] = {}
         self.expected_step = (self.worker.resume or {}).get("next_step", 0)
+        self.evaluations: dict[int, list[SampleBatch]] = {}  # an evaluation's samples by step, until all are in
 
     def handle(self, part: SampleBatch) -> None:
         """Rank 0: collect samples until the next step's experience batch is complete, then train on it
-        (and on the following steps' batches, if they are complete too)."""
+        (and on the following steps' batches, if they are complete too). An evaluation's samples go apart."""
+        if part.eval_samples:
+            return self._evaluated(part)
         ahead = self.cfg.rollout.max_policy_lag + 1
         if part.step > self.expected_step + ahead:
             raise RuntimeError(f"got samples of step {part.step} while collecting step {self.expected_step} "
@@ -242,6 +245,31 @@ class TrainerRole(Role):
             self._step(self.pending.pop(self.expected_step))
             self.expected_step += 1
         self.status.update(phase="collecting", step=self.expected_step, samples=self._collected(self.expected_step))
+
+    def _evaluated(self, part: SampleBatch) -> None:
+        """Rank 0: gather the samples of an evaluation (eval.every_steps: held-out prompts, never trained on
+        or committed); once all are in, write them as `slurm-rlhf eval` does (RUN_DIR/eval/in-run) and tell
+        the driver. A sample group that comes twice (sent again after a restart) counts once."""
+        from toolkit.use.evaluate import summary_of, write_step
+
+        parts = self.evaluations.setdefault(part.step, [])
+        seen = {int(g) for p in parts for g in p.group_index}
+        parts.append(part.select(np.flatnonzero(~np.isin(part.group_index, list(seen)))))
+        if sum(map(len, parts)) < part.eval_samples:
+            return
+        batch = SampleBatch.concat(self.evaluations.pop(part.step))
+        batch = batch.select(np.lexsort((batch.sample_index, batch.group_index)))
+        e, seconds = self.cfg.eval, {**_stage_seconds(parts, "generate_s", "generator"),
+                                     **_stage_seconds(parts, "score_s", "scorer")}
+        record = {"step": part.step, **summary_of(batch, e.n), "eval_s": round(sum(seconds.values()), 3),
+                  **{k: round(v, 3) for k, v in seconds.items()},
+                  "policy_version_min": int(batch.policy_version.min()),
+                  "policy_version_max": int(batch.policy_version.max()),
+                  "prompts": len(batch) // e.n, "n": e.n, "temperature": e.temperature, "top_p": e.top_p,
+                  "max_new_tokens": self.cfg.rollout.max_new_tokens, "seed": self.cfg.run.seed, "ema": False,
+                  "input": "held out (data.eval_fraction), in the run"}
+        write_step(self.run_dir, IN_RUN, record, batch)
+        self.worker.control.send("evaluated", step=part.step, record=record, components=batch.reward_names)
 
     def _drop_duplicates(self, part: SampleBatch) -> SampleBatch:
         """Keep the first copy of each sample group: after a generator or scorer was started again, the
@@ -663,6 +691,9 @@ class TrainerRole(Role):
             return None
         return self.generator._check_sync(self.version, model_logprobs(self.actor.module, self.layout.probe))
 
+
+IN_RUN = "in-run"
+"""The name of the evaluations a run makes itself (eval.every_steps): RUN_DIR/eval/in-run."""
 
 REPLAY_PAUSE_ENV = "SLURM_RLHF_TEST_REPLAY_PAUSE_S"
 """Tests only: seconds to wait before each replayed batch (a long resume without a long run)."""

@@ -88,7 +88,6 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
 
     from toolkit.config import load_config
     from toolkit.data.tokens import render_prompt
-    from toolkit.store.manifest import read_jsonl
     from toolkit.use.sampler import Sampler, pick_backend
     from toolkit.use.source import checkpoints, resolve
 
@@ -137,11 +136,7 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
          f"on {len(prompts)} prompt(s) ({settings['input']}), "
          f"{params.n} sample(s) each of at most {params.max_new_tokens} tokens, temperature {params.temperature:g}")
     rewards = reward_scorer(cfg)
-    out = run / "eval" / name
-    for directory in (out.parent, out):
-        directory.mkdir(exist_ok=True, mode=0o700)
-    summary = out / "summary.jsonl"
-    lines = {r["step"]: r for r in read_jsonl(summary)}  # (of earlier calls; a step evaluated now is replaced)
+    summary = run / "eval" / name / "summary.jsonl"
     sampler = None  # (one vLLM engine for every checkpoint: each next one's weights are loaded into it)
     done = set(steps)
 
@@ -171,13 +166,9 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
             batch = _batch(source.step, prompts, tokens, sampler.sample(tokens, params))
             with rewards._on_device():
                 rewards.score(batch)
-            record = {"step": source.step, **_summary(batch, params.n),
+            record = {"step": source.step, **summary_of(batch, params.n),
                       "eval_s": round(time.monotonic() - started, 3), **settings}
-            _write_jsonl(out / f"step-{source.step:06d}.jsonl", _sample_rows(batch))
-            lines[source.step] = record
-            merged = [lines[s] for s in sorted(lines)]
-            _write_jsonl(summary, merged)  # (after each checkpoint: an eval stopped part-way keeps what it did)
-            _write_curves(run / "tensorboard" / f"eval-{name}", merged)
+            write_step(run, name, record, batch)  # (after each checkpoint: an eval stopped part-way keeps what it did)
             echo(row_line(record, batch.reward_names))
     finally:
         if sampler is not None:
@@ -185,6 +176,22 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     echo(f"wrote {summary} (and the samples of each step beside it); TensorBoard: {run / 'tensorboard'} "
          f"(run eval-{name})")
     return summary
+
+
+def write_step(run: Path, name: str, record: dict, batch) -> None:
+    """One evaluated step of `run`: its samples (eval/<name>/step-NNNNNN.jsonl), its line of summary.jsonl
+    (replacing a line of that step from before), and the TensorBoard scalars of every line (eval-<name>)."""
+    from toolkit.store.manifest import read_jsonl
+
+    out = run / "eval" / name
+    for directory in (out.parent, out):
+        directory.mkdir(exist_ok=True, mode=0o700)
+    _write_jsonl(out / f"step-{record['step']:06d}.jsonl", _sample_rows(batch))
+    lines = {r["step"]: r for r in read_jsonl(out / "summary.jsonl")}
+    lines[record["step"]] = record
+    merged = [lines[s] for s in sorted(lines)]
+    _write_jsonl(out / "summary.jsonl", merged)
+    _write_curves(run / "tensorboard" / f"eval-{name}", merged)
 
 
 def _loaded(sampler, source, start):
@@ -239,7 +246,8 @@ def _batch(step: int, prompts: list[EvalPrompt], tokens: list[list[int]], sample
         responses=[s.text for _, _, s in flat], fields=[prompts[k].fields for k, _, _ in flat])
 
 
-def _summary(batch, n: int) -> dict:
+def summary_of(batch, n: int) -> dict:
+    """The figures of an evaluated step: reward (each component, best of n), length, finished share."""
     total = batch.reward_total.astype(np.float64)
     out = {"samples": len(batch), "reward_mean": float(total.mean()), "reward_std": float(total.std()),
            "response_len_mean": float(batch.response_lengths.mean()), "finished_frac": float(batch.finished.mean())}

@@ -14,7 +14,7 @@ class HFEngine:
     ranks = 1
 
     def __init__(self, cfg, device, model=None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg, self.device = cfg, device
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
@@ -23,35 +23,45 @@ class HFEngine:
                                                          attn_implementation=cfg.model.attn_implementation)
             model.to(device).eval()
         self.model = model
-        r = cfg.rollout
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.eos_id = None if r.ignore_eos else self.tokenizer.eos_token_id  # (None: never stop early)
-        # Explicit: a model's own generation_config (e.g. top_k=50) must not change what is sampled.
-        self.gen_config = GenerationConfig(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=0,
-                                           max_new_tokens=r.max_new_tokens, pad_token_id=self.pad_id,
-                                           eos_token_id=self.eos_id, output_scores=True, return_dict_in_generate=True)
+        self.eos_id = None if cfg.rollout.ignore_eos else self.tokenizer.eos_token_id  # (None: never stop early)
+        self.gen_config = self._config(cfg.rollout, self.eos_id)
         self._receiver = None
         self._store = None  # (the weight-sync group's rendezvous store)
 
+    def _config(self, s, eos_id: int | None):
+        """transformers' GenerationConfig of sampling `s` (the rollout's, or an evaluation's: temperature 0
+        is greedy). Explicit: a model's own generation_config (e.g. top_k=50) must not change what is sampled."""
+        from transformers import GenerationConfig
+
+        greedy = s.temperature == 0
+        return GenerationConfig(do_sample=not greedy, temperature=None if greedy else s.temperature,
+                                top_p=None if greedy else s.top_p, top_k=None if greedy else 0,
+                                max_new_tokens=self.cfg.rollout.max_new_tokens, pad_token_id=self.pad_id,
+                                eos_token_id=eos_id, output_scores=True, return_dict_in_generate=True)
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling=None) -> list[Completion]:
         # In batches of rollout.generate_batch_size prompts (all at once when unset), each seeded with its
         # first sample's seed: reproducible for the same prompts. The global RNG is put back afterwards, so
-        # a trainer in the same process draws the same numbers as in its own process.
+        # a trainer in the same process draws the same numbers as in its own process. `sampling`: an
+        # evaluation's (its responses end at the end-of-sequence token), else the rollout's.
         size = self.cfg.rollout.generate_batch_size or len(prompts)
+        eos_id = self.eos_id if sampling is None else self.tokenizer.eos_token_id
+        config = self.gen_config if sampling is None else self._config(sampling, eos_id)
         rng, training = torch.get_rng_state(), self.model.training
         self.model.eval()
         try:
             completions = []
             for start in range(0, len(prompts), size):
                 torch.manual_seed(seeds[start])
-                completions += self._generate(prompts[start:start + size])
+                completions += self._generate(prompts[start:start + size], config, eos_id)
             return completions
         finally:
             torch.set_rng_state(rng)
             self.model.train(training)
 
-    def _generate(self, prompts: list[list[int]]) -> list[Completion]:
+    def _generate(self, prompts: list[list[int]], config, eos_id: int | None) -> list[Completion]:
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros_like(ids)
@@ -59,15 +69,15 @@ class HFEngine:
             ids[i, width - len(p):] = torch.tensor(p)
             attention[i, width - len(p):] = 1
         out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-                                  generation_config=self.gen_config)
+                                  generation_config=config)
         new = out.sequences[:, width:].cpu()
         logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu()
         token_lp = logprobs.gather(-1, new[..., None])[..., 0]
         completions = []
         for i in range(len(prompts)):
             row = new[i].tolist()
-            finished = self.eos_id is not None and self.eos_id in row  # generate pads finished rows after EOS
-            end = row.index(self.eos_id) + 1 if finished else len(row)
+            finished = eos_id is not None and eos_id in row  # generate pads finished rows after EOS
+            end = row.index(eos_id) + 1 if finished else len(row)
             completions.append(Completion(row[:end], token_lp[i, :end].tolist(), finished,
                                           self.tokenizer.decode(row[:end], skip_special_tokens=True)))
         return completions

@@ -113,17 +113,20 @@ class VllmEngine:
             log.info("vLLM's %d tensor-parallel ranks started by %s (VLLM_WORKER_MULTIPROC_METHOD)", self.ranks,
                      os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"))
 
-    def _params(self, seeds: list[int]) -> list:
+    def _params(self, seeds: list[int], sampling=None) -> list:
+        """vLLM's sampling parameters of each sample: the rollout's, or `sampling`'s (an evaluation's:
+        temperature 0 is greedy; responses end at the end-of-sequence token)."""
         from vllm import SamplingParams
 
         r = self.cfg.rollout
-        return [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
-                               logprobs=0, seed=seed, ignore_eos=r.ignore_eos) for seed in seeds]
+        s = sampling or r
+        return [SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, max_tokens=r.max_new_tokens,
+                               logprobs=0, seed=seed, ignore_eos=r.ignore_eos and sampling is None) for seed in seeds]
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling=None) -> list[Completion]:
         from vllm.inputs import TokensPrompt
 
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], self._params(seeds),
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], self._params(seeds, sampling),
                                     use_tqdm=False)
         return [_completion(out) for out in outputs]
 
