@@ -222,6 +222,24 @@ def test_an_evaluation_in_the_run_that_could_not_be_made_is_refused(tiny, tmp_pa
     assert load_config(config, overrides + fixed).eval.every_steps == 2
 
 
+def test_an_evaluation_in_the_run_needs_a_held_out_prompt(tiny, tmp_path):
+    """A share held out of a few prompts may hold none of them: refused as the data is read, before the run
+    directory or any process is made."""
+    from toolkit.data.dataset import check_data
+
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(f'{{"prompt": "{k} 2 3"}}\n' for k in range(4)))
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, data={"prompts": str(few), "eval_fraction": 0.01},
+                                            eval={"every_steps": 2}, rollout={"prompts_per_step": 2},
+                                            trainer={"micro_batch_size": 8}))
+    with pytest.raises(ConfigError, match=re.escape("eval.every_steps: none of the run's prompts fell in the share "
+                                                    "held out of training (data.eval_fraction 0.01)")):
+        check_data(load_config(config))
+    result = cli("run", config, "--run-dir", tmp_path / "run")
+    assert result.returncode == 2 and "eval.every_steps: none of" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_files_that_are_not_what_they_should_be_are_named(tiny, tmp_path):
     """A config that is not UTF-8, a stage that is not a name, a model whose config.json is not a JSON
     object or not JSON: each once ended in a traceback."""

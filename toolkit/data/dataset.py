@@ -62,6 +62,10 @@ def check_data(cfg) -> StageData:
     """Read a stage config's data as its workers will (a bad row is a ConfigError before any process starts), and
     check that the reward functions can be called with the RL rows' fields."""
     data = StageData(cfg.data, cfg.stage, KIND[cfg.stage], cfg.run.seed)
+    if cfg.stage == "rl" and cfg.eval.every_steps and not data.eval:
+        raise ConfigError(f"eval.every_steps: none of the run's prompts fell in the share held out of training "
+                          f"(data.eval_fraction {cfg.data.eval_fraction:g}); raise data.eval_fraction, or set "
+                          "eval.every_steps: 0")
     if cfg.stage == "rl":
         from toolkit.rewards.calls import check_calls
 

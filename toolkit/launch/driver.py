@@ -52,7 +52,7 @@ class Driver(Supervisor):
         self.sending = False
         self.last_done: float | None = None  # when the last step finished (this attempt)
         self.eval_prompts = []  # the prompts held out of training, when the run evaluates itself (eval.every_steps)
-        if cfg.eval.every_steps:
+        if cfg.eval.every_steps:  # (data.dataset.check_data made sure there are some, before any process)
             from toolkit.use.evaluate import heldout_prompts
 
             self.eval_prompts = heldout_prompts(cfg)
