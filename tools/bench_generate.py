@@ -81,7 +81,7 @@ def main() -> None:
             outs = engine.llm.generate(texts, params, use_tqdm=False)
             return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
-        prompt_ids = [role._tokenize(t) for t in texts]
+        prompt_ids = role._tokenize(0, texts)
 
         def bare_rl() -> int:
             params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=new_tokens,
