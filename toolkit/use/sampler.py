@@ -86,11 +86,14 @@ class Sampler:
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
             from vllm import LLM
 
-            from toolkit.roles.engines.vllm_engine import eager_helpers_on_cpu
+            from vllm.platforms import current_platform
+
+            from toolkit.roles.engines.vllm_engine import eager_helpers_on_cpu, whole_prefills_on_cpu
 
             eager_helpers_on_cpu()  # (with enforce_eager, as below)
             self.llm = LLM(model=self.model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                           kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enforce_eager=True)
+                           kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enforce_eager=True,
+                           **whole_prefills_on_cpu(current_platform, max_model_len, 1))  # (seeded samples)
         else:
             import torch
             from transformers import AutoModelForCausalLM
