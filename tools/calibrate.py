@@ -11,8 +11,8 @@ then checks the planner's predictions against whole runs):
   forward_call              no-gradient forward passes (log-probs) beyond their FLOPs
   train_micro_batch, optimizer_step   DeepSpeed updates with two micro-batch sizes, beyond their FLOPs
   message, step             one samples message (encode, MAC, send, decode); one HDF5 experience commit
-  generation_idle           the share of the cores vLLM's generation leaves idle: a probe thread per core at
-                            nice 19 multiplies matrices beside it, against the same probes alone
+  generation_idle           the share of the cores vLLM's generation leaves idle: a probe process per core
+                            (pinned, nice 19) multiplies matrices beside it, against the same probes alone
 Run it with the thread count the runs will have (default: every core).
 """
 
@@ -279,7 +279,7 @@ def main() -> int:
               file=sys.stderr)
     print(f"decode step: transformers {hf_step * 1e3:.2f} ms + {hf_seq * 1e6:.1f} us/sequence, "
           f"vLLM {vllm_step * 1e3:.2f} ms + {vllm_seq * 1e6:.1f} us/sequence", file=sys.stderr)
-    idle = generation_idle(generator, prompts_of(cfg.samples_per_step), cores)
+    idle = round(generation_idle(generator, prompts_of(cfg.samples_per_step), cores), 2)  # (as written)
     print(f"generation leaves {idle:.0%} of {len(cores)} core(s) idle", file=sys.stderr)
 
     memory_gb = args.memory_gb or _meminfo_gb()
@@ -287,7 +287,7 @@ def main() -> int:
         "name": f"this machine ({os.cpu_count()} cores, {torch.get_num_threads()} threads, {memory_gb:.0f} GB)",
         "nodes": 1, "gpus_per_node": 0, "shared": True,
         "device": {"memory_gb": round(memory_gb, 1), "flops": float(f"{F:.3g}"), "memory_bandwidth": float(f"{B:.3g}"),
-                   "generation_idle": round(idle, 2)},
+                   "generation_idle": idle},
         "links": {"intra_node": float(f"{links['intra_node']:.3g}"), "inter_node": float(f"{links['intra_node']:.3g}"),
                   "latency_s": float(f"{links['latency_s']:.3g}")},
         "overheads": {k: float(f"{v:.3g}") for k, v in {
