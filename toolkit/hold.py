@@ -19,7 +19,8 @@ from pathlib import Path
 ENV = "SLURM_RLHF_TEST_HOLD"
 MOMENTS = ("start-up", "registered", "loading", "generating", "scoring", "training", "syncing", "checkpointing",
            "boundary",  # a supervised stage's rank 0 between two steps
-           "rejoining")  # a generator started again, between asking for its new weight-sync group and joining it
+           "rejoining",  # a generator started again, between asking for its new weight-sync group and joining it
+           "evaluating")  # a generator given the held-out prompts of an evaluation (eval.every_steps)
 
 
 _reached: dict[str, int] = {}

@@ -1,38 +1,69 @@
 """Evaluation in the run (`eval.every_steps`): the generators sample the held-out prompts after every N
 steps and the last, the run's rewards score them, trainer rank 0 writes them as `slurm-rlhf eval` writes
 its files (RUN_DIR/eval/in-run), and nothing is trained on or committed from them; in Separation, in
-Flattening over two ranks that generate, and asynchronously."""
+Flattening over two ranks that generate, and asynchronously. An evaluation cut short by a generator that
+died, or by the end of the whole run (a crash), is made again, as it would have been."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli, example, write_config
+from tests.conftest import alive, cli, example, run_and_kill, start_held, write_config
 
 pytestmark = pytest.mark.integration
+SECTIONS = {"run": {"steps": 4, "name": "in-run-eval", "seed": 5, "deterministic": True},
+            "eval": {"every_steps": 2}, "checkpoint": {"every_steps": 2, "keep": 2}}
 
 
 def read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def config(tiny, tmp_path, steps: int = 4, **sections) -> Path:
+    sections = {**SECTIONS, **sections}
+    sections["run"] = {**sections["run"], "steps": steps}
+    return write_config(tmp_path, example("tiny-grpo.yaml", tiny, **sections,
+                                          data={"prompts": str(tiny / "prompts.jsonl"), "eval_fraction": 0.1}))
+
+
 def run(tiny, tmp_path, steps: int, **sections):
-    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": steps, "name": "in-run-eval"},
-                                            data={"prompts": str(tiny / "prompts.jsonl"), "eval_fraction": 0.1},
-                                            **sections))
-    result = cli("run", config, "--run-dir", tmp_path / "run")
+    result = cli("run", config(tiny, tmp_path, steps, **sections), "--run-dir", tmp_path / "run")
     assert result.returncode == 0, result.stdout + result.stderr
     return tmp_path / "run", result.stdout
 
 
-def test_a_run_evaluates_itself_as_eval_scores_its_checkpoints(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def evaluated(tiny, tmp_path_factory):
+    """A deterministic run of 4 steps in Separation, evaluated greedily after steps 2 and 4, with
+    checkpoints of both: (its directory, its output)."""
+    return run(tiny, tmp_path_factory.mktemp("evaluated"), 4)
+
+
+def assert_same_evaluations(run_dir: Path, other: Path, steps=(2, 4)) -> None:
+    """The in-run evaluations of two runs (of `steps`): the same weights, samples and rewards."""
+    ours, theirs = (read(d / "eval" / "in-run" / "summary.jsonl") for d in (run_dir, other))
+    theirs = [t for t in theirs if t["step"] in steps]
+    assert [r["step"] for r in ours] == [t["step"] for t in theirs] == list(steps)
+    for r, t in zip(ours, theirs):
+        assert r["policy_version_min"] == r["policy_version_max"] == r["step"]
+        assert r["reward_mean"] == pytest.approx(t["reward_mean"], abs=1e-6) and r["samples"] == t["samples"]
+        a, b = (read(d / "eval" / "in-run" / f"step-{r['step']:06d}.jsonl") for d in (run_dir, other))
+        key = lambda s: (s["prompt_id"], s["sample"], s["response"], round(s["reward"], 6))  # noqa: E731
+        assert sorted(map(key, a)) == sorted(map(key, b))
+    assert [m["reward_mean"] for m in read(run_dir / "metrics.jsonl")] == \
+        [m["reward_mean"] for m in read(other / "metrics.jsonl")]
+
+
+def test_a_run_evaluates_itself_as_eval_scores_its_checkpoints(evaluated):
     """Separation, synchronous, greedy: the evaluations after steps 2 and 4 are, sample for sample, what
     `slurm-rlhf eval` gets from the checkpoints of those steps (the same held-out prompts, weights, and
     vLLM), and the run trains on its own prompts only."""
-    run_dir, out = run(tiny, tmp_path, 4, eval={"every_steps": 2}, checkpoint={"every_steps": 2, "keep": 2})
+    run_dir, out = evaluated
     summary = read(run_dir / "eval" / "in-run" / "summary.jsonl")
     assert [r["step"] for r in summary] == [2, 4]
     assert all(r["policy_version_min"] == r["policy_version_max"] == r["step"] for r in summary)
@@ -53,6 +84,46 @@ def test_a_run_evaluates_itself_as_eval_scores_its_checkpoints(tiny, tmp_path):
         ours, theirs = (read(run_dir / "eval" / name / f"step-{r['step']:06d}.jsonl") for name in ("in-run", "heldout"))
         assert [(s["prompt_id"], s["response"]) for s in ours] == [(s["prompt_id"], s["response"]) for s in theirs]
     assert len({s["response"] for s in ours}) > 1  # (not one response for every prompt)
+
+
+def test_an_evaluation_lost_with_its_generator_is_made_again(evaluated, tiny, tmp_path):
+    """The generator is killed (SIGKILL) as it takes the held-out prompts of step 2's evaluation: the driver
+    starts it again, the trainer says which held-out prompts it misses (all), they go out again ahead of
+    step 2's prompts, and the run ends with the evaluations and steps of the run that was not killed."""
+    proc, pid = start_held(config(tiny, tmp_path), tmp_path / "run", "evaluating")
+    try:
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert not alive([pid])
+    assert "starting it again alone" in out
+    prompts = read(evaluated[0] / "eval" / "in-run" / "summary.jsonl")[0]["prompts"]
+    assert f"sending {prompts} of the {prompts} held-out prompts of the evaluation of step 2 again" in out, out
+    assert_same_evaluations(tmp_path / "run", evaluated[0])
+
+
+@pytest.mark.parametrize("nth", [1, 2], ids=["a middle evaluation", "the last evaluation"])
+def test_an_evaluation_cut_short_by_a_crash_is_made_on_resume(evaluated, tiny, tmp_path, nth):
+    """The whole run is killed (SIGKILL, every process) while its generator holds the held-out prompts of
+    the evaluation of step 2 (or of step 4, the last: every step is trained by then): `resume` finds no
+    line of that evaluation and makes it first, with the resumed weights, which are those it was sent for.
+    One of earlier weights that is missing (step 2's line, removed in the second case) is named."""
+    run_dir = tmp_path / "run"
+    run_and_kill(config(tiny, tmp_path), run_dir, hold=f"evaluating@{nth}")
+    step = 2 * nth
+    summary = run_dir / "eval" / "in-run" / "summary.jsonl"
+    assert [r["step"] for r in read(summary)] == [2] if nth == 2 else not summary.exists()
+    if nth == 2:
+        summary.unlink()  # (as if step 2's evaluation had been cut short too)
+    result = cli("resume", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"evaluating step {step} again: the run stopped before its evaluation was written" in result.stdout
+    lost = "the evaluation of step(s) 2 did not finish before the run stopped and its weights are gone"
+    assert (lost in result.stdout) == (nth == 2), result.stdout
+    assert_same_evaluations(run_dir, evaluated[0], steps=(2, 4) if nth == 1 else (4,))
 
 
 @pytest.mark.parametrize("case", ["flattening over 2 ranks", "asynchronous"])

@@ -74,12 +74,12 @@ class Driver(Supervisor):
                                  connect_timeout_s=self.cfg.transport.heartbeat_timeout_s / 2,
                                  max_message_mb=self.cfg.transport.max_message_mb)
         self.next_dispatch = resume["next_step"]
+        self._evaluate_resumed(resume["next_step"])
         for step in range(resume["next_step"], self.cfg.run.steps):
             if self.preempt and not self._time_for_a_step(records):
-                return  # (an evaluation still out is not waited for: the time limit is near)
+                return  # (an evaluation still out is not waited for: the time limit is near; the resume makes it)
             records.append(self._step(step))
-            every = self.cfg.eval.every_steps
-            if every and ((step + 1) % every == 0 or step + 1 == self.cfg.run.steps):
+            if self._evaluates(step + 1):
                 self._send_evaluation(step + 1)
         if self.evaluating:
             self._pump(lambda: not self.evaluating, self.cfg.transport.step_timeout_s,
@@ -147,34 +147,65 @@ class Driver(Supervisor):
         finally:
             self.sending = False
 
-    def _send_evaluation(self, step: int) -> None:
-        """The held-out prompts, marked as an evaluation of the weights of `step` steps (eval.n samples each)."""
-        self.evaluating[step] = time.monotonic()
+    def _evaluates(self, version: int) -> bool:
+        """Whether the weights of `version` steps are evaluated: every eval.every_steps and the last."""
+        every = self.cfg.eval.every_steps
+        return bool(every) and version > 0 and (version % every == 0 or version == self.cfg.run.steps)
+
+    def _evaluate_resumed(self, version: int) -> None:
+        """On a resume: the evaluation of the resumed weights again, if it is due and its line is not in
+        RUN_DIR/eval/in-run/summary.jsonl (the run stopped while it was out: a crash, the time limit). The
+        trainer holds the very weights it was to sample, so it comes out as it would have. Those of earlier
+        weights cannot be made again in the run; the driver names them."""
+        if not self.cfg.eval.every_steps or version == 0:
+            return
+        from toolkit.store.manifest import read_jsonl
+        from toolkit.use.evaluate import IN_RUN
+
+        done = {r["step"] for r in read_jsonl(self.run_dir.path / "eval" / IN_RUN / "summary.jsonl")}
+        lost = [s for s in range(1, version) if s % self.cfg.eval.every_steps == 0 and s not in done]
+        if lost:  # (many where eval.every_steps was set only now)
+            named = ", ".join(map(str, lost[:5])) + (f", ... ({len(lost)} in all)" if len(lost) > 5 else "")
+            self.echo(f"the evaluation of step(s) {named} did not finish before the run stopped and its weights "
+                      f"are gone from the run; `slurm-rlhf eval {self.run_dir.path} --steps STEP,...` scores kept "
+                      f"checkpoints")
+        if self._evaluates(version) and version not in done:
+            self.echo(f"evaluating step {version} again: the run stopped before its evaluation was written")
+            self._send_evaluation(version)
+
+    def _send_evaluation(self, step: int, slots: list[int] | None = None) -> None:
+        """The held-out prompts (those at `slots`, else all), marked as an evaluation of the weights of `step`
+        steps (eval.n samples each)."""
+        self.evaluating.setdefault(step, time.monotonic())
         prompts = self.eval_prompts
-        self._send_prompts(step, list(range(len(prompts))), prompts, eval_samples=len(prompts) * self.cfg.eval.n)
+        slots = list(range(len(prompts))) if slots is None else slots
+        self._send_prompts(step, slots, prompts, eval_samples=len(prompts) * self.cfg.eval.n)
 
     def _between_events(self) -> None:
         """Send again the prompts whose samples the trainer misses: dropped as too old (asynchronous `drop`
         mode), or lost with a worker started again."""
         while self.regenerate and self.outbox is not None and not self.sending:
-            step, slots = self.regenerate.pop(0)
-            if step in self.in_flight:  # (not a step trained meanwhile)
+            step, slots, evaluation = self.regenerate.pop(0)
+            if evaluation and step in self.evaluating:  # (not one written meanwhile)
+                self._send_evaluation(step, slots)
+            elif not evaluation and step in self.in_flight:  # (not a step trained meanwhile)
                 self._send_prompts(step, slots)
 
     def _restarted(self, worker_id: str) -> None:
         """A generator or scorer started again: the work it held is lost. The trainer says which sample
         groups of the steps not finished it still misses, and their prompts go out again (`regenerate`;
         the same seeds give the same samples, and the trainer keeps the first copy of a group that comes
-        twice, one that a worker still held). Before, every prompt of those steps went out again."""
-        if self.evaluating:  # (its samples may be lost with the worker: the run does not wait for them)
-            self.echo(f"the evaluation of step(s) {', '.join(map(str, sorted(self.evaluating)))} may be incomplete "
-                      f"after the restart of {worker_id}; not waiting for it (slurm-rlhf eval scores the checkpoints)")
-            self.evaluating.clear()
-        if not self.in_flight:
+        twice, one that a worker still held). Before, every prompt of those steps went out again.
+        The same for an evaluation still out: its missing held-out prompts go out again, ahead of the
+        steps' (synchronously no step trains before them, so they sample the weights it was sent for)."""
+        if not self.in_flight and not self.evaluating:
             return
-        steps = sorted(self.in_flight)
-        self.coordinator.send(self.trainer_id, "missing", steps=[[s, len(self.in_flight[s])] for s in steps])
-        self.echo(f"asking the trainer which samples of step(s) {', '.join(map(str, steps))} it still misses")
+        steps, evals = sorted(self.in_flight), sorted(self.evaluating)
+        self.coordinator.send(self.trainer_id, "missing", steps=[[s, len(self.in_flight[s])] for s in steps],
+                              evals=[[s, len(self.eval_prompts)] for s in evals])
+        what = [f"step(s) {', '.join(map(str, steps))}"] * bool(steps) + \
+            [f"the evaluation of step(s) {', '.join(map(str, evals))}"] * bool(evals)
+        self.echo(f"asking the trainer which samples of {' and '.join(what)} it still misses")
 
     def _record_replayed(self) -> None:
         """Metrics of steps trained again on a resume, for steps whose metrics were never written."""
@@ -205,8 +236,12 @@ class Driver(Supervisor):
             wall = f" ({time.monotonic() - sent:.1f} s after it went out)" if sent is not None else ""
             self.echo(f"eval {row_line(m['record'], m['components'])}{wall}")
         elif msg.kind == "regenerate":
-            self.regenerate.append((m["step"], m["group_index"]))
-            if m.get("lost") and m["step"] in self.in_flight:
+            evaluation = bool(m.get("eval"))
+            self.regenerate.append((m["step"], m["group_index"], evaluation))
+            if evaluation and m["step"] in self.evaluating:
+                self.echo(f"sending {len(m['group_index'])} of the {len(self.eval_prompts)} held-out prompts of the "
+                          f"evaluation of step {m['step']} again (their samples were lost)")
+            elif m.get("lost") and m["step"] in self.in_flight:
                 self.echo(f"sending {len(m['group_index'])} of the {len(self.in_flight[m['step']])} prompts of "
                           f"step {m['step']} again (their samples were lost)")
         else:

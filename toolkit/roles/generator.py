@@ -99,7 +99,7 @@ class GeneratorRole(Role):
         evaluation = meta.get("eval_samples", 0)  # (> 0: held-out prompts, sampled as eval.* says, not trained on)
         group_size = self.cfg.eval.n if evaluation else self.cfg.rollout.group_size
         self.status.update(phase="evaluating" if evaluation else "generating", step=step)
-        hold("generating", self.worker.wenv.run_dir)
+        hold("evaluating" if evaluation else "generating", self.worker.wenv.run_dir)
         prompts = self._tokenize(step, texts)
         per_prompt = lambda values: [v for v in values for _ in range(group_size)]  # noqa: E731
         samples = {"prompts": per_prompt(prompts), "prompt_ids": per_prompt(meta["prompt_ids"]),

@@ -227,6 +227,7 @@ class TrainerRole(Role):
         self.duplicates: dict[int, int] = {}
         self.expected_step = (self.worker.resume or {}).get("next_step", 0)
         self.evaluations: dict[int, list[SampleBatch]] = {}  # an evaluation's samples by step, until all are in
+        self.evaluated: set[int] = set()  # the steps whose evaluation this process wrote
 
     def handle(self, part: SampleBatch) -> None:
         """Rank 0: collect samples until the next step's experience batch is complete, then train on it
@@ -250,14 +251,17 @@ class TrainerRole(Role):
         """Rank 0: gather the samples of an evaluation (eval.every_steps: held-out prompts, never trained on
         or committed); once all are in, write them as `slurm-rlhf eval` does (RUN_DIR/eval/in-run) and tell
         the driver. A sample group that comes twice (sent again after a restart) counts once."""
-        from toolkit.use.evaluate import summary_of, write_step
+        from toolkit.use.evaluate import IN_RUN, summary_of, write_step
 
+        if part.step in self.evaluated:  # (a copy sent again after a restart, come in after the rest)
+            return
         parts = self.evaluations.setdefault(part.step, [])
         seen = {int(g) for p in parts for g in p.group_index}
         parts.append(part.select(np.flatnonzero(~np.isin(part.group_index, list(seen)))))
         if sum(map(len, parts)) < part.eval_samples:
             return
         batch = SampleBatch.concat(self.evaluations.pop(part.step))
+        self.evaluated.add(part.step)
         batch = batch.select(np.lexsort((batch.sample_index, batch.group_index)))
         e, seconds = self.cfg.eval, {**_stage_seconds(parts, "generate_s", "generator"),
                                      **_stage_seconds(parts, "score_s", "scorer")}
@@ -359,11 +363,20 @@ class TrainerRole(Role):
         self.worker.control.send("weights_ready", step=-1, version=self.version, to=[worker_id], rejoin=True)
         self._sync(fold_ema=False, to=[worker_id])
 
-    def _missing(self, steps: list[list[int]]) -> None:
+    def _missing(self, steps: list[list[int]], evals: list[list[int]]) -> None:
         """Rank 0, after a generator or scorer was started again: for each [step, prompts] not trained
         yet, the prompts whose sample groups have not come in (lost with the worker, or still on their
         way from another: those come twice then, and the second copy is dropped) go to the driver to be
-        generated again."""
+        generated again; first those of each [step, held-out prompts] of an evaluation not written yet."""
+        for step, prompts in evals:
+            if step in self.evaluated:
+                continue
+            have = {int(g) for p in self.evaluations.get(step, []) for g in p.group_index}
+            missing = sorted(set(range(prompts)) - have)
+            log.info("evaluation of step %d: %d of %d held-out prompt(s) not in after a worker was started again",
+                     step, len(missing), prompts)
+            if missing:
+                self.worker.control.send("regenerate", step=step, group_index=missing, lost=True, eval=True)
         for step, prompts in steps:
             if step < self.expected_step:
                 continue
@@ -377,7 +390,7 @@ class TrainerRole(Role):
         if msg.kind == "join_sync":
             return self._rejoin(msg.meta["worker"], msg.meta["generation"])
         if msg.kind == "missing":
-            return self._missing(msg.meta["steps"])
+            return self._missing(msg.meta["steps"], msg.meta.get("evals", []))
         if msg.kind != "checkpoint":  # the driver asks before stopping (e.g. the job's time is nearly up)
             return super().on_command(msg)
         if self.rank > 0:  # a rank that also generates: rank 0 is about to broadcast CHECKPOINT
@@ -691,9 +704,6 @@ class TrainerRole(Role):
             return None
         return self.generator._check_sync(self.version, model_logprobs(self.actor.module, self.layout.probe))
 
-
-IN_RUN = "in-run"
-"""The name of the evaluations a run makes itself (eval.every_steps): RUN_DIR/eval/in-run."""
 
 REPLAY_PAUSE_ENV = "SLURM_RLHF_TEST_REPLAY_PAUSE_S"
 """Tests only: seconds to wait before each replayed batch (a long resume without a long run)."""

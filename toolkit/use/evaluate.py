@@ -32,6 +32,10 @@ import numpy as np
 from toolkit.errors import ConfigError
 from toolkit.use.sampler import Sampling
 
+IN_RUN = "in-run"
+"""The name of the evaluations a run makes itself (eval.every_steps): RUN_DIR/eval/in-run."""
+
+
 @dataclass
 class EvalPrompt:
     id: int        # the row's id in the run's data (held out), or its index in --input
