@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import alive, cli, example, run_and_kill, start_held, write_config
+from tests.conftest import alive, cli, example, run_and_kill, start_held, wandb_history, write_config
 
 pytestmark = pytest.mark.integration
 SECTIONS = {"run": {"steps": 4, "name": "in-run-eval", "seed": 5, "deterministic": True},
             "eval": {"every_steps": 2}, "checkpoint": {"every_steps": 2, "keep": 2}}
+WANDB = {"project": "in-run-eval", "mode": "offline"}
 
 
 def read(path: Path) -> list[dict]:
@@ -40,8 +41,21 @@ def run(tiny, tmp_path, steps: int, **sections):
 @pytest.fixture(scope="module")
 def evaluated(tiny, tmp_path_factory):
     """A deterministic run of 4 steps in Separation, evaluated greedily after steps 2 and 4, with
-    checkpoints of both: (its directory, its output)."""
-    return run(tiny, tmp_path_factory.mktemp("evaluated"), 4)
+    checkpoints of both and W&B offline: (its directory, its output)."""
+    return run(tiny, tmp_path_factory.mktemp("evaluated"), 4, wandb=WANDB)
+
+
+def assert_evaluations_in_wandb(run_dir: Path, rows: dict[int, int]) -> None:
+    """The W&B run of the last attempt has each evaluation of eval/in-run/summary.jsonl, in the row of
+    `rows[its step]`, once, with its numbers."""
+    history = wandb_history(run_dir)[-1]
+    found = {row["eval/step"]: row for row in history if "eval/step" in row}
+    summary = read(run_dir / "eval" / "in-run" / "summary.jsonl")
+    assert {e: row["_step"] for e, row in found.items()} == rows
+    assert sum("eval/step" in row for row in history) == len(rows)
+    for r in summary:
+        for name in ("reward_mean", "reward_std", "response_len_mean", "finished_frac"):
+            assert found[r["step"]][f"eval/{name}"] == pytest.approx(r[name], rel=1e-6), name
 
 
 def assert_same_evaluations(run_dir: Path, other: Path, steps=(2, 4)) -> None:
@@ -74,6 +88,8 @@ def test_a_run_evaluates_itself_as_eval_scores_its_checkpoints(evaluated):
     assert [m["samples"] for m in metrics] == [64] * 4  # (the held-out samples are not in any step)
     assert sorted(p.name for p in (run_dir / "experience").glob("*.h5")) == [f"step-{s:06d}.h5" for s in range(4)]
     assert (run_dir / "tensorboard" / "eval-in-run").is_dir()
+    # in W&B, in the row of the step that made the weights (steps 1 and 3, counted from 0 as metrics.jsonl)
+    assert_evaluations_in_wandb(run_dir, {2: 1, 4: 3})
 
     result = cli("eval", run_dir)  # the checkpoints of steps 2 and 4, on the same held-out prompts
     assert result.returncode == 0, result.stdout + result.stderr
@@ -110,9 +126,11 @@ def test_an_evaluation_cut_short_by_a_crash_is_made_on_resume(evaluated, tiny, t
     """The whole run is killed (SIGKILL, every process) while its generator holds the held-out prompts of
     the evaluation of step 2 (or of step 4, the last: every step is trained by then): `resume` finds no
     line of that evaluation and makes it first, with the resumed weights, which are those it was sent for.
-    One of earlier weights that is missing (step 2's line, removed in the second case) is named."""
+    One of earlier weights that is missing (step 2's line, removed in the second case) is named. The
+    W&B run of the resume has each evaluation there is, once, in the row of the step that made its weights
+    (the killed attempt's W&B rows are lost: the resume sends the steps again, with their evaluations)."""
     run_dir = tmp_path / "run"
-    run_and_kill(config(tiny, tmp_path), run_dir, hold=f"evaluating@{nth}")
+    run_and_kill(config(tiny, tmp_path, wandb=WANDB), run_dir, hold=f"evaluating@{nth}")
     step = 2 * nth
     summary = run_dir / "eval" / "in-run" / "summary.jsonl"
     assert [r["step"] for r in read(summary)] == [2] if nth == 2 else not summary.exists()
@@ -124,6 +142,7 @@ def test_an_evaluation_cut_short_by_a_crash_is_made_on_resume(evaluated, tiny, t
     lost = "the evaluation of step(s) 2 did not finish before the run stopped and its weights are gone"
     assert (lost in result.stdout) == (nth == 2), result.stdout
     assert_same_evaluations(run_dir, evaluated[0], steps=(2, 4) if nth == 1 else (4,))
+    assert_evaluations_in_wandb(run_dir, {2: 1, 4: 3} if nth == 1 else {4: 3})
 
 
 @pytest.mark.parametrize("case", ["flattening over 2 ranks", "asynchronous"])

@@ -11,6 +11,11 @@ run directory (its id kept in RUN_DIR/wandb/run-id), continued by every resume. 
 in memory until its run finishes, so an attempt that is killed loses its W&B steps: RUN_DIR/wandb/last-step
 records the last step of a W&B run that finished, and the next attempt first sends the steps after it
 from metrics.jsonl. Offline mode writes under RUN_DIR/wandb for `wandb sync` later.
+
+A run's own evaluations (eval.every_steps) go to W&B too, as `eval/...` plotted against `eval/step` (the
+policy version evaluated), each in the row of the latest training step W&B has (the row of the step
+that made those weights, unless later steps came first, asynchronously); a resume sends those of the
+steps it sends again with them. TensorBoard gets them as a run of its own (`eval-in-run`, use/evaluate.py).
 """
 
 from __future__ import annotations
@@ -79,6 +84,14 @@ def scalars(record: dict) -> dict[str, float]:
             and math.isfinite(value)}
 
 
+def eval_scalars(record: dict) -> dict[str, float]:
+    """{eval/<name>: value} of an evaluation's summary line (use/evaluate.py): its rewards, length and
+    finished share; the x-axis of their curves is `eval/step`, the policy version evaluated."""
+    return {f"eval/{name}": value for name, value in record.items()
+            if (name.startswith("reward") or name in ("response_len_mean", "finished_frac"))
+            and isinstance(value, (int, float)) and math.isfinite(value)}
+
+
 class Curves:
     """Writes the scalars of metrics records, in step order, to one event file per attempt of a run (and
     to W&B when the config says so)."""
@@ -91,6 +104,7 @@ class Curves:
         self.wandb = cfg.wandb if cfg is not None and cfg.wandb.project else None
         self.wandb_run = None
         self.wandb_last = -1
+        self.wandb_logged = False  # whether this attempt's W&B run has a row at wandb_last (it may add to it)
         self.wandb_caught_up = False
 
     def open(self) -> None:
@@ -114,6 +128,11 @@ class Curves:
         if self.wandb is not None:
             self._to_wandb(step, values)
 
+    def add_evaluation(self, record: dict) -> None:
+        """An in-run evaluation's summary line, to W&B (see the module docstring)."""
+        if self.wandb is not None:
+            self._to_wandb(None, {"eval/step": record["step"], **eval_scalars(record)})
+
     def _start_wandb(self) -> None:
         directory = self.run_dir / "wandb"
         last_file = directory / "last-step"
@@ -135,22 +154,34 @@ class Curves:
                                     # too; finish() then raises, and last-step stays where it was)
                                     settings=wandb.Settings(console="off", x_disable_stats=True, disable_git=True,
                                                             finish_timeout=WANDB_FINISH_S, finish_timeout_raises=True))
+        self.wandb_run.define_metric("eval/step")
+        self.wandb_run.define_metric("eval/*", step_metric="eval/step")
 
-    def _to_wandb(self, step: int, values: dict) -> None:
+    def _to_wandb(self, step: int | None, values: dict) -> None:
+        """`values` at W&B step `step`, or (None: an evaluation) in the latest row this W&B run has, or the
+        next one."""
         if self.wandb_run is None:
             self._start_wandb()
         if not self.wandb_caught_up:
             from toolkit.store.manifest import read_jsonl
+            from toolkit.use.evaluate import IN_RUN
 
-            # what an attempt killed before its W&B run finished had sent (the newest record of each step)
-            missed = {r["step"]: r for r in read_jsonl(self.run_dir / "metrics.jsonl")
-                      if self.wandb_last < r["step"] < step}
+            # what an attempt killed before its W&B run finished had sent (the newest record of each step),
+            # with the evaluations of the weights those steps made
+            missed = {r["step"]: scalars(r) for r in read_jsonl(self.run_dir / "metrics.jsonl")
+                      if self.wandb_last < r["step"] and (step is None or r["step"] < step)}
+            for e in read_jsonl(self.run_dir / "eval" / IN_RUN / "summary.jsonl"):
+                if e["step"] - 1 in missed:
+                    missed[e["step"] - 1].update({"eval/step": e["step"], **eval_scalars(e)})
             for s in sorted(missed):
-                self.wandb_run.log(scalars(missed[s]), step=s)
+                self.wandb_run.log(missed[s], step=s)
+                self.wandb_last, self.wandb_logged = s, True
             self.wandb_caught_up = True
-        if step > self.wandb_last:
+        if step is None:  # (a row that a finished W&B run has is closed to more: the next one then)
+            step = self.wandb_last if self.wandb_logged else self.wandb_last + 1
+        if step > self.wandb_last or (step == self.wandb_last and self.wandb_logged):
             self.wandb_run.log(values, step=step)
-            self.wandb_last = step
+            self.wandb_last, self.wandb_logged = step, True
 
     def close(self) -> None:
         if self.writer is not None:

@@ -235,6 +235,7 @@ class Driver(Supervisor):
             sent = self.evaluating.pop(m["step"], None)
             wall = f" ({time.monotonic() - sent:.1f} s after it went out)" if sent is not None else ""
             self.echo(f"eval {row_line(m['record'], m['components'])}{wall}")
+            self.curves.add_evaluation(m["record"])
         elif msg.kind == "regenerate":
             evaluation = bool(m.get("eval"))
             self.regenerate.append((m["step"], m["group_index"], evaluation))

@@ -298,15 +298,14 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def _write_curves(directory: Path, records: list[dict]) -> None:
     """The summary's numbers as TensorBoard scalars (eval/<name>), the directory written again whole."""
-    from toolkit.launch.curves import summary_writer
+    from toolkit.launch.curves import eval_scalars, summary_writer
 
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True, mode=0o700)
     writer = summary_writer()(str(directory))
     try:
         for r in records:
-            for key, value in r.items():
-                if key.startswith("reward") or key in ("response_len_mean", "finished_frac"):
-                    writer.add_scalar(f"eval/{key}", value, r["step"])
+            for name, value in eval_scalars(r).items():
+                writer.add_scalar(name, value, r["step"])
     finally:
         writer.close()
