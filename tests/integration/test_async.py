@@ -82,7 +82,7 @@ def test_asynchronous_run_resumes_after_sigkill_without_losing_or_repeating(tiny
     assert 4 <= killed_at < 6
     result = cli("resume", run_dir)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"resuming at step {killed_at}: checkpoint checkpoints/step-00000" in result.stdout
+    assert f"resuming after step {killed_at}: checkpoint checkpoints/step-00000" in result.stdout
     manifest = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in manifest if r["kind"] == "experience") == list(range(6))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -88,8 +88,8 @@ def test_a_run_evaluates_itself_as_eval_scores_its_checkpoints(evaluated):
     assert [m["samples"] for m in metrics] == [64] * 4  # (the held-out samples are not in any step)
     assert sorted(p.name for p in (run_dir / "experience").glob("*.h5")) == [f"step-{s:06d}.h5" for s in range(4)]
     assert (run_dir / "tensorboard" / "eval-in-run").is_dir()
-    # in W&B, in the row of the step that made the weights (steps 1 and 3, counted from 0 as metrics.jsonl)
-    assert_evaluations_in_wandb(run_dir, {2: 1, 4: 3})
+    # in W&B, in the row of the step that made the weights (the rows are the steps trained)
+    assert_evaluations_in_wandb(run_dir, {2: 2, 4: 4})
 
     result = cli("eval", run_dir)  # the checkpoints of steps 2 and 4, on the same held-out prompts
     assert result.returncode == 0, result.stdout + result.stderr
@@ -142,7 +142,7 @@ def test_an_evaluation_cut_short_by_a_crash_is_made_on_resume(evaluated, tiny, t
     lost = "the evaluation of step(s) 2 did not finish before the run stopped and its weights are gone"
     assert (lost in result.stdout) == (nth == 2), result.stdout
     assert_same_evaluations(run_dir, evaluated[0], steps=(2, 4) if nth == 1 else (4,))
-    assert_evaluations_in_wandb(run_dir, {2: 1, 4: 3} if nth == 1 else {4: 3})
+    assert_evaluations_in_wandb(run_dir, {2: 2, 4: 4} if nth == 1 else {4: 4})
 
 
 @pytest.mark.parametrize("case", ["flattening over 2 ranks", "asynchronous"])

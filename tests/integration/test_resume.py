@@ -87,7 +87,7 @@ def assert_same_as_baseline(run_dir: Path, baseline: Path) -> float:
 def test_resume_after_sigkill_ends_with_the_same_weights(baseline, killed, tmp_path):
     run_dir, result = resumed_copy(killed, tmp_path)
     n = commits(killed)
-    assert (f"resuming at step {n}: checkpoint checkpoints/step-000002 (policy_version 2), then training again "
+    assert (f"resuming after step {n}: checkpoint checkpoints/step-000002 (policy_version 2), then training again "
             f"on {n - 2} committed experience batch(es)") in result.stdout
     diff = assert_same_as_baseline(run_dir, baseline)
     print(f"max abs weight difference after resume: {diff:.3g}")
@@ -118,17 +118,17 @@ def test_resume_after_sigkill_ends_with_the_same_weights(baseline, killed, tmp_p
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one file per attempt
     for name, tb_tag in (("reward_mean", "reward_mean"), ("loss", "loss"), ("train_s", "time/train_s"),
                          ("reward/digit_ratio", "reward/digit_ratio")):
-        assert curves[tb_tag] == pytest.approx({m["step"]: m[name] for m in metrics}, rel=1e-6), tb_tag
+        assert curves[tb_tag] == pytest.approx({m["step"] + 1: m[name] for m in metrics}, rel=1e-6), tb_tag
     # (d) and so do the W&B curves (offline), one W&B run continued: W&B holds what it is sent until its
     # run finishes, so the killed attempt's steps are lost there, and the resume sends them again first
     attempts = wandb_history(run_dir)
     assert len(attempts) == 2 and len({p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}) == 1
-    assert [row["_step"] for row in attempts[-1]] == list(range(STEPS))
+    assert [row["_step"] for row in attempts[-1]] == list(range(1, STEPS + 1))  # (at the steps trained)
     for row in (row for rows in attempts for row in rows):
-        m = metrics[row["_step"]]
+        m = metrics[row["_step"] - 1]
         assert row["reward_mean"] == pytest.approx(m["reward_mean"], rel=1e-6)
         assert row["time/train_s"] == pytest.approx(m["train_s"], rel=1e-6)
-    assert (run_dir / "wandb" / "last-step").read_text() == str(STEPS - 1)
+    assert (run_dir / "wandb" / "last-step").read_text() == str(STEPS)
     # W&B's staging directories: the killed driver left its two in the run directory, not in TMPDIR; the
     # resume removed them before it imported wandb, and its own at its exit
     left = sorted(p.name.rsplit("wandb-", 1)[-1] for p in (killed / "wandb" / "tmp").iterdir())
@@ -188,7 +188,7 @@ def test_damaged_checkpoint_falls_back_to_an_older_state(baseline, killed, tmp_p
     assert "resume: checkpoint checkpoints/step-000002 is damaged" in result.stdout
     assert "truncated or overwritten" in result.stdout
     n = commits(killed)
-    assert f"resuming at step {n}: the initial weights (policy_version 0), then training again on {n}" in result.stdout
+    assert f"resuming after step {n}: the initial weights (policy_version 0), then training again on {n}" in result.stdout
     assert_same_as_baseline(run_dir, baseline)
 
 
@@ -420,9 +420,9 @@ def test_a_generator_started_again_has_only_the_samples_the_trainer_misses_gener
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
-    assert "asking the trainer which samples of step(s) 1 it still misses" in out, out
+    assert "asking the trainer which samples of step(s) 2 it still misses" in out, out
     missing = 16 - trainer["samples"] // 4
-    assert f"sending {missing} of the 16 prompts of step 1 again (their samples were lost)" in out, out
+    assert f"sending {missing} of the 16 prompts of step 2 again (their samples were lost)" in out, out
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["worker_restarts"] for m in metrics][-1] == 1
     assert sum(m["duplicate_samples"] for m in metrics) == 0  # (none generated twice)

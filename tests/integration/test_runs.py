@@ -362,9 +362,9 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
         assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
         longer = cli("resume", run_dir, "--data-changed")
         assert "going on with the data files as they are now" in longer.stdout
-        assert longer.returncode == 0 and "resuming at step 3: checkpoint checkpoints/step-000003" in longer.stdout
+        assert longer.returncode == 0 and "resuming after step 3: checkpoint checkpoints/step-000003" in longer.stdout
         assert (f"resume: the reward code changed since the last start: reward.functions.0 ({rewards}:digits): "
-                f"{rewards} has other contents ({code_before} bytes then, {rewards.stat().st_size} now); steps 3 "
+                f"{rewards} has other contents ({code_before} bytes then, {rewards.stat().st_size} now); steps 4 "
                 "on are scored by it as it is now") in longer.stdout, longer.stdout
         recorded = [r for r in Manifest(run_dir).records() if r["kind"] == "rewards"]
         assert [(r["from_step"], r["functions"]["reward.functions.0"]["bytes"]) for r in recorded] == \

@@ -89,7 +89,7 @@ def test_sft_killed_and_resumed_equals_an_uninterrupted_run(tiny, sft_run, tmp_p
     assert metric_lines(run_dir) == 6 and not (run_dir / "export").exists()
     result = cli("resume", run_dir)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "resuming at step 4: checkpoint checkpoints/step-000004 (step 4)" in result.stdout, result.stdout
+    assert "resuming after step 4: checkpoint checkpoints/step-000004 (step 4)" in result.stdout, result.stdout
     assert max_difference(run_dir, sft_run) <= 1e-6
     assert [r["loss"] for r in records(run_dir)] == [r["loss"] for r in records(sft_run)]
     assert [r["step"] for r in records(run_dir)] == list(range(12))  # no step twice in the metrics
@@ -225,5 +225,5 @@ def test_sigusr1_checkpoints_stops_and_resume_finishes_the_same(tiny, sft_run, t
     assert [r["step"] for r in manifest if r["kind"] == "checkpoint"] == [stopped]  # the stop's own checkpoint
     result = cli("resume", run_dir)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"resuming at step {stopped}: checkpoint checkpoints/step-{stopped:06d} (step {stopped})" in result.stdout
+    assert f"resuming after step {stopped}: checkpoint checkpoints/step-{stopped:06d} (step {stopped})" in result.stdout
     assert max_difference(run_dir, sft_run) <= 1e-6

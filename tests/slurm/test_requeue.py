@@ -144,7 +144,7 @@ def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
     job = json.loads((run_dir / "job.json").read_text())
     assert job["requeues"] == 2
     output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
-    assert output.count("it will resume by itself") == 2 and output.count("resuming at step") == 2
+    assert output.count("it will resume by itself") == 2 and output.count("resuming after step") == 2
     assert output.count("stopping after step") == 2  # the time-limit path: a checkpoint, then the stop
     assert "stopping after step 3 (SIGUSR1)" in output and "stopping after step 6 (SIGUSR1)" in output
     status = json.loads((run_dir / "status.json").read_text())
@@ -191,7 +191,7 @@ def test_a_job_requeued_by_slurm_resumes_by_itself(tiny, tmp_path):
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished", status.get("error")
     output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
-    assert output.count("resuming at step") == 1
+    assert output.count("resuming after step") == 1
     committed = sorted(json.loads(line)["step"] for line in (run_dir / "manifest.jsonl").read_text().splitlines()
                        if '"kind": "experience"' in line)
     assert committed == list(range(steps))
@@ -229,8 +229,8 @@ def test_an_sft_stage_survives_its_time_limit_by_requeueing(tiny, tmp_path):
     let_go(run_dir)
     wait_until(lambda: not squeue(job_id), "the job to end", run_dir=run_dir)
     output = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
-    assert output.count("resuming at step") == 1 and output.count("stopping at the ranks' next step boundary") == 1
-    assert f"checkpoint of step {stopped} saved" in output and f"resuming at step {stopped}: " in output
+    assert output.count("resuming after step") == 1 and output.count("stopping at the ranks' next step boundary") == 1
+    assert f"checkpoint of step {stopped} saved" in output and f"resuming after step {stopped}: " in output
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
         list(range(steps))
@@ -272,7 +272,7 @@ def test_a_lost_node_requeues_the_job_and_it_finishes_on_the_nodes_left(tiny, tm
     assert "DUE TO NODE FAILURE" in (slurm / f"{job_id}_0_log.err").read_text()
     output = (slurm / f"{job_id}_0_log.out").read_text()
     assert f"job {job_id}: started again by Slurm (SLURM_RESTART_COUNT 1)" in output
-    assert output.count("resuming at step") == 1 and "checkpoint checkpoints/step-000005" in output
+    assert output.count("resuming after step") == 1 and "checkpoint checkpoints/step-000005" in output
     records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in records if r["kind"] == "experience") == list(range(steps))
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \

@@ -27,8 +27,9 @@ def test_the_driver_writes_curves_without_loading_torch(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"  # (torch alone takes about 250 MB in a process)
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
-    assert scalars == {"reward": {1: 0.25, 2: 0.5}, "time/train_s": {1: 1.5, 2: 1.5},
-                       "tokens_per_s": {1: 90.0, 2: 90.0}}  # (a rate, not a time)
+    # (at the number of steps trained: metrics.jsonl's step 1 is the second, `step 2/N` in the progress line)
+    assert scalars == {"reward": {2: 0.25, 3: 0.5}, "time/train_s": {2: 1.5, 3: 1.5},
+                       "tokens_per_s": {2: 90.0, 3: 90.0}}  # (a rate, not a time)
 
 
 def test_a_wandb_run_that_does_not_finish_holds_the_driver_a_bounded_time(tmp_path, caplog):

@@ -2,9 +2,12 @@
 
 Event files go to RUN_DIR/tensorboard; watch a run with `tensorboard --logdir RUN_DIR/tensorboard` (the
 viewer is not a dependency: `pip install tensorboard` where you look at them). Tags are the metrics'
-names, phase times (`*_s`) under `time/`, reward components under `reward/`. A resumed run opens a new
-event file that starts with a purge at its first step, so TensorBoard drops what an earlier attempt
-wrote from that step on: the curves go on with no step twice, as metrics.jsonl does.
+names, phase times (`*_s`) under `time/`, reward components under `reward/`. The x-axis is the number
+of steps trained, the step's number in the progress line (`step 3/40` is at 3; metrics.jsonl's `step`
+counts from 0), so a step's curves stand at the policy version, the checkpoint and the evaluation its
+weights make. A resumed run opens a new event file that starts with a purge at its first step, so
+TensorBoard drops what an earlier attempt wrote from that step on: the curves go on with no step twice,
+as metrics.jsonl does.
 
 With `wandb.project` set, the same scalars go to Weights & Biases under the same tags: one W&B run per
 run directory (its id kept in RUN_DIR/wandb/run-id), continued by every resume. W&B keeps what it is sent
@@ -14,8 +17,8 @@ from metrics.jsonl. Offline mode writes under RUN_DIR/wandb for `wandb sync` lat
 
 A run's own evaluations (eval.every_steps) go to W&B too, as `eval/...` plotted against `eval/step` (the
 policy version evaluated), each in the row of the latest training step W&B has (the row of the step
-that made those weights, unless later steps came first, asynchronously); a resume sends those of the
-steps it sends again with them. TensorBoard gets them as a run of its own (`eval-in-run`, use/evaluate.py).
+that made those weights, the same number, unless later steps came first, asynchronously); a resume
+sends those of the steps it sends again with them. TensorBoard gets them as a run of its own (`eval-in-run`, use/evaluate.py).
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ class Curves:
             self._start_wandb()
 
     def add(self, record: dict) -> None:
-        step = int(record["step"])
+        step = int(record["step"]) + 1  # (steps trained: see the module docstring)
         if self.writer is None:  # (purge: this attempt rewrites the curves from its first step on)
             self.writer = summary_writer()(str(self.directory), purge_step=step, flush_secs=30)
         values = scalars(record)
@@ -168,11 +171,11 @@ class Curves:
 
             # what an attempt killed before its W&B run finished had sent (the newest record of each step),
             # with the evaluations of the weights those steps made
-            missed = {r["step"]: scalars(r) for r in read_jsonl(self.run_dir / "metrics.jsonl")
-                      if self.wandb_last < r["step"] and (step is None or r["step"] < step)}
+            missed = {r["step"] + 1: scalars(r) for r in read_jsonl(self.run_dir / "metrics.jsonl")
+                      if self.wandb_last < r["step"] + 1 and (step is None or r["step"] + 1 < step)}
             for e in read_jsonl(self.run_dir / "eval" / IN_RUN / "summary.jsonl"):
-                if e["step"] - 1 in missed:
-                    missed[e["step"] - 1].update({"eval/step": e["step"], **eval_scalars(e)})
+                if e["step"] in missed:
+                    missed[e["step"]].update({"eval/step": e["step"], **eval_scalars(e)})
             for s in sorted(missed):
                 self.wandb_run.log(missed[s], step=s)
                 self.wandb_last, self.wandb_logged = s, True

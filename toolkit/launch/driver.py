@@ -19,6 +19,10 @@ too, marked as an evaluation: they are sampled and scored as a step's are (no re
 trainer rank 0 writes them apart (RUN_DIR/eval/in-run) and says `evaluated`; nothing is trained on them.
 Synchronously they come before the next step's prompts, so they are sampled with the weights of the step
 just trained; asynchronously, behind the steps already out (`policy_version_min/max` say with which).
+
+What the driver prints names a step by its number in the progress line, from 1 (`step 3/5`: the third),
+and an evaluation or a checkpoint by the steps trained before it (`eval step 3` after `step 3/5`); the
+code and metrics.jsonl's `step` count from 0.
 """
 
 from __future__ import annotations
@@ -109,13 +113,13 @@ class Driver(Supervisor):
             s = self.next_dispatch
             if cfg.rollout.stale == "wait":
                 self._pump(lambda: all(self.synced.get(g, 0) >= s - lag for g in self.generator_ids),
-                           cfg.transport.step_timeout_s, f"the generators to hold weights for step {s}")
+                           cfg.transport.step_timeout_s, f"the generators to hold weights for step {s + 1}")
             self.in_flight[s] = self.feeder.next(cfg.rollout.prompts_per_step)
             self._send_prompts(s, list(range(len(self.in_flight[s]))))
             self.next_dispatch += 1
         version = step + 1
         self._pump(lambda: step in self.trained and all(self.synced.get(g) == version for g in self.generator_ids),
-                   cfg.transport.step_timeout_s, f"step {step} to finish")
+                   cfg.transport.step_timeout_s, f"step {step + 1} to finish")
         self.in_flight.pop(step, None)
         self.last_done = time.monotonic()
         self.running_step = None
@@ -203,7 +207,7 @@ class Driver(Supervisor):
         steps, evals = sorted(self.in_flight), sorted(self.evaluating)
         self.coordinator.send(self.trainer_id, "missing", steps=[[s, len(self.in_flight[s])] for s in steps],
                               evals=[[s, len(self.eval_prompts)] for s in evals])
-        what = [f"step(s) {', '.join(map(str, steps))}"] * bool(steps) + \
+        what = [f"step(s) {', '.join(str(s + 1) for s in steps)}"] * bool(steps) + \
             [f"the evaluation of step(s) {', '.join(map(str, evals))}"] * bool(evals)
         self.echo(f"asking the trainer which samples of {' and '.join(what)} it still misses")
 
@@ -244,7 +248,7 @@ class Driver(Supervisor):
                           f"evaluation of step {m['step']} again (their samples were lost)")
             elif m.get("lost") and m["step"] in self.in_flight:
                 self.echo(f"sending {len(m['group_index'])} of the {len(self.in_flight[m['step']])} prompts of "
-                          f"step {m['step']} again (their samples were lost)")
+                          f"step {m['step'] + 1} again (their samples were lost)")
         else:
             return False
         return True

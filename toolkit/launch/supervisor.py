@@ -205,7 +205,7 @@ class Supervisor:
             where = f"checkpoint {plan.checkpoint['dir']}" if plan.checkpoint else "the initial weights"
             replay = f", then training again on {len(plan.replay)} committed experience batch(es)" \
                 if self.cfg.stage == "rl" and plan.replay else ""
-            self.echo(f"resuming at step {plan.next_step}: {where} ({self.unit} {plan.start_version}){replay}"
+            self.echo(f"resuming after step {plan.next_step}: {where} ({self.unit} {plan.start_version}){replay}"
                       + (f"; {len(moved)} later one(s) set aside in {moved[0].parent}" if moved else ""))
             Manifest(self.run_dir.path).append({
                 "kind": "resume", "checkpoint": plan.checkpoint["dir"] if plan.checkpoint else None,
@@ -243,7 +243,7 @@ class Supervisor:
         then = (manifest.last("rewards") or {}).get("functions")
         now = reward_sources(self.cfg)
         for line in changes(then, now) if then is not None else []:
-            self.echo(f"resume: the reward code changed since the last start: {line}; steps {next_step} on are "
+            self.echo(f"resume: the reward code changed since the last start: {line}; steps {next_step + 1} on are "
                       "scored by it as it is now")
         if now != then and (now or then):  # (the first start of a run with reward functions, or a change)
             manifest.append({"kind": "rewards", "functions": now, "from_step": next_step})

@@ -147,8 +147,8 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
              ("steps", f"{last['step'] + 1} of {status.get('steps') or '?'}"),
              ("time", f"{(last['time'] - first_t) / 60:.1f} min from the first worker's start to the last step")]
     if "reward_mean" in last:
-        facts.append(("reward", f"{metrics[0]['reward_mean']:.4f} (step {metrics[0]['step']}) -> "
-                                f"{last['reward_mean']:.4f} (step {last['step']})"))
+        facts.append(("reward", f"{metrics[0]['reward_mean']:.4f} (step {metrics[0]['step'] + 1}) -> "
+                                f"{last['reward_mean']:.4f} (step {last['step'] + 1})"))
     else:
         facts.append(("loss", f"{metrics[0]['loss']:.4f} -> {last['loss']:.4f}"))
     head = "".join(f"<tr><th>{k}</th><td>{html.escape(v)}</td></tr>" for k, v in facts)

@@ -18,8 +18,9 @@ IDLE = ("idle", "done", "ready", "collecting")  # drawn as gaps: the worker wait
 
 
 def curves(metrics: list[dict]):
-    """Reward (total and each component), KL and response length for RL; losses and accuracy for a stage."""
-    steps = [m["step"] for m in metrics]
+    """Reward (total and each component), KL and response length for RL; losses and accuracy for a stage;
+    against the steps trained (the progress line's step number, metrics.jsonl's `step` + 1)."""
+    steps = [m["step"] + 1 for m in metrics]
     panels = []
     if any("reward_mean" in m for m in metrics):
         series = {"reward (total)": "reward_mean"}
@@ -34,7 +35,7 @@ def curves(metrics: list[dict]):
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.4), squeeze=False)
     for ax, (title, series) in zip(axes[0], panels):
         for label, key in series.items():
-            points = [(m["step"], m[key]) for m in metrics if key in m]
+            points = [(m["step"] + 1, m[key]) for m in metrics if key in m]
             if points:
                 ax.plot(*zip(*points), marker="." if len(points) < 40 else None, label=label)
         ax.set_title(title)
@@ -51,7 +52,7 @@ def step_time(metrics: list[dict]):
     """Each step's seconds stacked by phase (a step trained again on a resume generated nothing)."""
     phases = [(key, label) for key, label in PHASES if any(key in m for m in metrics)]
     fig, ax = plt.subplots(figsize=(10, 3.4))
-    steps = [m["step"] for m in metrics]
+    steps = [m["step"] + 1 for m in metrics]
     if phases:
         bottom = [0.0] * len(metrics)
         for key, label in phases:
@@ -59,7 +60,7 @@ def step_time(metrics: list[dict]):
             ax.bar(steps, values, bottom=bottom, label=label, width=0.85)
             bottom = [b + v for b, v in zip(bottom, values)]
     if any("step_s" in m for m in metrics):
-        points = [(m["step"], m["step_s"]) for m in metrics if "step_s" in m]
+        points = [(m["step"] + 1, m["step_s"]) for m in metrics if "step_s" in m]
         ax.plot(*zip(*points), color="black", marker=".", linewidth=1, label="step (wall)")
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
