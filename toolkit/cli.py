@@ -609,6 +609,9 @@ def _sampling(args):
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ConfigError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if getattr(args, "n", 1) > 1 and args.temperature == 0:
+        raise ConfigError(f"--n {args.n} with --temperature 0 (greedy): every sample of a prompt would be the same; "
+                          "give --temperature (e.g. 0.7), or --n 1")
     if args.max_model_len is not None and args.max_model_len <= args.max_new_tokens:
         raise ConfigError(f"--max-model-len {args.max_model_len}: the context must hold a prompt and "
                           f"--max-new-tokens {args.max_new_tokens}; give more, or leave it out (the model's own)")

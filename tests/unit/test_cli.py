@@ -152,6 +152,14 @@ def test_resume_refuses_flags_it_would_ignore(tmp_path, flags, expected):
     assert result.returncode == 2 and expected in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_several_greedy_samples_of_a_prompt_are_refused(tmp_path, command):
+    """`eval --n 4` (greedy by default) sampled the same response 4 times and called it best of 4."""
+    result = cli(command, tmp_path, "--input", tmp_path / "p.jsonl", "--n", "4", "--temperature", "0", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "--n 4 with --temperature 0 (greedy): every sample of a prompt would be the same" in result.stderr
+
+
 @pytest.mark.parametrize("command", ["run", "sft", "rm", "submit", "render"])
 def test_an_empty_run_dir_is_refused(tmp_path, command):
     """`--run-dir ''` once fell back to runs/<run.name> without a word."""

@@ -211,12 +211,15 @@ def test_values_that_could_not_work_are_refused(tiny, tmp_path, overrides, expec
                        "placement.all.workers=2"],
      "eval.every_steps: node group 'all' scores the reward models on its 2 trainer ranks",
      ["placement.all.workers=1"]),
+    ("tiny-grpo.yaml", ["eval.every_steps=2", "data.eval_fraction=0.1", "eval.n=4"],
+     "eval.n is 4 with eval.temperature 0 (greedy): every sample of a prompt would be the same",
+     ["eval.temperature=0.7"]),
 ])
 def test_an_evaluation_in_the_run_that_could_not_be_made_is_refused(tiny, tmp_path, example_name, overrides, expected,
                                                                     fixed):
     """Nothing held out to evaluate on; reward models scored on the trainer's ranks inside the training step
-    (deferred), where an evaluation's samples never go. With the change of `fixed` the config loads (one
-    trainer rank scores each message as it comes)."""
+    (deferred), where an evaluation's samples never go; several greedy samples of a prompt (all the same).
+    With the change of `fixed` the config loads (one trainer rank scores each message as it comes)."""
     config = write_config(tmp_path, example(example_name, tiny))
     assert expected in error_of(config, overrides)
     assert load_config(config, overrides + fixed).eval.every_steps == 2

@@ -158,6 +158,13 @@ class EvalSection(Section):
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling threshold of the evaluation (with temperature > 0)."""
 
+    @model_validator(mode="after")
+    def _samples_differ(self) -> "EvalSection":
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError(f"eval.n is {self.n} with eval.temperature 0 (greedy): every sample of a prompt would "
+                             "be the same, and best of n the mean; set eval.temperature (e.g. 0.7), or eval.n: 1")
+        return self
+
 
 class RewardFunction(Section):
     function: FunctionPath
