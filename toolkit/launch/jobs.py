@@ -118,9 +118,14 @@ def status_text(rd: RunDir) -> str:
             step += " (running)" if step in steps else " (ended)"
         heard = f"{max(0.0, time.time() - w['heard_unix']):.0f} s ago" if running and "heard_unix" in w else "-"
         rows.append((worker_id, str(w.get("node", "-")), str(w.get("pid", "-")), step,
-                     str(w.get("phase", "-")), str(w.get("step", "-")), str(w.get("policy_version", "-")), heard))
+                     str(w.get("phase", "-")), _step_number(w.get("step")), str(w.get("policy_version", "-")), heard))
     lines.append(text_table(rows))
     return "\n".join(lines)
+
+
+def _step_number(step) -> str:
+    """A worker's step (counted from 0 in its heartbeats) as the progress line numbers it, from 1."""
+    return str(step + 1) if isinstance(step, int) else "-"
 
 
 def eval_lines(path: Path) -> list[str]:

@@ -537,7 +537,7 @@ class Supervisor:
         for worker_id in self.worker_ids:
             status = self.coordinator.status.get(worker_id, {})
             rows.append(f"  {worker_id}: {status.get('phase', 'not registered')}"
-                        + (f" step {status['step']}" if "step" in status else ""))
+                        + (f" step {status['step'] + 1}" if isinstance(status.get("step"), int) else ""))
         return "worker states:\n" + "\n".join(rows)
 
     def _worker_status(self) -> dict[str, dict]:

@@ -98,7 +98,8 @@ class GeneratorRole(Role):
         step, texts = meta["step"], meta["prompts"]
         evaluation = meta.get("eval_samples", 0)  # (> 0: held-out prompts, sampled as eval.* says, not trained on)
         group_size = self.cfg.eval.n if evaluation else self.cfg.rollout.group_size
-        self.status.update(phase="evaluating" if evaluation else "generating", step=step)
+        # (the step, from 0, whose samples these are; an evaluation's: the step whose weights it samples)
+        self.status.update(phase="evaluating" if evaluation else "generating", step=step - 1 if evaluation else step)
         hold("evaluating" if evaluation else "generating", self.worker.wenv.run_dir)
         prompts = self._tokenize(step, texts)
         per_prompt = lambda values: [v for v in values for _ in range(group_size)]  # noqa: E731

@@ -99,7 +99,8 @@ class _Scoring(Role):
         self.deferred_s = 0.0  # seconds of scoring on the trainer ranks (when `deferred`)
 
     def handle(self, batch: SampleBatch) -> SampleBatch:
-        self.status.update(phase="scoring", step=batch.step)
+        # (as the generator's: an evaluation's batch goes under the step whose weights it samples)
+        self.status.update(phase="scoring", step=batch.step - 1 if batch.eval_samples else batch.step)
         hold("scoring", self.worker.wenv.run_dir)
         started = time.monotonic()
         with nullcontext() if self.deferred else self._on_device():  # (deferred: its models wait for `complete`)
