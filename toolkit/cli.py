@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--out", help="directory to write index.html and the PNGs into (default: RUN_DIR/report)")
     p.add_argument("--samples-at", metavar="STEP,STEP,...",
-                   help="steps whose samples to show (default: the first, middle and last committed)")
+                   help="steps whose samples to show, numbered from 1 as the progress line numbers them "
+                        "(default: the first, middle and last committed)")
     p.add_argument("--last-steps", type=int, default=4, help="steps the timeline shows (default 4)")
 
     p = sub.add_parser("init", help="write a commented starter config for a model, sized for a cluster by the "

@@ -388,7 +388,7 @@ def test_report_draws_the_run_from_its_files(trained, tmp_path):
     from toolkit.store import experience
     from toolkit.timeline import read_timelines
 
-    result = cli("report", trained, "--out", tmp_path / "report", "--samples-at", "1,3")
+    result = cli("report", trained, "--out", tmp_path / "report", "--samples-at", "2,4")  # (numbered from 1)
     assert result.returncode == 0, result.stderr
     page = (tmp_path / "report" / "index.html").read_text()
     embedded = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,([^"]+)">', page)
@@ -396,10 +396,10 @@ def test_report_draws_the_run_from_its_files(trained, tmp_path):
     for (_, data), name in zip(embedded, ("curves", "step_time", "timeline")):
         png = (tmp_path / "report" / f"{name}.png").read_bytes()
         assert png.startswith(b"\x89PNG") and base64.b64decode(data) == png  # one self-contained page
-    # the samples of the chosen steps: the best response of step 3 with its reward
+    # the samples of the chosen steps: the best response of step 4 (experience step-000003) with its reward
     record = experience.read(trained / "experience" / experience.file_name(3))
     best = int(record["samples"]["reward_total"].argmax())
-    assert "<h3>step 1 " in page and "<h3>step 3 " in page and "<h3>step 2 " not in page
+    assert "<h3>step 2 " in page and "<h3>step 4 " in page and "<h3>step 3 " not in page
     assert html.escape(record["meta"]["responses"][best]) in page
     assert f"{float(record['samples']['reward_total'][best]):.4f}" in page
     assert "node group" in page and "algorithm: grpo" in page  # the placement table and the config
@@ -419,8 +419,10 @@ def test_report_draws_the_run_from_its_files(trained, tmp_path):
     fig = plots.curves(metrics)
     assert list(fig.axes[0].lines[0].get_ydata()) == [m["reward_mean"] for m in metrics]
 
-    result = cli("report", trained, "--out", tmp_path / "r2", "--samples-at", "9")
-    assert result.returncode == 2 and "--samples-at 9: no committed experience at that step" in result.stderr
+    for wrong in ("9", "0"):
+        result = cli("report", trained, "--out", tmp_path / "r2", "--samples-at", wrong)
+        assert result.returncode == 2, result.stderr
+        assert f"--samples-at {wrong}: no committed experience of that step; this run has steps 1..4" in result.stderr
     (tmp_path / "a-file").write_text("mine\n")
     result = cli("report", trained, "--out", tmp_path / "a-file")
     assert result.returncode == 2 and "is a file" in result.stderr and (tmp_path / "a-file").read_text() == "mine\n"

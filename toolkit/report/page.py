@@ -54,7 +54,7 @@ def _samples_section(run_dir: Path, steps: list[int]) -> str:
                         f"<td class=text>{html.escape(meta['responses'][i])}</td><td>{float(total[i]):.4f}</td>"
                         f"{components}</tr>")
         mean = float(total.mean())
-        parts.append(f"<h3>step {step} (mean reward {mean:.4f} over {len(total)} samples; the best and the worst "
+        parts.append(f"<h3>step {step + 1} (mean reward {mean:.4f} over {len(total)} samples; the best and the worst "
                      f"{SAMPLES_SHOWN})</h3><table>{''.join(rows)}</table>")
     return "".join(parts) or "<p>No committed experience.</p>"
 
@@ -128,14 +128,17 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
         target.mkdir(parents=True)
         os.chmod(target, 0o700)  # (samples and config: for the run's owner, as the run directory is)
 
-    committed = _experience_steps(run)
+    committed = _experience_steps(run)  # (from 0, as the experience files are named; samples_at from 1)
     if samples_at is None:
         samples_at = sorted({committed[0], committed[len(committed) // 2], committed[-1]}) if committed else []
-    missing = [s for s in samples_at if s not in committed]
-    if missing:
-        raise ConfigError(f"--samples-at {','.join(map(str, missing))}: no committed experience at that step; "
-                          f"this run has steps {committed[0]}..{committed[-1]}" if committed else
-                          "--samples-at: this run has no committed experience")
+    else:
+        missing = [s for s in samples_at if s - 1 not in committed]
+        if missing:
+            raise ConfigError(f"--samples-at {','.join(map(str, missing))}: no committed experience of that step; "
+                              f"this run has steps {committed[0] + 1}..{committed[-1] + 1} (numbered as the "
+                              "progress line numbers them)" if committed else
+                              "--samples-at: this run has no committed experience")
+        samples_at = [s - 1 for s in samples_at]
 
     window = metrics[-(last_steps + 1):]
     timelines = read_timelines(run)
