@@ -188,7 +188,8 @@ def test_damaged_checkpoint_falls_back_to_an_older_state(baseline, killed, tmp_p
     assert "resume: checkpoint checkpoints/step-000002 is damaged" in result.stdout
     assert "truncated or overwritten" in result.stdout
     n = commits(killed)
-    assert f"resuming after step {n}: the initial weights (policy_version 0), then training again on {n}" in result.stdout
+    assert f"resuming after step {n}: the initial weights (policy_version 0), then training again on {n}" \
+        in result.stdout
     assert_same_as_baseline(run_dir, baseline)
 
 

@@ -18,7 +18,8 @@ from metrics.jsonl. Offline mode writes under RUN_DIR/wandb for `wandb sync` lat
 A run's own evaluations (eval.every_steps) go to W&B too, as `eval/...` plotted against `eval/step` (the
 policy version evaluated), each in the row of the latest training step W&B has (the row of the step
 that made those weights, the same number, unless later steps came first, asynchronously); a resume
-sends those of the steps it sends again with them. TensorBoard gets them as a run of its own (`eval-in-run`, use/evaluate.py).
+sends those of the steps it sends again with them. TensorBoard gets them as a run of its own
+(`eval-in-run`, use/evaluate.py).
 """
 
 from __future__ import annotations
