@@ -400,6 +400,10 @@ def test_commands_bind_the_process_of_a_worker_and_an_earlier_processs_messages_
         got = [coordinator.recv(10) for _ in range(2)]
         assert [(w, m.kind, m.sender) for w, m in got] == [("generator:0", k, later.codec.sender)
                                                            for k in ("register", "ready")]
+        # (the earlier process's `ready` comes on a socket of its own: it may come after the later one's)
+        deadline = time.monotonic() + 10
+        while coordinator.rejected["earlier-process"] < 2 and time.monotonic() < deadline:
+            assert coordinator.recv(0.1) is None
         assert coordinator.rejected["earlier-process"] == 2
         coordinator.send("generator:0", "start", book={})
         command = later.recv(10)
