@@ -24,7 +24,7 @@ class StageDriver(Supervisor):
             self.running_step = step
             # (a stop request is acted on at once: the ranks stop at their next step boundary)
             self._pump(lambda: step in self.trained or stop(), self.cfg.transport.step_timeout_s,
-                       f"step {step} to finish")
+                       f"step {step + 1} to finish")
             if step not in self.trained:
                 break
             records.append(self._record(step))
