@@ -168,13 +168,13 @@ class Curves:
             self._start_wandb()
         if not self.wandb_caught_up:
             from toolkit.store.manifest import read_jsonl
-            from toolkit.use.evaluate import IN_RUN
+            from toolkit.use.evaluate import in_run_evaluations
 
             # what an attempt killed before its W&B run finished had sent (the newest record of each step),
             # with the evaluations of the weights those steps made
             missed = {r["step"] + 1: scalars(r) for r in read_jsonl(self.run_dir / "metrics.jsonl")
                       if self.wandb_last < r["step"] + 1 and (step is None or r["step"] + 1 < step)}
-            for e in read_jsonl(self.run_dir / "eval" / IN_RUN / "summary.jsonl"):
+            for e in in_run_evaluations(self.run_dir):
                 if e["step"] in missed:
                     missed[e["step"]].update({"eval/step": e["step"], **eval_scalars(e)})
             for s in sorted(missed):

@@ -163,10 +163,9 @@ class Driver(Supervisor):
         weights cannot be made again in the run; the driver names them."""
         if not self.cfg.eval.every_steps or version == 0:
             return
-        from toolkit.store.manifest import read_jsonl
-        from toolkit.use.evaluate import IN_RUN
+        from toolkit.use.evaluate import in_run_evaluations
 
-        done = {r["step"] for r in read_jsonl(self.run_dir.path / "eval" / IN_RUN / "summary.jsonl")}
+        done = {r["step"] for r in in_run_evaluations(self.run_dir.path)}
         lost = [s for s in range(1, version) if s % self.cfg.eval.every_steps == 0 and s not in done]
         if lost:  # (many where eval.every_steps was set only now)
             named = ", ".join(map(str, lost[:5])) + (f", ... ({len(lost)} in all)" if len(lost) > 5 else "")

@@ -255,8 +255,8 @@ class TrainerRole(Role):
 
         if part.step in self.evaluated:  # (a copy sent again after a restart, come in after the rest)
             return
+        seen = self._evaluation_groups(part.step)
         parts = self.evaluations.setdefault(part.step, [])
-        seen = {int(g) for p in parts for g in p.group_index}
         parts.append(part.select(np.flatnonzero(~np.isin(part.group_index, list(seen)))))
         if sum(map(len, parts)) < part.eval_samples:
             return
@@ -274,6 +274,10 @@ class TrainerRole(Role):
                   "input": "held out (data.eval_fraction), in the run"}
         write_step(self.run_dir, IN_RUN, record, batch)
         self.worker.control.send("evaluated", step=part.step, record=record, components=batch.reward_names)
+
+    def _evaluation_groups(self, step: int) -> set[int]:
+        """The sample groups of the evaluation of `step` gathered so far (not yet written)."""
+        return {int(g) for p in self.evaluations.get(step, []) for g in p.group_index}
 
     def _drop_duplicates(self, part: SampleBatch) -> SampleBatch:
         """Keep the first copy of each sample group: after a generator or scorer was started again, the
@@ -371,8 +375,7 @@ class TrainerRole(Role):
         for step, prompts in evals:
             if step in self.evaluated:
                 continue
-            have = {int(g) for p in self.evaluations.get(step, []) for g in p.group_index}
-            missing = sorted(set(range(prompts)) - have)
+            missing = sorted(set(range(prompts)) - self._evaluation_groups(step))
             log.info("evaluation of step %d: %d of %d held-out prompt(s) not in after a worker was started again",
                      step, len(missing), prompts)
             if missing:

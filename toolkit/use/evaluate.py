@@ -36,6 +36,14 @@ IN_RUN = "in-run"
 """The name of the evaluations a run makes itself (eval.every_steps): RUN_DIR/eval/in-run."""
 
 
+def in_run_evaluations(run: Path) -> list[dict]:
+    """The summary lines of the evaluations `run` made itself (RUN_DIR/eval/in-run/summary.jsonl; none
+    before the first)."""
+    from toolkit.store.manifest import read_jsonl
+
+    return read_jsonl(Path(run) / "eval" / IN_RUN / "summary.jsonl")
+
+
 @dataclass
 class EvalPrompt:
     id: int        # the row's id in the run's data (held out), or its index in --input
