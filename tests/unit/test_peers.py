@@ -83,15 +83,18 @@ SEND_UNBOUND, SEND_READY, RECV_READY = 1, 2, 3
 
 def _stranger(sockets: list[socket.socket], until: threading.Thread, leave_after: int | None) -> bytes:
     """Speak gloo's pair protocol as the peer would, taking what is sent, sending nothing: say "ready" to
-    each message announced and keep its bytes, until the thread `until` ends (at most 120 s), or until
-    `leave_after` bytes came (then leave: it cannot answer). Every payload received."""
+    each message announced and keep its bytes, until the thread `until` ends and its last bytes are read (at
+    most 120 s), or until `leave_after` bytes came (then leave: it cannot answer). Every payload received."""
     buffers = {s: b"" for s in sockets}
     payload = b""
     deadline = time.monotonic() + 120
-    while buffers and until.is_alive() and time.monotonic() < deadline:
+    while buffers and time.monotonic() < deadline:
         if leave_after is not None and len(payload) >= leave_after:
             break
-        ready, _, _ = select.select(list(buffers), [], [], 0.1)
+        ended = not until.is_alive()  # (what it sent last may still be unread here: read on until 1 s is quiet)
+        ready, _, _ = select.select(list(buffers), [], [], 1.0 if ended else 0.1)
+        if ended and not ready:
+            break
         for s in ready:
             chunk = s.recv(65536)
             if not chunk:
