@@ -392,9 +392,10 @@ def cmd_inspect(args) -> int:
         experience, checkpoints = held_experience(path, records), live_checkpoints(records)
         if not experience and not checkpoints:
             raise ConfigError(f"{path}: no experience or checkpoint in its manifest")
+        print("(steps counted from 1, as the progress line does; experience files are named from 0)")
         for step, r in experience.items():
-            print(f"experience step {step:>6}  {r['file']}")
-        for step, r in sorted(checkpoints.items()):
+            print(f"experience step {step + 1:>6}  {r['file']}")
+        for step, r in sorted(checkpoints.items()):  # (a checkpoint's step: the steps trained before it)
             print(f"checkpoint step {step:>6}  {r['dir']}")
         return 0
     if not path.is_file():
@@ -717,7 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, raise_interrupt)
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # (here, not at exit: a reader that left is met below)
+        return code
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
@@ -725,6 +728,9 @@ def main(argv: list[str] | None = None) -> int:
         signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
         print(f"interrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum
+    except BrokenPipeError:  # (the reader of its output left, as `| head` does: end quietly, as Unix tools do)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error when Python flushes)
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -174,7 +174,7 @@ def test_corrupted_last_experience_is_generated_again(baseline, killed, tmp_path
     # corrupted step's file twice), and its checkpoints
     listing = cli("inspect", run_dir, timeout=60).stdout.splitlines()
     assert [line for line in listing if line.startswith("experience")] == [
-        f"experience step {step:>6}  experience/{experience.file_name(step)}" for step in range(STEPS)]
+        f"experience step {step + 1:>6}  experience/{experience.file_name(step)}" for step in range(STEPS)]
     held = [line.split()[-1] for line in listing if line.startswith("checkpoint")]
     assert held and all((run_dir / d).is_dir() for d in held), listing
 
@@ -246,6 +246,7 @@ def test_experience_files_read_with_plain_tools(baseline):
     assert out.returncode == 0, out.stderr
     assert "samples 64 (16 prompts x 4)" in out.stdout and "reward (total): mean" in out.stdout
     assert "kl per token (behaviour - ref)" in out.stdout  # (GRPO, one update: no old log-probs stored)
+    assert "schema 2, step 2 (named from 0: 1), grpo, trained from policy_version 1" in out.stdout
 
 
 def test_a_long_replay_is_not_taken_for_a_slow_start(tiny, tmp_path):

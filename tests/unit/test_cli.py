@@ -184,6 +184,17 @@ def test_inspect_of_a_file_that_is_not_experience_names_it(tmp_path):
     assert result.returncode == 2 and f"{tmp_path} is not a run directory (no config.yaml)" in result.stderr
 
 
+def test_a_reader_that_leaves_ends_the_command_quietly():
+    """`slurm-rlhf plan ... | head -1` once ended in a BrokenPipeError's traceback: now the command stops with
+    the status of a Unix tool killed by SIGPIPE and prints nothing more."""
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "plan", "templates/examples/tiny-grpo.yaml",
+                             "--cluster", "templates/clusters/2x8-h100.yaml"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # (before it writes: its first write meets a pipe without a reader)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141 and err == "", err
+
+
 def test_status_says_restarts_of_a_whole_step_as_one_range():
     """A Slurm step of 8 generator tasks restarts whole: `status` says so in one range, not 8 entries; ranks
     are ordered as numbers (10 after 9), and a rank started again more often stands alone."""

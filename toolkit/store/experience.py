@@ -191,7 +191,8 @@ def summary(path: Path) -> str:
     n, groups = len(batch), len(np.unique(batch.group_index))
     lengths = batch.response_lengths
     lines = [f"{path}",
-             f"schema {a['schema_version']}, step {a['step']}, {a['algorithm']}, trained from policy_version "
+             f"schema {a['schema_version']}, step {a['step'] + 1} (named from 0: {a['step']}), {a['algorithm']}, "
+             f"trained from policy_version "
              f"{a['policy_version']}, kl_coef {a['kl_coef']:.4g}, prompts drawn so far {a['prompts_drawn']}",
              f"samples {n} ({groups} prompts x {n // max(groups, 1)}), sample policy_version "
              f"{batch.policy_version.min()}..{batch.policy_version.max()}, finished {batch.finished.mean():.0%}",
