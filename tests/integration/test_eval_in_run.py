@@ -86,6 +86,10 @@ def test_a_run_evaluates_itself_as_eval_scores_its_checkpoints(evaluated):
         [["eval", "step", "2"], ["eval", "step", "4"]]
     metrics = read(run_dir / "metrics.jsonl")
     assert [m["samples"] for m in metrics] == [64] * 4  # (the held-out samples are not in any step)
+    # the step after an evaluation carries it (its generators sampled the held-out prompts first), and says
+    # how much of its wall time that was
+    assert ["eval_wall_s" in m for m in metrics] == [False, False, True, False]
+    assert 0 < metrics[2]["eval_wall_s"] < metrics[2]["step_s"]
     assert sorted(p.name for p in (run_dir / "experience").glob("*.h5")) == [f"step-{s:06d}.h5" for s in range(4)]
     assert (run_dir / "tensorboard" / "eval-in-run").is_dir()
     # in W&B, in the row of the step that made the weights (the rows are the steps trained)

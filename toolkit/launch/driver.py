@@ -61,6 +61,7 @@ class Driver(Supervisor):
 
             self.eval_prompts = heldout_prompts(cfg)
         self.evaluating: dict[int, float] = {}  # step -> when its evaluation went out (not yet `evaluated`)
+        self.evaluated_walls: list[tuple[float, float]] = []  # (went out, written) since the last step's record
 
     def _loop(self, resume: dict, secret: bytes, records: list[dict]) -> None:
         from toolkit.transport.sockets import Outbox
@@ -123,7 +124,12 @@ class Driver(Supervisor):
         self.in_flight.pop(step, None)
         self.last_done = time.monotonic()
         self.running_step = None
-        return self._record(step, step_s=self.last_done - started)
+        # (the part of the step's wall time during which an evaluation was out: synchronously the generators
+        # take its prompts before the step's, so the step after one carries it)
+        evaluating = sum(done - max(sent, started) for sent, done in self.evaluated_walls if done > started)
+        self.evaluated_walls.clear()
+        extra = {"eval_wall_s": evaluating} if evaluating else {}
+        return self._record(step, step_s=self.last_done - started, **extra)
 
     def _record(self, step: int, **extra) -> dict:
         extra["policy_version"] = step + 1
@@ -146,7 +152,8 @@ class Driver(Supervisor):
                 chosen = [prompts[i] for i in part]
                 self.outbox.send("prompts", {"step": step, **meta, "prompt_ids": [p.id for p in chosen],
                                              "group_index": [int(i) for i in part],
-                                             "prompts": [p.prompt for p in chosen], "fields": [p.fields for p in chosen]},
+                                             "prompts": [p.prompt for p in chosen],
+                                             "fields": [p.fields for p in chosen]},
                                  timeout_s=self.cfg.transport.step_timeout_s, while_blocked=self._pump_once)
         finally:
             self.sending = False
@@ -175,6 +182,18 @@ class Driver(Supervisor):
         if self._evaluates(version) and version not in done:
             self.echo(f"evaluating step {version} again: the run stopped before its evaluation was written")
             self._send_evaluation(version)
+
+    def _evaluation_ahead_s(self, ran: list[dict]) -> float:
+        """Seconds the next step may take longer for the evaluation out now (the generators sample it first):
+        the longest one run so far; before any, the last steps' generation and scoring, scaled to its
+        samples."""
+        if not self.evaluating:
+            return 0.0
+        walls = [r["eval_wall_s"] for r in ran if r.get("eval_wall_s")]
+        if walls:
+            return max(walls)
+        step = max((r.get("generate_s", 0.0) + r.get("score_s", 0.0) for r in ran[-3:]), default=30.0)
+        return step * len(self.eval_prompts) * self.cfg.eval.n / self.cfg.samples_per_step
 
     def _send_evaluation(self, step: int, slots: list[int] | None = None) -> None:
         """The held-out prompts (those at `slots`, else all), marked as an evaluation of the weights of `step`
@@ -235,8 +254,10 @@ class Driver(Supervisor):
         elif msg.kind == "evaluated":
             from toolkit.use.evaluate import row_line
 
-            sent = self.evaluating.pop(m["step"], None)
-            wall = f" ({time.monotonic() - sent:.1f} s after it went out)" if sent is not None else ""
+            sent, now = self.evaluating.pop(m["step"], None), time.monotonic()
+            wall = f" ({now - sent:.1f} s after it went out)" if sent is not None else ""
+            if sent is not None:
+                self.evaluated_walls.append((sent, now))
             self.echo(f"eval {row_line(m['record'], m['components'])}{wall}")
             self.curves.add_evaluation(m["record"])
         elif msg.kind == "regenerate":

@@ -302,9 +302,14 @@ class Supervisor:
                 self.end_time = self.launcher.end_time() or time.time()
             log.warning("%.0f s are left before the job ends", self.end_time - time.time())
         ran = [r for r in [*self.history, *records] if "step_s" in r]
-        step_s = max((r["step_s"] for r in ran[-3:]), default=30.0)
+        step_s = max((r["step_s"] - r.get("eval_wall_s", 0.0) for r in ran[-3:]), default=30.0)
+        step_s += self._evaluation_ahead_s(ran)
         checkpoint_s = max((r.get("checkpoint_s") or 0.0 for r in ran), default=0.0) + 5.0
         return time.time() + step_s + checkpoint_s + self.cfg.slurm.stop_margin_s < self.end_time
+
+    def _evaluation_ahead_s(self, ran: list[dict]) -> float:
+        """Seconds the next step may take longer for an evaluation (the RL driver's in-run evaluations)."""
+        return 0.0
 
     def _shutdown(self) -> None:
         self.stopping = True

@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 # What a step's seconds are spent on, as the driver records them (RL); a supervised stage has step_s only.
 PHASES = [("generate_s", "generate"), ("score_s", "score"), ("train_s", "train"), ("sync_s", "weight sync"),
-          ("checkpoint_s", "checkpoint"), ("commit_s", "HDF5 commit")]
+          ("checkpoint_s", "checkpoint"), ("commit_s", "HDF5 commit"), ("eval_wall_s", "in-run evaluation")]
 COLORS = {"generating": "tab:blue", "scoring": "tab:orange", "training": "tab:green", "syncing": "tab:red",
           "checkpointing": "tab:purple", "collecting": "tab:olive", "replaying": "tab:brown",
           "evaluating": "tab:cyan", "setup": "tab:gray", "registering": "lightgray", "ready": "gainsboro"}

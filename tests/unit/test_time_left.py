@@ -1,0 +1,45 @@
+"""Before each step near a time limit, the driver asks whether another step, a checkpoint and the stop still
+fit (`Supervisor._time_for_a_step`): a step that carried an in-run evaluation is not taken for a slow step,
+and an evaluation out now counts toward the next one (the generators sample its prompts first)."""
+
+from __future__ import annotations
+
+import time
+
+from tests.conftest import example, write_config
+from toolkit.config import load_config
+from toolkit.launch.driver import Driver
+
+
+def _driver(tiny, tmp_path, left_s: float) -> Driver:
+    """The real driver's estimate, with the state it keeps and nothing started: `left_s` seconds before the
+    job's end, 18 held-out prompts evaluated greedily (64 samples a step)."""
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, eval={"every_steps": 2},
+                                                     data={"eval_fraction": 0.1}, slurm={"stop_margin_s": 10})))
+    driver = Driver.__new__(Driver)
+    driver.cfg, driver.history, driver.evaluating, driver.eval_prompts = cfg, [], {}, [None] * 18
+    driver.end_time = time.time() + left_s
+    return driver
+
+
+def test_a_step_that_carried_an_evaluation_is_not_taken_for_a_slow_step(tiny, tmp_path):
+    ran = [{"step_s": 2.0}, {"step_s": 9.0, "eval_wall_s": 7.5}, {"step_s": 2.0, "checkpoint_s": 1.0}]
+    # needs 2 s (the slowest of the last three steps, less the evaluation one carried) + 1 + 5 (a checkpoint)
+    # + 10 (the margin) = 18 s
+    assert _driver(tiny, tmp_path, 19.0)._time_for_a_step(ran)
+    assert not _driver(tiny, tmp_path, 17.0)._time_for_a_step(ran)
+
+
+def test_an_evaluation_out_now_counts_toward_the_next_step(tiny, tmp_path):
+    ran = [{"step_s": 2.0, "generate_s": 1.0, "score_s": 0.6}, {"step_s": 9.0, "eval_wall_s": 7.5},
+           {"step_s": 2.0}]
+    driver = _driver(tiny, tmp_path, 19.0)
+    assert driver._time_for_a_step(ran)  # 2 + 5 + 10 = 17 s
+    driver.evaluating = {4: time.monotonic()}
+    assert not driver._time_for_a_step(ran)  # + 7.5 s, the longest evaluation run: 24.5 s
+    driver.end_time = time.time() + 25.0
+    assert driver._time_for_a_step(ran)
+    # before any evaluation ran: the last steps' generation and scoring, scaled to its 18 of a step's 64
+    # samples: 1.6 x 18 / 64 = 0.45 s
+    first = [{"step_s": 2.0, "generate_s": 1.0, "score_s": 0.6}]
+    assert driver._evaluation_ahead_s(first) == 1.6 * 18 / 64
