@@ -134,7 +134,8 @@ class Worker:
                     log.warning("ignored command %r", msg.kind)
             elif msg.kind == "prompts":
                 self.run_stages("generator", msg.meta)
-                if follower and not msg.meta.get("eval_samples"):  # (an evaluation trains nothing)
+                # (an evaluation trains nothing; rank 0 has the ranks score it when the reward models are theirs)
+                if follower and (not msg.meta.get("eval_samples") or trainer.scores_evaluations):
                     trainer.follow(once=True)
             else:
                 self.run_stages(msg.meta["stage"], SampleBatch.from_message(msg))

@@ -207,19 +207,14 @@ def test_values_that_could_not_work_are_refused(tiny, tmp_path, overrides, expec
     ("tiny-grpo.yaml", ["eval.every_steps=2"],
      "eval.every_steps is 2, but data.eval_fraction is 0: no prompts are held out of training to evaluate on",
      ["data.eval_fraction=0.1"]),
-    ("tiny-ppo.yaml", ["eval.every_steps=2", "data.eval_fraction=0.1", "placement.strategy=flattening",
-                       "placement.all.workers=2"],
-     "eval.every_steps: node group 'all' scores the reward models on its 2 trainer ranks",
-     ["placement.all.workers=1"]),
     ("tiny-grpo.yaml", ["eval.every_steps=2", "data.eval_fraction=0.1", "eval.n=4"],
      "eval.n is 4 with eval.temperature 0 (greedy): every sample of a prompt would be the same",
      ["eval.temperature=0.7"]),
 ])
 def test_an_evaluation_in_the_run_that_could_not_be_made_is_refused(tiny, tmp_path, example_name, overrides, expected,
                                                                     fixed):
-    """Nothing held out to evaluate on; reward models scored on the trainer's ranks inside the training step
-    (deferred), where an evaluation's samples never go; several greedy samples of a prompt (all the same).
-    With the change of `fixed` the config loads (one trainer rank scores each message as it comes)."""
+    """Nothing held out to evaluate on; several greedy samples of a prompt (all the same). With the change of
+    `fixed` the config loads."""
     config = write_config(tmp_path, example(example_name, tiny))
     assert expected in error_of(config, overrides)
     assert load_config(config, overrides + fixed).eval.every_steps == 2
@@ -241,6 +236,24 @@ def test_an_evaluation_in_the_run_needs_a_held_out_prompt(tiny, tmp_path):
     result = cli("run", config, "--run-dir", tmp_path / "run")
     assert result.returncode == 2 and "eval.every_steps: none of" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_an_evaluation_scored_by_ranks_that_generate_needs_a_held_out_prompt_for_each(tiny, tmp_path):
+    """Flattening over 2 ranks with a reward model: each rank generates its share of an evaluation's
+    prompts and then scores with the others (ZeRO-3 may shard the reward model over them), so a share
+    held out of fewer prompts than ranks is refused as the data is read; on one rank it runs."""
+    from toolkit.data.dataset import check_data
+
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(f'{{"prompt": "{k} 2 3"}}\n' for k in range(40)))
+    data = example("tiny-ppo.yaml", tiny, data={"prompts": str(few), "eval_fraction": 0.05}, eval={"every_steps": 2},
+                   placement={"strategy": "flattening", "all": {"workers": 2}})
+    held_out = len(check_data(load_config(write_config(tmp_path, data), ["placement.all.workers=1"])).eval)
+    assert held_out == 1
+    with pytest.raises(ConfigError, match=re.escape("eval.every_steps: 1 prompt(s) fell in the share held out of "
+                                                    "training (data.eval_fraction 0.05), fewer than the 2 trainer "
+                                                    "ranks that generate them")):
+        check_data(load_config(write_config(tmp_path, data)))
 
 
 def test_files_that_are_not_what_they_should_be_are_named(tiny, tmp_path):

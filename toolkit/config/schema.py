@@ -588,13 +588,6 @@ class RunConfig(Section):
             raise ValueError(f"eval.every_steps is {self.eval.every_steps}, but data.eval_fraction is 0: no prompts "
                              "are held out of training to evaluate on; set data.eval_fraction (e.g. 0.05), or "
                              "eval.every_steps: 0")
-        deferred = [(name, g) for name, models, g in layout if on_trainer_ranks(models, "reward") and g.workers > 1]
-        if self.eval.every_steps and self.reward.models and deferred:
-            raise ValueError(f"eval.every_steps: node group {deferred[0][0]!r} scores the reward models on its "
-                             f"{deferred[0][1].workers} trainer ranks, inside the training step, where an evaluation "
-                             "cannot reach them; give the reward models a node group without the actor (e.g. "
-                             "placement.strategy: separation), or evaluate beside the run: slurm-rlhf eval RUN_DIR "
-                             "--follow")
         if self.generation_backend == "vllm":
             problem = kv_cache_problem(model_files(self.model.actor, info), longest, self.model.dtype, tp,
                                        self.rollout.vllm.kv_cache_gb)
@@ -636,6 +629,13 @@ class RunConfig(Section):
     def samples_per_step(self) -> int:
         """Samples in one experience batch: `prompts_per_step * group_size`."""
         return self.rollout.prompts_per_step * self.rollout.group_size
+
+    @property
+    def evaluation_on_trainer_ranks(self) -> bool:
+        """Whether the reward models score in-run evaluations on the actor's trainer ranks, each rank its
+        shard (the reward role's `deferred`: they sit with the actor on a group of several ranks)."""
+        return bool(self.reward.models) and any(on_trainer_ranks(models, "reward") and g.workers > 1
+                                                for _, models, g in self.placement.layout())
 
     @property
     def behaviour_correction(self) -> bool:

@@ -66,6 +66,13 @@ def check_data(cfg) -> StageData:
         raise ConfigError(f"eval.every_steps: none of the run's prompts fell in the share held out of training "
                           f"(data.eval_fraction {cfg.data.eval_fraction:g}); raise data.eval_fraction, or set "
                           "eval.every_steps: 0")
+    generators = cfg.placement.group_with("generation").workers if cfg.stage == "rl" else 0
+    if (cfg.stage == "rl" and cfg.eval.every_steps and cfg.evaluation_on_trainer_ranks
+            and cfg.placement.generation_with_actor() and len(data.eval) < generators):
+        raise ConfigError(f"eval.every_steps: {len(data.eval)} prompt(s) fell in the share held out of training "
+                          f"(data.eval_fraction {cfg.data.eval_fraction:g}), fewer than the {generators} trainer "
+                          "ranks that generate them and score them with the reward models together, each its share; "
+                          "raise data.eval_fraction, or set eval.every_steps: 0")
     if cfg.stage == "rl":
         from toolkit.rewards.calls import check_calls
 

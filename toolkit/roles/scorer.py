@@ -217,11 +217,15 @@ class RewardRole(_Scoring):
         total. The seconds taken add up in `deferred_s`."""
         started = time.monotonic()
         shard = batch.select(shard_index)
+        if self.sharded:  # (every rank as many forward passes, which ZeRO-3 gathers each layer for: the shards
+            width = -(-len(batch) // self.worker.group.workers)  # of an evaluation may differ by one, or be empty)
+            shard = batch.select(np.resize(shard_index if len(shard_index) else np.zeros(1, np.int64), width))
         first = len(self.functions)
         with self._on_device():
             for k, rm in enumerate(self.reward_models):
                 column = torch.zeros(len(batch), dtype=torch.float64)
-                column[torch.from_numpy(shard_index)] = torch.from_numpy(self._score_model(rm, shard)).double()
+                scores = self._score_model(rm, shard)[:len(shard_index)]
+                column[torch.from_numpy(shard_index)] = torch.from_numpy(scores).double()
                 batch.rewards[:, first + k] = all_reduce(column).numpy()
         self._total(batch)
         self.deferred_s += time.monotonic() - started

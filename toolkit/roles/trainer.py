@@ -50,7 +50,7 @@ from toolkit.weights.sync import WeightSender, arrived, form_group, gathered_buc
 
 log = logging.getLogger(__name__)
 
-STOP, TRAIN, CHECKPOINT, SYNC = 0, 1, 2, 3
+STOP, TRAIN, CHECKPOINT, SYNC, EVALUATE = 0, 1, 2, 3, 4
 REJOIN_CONNECT_S = 60.0
 """How long a generator started again may take to connect to its new weight-sync group once every one
 of its ranks arrived there (seconds pass between the two only on a busy node): past it, rank 0 takes
@@ -265,6 +265,8 @@ class TrainerRole(Role):
         batch = batch.select(np.lexsort((batch.sample_index, batch.group_index)))
         e, seconds = self.cfg.eval, {**_stage_seconds(parts, "generate_s", "generator"),
                                      **_stage_seconds(parts, "score_s", "scorer")}
+        if self.scores_evaluations:
+            seconds["score_s"] = seconds.get("score_s", 0.0) + self._score_evaluation(batch)
         record = {"step": part.step, **summary_of(batch, e.n), "eval_s": round(sum(seconds.values()), 3),
                   **{k: round(v, 3) for k, v in seconds.items()},
                   "policy_version_min": int(batch.policy_version.min()),
@@ -274,6 +276,28 @@ class TrainerRole(Role):
                   "input": "held out (data.eval_fraction), in the run"}
         write_step(self.run_dir, IN_RUN, record, batch)
         self.worker.control.send("evaluated", step=part.step, record=record, components=batch.reward_names)
+
+    @property
+    def scores_evaluations(self) -> bool:
+        """Whether the reward models score an in-run evaluation's samples on the trainer's ranks (they are
+        `deferred`: each rank scores its shard at rank 0's EVALUATE, as in the training step). A rank above
+        0 that also generates follows rank 0 once after its share of an evaluation's prompts then."""
+        reward = self.worker.roles.get("reward")
+        return reward is not None and reward.deferred
+
+    def _score_evaluation(self, batch: SampleBatch) -> float:
+        """Every rank, when `scores_evaluations`: the reward models' columns of an evaluation's samples,
+        each rank of the actor's its shard, summed over them (rank 0 first hands every rank the batch, whose
+        reward-model columns the scorer left empty). Seconds it took."""
+        started, before = time.monotonic(), {k: self.status.get(k) for k in ("phase", "step")}
+        self.status.update(phase="scoring", step=batch.step - 1)
+        if self.rank == 0:
+            self.ranks.command(EVALUATE, batch.step)
+            self.ranks.share(*batch.parts())
+        if self.actor is not None:  # (the critic's ranks, when apart, hold no reward model)
+            self.worker.roles["reward"].complete(batch, self.dp.shard(len(batch)), self.dp.sum)
+        self.status.update(before)
+        return time.monotonic() - started
 
     def _evaluation_groups(self, step: int) -> set[int]:
         """The sample groups of the evaluation of `step` gathered so far (not yet written)."""
@@ -479,6 +503,8 @@ class TrainerRole(Role):
                 self._checkpoint()
             elif command == SYNC:
                 self._sync(fold_ema=False)
+            elif command == EVALUATE:
+                self._score_evaluation(SampleBatch.from_parts(*self.ranks.share(None, None)))
             self.status.update(phase="idle", policy_version=self.version, step=step)
             if once or command == STOP:
                 return

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 
@@ -34,6 +35,8 @@ def lr_lambda(warmup_steps: int, schedule: str, total_steps: int | None, min_rat
 
 
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size
+SHARD_ALL_ENV = "SLURM_RLHF_TEST_SHARD_ALL"
+"""A test hook: with it set, a sharded scoring model (`inference_engine`) shards every parameter."""
 
 
 def reduce_bucket_size(trainable: list[torch.nn.Parameter]) -> int:
@@ -118,6 +121,8 @@ def inference_engine(model: torch.nn.Module, dtype: str, world: int, offload_par
 
     load_ops()
     zero = {"stage": 3}
+    if os.environ.get(SHARD_ALL_ENV):  # (DeepSpeed keeps a parameter under 1e5 elements whole on each rank:
+        zero["stage3_param_persistence_threshold"] = 0  # every one of a tiny model's, which a test shards)
     if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world, "zero_optimization": zero,
