@@ -95,6 +95,8 @@ def test_a_run_evaluates_itself_as_eval_scores_its_checkpoints(evaluated):
     assert (run_dir / "tensorboard" / "eval-in-run").is_dir()
     # in W&B, in the row of the step that made the weights (the rows are the steps trained)
     assert_evaluations_in_wandb(run_dir, {2: 2, 4: 4})
+    status = cli("status", run_dir, timeout=60).stdout
+    assert f"eval in-run: step 4 reward {summary[-1]['reward_mean']:+.4f} (2 evaluation(s) in the run;" in status
 
     result = cli("eval", run_dir)  # the checkpoints of steps 2 and 4, on the same held-out prompts
     assert result.returncode == 0, result.stdout + result.stderr

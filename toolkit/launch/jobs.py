@@ -129,17 +129,19 @@ def _step_number(step) -> str:
 
 
 def eval_lines(path: Path) -> list[str]:
-    """A line per set of prompts that `slurm-rlhf eval` scored the run's checkpoints on: its newest
-    checkpoint's reward, and how many it scored."""
+    """A line per set of prompts that `slurm-rlhf eval` scored the run's checkpoints on, and for the run's
+    own evaluations (`in-run`): the newest one's reward, and how many there are."""
     from toolkit.store.manifest import read_jsonl
+    from toolkit.use.evaluate import IN_RUN
 
     lines = []
     for summary in sorted(path.glob("eval/*/summary.jsonl")):
         records = read_jsonl(summary)
         if records:
             last = records[-1]
+            what = "evaluation(s) in the run" if summary.parent.name == IN_RUN else "checkpoint(s) scored"
             lines.append(f"eval {summary.parent.name}: step {last['step']} reward {last['reward_mean']:+.4f} "
-                         f"({len(records)} checkpoint(s) scored; {summary})")
+                         f"({len(records)} {what}; {summary})")
     return lines
 
 
