@@ -57,12 +57,13 @@ def predict(run: dict, rates: dict | None = None):
     found = search(cluster, w, 3, strategies=(run["layout"]["strategy"],),
                    offload=run["layout"].get("offload", False))
     settings = run.get("settings", {})
-    pool = found.fit or (found.rejected if settings else [])
+    engine = run["layout"]["engine"]  # (the source's: the planner may find the other faster)
+    fit, rejected = ([c for c in plans if c.setting.generation_engine == engine] for plans in (found.fit, found.rejected))
+    pool = fit or (rejected if settings else [])
     if not pool:
         return None, found
     best = pool[0]
-    layout = dataclasses.replace(best.setting, generation_engine=run["layout"]["engine"],
-                                 micro_batch=settings.get("micro_batch", best.setting.micro_batch),
+    layout = dataclasses.replace(best.setting, micro_batch=settings.get("micro_batch", best.setting.micro_batch),
                                  tensor_parallel=run["layout"].get("tensor_parallel", best.setting.tensor_parallel))
     # (as the search sized them: the generate() batch or KV cache that fits, unless the source states it)
     w = dataclasses.replace(w, generate_batch=settings.get("generate_batch"), kv_cache_gb=None)

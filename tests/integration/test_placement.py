@@ -180,6 +180,33 @@ def test_interleaving_resumes_exactly_after_sigkill(tiny, interleaving_whole, tm
     assert len(rewards[0]) == 6 and rewards[0] == rewards[1]
 
 
+def test_flattening_over_two_ranks_runs_vllm_in_each_as_a_generator_of_its_own_would(tiny, tmp_path):
+    """rollout.backend vllm with Flattening over 2 ranks under ZeRO-3: each rank's process runs a vLLM engine
+    of its own for its half of the prompts and, after each update, takes the weights gathered from both
+    ranks' shards. The samples end at different lengths (end of sequence at 1/8 a token), so the two
+    engines run different numbers of decode steps. Rewards, losses and tokens are those of Separation with
+    a vLLM generator of its own."""
+    from tests.conftest import assert_clean_logs
+    from toolkit.tiny import with_eos_rate
+
+    model = with_eos_rate(tiny, tmp_path / "model-eos", 1 / 8)
+    records = {}
+    for name, sections in (("apart", {}), ("flat", {"placement": {"strategy": "flattening", "all": {"workers": 2}},
+                                                    "trainer": {"zero_stage": 3}})):
+        data = example("tiny-grpo.yaml", tiny, run={"steps": 3, "seed": 5, "deterministic": True, "name": name},
+                       model={"actor": str(model)}, **sections)
+        data["rollout"]["backend"] = "vllm"
+        result = cli("run", write_config(tmp_path / f"{name}-config", data), "--run-dir", tmp_path / name)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert_clean_logs(tmp_path / name)
+        records[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert_same(records["apart"], records["flat"], "flattening over 2 ranks with vLLM in each")
+    assert all(r["behaviour_logprob_diff"] < 1e-4 and r["sync_check_diff"] < 1e-4 for r in records["flat"])
+    assert all(0.2 < r["finished_frac"] and r["response_tokens"] < 0.9 * 64 * 24 for r in records["flat"])
+    for rank in (0, 1):
+        assert "generating with vLLM in the trainer's process" in (tmp_path / "flat" / "logs" / f"all-{rank}.log").read_text()
+
+
 def test_flattening_runs_vllm_in_the_trainers_process_and_resumes(tiny, exact_run, tmp_path):
     """rollout.backend vllm with Flattening on one worker: vLLM runs in the trainer's process and takes the
     trainer's weights in memory after each update (checked by the probe), and samples what a generator of

@@ -498,12 +498,14 @@ def test_a_plan_for_gpus_sizes_the_kv_cache_and_writes_it(tiny, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     written = load_config(out)
     assert 0.9 * 141 - 1 < written.rollout.vllm.kv_cache_gb <= 0.9 * 141  # (the tiny model's weights are nothing)
-    # generation in the trainer's workers (transformers): the batch that fits is written
+    # generation in the trainer's 8 workers: vLLM in each one's process (faster than transformers there),
+    # with the KV cache its device has room for beside the trainer's state (asleep while it trains)
     result = cli("plan", config, "--cluster", CLUSTERS / "1x8-h200.yaml", "--strategy", "flattening", "--write", out,
                  timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     written = load_config(out)
-    assert written.rollout.generate_batch_size == written.samples_per_step // 8  # (all of a worker's fit)
+    assert written.rollout.backend == "vllm" and written.placement.group_with("actor").workers == 8
+    assert 0.9 * 141 - 2 < written.rollout.vllm.kv_cache_gb <= 0.9 * 141 and written.rollout.generate_batch_size is None
 
 
 def test_transformers_generates_its_batch_at_once_in_waves():

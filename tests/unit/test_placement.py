@@ -116,12 +116,10 @@ def test_placement_against_resources(tiny, tmp_path):
                    rollout={"backend": "vllm", "vllm": {"tensor_parallel_size": 2}})
     assert ("rollout.vllm.tensor_parallel_size (2) is more than the CPUs of each generator worker (1); on CPUs each "
             "rank needs one of its own: give placement.generator.cpus_per_worker at least 2") in error_of(tiny, tmp_path, data)
-    data = example("tiny-grpo.yaml", tiny, placement={"strategy": "flattening", "all": {"workers": 2}},
-                   rollout={"backend": "vllm"})
-    assert "vLLM runs in the trainer's process only when that node group has one worker (one device), it has 2" \
-        in error_of(tiny, tmp_path, data)
-    data["placement"]["all"]["workers"] = 1  # (one worker: vLLM in the trainer's process)
-    assert load_config(write_config(tmp_path, data)).generation_backend == "vllm"
+    for workers in (1, 2):  # (vLLM in each trainer rank's process)
+        data = example("tiny-grpo.yaml", tiny, placement={"strategy": "flattening", "all": {"workers": workers}},
+                       rollout={"backend": "vllm"})
+        assert load_config(write_config(tmp_path, data)).generation_backend == "vllm"
     data = example("tiny-grpo.yaml", tiny, placement={"generator": {"workers": 32}})
     assert "prompts_per_step (16) is less than the generator workers (32)" in error_of(tiny, tmp_path, data)
 

@@ -113,9 +113,9 @@ class RolloutSection(Section):
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """`vllm`, `hf` (transformers `generate`, the fallback without vLLM), or `auto` (vllm if installed;
     hf where generation shares the trainer's workers). Where generation shares the trainer's workers
-    (flattening, interleaving) `vllm` runs vLLM in the trainer's process (that node group must have one
-    worker): the trainer loads its weights into vLLM in memory after each update, and on GPU vLLM sleeps
-    (gives back its KV cache and weights) while the trainer works."""
+    (flattening, interleaving) `vllm` runs vLLM in each trainer rank's process, for that rank's share of
+    the prompts: the trainer loads its weights into vLLM in memory after each update, and on GPU vLLM
+    sleeps (gives back its KV cache and weights) while the trainer works."""
     vllm: VllmSection = VllmSection()
     """Settings of the vLLM engine."""
     generate_batch_size: PositiveInt | None = None
@@ -563,11 +563,6 @@ class RunConfig(Section):
             raise ValueError(f"the node groups need {need} nodes (" + ", ".join(
                 f"{name} {g.nodes}" for name, _, g in layout if g.same_nodes_as is None)
                 + f") but slurm.nodes allows {self.slurm.nodes}; use fewer nodes per group")
-        if self.rollout.backend == "vllm" and self.placement.generation_with_actor() and generators.workers > 1:
-            raise ValueError(f"rollout.backend is 'vllm' with placement.strategy {self.placement.strategy}: vLLM runs in "
-                             f"the trainer's process only when that node group has one worker (one device), it has "
-                             f"{generators.workers}; use backend auto or hf (the trainer's own actor generates), one "
-                             "worker, or a placement that gives generation its own node group")
         lag = self.rollout.max_policy_lag
         if lag and self.placement.generation_with_actor():
             raise ValueError(f"rollout.max_policy_lag is {lag} (asynchronous mode), but placement.strategy "

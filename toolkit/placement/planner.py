@@ -166,9 +166,9 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
                 workers = None if groups is None else next(g.workers for g in groups if "generation" in g.models)
                 if workers is not None and workers <= w.prompts:
                     trainers, options = _trainer_options(w, groups, zero_stage, settings)
-                    # the actor's group generates with transformers, or, with one worker, with vLLM in the
-                    # trainer's process (rollout.backend vllm): both are plans
-                    for engine in ("vllm",) if own_generator else ("hf", "vllm") if workers == 1 else ("hf",):
+                    # the actor's group generates with transformers, or with vLLM in each trainer rank's
+                    # process (rollout.backend vllm): both are plans
+                    for engine in ("vllm",) if own_generator else ("hf", "vllm"):
                         for moves in offloads:
                             layouts.append((groups, tp, engine, moves, trainers, options))
         if len(layouts) <= keep or cluster.shared:  # (a small search: every setting of every layout)
