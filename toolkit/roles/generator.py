@@ -40,7 +40,7 @@ class GeneratorRole(Role):
         self.truncated = 0
         trainer = self.worker.roles.get("trainer")
         if trainer is not None and cfg.generation_backend == "vllm":
-            # vLLM in the trainer's process (one device): the trainer loads its weights into it in memory.
+            # vLLM in the trainer rank's process (an engine per rank): the trainer loads its weights into it in memory.
             from toolkit.roles.engines.vllm_engine import VllmEngine
 
             started = time.monotonic()

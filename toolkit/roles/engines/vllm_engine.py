@@ -58,7 +58,7 @@ def whole_prefills_on_cpu(platform, max_model_len: int, ranks: int) -> dict:
 
 class VllmEngine:
     def __init__(self, cfg, device, beside_trainer: bool = False):
-        """`beside_trainer`: in the trainer's process (Flattening on one device): the trainer loads its
+        """`beside_trainer`: in a trainer rank's process (Flattening, an engine per rank): the trainer loads its
         weights with `load_local`, and where vLLM can sleep (GPU) it sleeps while the trainer works."""
         # The engine core runs in this process: one vLLM import instead of three, and no orphans.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
