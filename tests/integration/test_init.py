@@ -92,9 +92,10 @@ def test_init_out_a_directory_is_named_even_with_force(tiny, tmp_path):
 
 
 def test_init_writes_a_config_that_validates_for_every_cluster_file(tiny, tmp_path):
-    """The plan's generation engine is written as rollout.backend: on one node of 8 GPUs the planner picks
-    Flattening with 8 workers, where the actor generates with transformers (vLLM runs in the trainer's
-    process only with one worker); `init` once wrote `backend: vllm` there and refused its own config."""
+    """The plan's generation engine is written as rollout.backend, and the config it writes validates: on
+    the GPU clusters the planner picks Flattening over every GPU with vLLM in each trainer rank's process
+    (before that was allowed, `init` once wrote `backend: vllm` there and refused its own config); on this
+    machine, one worker that generates with transformers."""
     from toolkit.config.load import load_config
     from toolkit.config.starter import write_starter
 
@@ -106,8 +107,9 @@ def test_init_writes_a_config_that_validates_for_every_cluster_file(tiny, tmp_pa
         generators = cfg.placement.group_with("generation")
         backend = yaml.safe_load(out.read_text())["rollout"]["backend"]
         assert backend in ("vllm", "hf"), cluster.name
+        assert cfg.generation_backend == backend, cluster.name
         if cfg.placement.generation_with_actor() and generators.workers > 1:
-            assert backend == "hf", cluster.name
+            assert backend == "vllm", cluster.name
 
 
 def test_init_fits_the_samples_into_a_short_context(tiny, tmp_path):
