@@ -58,7 +58,8 @@ def predict(run: dict, rates: dict | None = None):
                    offload=run["layout"].get("offload", False))
     settings = run.get("settings", {})
     engine = run["layout"]["engine"]  # (the source's: the planner may find the other faster)
-    fit, rejected = ([c for c in plans if c.setting.generation_engine == engine] for plans in (found.fit, found.rejected))
+    fit, rejected = ([c for c in plans if c.setting.generation_engine == engine]
+                     for plans in (found.fit, found.rejected))
     pool = fit or (rejected if settings else [])
     if not pool:
         return None, found

@@ -176,8 +176,9 @@ def test_reward_models_on_the_trainer_ranks_score_the_evaluations(tiny, tmp_path
     """Flattening over two ranks under ZeRO-3, with a reward model beside the actor: the ranks score the
     training steps' samples each its shard, the reward model sharded over them (`deferred`), and so the
     evaluations' too, at rank 0's word. 9 held-out prompts: shards of 5 and 4, 2 and 1 forward passes of
-    4 (each a ZeRO-3 gather of every layer with the other rank), which the ranks even out. The reward model's scores are those `slurm-rlhf eval` gives the same responses from
-    the checkpoints (one process, the whole reward model)."""
+    4 (each a ZeRO-3 gather of every layer with the other rank), which the ranks even out. The reward
+    model's scores are those `slurm-rlhf eval` gives the same responses from the checkpoints (one process,
+    the whole reward model)."""
     rm = {"path": str(tiny / "reward_model"), "name": "tiny_rm", "weight": 0.5}
     run_dir, out = run(tiny, tmp_path, 2, run={"name": "in-run-eval", "seed": 1, "deterministic": True},
                        eval={"every_steps": 1}, checkpoint={"every_steps": 1, "keep": 2}, data={"eval_fraction": 0.05},

@@ -204,7 +204,8 @@ def test_flattening_over_two_ranks_runs_vllm_in_each_as_a_generator_of_its_own_w
     assert all(r["behaviour_logprob_diff"] < 1e-4 and r["sync_check_diff"] < 1e-4 for r in records["flat"])
     assert all(0.2 < r["finished_frac"] and r["response_tokens"] < 0.9 * 64 * 24 for r in records["flat"])
     for rank in (0, 1):
-        assert "generating with vLLM in the trainer's process" in (tmp_path / "flat" / "logs" / f"all-{rank}.log").read_text()
+        log = (tmp_path / "flat" / "logs" / f"all-{rank}.log").read_text()
+        assert "generating with vLLM in the trainer's process" in log
 
 
 def test_flattening_runs_vllm_in_the_trainers_process_and_resumes(tiny, exact_run, tmp_path):

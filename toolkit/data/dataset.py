@@ -62,22 +62,28 @@ def check_data(cfg) -> StageData:
     """Read a stage config's data as its workers will (a bad row is a ConfigError before any process starts), and
     check that the reward functions can be called with the RL rows' fields."""
     data = StageData(cfg.data, cfg.stage, KIND[cfg.stage], cfg.run.seed)
-    if cfg.stage == "rl" and cfg.eval.every_steps and not data.eval:
-        raise ConfigError(f"eval.every_steps: none of the run's prompts fell in the share held out of training "
-                          f"(data.eval_fraction {cfg.data.eval_fraction:g}); raise data.eval_fraction, or set "
-                          "eval.every_steps: 0")
-    generators = cfg.placement.group_with("generation").workers if cfg.stage == "rl" else 0
-    if (cfg.stage == "rl" and cfg.eval.every_steps and cfg.evaluation_on_trainer_ranks
-            and cfg.placement.generation_with_actor() and len(data.eval) < generators):
-        raise ConfigError(f"eval.every_steps: {len(data.eval)} prompt(s) fell in the share held out of training "
-                          f"(data.eval_fraction {cfg.data.eval_fraction:g}), fewer than the {generators} trainer "
-                          "ranks that generate them and score them with the reward models together, each its share; "
-                          "raise data.eval_fraction, or set eval.every_steps: 0")
     if cfg.stage == "rl":
         from toolkit.rewards.calls import check_calls
 
+        if cfg.eval.every_steps:
+            _check_held_out(cfg, len(data.eval))
         check_calls(cfg.reward.functions, [e for part in data.train for e in part] + data.eval)
     ptx = getattr(cfg, "ptx", None)
     if ptx is not None and ptx.coef:
         StageData(ptx.data, "ptx", "text", cfg.run.seed)
     return data
+
+
+def _check_held_out(cfg, held_out: int) -> None:
+    """An RL run that evaluates itself has a held-out prompt to evaluate on, and one for each trainer rank
+    that generates where those ranks score the evaluations with the reward models together."""
+    if not held_out:
+        raise ConfigError(f"eval.every_steps: none of the run's prompts fell in the share held out of training "
+                          f"(data.eval_fraction {cfg.data.eval_fraction:g}); raise data.eval_fraction, or set "
+                          "eval.every_steps: 0")
+    generators = cfg.placement.group_with("generation").workers
+    if cfg.evaluation_on_trainer_ranks and cfg.placement.generation_with_actor() and held_out < generators:
+        raise ConfigError(f"eval.every_steps: {held_out} prompt(s) fell in the share held out of training "
+                          f"(data.eval_fraction {cfg.data.eval_fraction:g}), fewer than the {generators} trainer "
+                          "ranks that generate them and score them with the reward models together, each its share; "
+                          "raise data.eval_fraction, or set eval.every_steps: 0")
