@@ -46,7 +46,8 @@ EXAMPLES = """examples:
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="run config (YAML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set rollout.group_size=8 (repeatable)")
+                   help="override a config value, e.g. --set rollout.group_size=8 (repeatable; a relative "
+                        "path is taken from the current folder, not the config's)")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:

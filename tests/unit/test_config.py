@@ -68,6 +68,43 @@ def test_missing_model_path(tiny, tmp_path):
         path, [f"data.prompts={tmp_path}", f"model.actor={tiny / 'model'}"])
 
 
+def test_a_path_given_by_set_is_relative_to_the_current_folder(tiny, tmp_path, monkeypatch):
+    """A relative path in the file resolves against the file's folder; one typed after --set, against the
+    folder the command runs in, as in the shell (it was the config's folder: `--set model.actor=models/x`
+    from the repository's root looked in templates/examples/models/x). Sections and lists given whole, a
+    rule file's path, and a pipeline's stage names (kept as references) too."""
+    from tests.conftest import EXAMPLES
+    from toolkit.config.pipeline import load_pipeline
+
+    data = example("tiny-grpo.yaml", tiny)
+    data["data"]["prompts"] = "prompts.jsonl"  # (relative in the file: beside the config)
+    shutil.copy(tiny / "prompts.jsonl", tmp_path / "prompts.jsonl")
+    path = write_config(tmp_path / "configs", data)
+    shutil.copy(tiny / "prompts.jsonl", tmp_path / "configs" / "prompts.jsonl")
+    (tmp_path / "rules.py").write_text("def zero(samples):\n    return [0.0 for _ in samples]\n")
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny / "model", tmp_path / "models" / "actor")
+    cfg = load_config(path, ["model.actor=models/actor", "model.reference=./models/actor",
+                             "reward.functions=[{function: rules.py:zero}]"])
+    assert cfg.model.actor == cfg.model.reference == str(tmp_path / "models" / "actor")
+    assert cfg.data.sources[0].path == str(tmp_path / "configs" / "prompts.jsonl")
+    assert cfg.reward.functions[0].function == f"{tmp_path / 'rules.py'}:zero"
+    assert load_config(path, ["reward.functions.0.function=rules.py:zero"]).reward.functions[0].function == \
+        f"{tmp_path / 'rules.py'}:zero"
+    assert load_config(path, ["data.prompts=prompts.jsonl"]).data.sources[0].path == str(tmp_path / "prompts.jsonl")
+    msg = error_of(path, ["model.critic=models/none"])
+    assert f"--set model.critic=models/none: model.critic: got '{tmp_path / 'models' / 'none'}': no such" in msg
+    (tmp_path / "pipeline.jsonl").write_text((tiny / "pipeline.jsonl").read_text())
+    pipeline = load_pipeline(EXAMPLES / "tiny-pipeline.yaml", [
+        "sft.model.base=models/actor", "rl.model.actor=sft", "data.sources=[{path: pipeline.jsonl}]",
+        "rl.reward.models.0.path=rm"])
+    sft, rm, rl = pipeline.configs(tmp_path / "pipeline")
+    assert sft.model.base == str(tmp_path / "models" / "actor")
+    assert sft.data.sources[0].path == rl.data.sources[0].path == str(tmp_path / "pipeline.jsonl")
+    assert rl.model.actor == str(tmp_path / "pipeline" / "sft" / "export")
+    assert rl.reward.models[0].path == str(tmp_path / "pipeline" / "rm" / "export")
+
+
 def test_a_model_with_the_wrong_head_is_a_config_error(tiny, tmp_path):
     """transformers gives a reward model as the actor a new random LM head, and a causal LM as a reward model
     a new random score head, with a warning at most: validation refuses both, and names the pipeline stage

@@ -124,7 +124,7 @@ def _load_file(path: Path):
     return module
 
 
-def _function_path(value: str, info: ValidationInfo) -> str:
+def function_path(value: str, info: ValidationInfo) -> str:
     """`module:function` as given, or `file.py:function` with the file's path resolved against the config's
     folder (so the workers, wherever they start, load the same file)."""
     where, attr, is_file = split_function(value)
@@ -161,11 +161,12 @@ def _one_line(value: str) -> str:
 
 RunName = Annotated[str, AfterValidator(_run_name), AfterValidator(_one_line)]
 OneLine = Annotated[str, AfterValidator(_one_line)]  # (a value of an #SBATCH line)
-FunctionPath = Annotated[str, AfterValidator(_function_path)]
+FunctionPath = Annotated[str, AfterValidator(function_path)]
 ModelDir = Annotated[str, AfterValidator(_model_dir)]
 ExistingFile = Annotated[str, AfterValidator(_existing_file)]
 ExistingPath = Annotated[str, AfterValidator(_existing_path)]
 PositiveInt = Annotated[int, Field(ge=1)]
+PATH_CHECKS = {_model_dir, _existing_file, _existing_path}  # (the checks of the fields that take a path)
 
 
 class LoraSection(Section):

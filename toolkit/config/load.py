@@ -1,5 +1,8 @@
 """Read a config from YAML, apply `--set a.b=c` overrides, validate, and explain errors by file and line.
 
+Relative paths in a config file resolve against the file's folder; relative paths given by `--set` resolve
+against the folder the command runs in, where the user typed them (`anchor_paths`).
+
 The top-level `stage` key says which config it is: `rl` (the default), `sft` or `rm`. A file with a
 `pipeline` key chains stages (pipeline.py reads it).
 """
@@ -13,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import AfterValidator, BaseModel, ValidationError
 
+from toolkit.config.base import PATH_CHECKS, function_path, split_function
 from toolkit.config.schema import RunConfig
 from toolkit.config.stages import RMConfig, SFTConfig
 from toolkit.errors import ConfigError
@@ -86,6 +90,9 @@ def load_config(path: str | Path, overrides: list[str] = (), stage: str | None =
         overridden[key] = expr
     if stage is not None:
         data.setdefault("stage", stage)
+    kind = data.get("stage", "rl")
+    for key in overridden:  # (where the stage is wrong, validate says so)
+        anchor_paths(data, key, [CONFIGS[kind]] if isinstance(kind, str) and kind in CONFIGS else [])
     return validate(data, base_dir=path.resolve().parent, source=path, text=text, overridden=overridden,
                     expect=stage)
 
@@ -140,6 +147,74 @@ def apply_override(data: dict, expr: str) -> tuple:
             raise ConfigError(f"--set {expr!r}: {key} is not an index of the list")
     node[last] = value
     return tuple(parts)
+
+
+def anchor_paths(data: dict, key: tuple, schemas: list, keep: tuple[str, ...] = (), skip: int = 0) -> None:
+    """Make each relative path in the value that `--set KEY=...` put at `key` of `data` absolute, against the
+    current folder: a path typed on the command line means what it means in the shell. The schemas say
+    which fields are paths (the first that knows `key`, less its first `skip` parts); values in `keep` (a
+    pipeline's stage names) stay."""
+    *parents, last = key
+    node = data
+    for part in parents:
+        node = node[part]
+    for schema in schemas:
+        annotation = _annotation_at(schema, key[skip:])
+        if annotation is not None:
+            node[last] = _anchored(node[last], annotation, keep)
+            return
+
+
+def _annotation_at(schema, key: tuple) -> Any:
+    """The annotation (with its validators) of the field of `schema` at `key`; None if it has none there."""
+    annotation: Any = schema
+    for part in key:
+        if isinstance(part, int):
+            annotation = next((a for a in _alternatives(annotation) if typing.get_origin(a) is list), None)
+            annotation = typing.get_args(annotation)[0] if annotation is not None else None
+        else:
+            section = _section_type(annotation)
+            if not (isinstance(section, type) and issubclass(section, BaseModel)) or part not in section.model_fields:
+                return None
+            info = section.model_fields[part]
+            annotation = typing.Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+        if annotation is None:
+            return None
+    return annotation
+
+
+def _alternatives(annotation: Any) -> list:
+    """`annotation` and, for `X | Y` or `Annotated[X, ...]`, what it is made of, all the way down."""
+    out = [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, typing.Annotated):
+        for arg in typing.get_args(annotation):
+            out += _alternatives(arg)
+    return out
+
+
+def _anchored(value: Any, annotation: Any, keep: tuple[str, ...]) -> Any:
+    """`value` with its relative paths made absolute against the current folder, as `annotation` says which
+    are paths (walking sections and lists)."""
+    checks = {m.func for a in _alternatives(annotation) if typing.get_origin(a) is typing.Annotated
+              for m in a.__metadata__ if isinstance(m, AfterValidator)}
+    if isinstance(value, str) and value not in keep:
+        if checks & PATH_CHECKS and not Path(value).expanduser().is_absolute():
+            return str(Path.cwd() / value)
+        if function_path in checks:
+            where, attr, is_file = split_function(value)
+            if is_file and not Path(where).expanduser().is_absolute():
+                return f"{Path.cwd() / where}:{attr}"
+        return value
+    if isinstance(value, dict):
+        section = _section_type(annotation)
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            return {k: _anchored(v, _annotation_at(section, (k,)), keep) if k in section.model_fields else v
+                    for k, v in value.items()}
+    if isinstance(value, list):
+        lists = [a for a in _alternatives(annotation) if typing.get_origin(a) is list]
+        if lists:
+            return [_anchored(v, typing.get_args(lists[0])[0], keep) for v in value]
+    return value
 
 
 def dump_config(cfg) -> str:

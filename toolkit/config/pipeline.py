@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.config.base import name_problem
-from toolkit.config.load import apply_override, read_yaml, validate
+from toolkit.config.load import CONFIGS, anchor_paths, apply_override, read_yaml, validate
 from toolkit.errors import ConfigError
 
 ORDER = ("sft", "rm", "rl")
@@ -68,6 +68,11 @@ def load_pipeline(path: str | Path, overrides: list[str] = ()) -> Pipeline:
     path = Path(path)
     data, text = read_yaml(path)
     overridden = {apply_override(data, expr): expr for expr in overrides}
+    for key in overridden:  # (a path given on the command line is relative to the current folder)
+        if key[0] in ORDER:
+            anchor_paths(data, key, [CONFIGS[key[0]]], keep=ORDER, skip=1)
+        elif key[0] in SHARED:
+            anchor_paths(data, key, [CONFIGS[stage] for stage in ORDER])
     head = data.pop("pipeline", None) or {}
     if not isinstance(head, dict) or not isinstance(head.get("name", ""), str):
         raise ConfigError(f"{path}: pipeline: expected {{name: ...}}")
