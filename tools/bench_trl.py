@@ -6,9 +6,10 @@ The model: a random 26M-parameter Llama (hidden 512, 8 layers, 8 heads, intermed
 tokenizer's 512 vocab, fp32. The workload: 16 prompts x 4 samples x 128 new tokens per step, every
 response forced to full length on both sides (slurm-rlhf: `rollout.ignore_eos`; TRL: `min_new_tokens`),
 KL coefficient 0.04 against a reference model, reward `digit_ratio`, one optimizer step per 64 samples in
-micro-batches of 16. slurm-rlhf runs twice: Separation (vLLM generator, scorer and trainer in processes
-of their own) and Flattening (every role in one process, what a one-GPU user runs; vLLM generates in
-the trainer's process, `rollout.backend: vllm`). TRL goes into a virtual environment of its own, `.venv-trl` (made on first use, with the
+micro-batches of 16. slurm-rlhf runs three times: Separation (vLLM generator, scorer and trainer in
+processes of their own), Flattening (every role in one process, what a one-GPU user runs; vLLM generates
+in the trainer's process, `rollout.backend: vllm`), and Flattening with `rollout.backend: hf` (the actor
+itself generates, with transformers `generate`: what vLLM gives there; not in the ratio). TRL goes into a virtual environment of its own, `.venv-trl` (made on first use, with the
 same torch and transformers), and runs tools/trl_grpo.py.
 
 Both sides train with the same memory switches: none. TRL 1.16's GRPOConfig turns activation (gradient)
@@ -240,13 +241,15 @@ def main() -> int:
     from toolkit.table import text_table
     from toolkit.tiny import build_tiny
 
-    # (key, strategy, max_policy_lag, model.packing, the row's name)
-    runs = [("separation", "separation", 0, False, "separation"), ("flattening", "flattening", 0, False, "flattening")]
+    # (key, strategy, max_policy_lag, model.packing, rollout.backend, the row's name)
+    runs = [("separation", "separation", 0, False, "vllm", "separation"),
+            ("flattening", "flattening", 0, False, "vllm", "flattening"),
+            ("flattening-hf", "flattening", 0, False, "hf", "flattening, transformers generate")]
     if args.variable:
-        runs = [("separation", "separation", 0, True, "separation, packed"),
-                ("async", "separation", 1, True, "separation, packed, async lag 1"),
-                ("flattening", "flattening", 0, True, "flattening, packed"),
-                ("padded", "separation", 0, False, "separation, padded")]
+        runs = [("separation", "separation", 0, True, "vllm", "separation, packed"),
+                ("async", "separation", 1, True, "vllm", "separation, packed, async lag 1"),
+                ("flattening", "flattening", 0, True, "vllm", "flattening, packed"),
+                ("padded", "separation", 0, False, "vllm", "separation, padded")]
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         tiny = build_tiny(tmp / "tiny")
@@ -258,16 +261,16 @@ def main() -> int:
         allocator, library = choice("auto")  # (what run.allocator auto gives our workers)
         if library:
             results["TRL+"] = theirs(model, prompts, tmp, args.steps, library, variable=args.variable)
-        for key, strategy, lag, packing, _ in runs:
+        for key, strategy, lag, packing, backend, _ in runs:
             results[key] = ours(model, prompts, tmp, strategy, args.steps, args.variable, lag, name=f"-{key}",
-                                packing=packing)
+                                packing=packing, rollout={"backend": backend})
 
     trl = results["TRL"]
     rows = [("system", "step s (median)", "mean response", "generate s", "score s", "train s", "sync s",
              "peak RSS GB", "peak PSS GB", "PSS / TRL's", "TRL / this")]
     labels = [("TRL", f"TRL {trl['version']} GRPOTrainer, no act. checkpointing"),
               ("TRL+", f"TRL, {allocator} preloaded"), ("TRL defaults", "TRL, activation checkpointing (its default)")]
-    labels += [(key, f"slurm-rlhf {label}, {allocator}") for key, _, _, _, label in runs]
+    labels += [(key, f"slurm-rlhf {label}, {allocator}") for key, *_, label in runs]
     for key, label in labels:
         if key in results:
             r = results[key]

@@ -154,8 +154,9 @@ def test_an_evaluation_cut_short_by_a_crash_is_made_on_resume(evaluated, tiny, t
 
 @pytest.mark.parametrize("case", ["flattening over 2 ranks", "asynchronous"])
 def test_evaluations_in_other_placements_sample_n_each_and_train_nothing(tiny, tmp_path, case):
-    """Flattening over two trainer ranks that generate with the actor (transformers), and asynchronous
-    Separation (max_policy_lag 1): every step is evaluated, with 2 samples a prompt at temperature 1."""
+    """Flattening over two trainer ranks, each with a vLLM engine of its own (`rollout.backend: auto`), and
+    asynchronous Separation (max_policy_lag 1): every step is evaluated, with 2 samples a prompt at
+    temperature 1. (The reward-model test below evaluates with the actor itself, transformers.)"""
     sections = ({"placement": {"strategy": "flattening", "all": {"workers": 2}}} if case.startswith("flattening")
                 else {"rollout": {"max_policy_lag": 1}})
     run_dir, out = run(tiny, tmp_path, 3, eval={"every_steps": 1, "n": 2, "temperature": 1.0}, **sections)
@@ -170,6 +171,10 @@ def test_evaluations_in_other_placements_sample_n_each_and_train_nothing(tiny, t
             sorted((p, k) for p in {s["prompt_id"] for s in samples} for k in (0, 1))
     assert [m["samples"] for m in read(run_dir / "metrics.jsonl")] == [64] * 3
     assert out.count("\neval step") == 3 and "best of 2" in out
+    if case.startswith("flattening"):
+        for rank in (0, 1):
+            log = (run_dir / "logs" / f"all-{rank}.log").read_text()
+            assert "generating with vLLM in the trainer's process" in log, rank
 
 
 def test_reward_models_on_the_trainer_ranks_score_the_evaluations(tiny, tmp_path):

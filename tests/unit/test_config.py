@@ -447,8 +447,8 @@ def test_packing_with_ptx_is_refused(tiny, tmp_path):
      "model.attn_implementation eager would not be used; set model.packing: false"),
     ({"rollout": {"backend": "hf", "vllm": {"tensor_parallel_size": 2}}},
      "rollout.vllm.tensor_parallel_size is 2, but generation does not use vLLM (rollout.backend is 'hf')"),
-    ({"placement": {"strategy": "flattening"}, "rollout": {"vllm": {"tensor_parallel_size": 2}}},
-     "(placement.strategy flattening generates with the trainer's own actor)"),
+    ({"placement": {"strategy": "flattening"}, "rollout": {"backend": "hf", "vllm": {"tensor_parallel_size": 2}}},
+     "rollout.vllm.tensor_parallel_size is 2, but generation does not use vLLM (rollout.backend is 'hf')"),
     ({"rollout": {"stale": "drop"}}, "rollout.stale is 'drop', which acts only in asynchronous mode"),
 ])
 def test_a_setting_that_would_be_ignored_is_refused(tiny, tmp_path, settings, expected):

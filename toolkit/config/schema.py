@@ -111,11 +111,11 @@ class RolloutSection(Section):
     """Benchmarks: every response runs to max_new_tokens, past any end-of-sequence token (vLLM's
     ignore_eos), so that systems compared side by side do the same work."""
     backend: Literal["auto", "vllm", "hf"] = "auto"
-    """`vllm`, `hf` (transformers `generate`, the fallback without vLLM), or `auto` (vllm if installed;
-    hf where generation shares the trainer's workers). Where generation shares the trainer's workers
-    (flattening, interleaving) `vllm` runs vLLM in each trainer rank's process, for that rank's share of
-    the prompts: the trainer loads its weights into vLLM in memory after each update, and on GPU vLLM
-    sleeps (gives back its KV cache and weights) while the trainer works."""
+    """`vllm`, `hf` (transformers `generate`, the fallback without vLLM), or `auto` (vllm if installed, else
+    hf). Where generation shares the trainer's workers (flattening, interleaving) `vllm` runs vLLM in each
+    trainer rank's process, for that rank's share of the prompts: the trainer loads its weights into vLLM in
+    memory after each update, and on GPU vLLM sleeps (gives back its KV cache and weights) while the trainer
+    works; `hf` generates with the trainer's own actor module (no second copy of the weights)."""
     vllm: VllmSection = VllmSection()
     """Settings of the vLLM engine."""
     generate_batch_size: PositiveInt | None = None
@@ -521,13 +521,9 @@ class RunConfig(Section):
                              f"workers ({generators.workers}); every generator needs a prompt each step")
         tp = self.rollout.vllm.tensor_parallel_size
         # (not where vLLM is only missing here: the job may run under another Python, slurm.python)
-        if tp > 1 and (self.rollout.backend == "hf"
-                       or (self.placement.generation_with_actor() and self.rollout.backend != "vllm")):
-            why = ("rollout.backend is 'hf'" if self.rollout.backend == "hf" else
-                   f"placement.strategy {self.placement.strategy} generates with the trainer's own actor")
-            raise ValueError(f"rollout.vllm.tensor_parallel_size is {tp}, but generation does not use vLLM ({why}); "
-                             "remove it, or use rollout.backend: vllm with a placement that gives generation its "
-                             "own node group")
+        if tp > 1 and self.rollout.backend == "hf":
+            raise ValueError(f"rollout.vllm.tensor_parallel_size is {tp}, but generation does not use vLLM "
+                             "(rollout.backend is 'hf'); remove it, or use rollout.backend: vllm")
         if generators.gpus_per_worker and generators.gpus_per_worker % tp:
             raise ValueError(f"rollout.vllm.tensor_parallel_size ({tp}) does not divide the GPUs of each generator "
                              f"worker ({generators.gpus_per_worker}); make the GPUs a multiple of it")
@@ -658,6 +654,4 @@ class RunConfig(Section):
         """`rollout.backend` with `auto` resolved: vllm when it is installed, else hf."""
         if self.rollout.backend != "auto":
             return self.rollout.backend
-        if self.placement.generation_with_actor():
-            return "hf"
         return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
