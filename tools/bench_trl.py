@@ -9,8 +9,9 @@ KL coefficient 0.04 against a reference model, reward `digit_ratio`, one optimiz
 micro-batches of 16. slurm-rlhf runs three times: Separation (vLLM generator, scorer and trainer in
 processes of their own), Flattening (every role in one process, what a one-GPU user runs; vLLM generates
 in the trainer's process, `rollout.backend: vllm`), and Flattening with `rollout.backend: hf` (the actor
-itself generates, with transformers `generate`: what vLLM gives there; not in the ratio). TRL goes into a virtual environment of its own, `.venv-trl` (made on first use, with the
-same torch and transformers), and runs tools/trl_grpo.py.
+itself generates, with transformers `generate`: what vLLM gives there; not in the ratio). TRL goes into a
+virtual environment of its own, `.venv-trl` (made on first use, with the same torch and transformers), and
+runs tools/trl_grpo.py.
 
 Both sides train with the same memory switches: none. TRL 1.16's GRPOConfig turns activation (gradient)
 checkpointing on by default, which recomputes each micro-batch's forward pass (a third more training
