@@ -538,12 +538,28 @@ def cmd_validate(args) -> int:
 
     cfg, pipeline = _load(args)
     if pipeline is None:
-        print(dump_config(cfg), end="")
+        print(dump_config(cfg) + _resolved_here(cfg), end="")
         return 0
     directory = Path("runs").resolve() / pipeline.name
     for cfg in _pipeline_configs(pipeline, directory):
-        print(f"# stage {cfg.stage} (run directory {directory / cfg.stage})\n{dump_config(cfg)}", end="")
+        print(f"# stage {cfg.stage} (run directory {directory / cfg.stage})\n{dump_config(cfg)}{_resolved_here(cfg)}",
+              end="")
     return 0
+
+
+def _resolved_here(cfg) -> str:
+    """Comment lines: what the config's `auto` choices come to on this machine (on Slurm each node decides
+    its allocator, and the job's Python whether vLLM is there)."""
+    from toolkit.launch.allocator import choice
+
+    lines = []
+    if cfg.stage == "rl" and cfg.rollout.backend == "auto":
+        lines.append(f"# rollout.backend auto: {cfg.generation_backend} here (vLLM is "
+                     f"{'' if cfg.generation_backend == 'vllm' else 'not '}installed)")
+    if cfg.run.allocator == "auto":
+        name, library = choice("auto")
+        lines.append(f"# run.allocator auto: {name} on this machine" + (f" ({library})" if library else ""))
+    return "".join(line + "\n" for line in lines)
 
 
 def cmd_plan(args) -> int:

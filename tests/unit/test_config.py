@@ -620,3 +620,21 @@ def test_pipeline_file_errors_name_the_section(tmp_path, overrides, expected):
 
     with pytest.raises(ConfigError, match=re.escape(f"tiny-pipeline.yaml: {expected}")):
         load_pipeline(EXAMPLES / "tiny-pipeline.yaml", overrides).configs(tmp_path / "pipeline")
+
+
+def test_validate_says_what_the_auto_settings_come_to_here(tiny, tmp_path):
+    """`validate` prints the config resolved; the `auto` choices (vLLM or transformers, the allocator) are
+    resolved only where the run starts, so it names what they come to on this machine, as YAML comments: the
+    output still loads as the same config."""
+    from toolkit.launch.allocator import choice
+
+    path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    result = cli("validate", path, "--set", "placement.strategy=flattening")
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["rollout"]["backend"] == "auto"
+    comments = [line for line in result.stdout.splitlines() if line.startswith("#")]
+    allocator = choice("auto")[0]
+    assert comments[0] == "# rollout.backend auto: vllm here (vLLM is installed)"
+    assert comments[1].startswith(f"# run.allocator auto: {allocator} on this machine"), comments
+    result = cli("validate", path, "--set", "rollout.backend=hf", "--set", "run.allocator=system")
+    assert result.returncode == 0 and not any(line.startswith("#") for line in result.stdout.splitlines())
