@@ -554,8 +554,8 @@ def _resolved_here(cfg) -> str:
 
     lines = []
     if cfg.stage == "rl" and cfg.rollout.backend == "auto":
-        lines.append(f"# rollout.backend auto: {cfg.generation_backend} here (vLLM is "
-                     f"{'' if cfg.generation_backend == 'vllm' else 'not '}installed)")
+        engine = cfg.generation_backend
+        lines.append(f"# rollout.backend auto: {engine} here (vLLM is {'' if engine == 'vllm' else 'not '}installed)")
     if cfg.run.allocator == "auto":
         name, library = choice("auto")
         lines.append(f"# run.allocator auto: {name} on this machine" + (f" ({library})" if library else ""))

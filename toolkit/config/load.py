@@ -205,15 +205,10 @@ def _anchored(value: Any, annotation: Any, keep: tuple[str, ...]) -> Any:
             if is_file and not Path(where).expanduser().is_absolute():
                 return f"{Path.cwd() / where}:{attr}"
         return value
-    if isinstance(value, dict):
-        section = _section_type(annotation)
-        if isinstance(section, type) and issubclass(section, BaseModel):
-            return {k: _anchored(v, _annotation_at(section, (k,)), keep) if k in section.model_fields else v
-                    for k, v in value.items()}
+    if isinstance(value, dict):  # (a key that is no field of a section: no annotation, the value as it is)
+        return {k: _anchored(v, _annotation_at(annotation, (k,)), keep) for k, v in value.items()}
     if isinstance(value, list):
-        lists = [a for a in _alternatives(annotation) if typing.get_origin(a) is list]
-        if lists:
-            return [_anchored(v, typing.get_args(lists[0])[0], keep) for v in value]
+        return [_anchored(v, _annotation_at(annotation, (0,)), keep) for v in value]
     return value
 
 
