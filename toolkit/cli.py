@@ -550,6 +550,7 @@ def cmd_validate(args) -> int:
 def _resolved_here(cfg) -> str:
     """Comment lines: what the config's `auto` choices come to on this machine (on Slurm each node decides
     its allocator, and the job's Python whether vLLM is there)."""
+    from toolkit.launch import mkl_amd
     from toolkit.launch.allocator import choice
 
     lines = []
@@ -559,6 +560,9 @@ def _resolved_here(cfg) -> str:
     if cfg.run.allocator == "auto":
         name, library = choice("auto")
         lines.append(f"# run.allocator auto: {name} on this machine" + (f" ({library})" if library else ""))
+    if cfg.run.fast_mkl_on_amd:
+        path, why = mkl_amd.library()
+        lines.append("# run.fast_mkl_on_amd: " + (f"MKL's library {path}" if path else f"no effect here ({why})"))
     return "".join(line + "\n" for line in lines)
 
 

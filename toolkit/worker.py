@@ -283,9 +283,10 @@ def _on_sigterm(signum, frame):
 
 
 def main() -> None:
-    from toolkit.launch.allocator import describe, reexec_with_allocator
+    from toolkit.launch import allocator, mkl_amd
+    from toolkit.launch.preload import reexec_with_preloads
 
-    reexec_with_allocator()  # (before anything else: an allocator must be there from the start)
+    reexec_with_preloads()  # (before anything else: an allocator must be there from the start)
     from toolkit.launch.env import WorkerEnv, interface_of
     from toolkit.launch.openmp import VARIABLE, wait_passively
     from toolkit.log import setup_logging
@@ -310,7 +311,9 @@ def main() -> None:
 
         tmp = make_own(f"{wenv.group}-{wenv.rank}")
         cfg = load_config(os.path.join(wenv.run_dir, "config.yaml"))
-        log.info("worker %s starting (pid %d); %s", wenv.worker_id, os.getpid(), describe())
+        log.info("worker %s starting (pid %d); %s", wenv.worker_id, os.getpid(), allocator.describe())
+        if mkl_amd.describe():
+            log.info(mkl_amd.describe())
         log.info("OpenMP threads wait: %s=%s", VARIABLE, os.environ[VARIABLE])
         log.info("temporary files: %s", tmp or f"{tempfile.gettempdir()} (too deep for a directory of "
                  "its own: vLLM's sockets in it would pass the 107-byte limit)")

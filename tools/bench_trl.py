@@ -25,8 +25,10 @@ training, the rest of the step), and the peak of the summed resident memory of
 every process of the run, as RSS and as PSS (which counts a page shared by several processes once); see
 `PeakMemory` for how it is sampled without slowing the run. The last line is `ratio R`: the lower of TRL's
 median step time over ours, for Separation and Flattening, TRL with the same switches. Our workers run
-with the allocator that `run.allocator: auto` picks (tcmalloc where installed); TRL runs as its users run
-it, and once more with tcmalloc preloaded, for comparison.
+with what they preload by default: the allocator that `run.allocator: auto` picks (tcmalloc where
+installed) and, on an AMD CPU, MKL's library (`run.fast_mkl_on_amd`: MKL's Intel kernels, about twice as
+fast in training and scoring there). TRL runs as its users run it, and once more with the same libraries
+preloaded: the line above the ratio gives our speed against that TRL too.
 
 `--variable`: samples of very different lengths, as real RL has them. The model's end-of-sequence token
 then has the same probability at every position (1/64), so response lengths are geometric (mean about
@@ -211,14 +213,14 @@ def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int, varia
             "reward_mean": statistics.mean(m["reward_mean"] for m in steady)}
 
 
-def theirs(model: Path, prompts: Path, tmp: Path, steps: int, preload: str | None = None, variable: bool = False,
-           checkpointing: bool = False) -> dict:
-    """TRL as its users run it; with `preload`, with that allocator library in LD_PRELOAD; with
-    `checkpointing`, with activation checkpointing (its GRPOConfig's default)."""
+def theirs(model: Path, prompts: Path, tmp: Path, steps: int, preload: list[str] | None = None,
+           variable: bool = False, checkpointing: bool = False) -> dict:
+    """TRL as its users run it; with `preload`, with those libraries in LD_PRELOAD (what our workers
+    preload); with `checkpointing`, with activation checkpointing (its GRPOConfig's default)."""
     out = tmp / "trl.json"
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if preload:
-        env["LD_PRELOAD"] = preload
+        env["LD_PRELOAD"] = " ".join(preload)
     peak = measured([str(trl_python()), str(REPO / "tools" / "trl_grpo.py"), str(model), str(prompts),
                      str(steps + 1), str(out), *(["--free", str(VARIABLE_MAX)] if variable else []),
                      *(["--checkpointing"] if checkpointing else [])], env=env)
@@ -238,6 +240,7 @@ def main() -> int:
                         help="responses of geometric length (mean about 64, cut at 256), packing and async")
     args = parser.parse_args()
 
+    from toolkit.launch import mkl_amd
     from toolkit.launch.allocator import choice
     from toolkit.table import text_table
     from toolkit.tiny import build_tiny
@@ -260,8 +263,11 @@ def main() -> int:
         results = {"TRL": theirs(model, prompts, tmp, args.steps, variable=args.variable),
                    "TRL defaults": theirs(model, prompts, tmp, args.steps, variable=args.variable, checkpointing=True)}
         allocator, library = choice("auto")  # (what run.allocator auto gives our workers)
-        if library:
-            results["TRL+"] = theirs(model, prompts, tmp, args.steps, library, variable=args.variable)
+        mkl, _ = mkl_amd.library()  # (and run.fast_mkl_on_amd, on an AMD CPU)
+        preloads = [lib for lib in (library, mkl) if lib]
+        ours_with = " + ".join([allocator, *(["MKL on AMD"] if mkl else [])])
+        if preloads:
+            results["TRL+"] = theirs(model, prompts, tmp, args.steps, preloads, variable=args.variable)
         for key, strategy, lag, packing, backend, _ in runs:
             results[key] = ours(model, prompts, tmp, strategy, args.steps, args.variable, lag, name=f"-{key}",
                                 packing=packing, rollout={"backend": backend})
@@ -270,8 +276,8 @@ def main() -> int:
     rows = [("system", "step s (median)", "mean response", "generate s", "score s", "train s", "sync s",
              "peak RSS GB", "peak PSS GB", "PSS / TRL's", "TRL / this")]
     labels = [("TRL", f"TRL {trl['version']} GRPOTrainer, no act. checkpointing"),
-              ("TRL+", f"TRL, {allocator} preloaded"), ("TRL defaults", "TRL, activation checkpointing (its default)")]
-    labels += [(key, f"slurm-rlhf {label}, {allocator}") for key, *_, label in runs]
+              ("TRL+", f"TRL, {ours_with} preloaded"), ("TRL defaults", "TRL, activation checkpointing (its default)")]
+    labels += [(key, f"slurm-rlhf {label}, {ours_with}") for key, *_, label in runs]
     for key, label in labels:
         if key in results:
             r = results[key]
@@ -292,8 +298,8 @@ def main() -> int:
                for key in ("TRL+", "TRL defaults") if key in results}
     notes = [f"against TRL with its default activation checkpointing: {against['TRL defaults']:.2f}"]
     if "TRL+" in against:
-        notes.append(f"our workers ran with what run.allocator auto picks, as named; against TRL with {allocator} "
-                     f"preloaded: {against['TRL+']:.2f}")
+        notes.append(f"our workers ran with what run.allocator auto and run.fast_mkl_on_amd give, as named; against "
+                     f"TRL with the same preloaded ({ours_with}): {against['TRL+']:.2f}")
     print(f"({'; '.join(notes)})")
     print(f"ratio {min(trl['step_s'] / results[k]['step_s'] for k in measured_keys):.2f}")
     return 0

@@ -114,4 +114,8 @@ if [ "$FLAVOUR" = cpu ]; then
     TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" pip_logged "$VENV/bin/python" -c \
         "from toolkit.training.ops import load_ops; load_ops(cpu_adam=True)"
 fi
+# On an AMD CPU, the library that lets MKL take its Intel kernels (run.fast_mkl_on_amd), built now into
+# .venv/lib/slurm-rlhf so that nodes without a C compiler have it too.
+"$VENV/bin/python" -c "from toolkit.launch import mkl_amd; path, why = mkl_amd.library(); \
+print(f'setup: MKL on AMD: {path or why}')"
 echo "$STAMP" > "$MARK"

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from tests.conftest import (EXAMPLES, REPO, alive, assert_no_workers_left, cli, example, fork_server_pids, left_in,
                             short_tmpdir, worker_pids, write_config)
 from toolkit.config import load_config
-from toolkit.launch import allocator
+from toolkit.launch import allocator, mkl_amd
 from toolkit.store import experience
 from toolkit.store.manifest import Manifest
 
@@ -68,6 +68,8 @@ def test_grpo_run_two_generators(two_generator_run):
     for name in ("generator-0", "generator-1", "scorer-0", "trainer-0"):
         log = (logs / f"{name}.log").read_text()
         assert f"memory allocator: {wanted}\n" in log and f"OpenMP threads wait: OMP_WAIT_POLICY={policy}\n" in log, name
+        # and, on an AMD CPU, MKL with Intel's kernels (run.fast_mkl_on_amd; tools/setup.sh builds its library)
+        assert ("MKL on AMD: Intel's code paths (run.fast_mkl_on_amd)\n" in log) == mkl_amd.amd(), name
     assert load_config(run_dir / "config.yaml").run.steps == 6  # the resolved config is in the run directory
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     assert_private(run_dir)

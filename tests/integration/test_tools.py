@@ -100,3 +100,17 @@ def test_bench_sync_store_and_transport_run_their_tables(tmp_path):
         out = tool(f"tools/{name}.py", *args).stdout
         ratios = [float(cells[cell]) for cells in rows_of(out, columns).values()]
         assert all(r > 0 for r in ratios) and ratio_of(out) == min(ratios), (name, ratios, out[-2000:])
+
+
+def test_bench_mkl_compares_mkl_as_shipped_with_its_intel_kernels():
+    from toolkit.launch import mkl_amd
+
+    out = tool("tools/bench_mkl.py", "--repeats", "1").stdout
+    if not mkl_amd.amd():
+        assert out.strip() == "bench_mkl: nothing to compare here: not an AMD CPU"
+        return
+    diff = re.search(r"largest loss difference (\S+)$", out, re.M)
+    assert diff and float(diff.group(1)) < 1e-5, out  # (the same losses within float rounding)
+    rows = rows_of(out, ("F.linear MLP up/gate", "training step of the 26M Llama", "scoring forward pass"))
+    assert all(float(cells[-1]) > 0 for cells in rows.values())
+    assert ratio_of(out) > 0

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.launch import allocator
+from toolkit.launch import allocator, mkl_amd, preload
 
 REPO = Path(__file__).resolve().parents[2]
 # What a worker does first, then what it would log (a -c program is started again as it was: `python -c ...`).
-PROGRAM = ("import json, os; from toolkit.launch import allocator; allocator.reexec_with_allocator(); "
+PROGRAM = ("import json, os; from toolkit.launch import allocator, preload; preload.reexec_with_preloads(); "
            "print(json.dumps({'pid': os.getpid(), 'loaded': allocator.loaded(), 'line': allocator.describe(), "
            "'preload': os.environ.get('LD_PRELOAD', '')}))")
 
 
 def started(wanted: str | None, **extra) -> tuple[int, dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV, allocator.CHECKED)}
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV, preload.CHECKED, mkl_amd.ENV)}
     env.update(extra)
     if wanted is not None:
         env[allocator.ENV] = wanted
@@ -53,7 +53,7 @@ def test_system_or_nothing_asked_keeps_glibc_and_a_missing_library_is_named():
         pid, got = started(wanted)
         assert got["pid"] == pid and got["loaded"] == "system" and got["preload"] == ""
     # once looked (the marker is set), a process is not started again, and its log line says what to install
-    _, got = started("jemalloc", **{allocator.CHECKED: "1"})
+    _, got = started("jemalloc", **{preload.CHECKED: "1"})
     assert got["loaded"] == "system"
     assert "run.allocator jemalloc: jemalloc not found on this node; install" in got["line"]
 

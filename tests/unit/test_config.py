@@ -626,6 +626,7 @@ def test_validate_says_what_the_auto_settings_come_to_here(tiny, tmp_path):
     """`validate` prints the config resolved; the `auto` choices (vLLM or transformers, the allocator) are
     resolved only where the run starts, so it names what they come to on this machine, as YAML comments: the
     output still loads as the same config."""
+    from toolkit.launch import mkl_amd
     from toolkit.launch.allocator import choice
 
     path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
@@ -636,5 +637,9 @@ def test_validate_says_what_the_auto_settings_come_to_here(tiny, tmp_path):
     allocator = choice("auto")[0]
     assert comments[0] == "# rollout.backend auto: vllm here (vLLM is installed)"
     assert comments[1].startswith(f"# run.allocator auto: {allocator} on this machine"), comments
-    result = cli("validate", path, "--set", "rollout.backend=hf", "--set", "run.allocator=system")
+    library, why = mkl_amd.library()
+    assert comments[2] == ("# run.fast_mkl_on_amd: "
+                           + (f"MKL's library {library}" if library else f"no effect here ({why})"))
+    result = cli("validate", path, "--set", "rollout.backend=hf", "--set", "run.allocator=system",
+                 "--set", "run.fast_mkl_on_amd=false")
     assert result.returncode == 0 and not any(line.startswith("#") for line in result.stdout.splitlines())

@@ -6,19 +6,17 @@ it holds at any moment. A trainer of the 26M Llama of tools/bench_trl.py (tools/
 of 16 x 160 tokens, 3 runs each) peaked at 2.8-2.9 GB with glibc, 2.1 GB with tcmalloc and 1.8 GB with
 jemalloc, in steps of 2.3, 2.1-2.2 and 2.4-2.6 s; vLLM on CPU asks for tcmalloc in LD_PRELOAD too. An
 allocator has to be loaded before the process starts, so a worker that was told to use one and does not
-have it yet starts itself again, in the same process (same PID) by exec, with the library in LD_PRELOAD.
-A node without the library keeps glibc's malloc and says so.
+have it yet starts itself again, in the same process (same PID) by exec, with the library in LD_PRELOAD
+(toolkit/launch/preload.py). A node without the library keeps glibc's malloc and says so.
 """
 
 from __future__ import annotations
 
 import ctypes.util
 import os
-import sys
 
 from toolkit.launch.env import ALLOCATOR as ENV  # the allocator the launcher asks for (run.allocator)
 
-CHECKED = "SLURM_RLHF_ALLOCATOR_CHECKED"    # set before the exec: a process looks only once
 # The libraries, by the name ld.so finds them under (Debian: libtcmalloc-minimal4, libjemalloc2).
 LIBRARIES = {"tcmalloc": ("tcmalloc_minimal", "libtcmalloc_minimal.so.4"), "jemalloc": ("jemalloc", "libjemalloc.so.2")}
 # `auto`, in the order tried. (Where the trainer runs vLLM in its own process, Flattening, `auto` took
@@ -48,21 +46,6 @@ def loaded() -> str:
     """Which allocator this process runs with (by what LD_PRELOAD holds)."""
     preload = os.environ.get("LD_PRELOAD", "")
     return next((name for name, (_, soname) in LIBRARIES.items() if soname in preload), "system")
-
-
-def reexec_with_allocator() -> None:
-    """First thing in a worker: if the launcher asked for an allocator (ENV) that this node has and this
-    process was started without it, replace this process by itself with the library preloaded. Returns
-    when nothing is to be done."""
-    wanted = os.environ.get(ENV)
-    if not wanted or os.environ.get(CHECKED) or loaded() != "system":
-        return
-    name, lib = choice(wanted)
-    os.environ[CHECKED] = "1"
-    if lib is None:
-        return
-    os.environ["LD_PRELOAD"] = " ".join(filter(None, (lib, os.environ.get("LD_PRELOAD"))))
-    os.execv(sys.executable, sys.orig_argv)  # (as started: `python -m toolkit.worker`)
 
 
 def describe() -> str:

@@ -19,6 +19,7 @@ RANK = "SLURM_RLHF_RANK"                # rank in the group (default: SLURM_PROC
 BIND_HOST = "SLURM_RLHF_BIND_HOST"      # transport.bind_host as given (address, interface or network),
                                         # resolved on each node (default: this node's address)
 ALLOCATOR = "SLURM_RLHF_ALLOCATOR"      # run.allocator: the worker starts itself again with it preloaded
+FAST_MKL_ON_AMD = "SLURM_RLHF_FAST_MKL_ON_AMD"  # run.fast_mkl_on_amd ("1"): the same, with MKL's library
 INBOX_PORT = "SLURM_RLHF_INBOX_PORT"    # workers started again listen where the ones they replace did, so
                                         # their peers' sockets reconnect by themselves: `rank:port,...`
 

@@ -195,10 +195,10 @@ def _alive(pid: int) -> bool:
 
 
 def serve() -> None:
-    from toolkit.launch.allocator import reexec_with_allocator
     from toolkit.launch.openmp import wait_passively
+    from toolkit.launch.preload import reexec_with_preloads
 
-    reexec_with_allocator()  # (the workers inherit it: an allocator must be there before any import)
+    reexec_with_preloads()  # (the workers inherit them: an allocator must be there before any import)
     wait_passively()  # (read when torch's OpenMP loads, in the imports below)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies = os.dup(1)
@@ -280,7 +280,7 @@ def _fork_worker(env: dict[str, str], log_path: str, replies: int) -> int:
         for fd in (log, null, replies):
             os.close(fd)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        from toolkit.launch.allocator import CHECKED
+        from toolkit.launch.preload import CHECKED
 
         threads = env.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0 and threads != os.environ.get("OMP_NUM_THREADS"):

@@ -145,7 +145,8 @@ class Supervisor:
         hold("start-up", self.run_dir.path)
         self.launcher.start(self.groups, {E.RUN_DIR: str(self.run_dir.path), E.CONTROL: self.coordinator.address,
                                           E.SECRET_FILE: str(self.run_dir.secret), E.ATTEMPT: self.attempt,
-                                          E.ALLOCATOR: self.cfg.run.allocator})
+                                          E.ALLOCATOR: self.cfg.run.allocator,
+                                          E.FAST_MKL_ON_AMD: "1" if self.cfg.run.fast_mkl_on_amd else "0"})
         self.echo(f"started {len(self.worker_ids)} workers ({', '.join(f'{g.name} x{g.workers}' for g in self.groups)})"
                   f"; logs in {self.run_dir.logs}")
         started = time.monotonic()

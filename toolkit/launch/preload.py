@@ -1,0 +1,41 @@
+"""What a worker preloads, first thing: its memory allocator (launch/allocator.py) and, on an AMD CPU, the
+library that lets MKL run at full speed there (launch/mkl_amd.py).
+
+A library in LD_PRELOAD has to be there when the process starts, so a worker that lacks what its launcher
+asked for replaces itself by exec, in the same process (same PID, so the launcher's PID and process group
+still hold), with the libraries in LD_PRELOAD. The fork server does it once for all the workers it forks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from toolkit.launch import allocator, mkl_amd
+
+CHECKED = "SLURM_RLHF_PRELOAD_CHECKED"  # set before the exec: a process looks only once
+
+
+def wanted() -> list[str]:
+    """The libraries to add to LD_PRELOAD: the allocator the launcher asked for (unless LD_PRELOAD has one
+    already) and, where asked for and this is an AMD CPU, MKL's."""
+    libraries = []
+    name = os.environ.get(allocator.ENV)
+    if name and allocator.loaded() == "system":
+        libraries.append(allocator.choice(name)[1])
+    if os.environ.get(mkl_amd.ENV) == "1" and not mkl_amd.loaded():
+        libraries.append(mkl_amd.library()[0])
+    return [lib for lib in libraries if lib]
+
+
+def reexec_with_preloads() -> None:
+    """First thing in a worker: if it lacks a library it should preload, replace this process by itself
+    with them in LD_PRELOAD. Returns when nothing is to be done."""
+    if os.environ.get(CHECKED):
+        return
+    os.environ[CHECKED] = "1"
+    libraries = wanted()
+    if not libraries:
+        return
+    os.environ["LD_PRELOAD"] = " ".join(filter(None, (*libraries, os.environ.get("LD_PRELOAD"))))
+    os.execv(sys.executable, sys.orig_argv)  # (as started: `python -m toolkit.worker`)
