@@ -14,7 +14,7 @@ preloaded definition first. It is compiled here, once, with the node's C compile
 at install), into the installation (`<sys.prefix>/lib/slurm-rlhf`), or where that is not writable into
 `~/.cache/slurm-rlhf`; a node without a compiler or an AMD CPU runs without it and its log says why. A
 library that another user could replace is never preloaded (the file and its folder must be this user's
-and writable by no one else).
+or root's, and writable by no one else).
 """
 
 from __future__ import annotations
@@ -49,12 +49,13 @@ def folders() -> list[str]:
 
 
 def _own(path: str) -> bool:
-    """This user's, and writable by no one else (so that no one else can change what is preloaded)."""
+    """This user's or root's (a site-wide installation), and writable by no one else: no one else can
+    change what is preloaded."""
     try:
         st = os.stat(path)
     except OSError:
         return False
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+    return st.st_uid in (os.getuid(), 0) and not st.st_mode & 0o022
 
 
 def _build(folder: str) -> str:
