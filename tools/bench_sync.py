@@ -16,7 +16,10 @@ their own). Per model:
 - raw: one `broadcast` of a flat tensor of the same number of bytes, into a new tensor on the receiver
   (as a loader needs each version: vLLM keeps the tensors it is given until a layer is whole), and, for
   the link's bound, into one tensor reused every time.
-Both end with a barrier; rank 0's wall time, median over repeats, alternating.
+Both end with a barrier; rank 0's wall time, median over repeats, alternating. Both ranks preload what a
+run's workers preload by default (tcmalloc, and on an AMD CPU MKL's library: toolkit/launch/preload.py);
+the raw broadcast into a new tensor depends on the allocator (glibc's malloc maps a large tensor anew,
+with page faults; tcmalloc reuses the freed one).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from toolkit.config.schema import TrainerSection  # noqa: E402
+from toolkit.launch.preload import as_a_worker  # noqa: E402
 from toolkit.transport.rendezvous import connect_store, serve_store  # noqa: E402
 from toolkit.transport.wire import new_secret  # noqa: E402
 from toolkit.weights.hf_format import checkpoint_converter  # noqa: E402
@@ -134,6 +138,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where both processes hold the weights (cuda: the same GPU)")
     args = parser.parse_args()
+    as_a_worker()  # (both ranks with what a trainer and a generator preload: tcmalloc, MKL's library on AMD)
     ctx = mp.get_context("spawn")
     where = f"both on {torch.cuda.get_device_name()}, " if args.device == "cuda" else ""
     print(f"Weight sync between two processes over gloo ({where}localhost): slurm-rlhf's bucketed broadcast vs "

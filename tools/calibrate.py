@@ -148,14 +148,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="cluster file to write (default: print it)")
     parser.add_argument("--memory-gb", type=float, help="memory of the machine (default: read from /proc/meminfo)")
     args = parser.parse_args()
-    from toolkit.launch import env
-    from toolkit.launch.preload import reexec_with_preloads
+    from toolkit.launch.preload import as_a_worker
 
-    # (what a worker preloads by default: run.allocator auto, and on an AMD CPU run.fast_mkl_on_amd, which
-    # doubles MKL's matrix products there; measured without them, the rates would not be the workers')
-    os.environ.setdefault(env.ALLOCATOR, "auto")
-    os.environ.setdefault(env.FAST_MKL_ON_AMD, "1")
-    reexec_with_preloads()
+    # (what a worker preloads by default: tcmalloc, and on an AMD CPU MKL's library, which doubles MKL's
+    # matrix products there; measured without them, the rates would not be the workers')
+    as_a_worker()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from toolkit.launch.openmp import wait_passively
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from toolkit.launch import allocator, mkl_amd
+from toolkit.launch import allocator, env, mkl_amd
 
 CHECKED = "SLURM_RLHF_PRELOAD_CHECKED"  # set before the exec: a process looks only once
 
@@ -39,3 +39,12 @@ def reexec_with_preloads() -> None:
         return
     os.environ["LD_PRELOAD"] = " ".join(filter(None, (*libraries, os.environ.get("LD_PRELOAD"))))
     os.execv(sys.executable, sys.orig_argv)  # (as started: `python -m toolkit.worker`)
+
+
+def as_a_worker() -> None:
+    """For a tool that measures in its own process (and the processes it starts) what workers do: preload
+    what a worker of a run with the default settings preloads (run.allocator auto, run.fast_mkl_on_amd),
+    unless its environment says otherwise, by the same exec."""
+    os.environ.setdefault(env.ALLOCATOR, "auto")
+    os.environ.setdefault(env.FAST_MKL_ON_AMD, "1")
+    reexec_with_preloads()
