@@ -7,7 +7,8 @@ rank 0 and one generator rank do. With `--device cuda` both hold their tensors o
 trainer and a generator sharing a GPU do: NCCL needs a GPU per rank, so `form_group` takes gloo there
 too, which copies each bucket through host memory (NCCL takes gloo's place where the ranks have GPUs of
 their own). Per model:
-- slurm-rlhf: what the trainer does at every sync, `WeightSender.send`: the weights in buckets of
+- slurm-rlhf: what the trainer does at every sync, `WeightSender.send`, its weights laid out as DeepSpeed
+  ZeRO-1/2 lays them out (views of one flat buffer): the weights in buckets of
   `trainer.weight_sync_bucket_mb` (its default), converted to the checkpoint format vLLM loads, each packed into a
   send buffer and sent as one broadcast, and the probe's log-probs (one forward pass of 8 tokens, the check
   that the generator loaded every weight) computed while the first bucket travels; the receiver takes them
@@ -62,6 +63,18 @@ def build(hidden: int, layers: int, heads: int, intermediate: int, vocab: int):
     return LlamaForCausalLM(config).eval()
 
 
+def laid_out_as_deepspeed(model):
+    """`model` with its weights as views of one flat buffer, in the order of its parameters, as a trainer's
+    weights are under DeepSpeed ZeRO-1/2 (which is what lets `WeightSender` send a bucket without a copy)."""
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:
+        p.data = flat[offset: offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return model
+
+
 def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int, device: str) -> None:
     torch.set_num_threads(1)
     if rank == 0:  # (the store's key goes to rank 1 with its port, as a run's workers read theirs from a file)
@@ -76,7 +89,7 @@ def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int, device
     unchecked_group = form_group(store, rank, 2, TIMEOUT_S, device, "unchecked")
     raw_group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, datetime.timedelta(seconds=TIMEOUT_S))
     if rank == 0:
-        model = build(*shape).to(device)
+        model = laid_out_as_deepspeed(build(*shape).to(device))
         params = list(model.named_parameters())
         layout = plan_layout(params, BUCKET_MB * 2**20, probe_tokens(shape[-1], 0), checkpoint_converter(model))
         receiver = unchecked_receiver = None

@@ -70,6 +70,10 @@ def test_grpo_run_two_generators(two_generator_run):
         assert f"memory allocator: {wanted}\n" in log and f"OpenMP threads wait: OMP_WAIT_POLICY={policy}\n" in log, name
         # and, on an AMD CPU, MKL with Intel's kernels (run.fast_mkl_on_amd; tools/setup.sh builds its library)
         assert ("MKL on AMD: Intel's code paths (run.fast_mkl_on_amd)\n" in log) == mkl_amd.amd(), name
+    # ZeRO-2 keeps the trainer's weights in one flat buffer in the layout's order: no bucket is copied to be sent
+    sync = re.search(r"weight sync: (\d+) of (\d+) buckets sent from the trainer's own memory, 0 copied",
+                     (logs / "trainer-0.log").read_text())
+    assert sync and sync.group(1) == sync.group(2)
     assert load_config(run_dir / "config.yaml").run.steps == 6  # the resolved config is in the run directory
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     assert_private(run_dir)

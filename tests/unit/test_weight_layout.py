@@ -230,3 +230,41 @@ def test_the_probe_thread_hands_back_its_log_probs_or_its_error():
 
     with pytest.raises(ValueError, match="no such layer"):
         Prober(broken, torch.device("cpu")).result()
+
+
+def test_weights_that_lie_one_after_another_are_sent_without_a_copy():
+    """A bucket of weights that are views of one flat buffer, in order (DeepSpeed ZeRO-1/2's parameters),
+    travels as a view of that buffer; anything else (apart, out of order, another dtype, not contiguous)
+    is copied into a send buffer. The receiver gets the same bytes either way."""
+    from toolkit.weights.sync import SyncLayout, WeightSender, span
+
+    cpu = torch.device("cpu")
+    flat = torch.arange(12.0)
+    a, b, c = flat[:4].view(2, 2), flat[4:10], flat[10:]
+    view = span([a, b, c], cpu)
+    assert view is not None and view.data_ptr() == flat.data_ptr() and view.tolist() == flat.tolist()
+    assert span([b, c], cpu).tolist() == flat[4:].tolist()
+    assert span([a, c], cpu) is None and span([b, a], cpu) is None  # (a gap; out of order)
+    assert span([a, flat[4:10].double()], cpu) is None and span([flat[:4], flat[4:].view(2, 4).t()], cpu) is None
+    assert span([torch.arange(4.0), torch.arange(4.0)], cpu) is None  # (two storages)
+
+    class Recording:
+        def __init__(self):
+            self.sent = []
+
+        def name(self):
+            return "gloo"
+
+        def broadcast(self, tensor, root):
+            self.sent.append((tensor.data_ptr(), tensor.clone()))
+            return StandInNccl().broadcast(tensor, root)
+
+    layout = SyncLayout(["a", "b", "c"], [[0, 1, 2]], [[["a", "float32", [2, 2]], ["b", "float32", [6]],
+                                                        ["c", "float32", [2]]]], [])
+    for tensors, shared in (([a, b, c], True), ([a.clone(), b.clone(), c.clone()], False)):
+        group = Recording()
+        sender = WeightSender(layout, cpu)
+        sender.add("g", group)
+        assert sender.send(1, [tensors], lambda: None) == 48
+        pointer, bucket = group.sent[-1]
+        assert bucket.tolist() == flat.tolist() and (pointer == flat.data_ptr()) == shared

@@ -119,6 +119,7 @@ class TrainerRole(Role):
         self.status["policy_version"] = self.version
         self.generator = None  # the generator role, when this worker hosts one (it sets itself here)
         self.sender = None
+        self._said_copies = False  # (the first sync's log line on how its buckets were sent)
         if self.rank == 0 and not self.cfg.placement.generation_with_actor():
             generators = group_of(self.worker.groups, "generator").worker_ids()
             log.info("forming a weight-sync group with each of %d generator worker(s)", len(generators))
@@ -685,6 +686,11 @@ class TrainerRole(Role):
 
         if self.sender is not None:
             sent = self.sender.send(self.version, buckets, probe, transient=zero3, to=to)
+            if not self._said_copies:
+                self._said_copies = True
+                log.info("weight sync: %d of %d buckets sent from the trainer's own memory, %d copied into a send "
+                         "buffer", len(self.layout.sources) - self.sender.copied, len(self.layout.sources),
+                         self.sender.copied)
         else:
             for _ in buckets:
                 pass
