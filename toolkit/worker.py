@@ -312,8 +312,9 @@ def main() -> None:
         tmp = make_own(f"{wenv.group}-{wenv.rank}")
         cfg = load_config(os.path.join(wenv.run_dir, "config.yaml"))
         log.info("worker %s starting (pid %d); %s", wenv.worker_id, os.getpid(), allocator.describe())
-        if mkl_amd.describe():
-            log.info(mkl_amd.describe())
+        mkl_line = mkl_amd.describe()  # (reads /proc/cpuinfo; where the library is missing, tries to build it)
+        if mkl_line:
+            log.info(mkl_line)
         log.info("OpenMP threads wait: %s=%s", VARIABLE, os.environ[VARIABLE])
         log.info("temporary files: %s", tmp or f"{tempfile.gettempdir()} (too deep for a directory of "
                  "its own: vLLM's sockets in it would pass the 107-byte limit)")
