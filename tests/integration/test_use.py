@@ -212,6 +212,7 @@ def test_eval_scores_checkpoints_on_the_held_out_prompts_with_the_runs_rewards(h
 
     result = cli("eval", held_out, "--steps", "2,3")
     assert result.returncode == 0, result.stderr
+    assert "memory allocator: tcmalloc" in result.stderr.splitlines()[0]  # (as the run's workers: run.allocator)
     out = held_out / "eval" / "heldout"
     summary = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
     assert [r["step"] for r in summary] == [2, 3]

@@ -91,3 +91,28 @@ def test_a_worker_on_an_amd_cpu_runs_again_with_the_library_and_gets_the_same_nu
     assert run(line, **{mkl_amd.ENV: "0"})["line"] == "MKL on AMD: as shipped (run.fast_mkl_on_amd false)"
     assert run("from toolkit.launch.preload import reexec_with_preloads; reexec_with_preloads();" + line,
                **{mkl_amd.ENV: "1"})["line"] == "MKL on AMD: Intel's code paths (run.fast_mkl_on_amd)"
+
+
+def test_generate_samples_with_the_workers_libraries_unless_told_not_to(tiny, tmp_path):
+    """`generate` (as `chat` and `eval`) samples in its own process: it preloads what a run's worker does
+    (tcmalloc; on an AMD CPU, MKL's library), says so on its first line, and the environment turns them
+    off; greedy samples are the same either way (transformers, whose matrix products are MKL's)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1 2 3"}\n{"prompt": "hello"}\n')
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("LD_PRELOAD", allocator.ENV, mkl_amd.ENV, preload.CHECKED)}
+    runs = {}
+    for label, env in (("with", {}), ("without", {allocator.ENV: "system", mkl_amd.ENV: "0"})):
+        result = subprocess.run([sys.executable, "-m", "toolkit", "generate", str(tiny / "model"), "--input",
+                                 str(prompts), "--backend", "hf", "--temperature", "0", "--max-new-tokens", "6"],
+                                cwd=REPO, env={**clean, **env}, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        line = next(s for s in result.stderr.splitlines() if s.startswith("sampling from "))
+        runs[label] = line, [json.loads(s) for s in result.stdout.splitlines()]
+    with_line, without_line = runs["with"][0], runs["without"][0]
+    assert "memory allocator: tcmalloc" in with_line and "memory allocator: system" in without_line
+    if mkl_amd.amd():
+        assert "MKL on AMD: Intel's code paths" in with_line and "MKL on AMD: as shipped" in without_line
+    with_samples, without_samples = runs["with"][1], runs["without"][1]
+    assert [s["response"] for s in with_samples] == [s["response"] for s in without_samples]
+    assert [s["logprob"] for s in with_samples] == pytest.approx([s["logprob"] for s in without_samples], abs=1e-4)

@@ -41,10 +41,17 @@ def reexec_with_preloads() -> None:
     os.execv(sys.executable, sys.orig_argv)  # (as started: `python -m toolkit.worker`)
 
 
-def as_a_worker() -> None:
-    """For a tool that measures in its own process (and the processes it starts) what workers do: preload
-    what a worker of a run with the default settings preloads (run.allocator auto, run.fast_mkl_on_amd),
-    unless its environment says otherwise, by the same exec."""
-    os.environ.setdefault(env.ALLOCATOR, "auto")
-    os.environ.setdefault(env.FAST_MKL_ON_AMD, "1")
+def as_a_worker(allocator_name: str = "auto", fast_mkl_on_amd: bool = True) -> None:
+    """For a command or tool that works in its own process (and the processes it starts) as a worker does
+    (`generate`, `chat`, `eval`; the benchmarks): preload what a worker of a run with these settings preloads
+    (run.allocator, run.fast_mkl_on_amd; by default a run's defaults), unless its environment says otherwise
+    (SLURM_RLHF_ALLOCATOR, SLURM_RLHF_FAST_MKL_ON_AMD), by the same exec."""
+    os.environ.setdefault(env.ALLOCATOR, allocator_name)
+    os.environ.setdefault(env.FAST_MKL_ON_AMD, "1" if fast_mkl_on_amd else "0")
     reexec_with_preloads()
+
+
+def describe() -> str:
+    """What this process runs with, for a command's first line: its allocator and, on an AMD CPU, MKL's
+    code paths (with what to install where one is missing)."""
+    return "; ".join(filter(None, (allocator.describe(), mkl_amd.describe())))
