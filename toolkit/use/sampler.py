@@ -17,6 +17,8 @@ from pathlib import Path
 from toolkit.config.model_files import context_limit, head_problem, tokenizer_problem
 from toolkit.errors import ConfigError
 
+HF_ROWS = 64  # samples in one transformers `generate` at most (its KV cache grows with them)
+
 
 @dataclass
 class Sampling:
@@ -124,8 +126,10 @@ class Sampler:
                                   f"{params.max_new_tokens} that is over --max-model-len {self.max_model_len}")
         if self.backend == "vllm":
             return self._vllm(prompts, params, first_index)
-        return [[self._hf(p, params, sample_seed(self.seed, first_index + k, j)) for j in range(params.n)]
-                for k, p in enumerate(prompts)]
+        rows = [(p, sample_seed(self.seed, first_index + k, j)) for k, p in enumerate(prompts) for j in range(params.n)]
+        samples = [sample for start in range(0, len(rows), HF_ROWS)
+                   for sample in self._hf(rows[start:start + HF_ROWS], params)]
+        return [samples[k * params.n:(k + 1) * params.n] for k in range(len(prompts))]
 
     def _vllm(self, prompts, params: Sampling, first_index: int) -> list[list[Sample]]:
         from vllm import SamplingParams
@@ -144,27 +148,62 @@ class Sampler:
                    for c in (out.outputs[0] for out in outputs)]
         return [samples[k * params.n:(k + 1) * params.n] for k in range(len(prompts))]
 
-    def _hf(self, prompt: list[int], params: Sampling, seed: int) -> Sample:
+    def _hf(self, rows: list[tuple[list[int], int]], params: Sampling) -> list[Sample]:
+        """One sample of each (prompt, seed) of `rows`, all in one transformers `generate` (prompts padded
+        on the left). Each row draws its tokens with a random generator of its own (`SeededDraw`), so a
+        row's sample does not depend on the rows beside it."""
         import torch
+        from transformers import GenerationConfig, LogitsProcessorList
 
-        torch.manual_seed(seed)
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        greedy = params.temperature == 0
+        width = max(len(p) for p, _ in rows)
+        ids = torch.full((len(rows), width), pad if pad is not None else 0, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (p, _) in enumerate(rows):
+            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        # Explicit: the model's own generation_config (top_k, repetition_penalty, ...) must not change what
+        # is sampled (vLLM takes the sampling parameters as given, too). Greedy decoding picks each row's
+        # drawn token, the only one `SeededDraw` leaves.
+        config = GenerationConfig(do_sample=False, max_new_tokens=params.max_new_tokens, pad_token_id=pad,
+                                  eos_token_id=eos, output_logits=True, return_dict_in_generate=True)
+        draw = None if params.temperature == 0 else LogitsProcessorList(
+            [SeededDraw([seed for _, seed in rows], params.temperature, params.top_p)])
         with torch.no_grad():
-            out = self.model.generate(
-                input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=not greedy, temperature=None if greedy else params.temperature,
-                top_p=None if greedy else params.top_p, top_k=0 if not greedy else None,
-                max_new_tokens=params.max_new_tokens, pad_token_id=pad,
-                eos_token_id=eos, output_logits=True, return_dict_in_generate=True)
-        new = out.sequences[0, len(prompt):]
-        logprobs = torch.stack(out.logits, dim=1)[0].float().log_softmax(-1).gather(-1, new[:, None])[:, 0]
-        row = new.tolist()
-        finished = eos is not None and eos in row
-        end = row.index(eos) + 1 if finished else len(row)
-        return Sample(self.tokenizer.decode(row[:end], skip_special_tokens=True), end, finished,
-                      float(logprobs[:end].sum()), row[:end])
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                      logits_processor=draw)
+        new = out.sequences[:, width:]
+        logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).gather(-1, new[..., None])[..., 0]
+        samples = []
+        for row, row_logprobs in zip(new.tolist(), logprobs):
+            finished = eos is not None and eos in row
+            end = row.index(eos) + 1 if finished else len(row)
+            samples.append(Sample(self.tokenizer.decode(row[:end], skip_special_tokens=True), end, finished,
+                                  float(row_logprobs[:end].sum()), row[:end]))
+        return samples
 
     def close(self) -> None:
         self.llm = self.model = None
+
+
+class SeededDraw:
+    """A transformers logits processor that draws each row's next token at `temperature` within the nucleus
+    `top_p`, with the row's own random generator (seeded with its sample's seed), and leaves only that
+    token possible."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+        import torch
+
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        probs = torch.softmax(scores.float().cpu() / self.temperature, dim=-1)
+        if self.top_p < 1:
+            ranked, order = probs.sort(dim=-1, descending=True)
+            ranked[ranked.cumsum(-1) - ranked >= self.top_p] = 0  # (past the smallest set that reaches top_p)
+            probs = torch.zeros_like(probs).scatter_(-1, order, ranked)
+        picks = torch.stack([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, self.generators)])
+        return torch.full_like(scores, float("-inf")).scatter_(-1, picks.to(scores.device), 0.0)
