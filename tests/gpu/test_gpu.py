@@ -285,3 +285,35 @@ def test_a_grpo_run_in_flattening_on_one_gpu(tiny, qwen_actor, tmp_path):
     assert all(r["behaviour_logprob_diff"] < 0.05 for r in records), [r["behaviour_logprob_diff"] for r in records]
     log = (run_dir / "logs" / "all-0.log").read_text()
     assert f"trainer rank 0/1 ready (actor, ZeRO-2, 290 actor weights, policy_version 0) on {DEVICE}" in log, log
+
+
+def test_generate_with_transformers_samples_on_the_gpu(qwen_actor, tmp_path):
+    """`generate --backend hf` (the engine where vLLM is not installed, as on the lent GPU machine) samples
+    on the GPU: a batch of rows of different prompts, each drawn with its own seeded generator there, the
+    same as each row alone; greedy takes the model's argmax at every position."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1 2 3"}\n{"prompt": "count to nine, then say hello"}\n')
+
+    def generate(*args) -> list[dict]:
+        result = cli("generate", qwen_actor, "--input", prompts, "--backend", "hf", "--max-new-tokens", 16, *args)
+        assert result.returncode == 0, result.stderr
+        return [json.loads(line) for line in result.stdout.splitlines()]
+
+    from toolkit.use.sampler import Sampler, Sampling
+
+    sampler = Sampler(qwen_actor, "hf", 64, seed=0)
+    assert sampler.device.type == DEVICE.type
+    tokens = [sampler.tokenizer(t)["input_ids"] for t in ("1 2 3", "count to nine, then say hello")]
+    both = sampler.sample(tokens, Sampling(max_new_tokens=16, temperature=1.0, n=2))
+    alone = sampler.sample(tokens[1:], Sampling(max_new_tokens=16, temperature=1.0, n=2), first_index=1)
+    assert [s.token_ids for s in both[1]] == [s.token_ids for s in alone[0]]
+    assert generate("--n", 2, "--temperature", 1)[2:] == generate("--n", 2, "--temperature", 1)[2:]
+    greedy = sampler.sample(tokens, Sampling(max_new_tokens=16, temperature=0.0))
+    for prompt, (sample,) in zip(tokens, greedy):
+        with torch.no_grad():
+            ids = torch.tensor([prompt + sample.token_ids], device=sampler.device)
+            logits = sampler.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(-1, torch.tensor(sample.token_ids, device=sampler.device)[:, None])[:, 0]
+        # (bf16: generation's cached keys and values against one pass over the whole sequence can swap
+        # near ties, so the chosen token's logit is the largest within bf16's rounding)
+        assert float((logits.max(-1).values - chosen).max()) < 0.05

@@ -100,8 +100,9 @@ class Sampler:
             import torch
             from transformers import AutoModelForCausalLM
 
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (a GPU where there is one)
             self.model = AutoModelForCausalLM.from_pretrained(
-                self.model_dir, dtype=getattr(torch, dtype) if dtype != "auto" else "auto").eval()
+                self.model_dir, dtype=getattr(torch, dtype) if dtype != "auto" else "auto").to(self.device).eval()
 
     def load_weights(self, model: Path) -> bool:
         """vLLM: take the weights of `model`, of the same configuration as the one loaded, in place (the
@@ -170,10 +171,10 @@ class Sampler:
         draw = None if params.temperature == 0 else LogitsProcessorList(
             [SeededDraw([seed for _, seed in rows], params.temperature, params.top_p)])
         with torch.no_grad():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                      logits_processor=draw)
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=config, logits_processor=draw)
         new = out.sequences[:, width:]
-        logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).gather(-1, new[..., None])[..., 0]
+        logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).gather(-1, new[..., None])[..., 0].cpu()
         samples = []
         for row, row_logprobs in zip(new.tolist(), logprobs):
             finished = eos is not None and eos in row
@@ -188,22 +189,22 @@ class Sampler:
 
 class SeededDraw:
     """A transformers logits processor that draws each row's next token at `temperature` within the nucleus
-    `top_p`, with the row's own random generator (seeded with its sample's seed), and leaves only that
-    token possible."""
+    `top_p`, with the row's own random generator (seeded with its sample's seed, on the model's device),
+    and leaves only that token possible."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float):
-        import torch
-
-        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-        self.temperature, self.top_p = temperature, top_p
+        self.seeds, self.temperature, self.top_p = seeds, temperature, top_p
+        self.generators = None
 
     def __call__(self, input_ids, scores):
         import torch
 
-        probs = torch.softmax(scores.float().cpu() / self.temperature, dim=-1)
+        if self.generators is None:
+            self.generators = [torch.Generator(scores.device).manual_seed(seed) for seed in self.seeds]
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
         if self.top_p < 1:
             ranked, order = probs.sort(dim=-1, descending=True)
             ranked[ranked.cumsum(-1) - ranked >= self.top_p] = 0  # (past the smallest set that reaches top_p)
             probs = torch.zeros_like(probs).scatter_(-1, order, ranked)
         picks = torch.stack([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, self.generators)])
-        return torch.full_like(scores, float("-inf")).scatter_(-1, picks.to(scores.device), 0.0)
+        return torch.full_like(scores, float("-inf")).scatter_(-1, picks, 0.0)
