@@ -194,7 +194,7 @@ def test_token_budget_micro_batches_make_the_update_of_the_token_mean(tiny, tmp_
     rows_dir, rows = run(tiny, tmp_path, "rows", run={"steps": 1}, trainer={"micro_batch_size": 4}, placement=two)
     assert one[0]["micro_batches"] == 1 and many[0]["micro_batches"] >= 4 and rows[0]["micro_batches"] == 8
     assert many[0]["padding_frac"] < one[0]["padding_frac"] and packed[0]["padding_frac"] == 0
-    assert 2 <= packed[0]["micro_batches"] < many[0]["micro_batches"]  # (280 tokens of samples, not of rows)
+    assert 2 <= packed[0]["micro_batches"] <= many[0]["micro_batches"]  # (280 tokens of samples, not of rows)
     assert one[0]["reward_mean"] == many[0]["reward_mean"] == packed[0]["reward_mean"] == rows[0]["reward_mean"]
     weights, cut, by_rows, in_one = (load_file(d / "export" / "model.safetensors")
                                      for d in (one_dir, many_dir, rows_dir, packed_dir))

@@ -151,10 +151,12 @@ class Sampler:
 
     def _hf(self, rows: list[tuple[list[int], int]], params: Sampling) -> list[Sample]:
         """One sample of each (prompt, seed) of `rows`, all in one transformers `generate` (prompts padded
-        on the left). Each row draws its tokens with a random generator of its own (`SeededDraw`), so a
-        row's sample does not depend on the rows beside it."""
+        on the left). Each row draws its tokens from its own seed (`toolkit/hf_sampling.py`), so a row's
+        sample does not depend on the rows beside it."""
         import torch
         from transformers import GenerationConfig, LogitsProcessorList
+
+        from toolkit.hf_sampling import SeededDraw, as_given
 
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
@@ -163,14 +165,14 @@ class Sampler:
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, (p, _) in enumerate(rows):
             ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-        # Explicit: the model's own generation_config (top_k, repetition_penalty, ...) must not change what
-        # is sampled (vLLM takes the sampling parameters as given, too). Greedy decoding picks each row's
-        # drawn token, the only one `SeededDraw` leaves.
+        # Only these settings: the model's own generation_config (top_k, repetition_penalty, ...) must not
+        # change what is sampled (vLLM takes the sampling parameters as given, too), so `as_given` hides it.
+        # Greedy decoding picks each row's drawn token, the only one `SeededDraw` leaves.
         config = GenerationConfig(do_sample=False, max_new_tokens=params.max_new_tokens, pad_token_id=pad,
                                   eos_token_id=eos, output_logits=True, return_dict_in_generate=True)
         draw = None if params.temperature == 0 else LogitsProcessorList(
-            [SeededDraw([seed for _, seed in rows], params.temperature, params.top_p)])
-        with torch.no_grad():
+            [SeededDraw([seed for _, seed in rows], params.temperature, params.top_p, params.max_new_tokens)])
+        with torch.no_grad(), as_given(self.model):
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                       generation_config=config, logits_processor=draw)
         new = out.sequences[:, width:]
@@ -186,25 +188,3 @@ class Sampler:
     def close(self) -> None:
         self.llm = self.model = None
 
-
-class SeededDraw:
-    """A transformers logits processor that draws each row's next token at `temperature` within the nucleus
-    `top_p`, with the row's own random generator (seeded with its sample's seed, on the model's device),
-    and leaves only that token possible."""
-
-    def __init__(self, seeds: list[int], temperature: float, top_p: float):
-        self.seeds, self.temperature, self.top_p = seeds, temperature, top_p
-        self.generators = None
-
-    def __call__(self, input_ids, scores):
-        import torch
-
-        if self.generators is None:
-            self.generators = [torch.Generator(scores.device).manual_seed(seed) for seed in self.seeds]
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        if self.top_p < 1:
-            ranked, order = probs.sort(dim=-1, descending=True)
-            ranked[ranked.cumsum(-1) - ranked >= self.top_p] = 0  # (past the smallest set that reaches top_p)
-            probs = torch.zeros_like(probs).scatter_(-1, order, ranked)
-        picks = torch.stack([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, self.generators)])
-        return torch.full_like(scores, float("-inf")).scatter_(-1, picks, 0.0)

@@ -31,48 +31,58 @@ class HFEngine:
 
     def _config(self, s, eos_id: int | None):
         """transformers' GenerationConfig of sampling `s` (the rollout's, or an evaluation's: temperature 0
-        is greedy). Explicit: a model's own generation_config (e.g. top_k=50) must not change what is sampled."""
+        is greedy). Decoding is greedy either way: above temperature 0, `SeededDraw` draws each row's token
+        and leaves only it. A model's own generation_config (e.g. a repetition_penalty, its eos_token_id)
+        must not change what is sampled: `as_given` hides it while generating."""
         from transformers import GenerationConfig
 
-        greedy = s.temperature == 0
-        return GenerationConfig(do_sample=not greedy, temperature=None if greedy else s.temperature,
-                                top_p=None if greedy else s.top_p, top_k=None if greedy else 0,
-                                max_new_tokens=self.cfg.rollout.max_new_tokens, pad_token_id=self.pad_id,
-                                eos_token_id=eos_id, output_scores=True, return_dict_in_generate=True)
+        return GenerationConfig(do_sample=False, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                pad_token_id=self.pad_id, eos_token_id=eos_id, output_scores=s.temperature == 0,
+                                return_dict_in_generate=True)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int], sampling=None) -> list[Completion]:
-        # In batches of rollout.generate_batch_size prompts (all at once when unset), each seeded with its
-        # first sample's seed: reproducible for the same prompts. The global RNG is put back afterwards, so
-        # a trainer in the same process draws the same numbers as in its own process. `sampling`: an
-        # evaluation's (its responses end at the end-of-sequence token), else the rollout's.
+        # In batches of rollout.generate_batch_size prompts (all at once when unset). Each sample is drawn
+        # from its own seed (toolkit/hf_sampling.py), as vLLM draws it: what is sampled does not depend on
+        # the batches, and the global random state, which a trainer in the same process draws from, is
+        # not touched. `sampling`: an evaluation's (its responses end at the end-of-sequence token), else
+        # the rollout's.
         size = self.cfg.rollout.generate_batch_size or len(prompts)
+        s = self.cfg.rollout if sampling is None else sampling
         eos_id = self.eos_id if sampling is None else self.tokenizer.eos_token_id
         config = self.gen_config if sampling is None else self._config(sampling, eos_id)
-        rng, training = torch.get_rng_state(), self.model.training
+        training = self.model.training
         self.model.eval()
         try:
             completions = []
             for start in range(0, len(prompts), size):
-                torch.manual_seed(seeds[start])
-                completions += self._generate(prompts[start:start + size], config, eos_id)
+                completions += self._generate(prompts[start:start + size], seeds[start:start + size], s, config,
+                                              eos_id)
             return completions
         finally:
-            torch.set_rng_state(rng)
             self.model.train(training)
 
-    def _generate(self, prompts: list[list[int]], config, eos_id: int | None) -> list[Completion]:
+    def _generate(self, prompts: list[list[int]], seeds: list[int], s, config, eos_id: int | None) -> list[Completion]:
+        from transformers import LogitsProcessorList
+
+        from toolkit.hf_sampling import SeededDraw, as_given
+
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros_like(ids)
         for i, p in enumerate(prompts):  # left padding
             ids[i, width - len(p):] = torch.tensor(p)
             attention[i, width - len(p):] = 1
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-                                  generation_config=config)
+        draw = None if s.temperature == 0 else SeededDraw(seeds, s.temperature, s.top_p, config.max_new_tokens)
+        with as_given(self.model):
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+                                      generation_config=config,
+                                      logits_processor=LogitsProcessorList([draw] if draw is not None else []))
         new = out.sequences[:, width:].cpu()
-        logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu()
-        token_lp = logprobs.gather(-1, new[..., None])[..., 0]
+        if draw is not None:  # (each drawn token's log-prob under the distribution it was drawn from)
+            token_lp = draw.drawn_logprobs().cpu()
+        else:  # (greedy: the model's own log-probs)
+            token_lp = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu().gather(-1, new[..., None])[..., 0]
         completions = []
         for i in range(len(prompts)):
             row = new[i].tolist()

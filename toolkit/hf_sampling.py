@@ -1,0 +1,69 @@
+"""transformers `generate` sampling as vLLM samples: each row from a seed of its own, and with nothing but
+the settings given.
+
+transformers samples a whole batch from the one global random stream, so a sample depends on the rows
+beside it and on how the samples were cut into batches. `SeededDraw`, a logits processor, draws every
+row's tokens itself: it takes the row's uniform numbers from the row's own seed (one stream of
+`max_new_tokens` numbers, made once), picks the token whose interval of the cumulative distribution
+(after temperature and top-p) holds that step's number, and leaves only that token possible, so greedy
+decoding takes it. A row's sample is then the one it gets alone, in any batch (up to float rounding of
+the batch's padding), and the global random state is not touched. It also keeps the log-prob of each
+drawn token under that distribution (what vLLM's `processed_logprobs` give: the behaviour log-probs).
+
+transformers also fills every setting that a GenerationConfig leaves unset from the model's own
+`generation_config`: its `eos_token_id` (so `rollout.ignore_eos` still stopped each row at its first
+end-of-sequence token and padded the rest), and a `repetition_penalty` or `no_repeat_ngram_size`, which
+would change what is sampled and its log-probs away from the trainer's. `as_given` hides the model's
+own while we generate.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def as_given(model: torch.nn.Module):
+    """While in the block, every module of `model` with a `generation_config` (the model, and the one inside
+    a peft wrapper) has a neutral one, so `generate` takes only the settings it is given."""
+    from transformers import GenerationConfig
+
+    saved = [(m, m.generation_config) for m in model.modules()
+             if isinstance(getattr(m, "generation_config", None), GenerationConfig)]
+    for m, _ in saved:
+        m.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        for m, config in saved:
+            m.generation_config = config
+
+
+class SeededDraw:
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, max_new_tokens: int):
+        """`seeds`: one per row of the batch, in order; `temperature` above 0 (0 is greedy: no draw)."""
+        self.uniforms = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(seed))
+                                     for seed in seeds])
+        self.temperature, self.top_p = temperature, top_p
+        self.step = 0
+        self.logprobs: list[torch.Tensor] = []  # [B] a step: each drawn token's log-prob (float32, on the device)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        if self.top_p < 1:  # keep the smallest set of the likeliest tokens whose mass reaches top_p
+            ranked, order = probs.sort(dim=-1, descending=True)
+            ranked[ranked.cumsum(-1) - ranked >= self.top_p] = 0
+            probs = torch.zeros_like(probs).scatter_(-1, order, ranked)
+        cumulative = probs.cumsum(-1)
+        u = self.uniforms[:, self.step].to(probs.device)[:, None] * cumulative[:, -1:]
+        picks = torch.searchsorted(cumulative, u, right=True).clamp_(max=probs.shape[-1] - 1)
+        picks = torch.where(probs.gather(-1, picks) > 0, picks, probs.argmax(-1, keepdim=True))  # (never a 0 one)
+        self.logprobs.append((probs.gather(-1, picks)[:, 0] / cumulative[:, -1]).log())
+        self.step += 1
+        return torch.full_like(scores, float("-inf")).scatter_(-1, picks, 0.0)
+
+    def drawn_logprobs(self) -> torch.Tensor:
+        """float32 [B, steps]: the log-prob of each drawn token under the distribution it was drawn from."""
+        return torch.stack(self.logprobs, dim=1)
