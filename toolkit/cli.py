@@ -789,6 +789,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # (the reader of its output left, as `| head` does: end quietly, as Unix tools do)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error when Python flushes)
         return 128 + signal.SIGPIPE
+    finally:
+        # The command is over: a second Ctrl-C (or a SIGTERM) from here on would come while Python exits,
+        # after it has put back the default handlers, and kill the process by the signal instead of
+        # letting it end with what it returned (130 after "interrupted"); ignored, it changes nothing.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
