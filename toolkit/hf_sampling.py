@@ -6,9 +6,10 @@ beside it and on how the samples were cut into batches. `SeededDraw`, a logits p
 row's tokens itself: it takes the row's uniform numbers from the row's own seed (one stream of
 `max_new_tokens` numbers, made once), picks the token whose interval of the cumulative distribution
 (after temperature and top-p) holds that step's number, and leaves only that token possible, so greedy
-decoding takes it. A row's sample is then the one it gets alone, in any batch (up to float rounding of
-the batch's padding), and the global random state is not touched. It also keeps the log-prob of each
-drawn token under that distribution (what vLLM's `processed_logprobs` give: the behaviour log-probs).
+decoding takes it (at temperature 0 it picks the likeliest). A row's sample is then the one it gets
+alone, in any batch (up to float rounding of the batch's padding), and the global random state is not
+touched. It also keeps the log-prob of each picked token under that distribution (what vLLM's
+`processed_logprobs` give: the behaviour log-probs) and under the model.
 
 transformers also fills every setting that a GenerationConfig leaves unset from the model's own
 `generation_config`: its `eos_token_id` (so `rollout.ignore_eos` still stopped each row at its first
@@ -43,27 +44,41 @@ def as_given(model: torch.nn.Module):
 
 class SeededDraw:
     def __init__(self, seeds: list[int], temperature: float, top_p: float, max_new_tokens: int):
-        """`seeds`: one per row of the batch, in order; `temperature` above 0 (0 is greedy: no draw)."""
-        self.uniforms = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(seed))
-                                     for seed in seeds])
+        """`seeds`: one per row of the batch, in order; `temperature` 0 is greedy (each row's likeliest token)."""
+        self.uniforms = None if temperature == 0 else torch.stack(
+            [torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(seed)) for seed in seeds])
         self.temperature, self.top_p = temperature, top_p
         self.step = 0
-        self.logprobs: list[torch.Tensor] = []  # [B] a step: each drawn token's log-prob (float32, on the device)
+        # [B] a step, float32 on the device: each picked token's log-prob under the model (`raw`), and under
+        # the distribution it was drawn from (`drawn`; greedy: the model's). Kept here, one number a row, so
+        # `generate` need not keep every step's logits (rows x vocabulary x steps).
+        self.raw: list[torch.Tensor] = []
+        self.drawn: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        if self.top_p < 1:  # keep the smallest set of the likeliest tokens whose mass reaches top_p
-            ranked, order = probs.sort(dim=-1, descending=True)
-            ranked[ranked.cumsum(-1) - ranked >= self.top_p] = 0
-            probs = torch.zeros_like(probs).scatter_(-1, order, ranked)
-        cumulative = probs.cumsum(-1)
-        u = self.uniforms[:, self.step].to(probs.device)[:, None] * cumulative[:, -1:]
-        picks = torch.searchsorted(cumulative, u, right=True).clamp_(max=probs.shape[-1] - 1)
-        picks = torch.where(probs.gather(-1, picks) > 0, picks, probs.argmax(-1, keepdim=True))  # (never a 0 one)
-        self.logprobs.append((probs.gather(-1, picks)[:, 0] / cumulative[:, -1]).log())
+        model = torch.log_softmax(scores.float(), dim=-1)
+        if self.uniforms is None:
+            picks = model.argmax(-1, keepdim=True)
+            self.drawn.append(model.gather(-1, picks)[:, 0])
+        else:
+            probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+            if self.top_p < 1:  # keep the smallest set of the likeliest tokens whose mass reaches top_p
+                ranked, order = probs.sort(dim=-1, descending=True)
+                ranked[ranked.cumsum(-1) - ranked >= self.top_p] = 0
+                probs = torch.zeros_like(probs).scatter_(-1, order, ranked)
+            cumulative = probs.cumsum(-1)
+            u = self.uniforms[:, self.step].to(probs.device)[:, None] * cumulative[:, -1:]
+            picks = torch.searchsorted(cumulative, u, right=True).clamp_(max=probs.shape[-1] - 1)
+            picks = torch.where(probs.gather(-1, picks) > 0, picks, probs.argmax(-1, keepdim=True))  # (never a 0 one)
+            self.drawn.append((probs.gather(-1, picks)[:, 0] / cumulative[:, -1]).log())
+        self.raw.append(model.gather(-1, picks)[:, 0])
         self.step += 1
         return torch.full_like(scores, float("-inf")).scatter_(-1, picks, 0.0)
 
     def drawn_logprobs(self) -> torch.Tensor:
-        """float32 [B, steps]: the log-prob of each drawn token under the distribution it was drawn from."""
-        return torch.stack(self.logprobs, dim=1)
+        """float32 [B, steps]: each picked token's log-prob under the distribution it was drawn from."""
+        return torch.stack(self.drawn, dim=1)
+
+    def raw_logprobs(self) -> torch.Tensor:
+        """float32 [B, steps]: each picked token's log-prob under the model (temperature 1, no top-p)."""
+        return torch.stack(self.raw, dim=1)

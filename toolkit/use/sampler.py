@@ -167,16 +167,15 @@ class Sampler:
             ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
         # Only these settings: the model's own generation_config (top_k, repetition_penalty, ...) must not
         # change what is sampled (vLLM takes the sampling parameters as given, too), so `as_given` hides it.
-        # Greedy decoding picks each row's drawn token, the only one `SeededDraw` leaves.
+        # Greedy decoding picks each row's token, the only one `SeededDraw` leaves.
         config = GenerationConfig(do_sample=False, max_new_tokens=params.max_new_tokens, pad_token_id=pad,
-                                  eos_token_id=eos, output_logits=True, return_dict_in_generate=True)
-        draw = None if params.temperature == 0 else LogitsProcessorList(
-            [SeededDraw([seed for _, seed in rows], params.temperature, params.top_p, params.max_new_tokens)])
+                                  eos_token_id=eos, return_dict_in_generate=True)
+        draw = SeededDraw([seed for _, seed in rows], params.temperature, params.top_p, params.max_new_tokens)
         with torch.no_grad(), as_given(self.model):
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=config, logits_processor=draw)
+                                      generation_config=config, logits_processor=LogitsProcessorList([draw]))
         new = out.sequences[:, width:]
-        logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).gather(-1, new[..., None])[..., 0].cpu()
+        logprobs = draw.raw_logprobs().cpu()  # (the model's: before temperature and top-p)
         samples = []
         for row, row_logprobs in zip(new.tolist(), logprobs):
             finished = eos is not None and eos in row

@@ -25,20 +25,19 @@ class HFEngine:
         self.model = model
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = None if cfg.rollout.ignore_eos else self.tokenizer.eos_token_id  # (None: never stop early)
-        self.gen_config = self._config(cfg.rollout, self.eos_id)
+        self.gen_config = self._config(self.eos_id)
         self._receiver = None
         self._store = None  # (the weight-sync group's rendezvous store)
 
-    def _config(self, s, eos_id: int | None):
-        """transformers' GenerationConfig of sampling `s` (the rollout's, or an evaluation's: temperature 0
-        is greedy). Decoding is greedy either way: above temperature 0, `SeededDraw` draws each row's token
-        and leaves only it. A model's own generation_config (e.g. a repetition_penalty, its eos_token_id)
-        must not change what is sampled: `as_given` hides it while generating."""
+    def _config(self, eos_id: int | None):
+        """transformers' GenerationConfig, stopping at `eos_id` (None: never). Decoding is greedy: `SeededDraw`
+        picks each row's token (drawn, or at temperature 0 the likeliest) and leaves only it. A model's own
+        generation_config (e.g. a repetition_penalty, its eos_token_id) must not change what is sampled:
+        `as_given` hides it while generating."""
         from transformers import GenerationConfig
 
         return GenerationConfig(do_sample=False, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                pad_token_id=self.pad_id, eos_token_id=eos_id, output_scores=s.temperature == 0,
-                                return_dict_in_generate=True)
+                                pad_token_id=self.pad_id, eos_token_id=eos_id, return_dict_in_generate=True)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int], sampling=None) -> list[Completion]:
@@ -50,7 +49,7 @@ class HFEngine:
         size = self.cfg.rollout.generate_batch_size or len(prompts)
         s = self.cfg.rollout if sampling is None else sampling
         eos_id = self.eos_id if sampling is None else self.tokenizer.eos_token_id
-        config = self.gen_config if sampling is None else self._config(sampling, eos_id)
+        config = self.gen_config if sampling is None else self._config(eos_id)
         training = self.model.training
         self.model.eval()
         try:
@@ -73,16 +72,12 @@ class HFEngine:
         for i, p in enumerate(prompts):  # left padding
             ids[i, width - len(p):] = torch.tensor(p)
             attention[i, width - len(p):] = 1
-        draw = None if s.temperature == 0 else SeededDraw(seeds, s.temperature, s.top_p, config.max_new_tokens)
+        draw = SeededDraw(seeds, s.temperature, s.top_p, config.max_new_tokens)
         with as_given(self.model):
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-                                      generation_config=config,
-                                      logits_processor=LogitsProcessorList([draw] if draw is not None else []))
+                                      generation_config=config, logits_processor=LogitsProcessorList([draw]))
         new = out.sequences[:, width:].cpu()
-        if draw is not None:  # (each drawn token's log-prob under the distribution it was drawn from)
-            token_lp = draw.drawn_logprobs().cpu()
-        else:  # (greedy: the model's own log-probs)
-            token_lp = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu().gather(-1, new[..., None])[..., 0]
+        token_lp = draw.drawn_logprobs().cpu()  # (under the distribution drawn from; greedy: the model's own)
         completions = []
         for i in range(len(prompts)):
             row = new[i].tolist()
