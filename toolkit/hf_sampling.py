@@ -16,13 +16,54 @@ transformers also fills every setting that a GenerationConfig leaves unset from 
 end-of-sequence token and padded the rest), and a `repetition_penalty` or `no_repeat_ngram_size`, which
 would change what is sampled and its log-probs away from the trainer's. `as_given` hides the model's
 own while we generate.
+
+`sample` puts them together: one `generate` over a batch of prompts, each row from its own seed, cut at
+its end-of-sequence token. The RL generator's transformers engine and `generate`/`chat` both sample so.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class Drawn:
+    tokens: list[int]  # the response, with the end-of-sequence token where it ended with one
+    finished: bool     # ended with the end-of-sequence token (not cut at max_new_tokens)
+    drawn: list[float]  # each token's log-prob under the distribution it was drawn from (greedy: the model's)
+    raw: list[float]    # each token's log-prob under the model (temperature 1, no top-p)
+
+
+@torch.no_grad()
+def sample(model, device, prompts: list[list[int]], seeds: list[int], temperature: float, top_p: float,
+           max_new_tokens: int, pad_id: int, eos_id: int | None) -> list[Drawn]:
+    """One response to each of `prompts` (token ids), row i drawn from `seeds[i]`, in one `generate` (the
+    prompts padded on the left with `pad_id`). A row stops at `eos_id` (None: never, every row runs to
+    `max_new_tokens`); only the settings given here apply (`as_given`)."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    # Greedy decoding picks each row's token, the only one `SeededDraw` leaves.
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                              eos_token_id=eos_id, return_dict_in_generate=True)
+    draw = SeededDraw(seeds, temperature, top_p, max_new_tokens)
+    with as_given(model):
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
+                             logits_processor=LogitsProcessorList([draw]))
+    drawn, raw = draw.drawn_logprobs().cpu(), draw.raw_logprobs().cpu()
+    rows = []
+    for i, row in enumerate(out.sequences[:, width:].tolist()):
+        finished = eos_id is not None and eos_id in row  # (generate pads a finished row after its EOS)
+        end = row.index(eos_id) + 1 if finished else len(row)
+        rows.append(Drawn(row[:end], finished, drawn[i, :end].tolist(), raw[i, :end].tolist()))
+    return rows
 
 
 @contextmanager

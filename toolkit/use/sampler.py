@@ -150,39 +150,17 @@ class Sampler:
         return [samples[k * params.n:(k + 1) * params.n] for k in range(len(prompts))]
 
     def _hf(self, rows: list[tuple[list[int], int]], params: Sampling) -> list[Sample]:
-        """One sample of each (prompt, seed) of `rows`, all in one transformers `generate` (prompts padded
-        on the left). Each row draws its tokens from its own seed (`toolkit/hf_sampling.py`), so a row's
-        sample does not depend on the rows beside it."""
-        import torch
-        from transformers import GenerationConfig, LogitsProcessorList
-
-        from toolkit.hf_sampling import SeededDraw, as_given
+        """One sample of each (prompt, seed) of `rows`, all in one transformers `generate`, each row drawn from
+        its own seed (`toolkit/hf_sampling.py`): a row's sample does not depend on the rows beside it, and the
+        model's own generation_config (top_k, repetition_penalty, ...) does not apply, as in vLLM."""
+        from toolkit.hf_sampling import sample
 
         eos = self.tokenizer.eos_token_id
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        width = max(len(p) for p, _ in rows)
-        ids = torch.full((len(rows), width), pad if pad is not None else 0, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (p, _) in enumerate(rows):
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-        # Only these settings: the model's own generation_config (top_k, repetition_penalty, ...) must not
-        # change what is sampled (vLLM takes the sampling parameters as given, too), so `as_given` hides it.
-        # Greedy decoding picks each row's token, the only one `SeededDraw` leaves.
-        config = GenerationConfig(do_sample=False, max_new_tokens=params.max_new_tokens, pad_token_id=pad,
-                                  eos_token_id=eos, return_dict_in_generate=True)
-        draw = SeededDraw([seed for _, seed in rows], params.temperature, params.top_p, params.max_new_tokens)
-        with torch.no_grad(), as_given(self.model):
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=config, logits_processor=LogitsProcessorList([draw]))
-        new = out.sequences[:, width:]
-        logprobs = draw.raw_logprobs().cpu()  # (the model's: before temperature and top-p)
-        samples = []
-        for row, row_logprobs in zip(new.tolist(), logprobs):
-            finished = eos is not None and eos in row
-            end = row.index(eos) + 1 if finished else len(row)
-            samples.append(Sample(self.tokenizer.decode(row[:end], skip_special_tokens=True), end, finished,
-                                  float(row_logprobs[:end].sum()), row[:end]))
-        return samples
+        pad = next((t for t in (self.tokenizer.pad_token_id, eos) if t is not None), 0)
+        drawn = sample(self.model, self.device, [p for p, _ in rows], [seed for _, seed in rows], params.temperature,
+                       params.top_p, params.max_new_tokens, pad, eos)
+        return [Sample(self.tokenizer.decode(r.tokens, skip_special_tokens=True), len(r.tokens), r.finished,
+                       sum(r.raw), r.tokens) for r in drawn]
 
     def close(self) -> None:
         self.llm = self.model = None

@@ -25,67 +25,33 @@ class HFEngine:
         self.model = model
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_id = None if cfg.rollout.ignore_eos else self.tokenizer.eos_token_id  # (None: never stop early)
-        self.gen_config = self._config(self.eos_id)
         self._receiver = None
         self._store = None  # (the weight-sync group's rendezvous store)
-
-    def _config(self, eos_id: int | None):
-        """transformers' GenerationConfig, stopping at `eos_id` (None: never). Decoding is greedy: `SeededDraw`
-        picks each row's token (drawn, or at temperature 0 the likeliest) and leaves only it. A model's own
-        generation_config (e.g. a repetition_penalty, its eos_token_id) must not change what is sampled:
-        `as_given` hides it while generating."""
-        from transformers import GenerationConfig
-
-        return GenerationConfig(do_sample=False, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                pad_token_id=self.pad_id, eos_token_id=eos_id, return_dict_in_generate=True)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int], sampling=None) -> list[Completion]:
         # In batches of rollout.generate_batch_size prompts (all at once when unset). Each sample is drawn
         # from its own seed (toolkit/hf_sampling.py), as vLLM draws it: what is sampled does not depend on
         # the batches, and the global random state, which a trainer in the same process draws from, is
-        # not touched. `sampling`: an evaluation's (its responses end at the end-of-sequence token), else
-        # the rollout's.
+        # not touched. A model's own generation_config (e.g. a repetition_penalty) does not apply.
+        # `sampling`: an evaluation's (its responses end at the end-of-sequence token), else the rollout's.
+        from toolkit.hf_sampling import sample
+
         size = self.cfg.rollout.generate_batch_size or len(prompts)
         s = self.cfg.rollout if sampling is None else sampling
         eos_id = self.eos_id if sampling is None else self.tokenizer.eos_token_id
-        config = self.gen_config if sampling is None else self._config(eos_id)
         training = self.model.training
         self.model.eval()
         try:
             completions = []
             for start in range(0, len(prompts), size):
-                completions += self._generate(prompts[start:start + size], seeds[start:start + size], s, config,
-                                              eos_id)
+                rows = sample(self.model, self.device, prompts[start:start + size], seeds[start:start + size],
+                              s.temperature, s.top_p, self.cfg.rollout.max_new_tokens, self.pad_id, eos_id)
+                completions += [Completion(r.tokens, r.drawn, r.finished,
+                                           self.tokenizer.decode(r.tokens, skip_special_tokens=True)) for r in rows]
             return completions
         finally:
             self.model.train(training)
-
-    def _generate(self, prompts: list[list[int]], seeds: list[int], s, config, eos_id: int | None) -> list[Completion]:
-        from transformers import LogitsProcessorList
-
-        from toolkit.hf_sampling import SeededDraw, as_given
-
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p)
-            attention[i, width - len(p):] = 1
-        draw = SeededDraw(seeds, s.temperature, s.top_p, config.max_new_tokens)
-        with as_given(self.model):
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-                                      generation_config=config, logits_processor=LogitsProcessorList([draw]))
-        new = out.sequences[:, width:].cpu()
-        token_lp = draw.drawn_logprobs().cpu()  # (under the distribution drawn from; greedy: the model's own)
-        completions = []
-        for i in range(len(prompts)):
-            row = new[i].tolist()
-            finished = eos_id is not None and eos_id in row  # generate pads finished rows after EOS
-            end = row.index(eos_id) + 1 if finished else len(row)
-            completions.append(Completion(row[:end], token_lp[i, :end].tolist(), finished,
-                                          self.tokenizer.decode(row[:end], skip_special_tokens=True)))
-        return completions
 
     @torch.no_grad()
     def prompt_logprobs(self, tokens: list[int], top: int = 0) -> list[dict[int, float]]:
