@@ -235,7 +235,8 @@ def test_the_probe_thread_hands_back_its_log_probs_or_its_error():
 def test_weights_that_lie_one_after_another_are_sent_without_a_copy():
     """A bucket of weights that are views of one flat buffer, in order (DeepSpeed ZeRO-1/2's parameters),
     travels as a view of that buffer; anything else (apart, out of order, another dtype, not contiguous)
-    is copied into a send buffer. The receiver gets the same bytes either way."""
+    is copied into a send buffer (one weight alone, made contiguous). The receiver gets the same bytes
+    either way, and `copied` counts the copies."""
     from toolkit.weights.sync import SyncLayout, WeightSender, span
 
     cpu = torch.device("cpu")
@@ -268,3 +269,13 @@ def test_weights_that_lie_one_after_another_are_sent_without_a_copy():
         assert sender.send(1, [tensors], lambda: None) == 48
         pointer, bucket = group.sent[-1]
         assert bucket.tolist() == flat.tolist() and (pointer == flat.data_ptr()) == shared
+        assert sender.copied == (0 if shared else 1)
+    one = SyncLayout(["w"], [[0]], [[["w", "float32", [2, 3]]]], [])  # (a bucket of one weight)
+    for weight, copied in ((flat[:6].view(2, 3), 0), (flat[:6].view(3, 2).t(), 1)):  # (in place; not contiguous)
+        group = Recording()
+        sender = WeightSender(one, cpu)
+        sender.add("g", group)
+        assert sender.send(1, [[weight]], lambda: None) == 24
+        pointer, bucket = group.sent[-1]
+        assert bucket.tolist() == weight.reshape(-1).tolist() and sender.copied == copied
+        assert (pointer == flat.data_ptr()) == (copied == 0)

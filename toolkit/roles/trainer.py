@@ -688,8 +688,8 @@ class TrainerRole(Role):
             sent = self.sender.send(self.version, buckets, probe, transient=zero3, to=to)
             if not self._said_copies:
                 self._said_copies = True
-                log.info("weight sync: %d of %d buckets sent from the trainer's own memory, %d copied into a send "
-                         "buffer", len(self.layout.sources) - self.sender.copied, len(self.layout.sources),
+                log.info("weight sync: %d of %d buckets sent from the trainer's own memory, %d copied to be sent",
+                         len(self.layout.sources) - self.sender.copied, len(self.layout.sources),
                          self.sender.copied)
         else:
             for _ in buckets:

@@ -212,7 +212,7 @@ class WeightSender:
         self.limits: dict[str, datetime.timedelta] = {}  # receiver name -> how long its NCCL transfers may take
         self.lost: list[str] = []  # receivers whose group failed (a dead generator), in order
         self.buffers: list[torch.Tensor] = []  # two send buffers (bytes), made at the first sync
-        self.copied = 0  # buckets of the last send that were copied into a send buffer (not `span`ned)
+        self.copied = 0  # buckets of the last send that were copied to be sent (not sent from their own memory)
 
     @property
     def names(self) -> list[str]:
@@ -273,8 +273,10 @@ class WeightSender:
     def _pack(self, tensors: list[torch.Tensor], which: int) -> torch.Tensor:
         """`tensors` (one dtype) as one flat tensor: the one tensor's own memory, the memory they lie in one
         after another (`span`), or a copy in send buffer `which`."""
-        if len(tensors) == 1:
-            return tensors[0].detach().to(self.device).contiguous().view(-1)
+        if len(tensors) == 1:  # (a copy where it is on another device or not contiguous)
+            flat = tensors[0].detach().to(self.device).contiguous().view(-1)
+            self.copied += flat.data_ptr() != tensors[0].data_ptr()
+            return flat
         spanned = span(tensors, self.device)
         if spanned is not None:
             return spanned
