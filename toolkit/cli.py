@@ -722,7 +722,11 @@ def cmd_eval(args) -> int:
         raise ConfigError(f"--poll-s {args.poll_s:g}: give a number of seconds above 0")
     params = _sampling(args)
     run = _run_section(Path(args.run_dir) / "config.yaml")
-    name = run.get("allocator") if run.get("allocator") in ("auto", "tcmalloc", "jemalloc", "system") else "auto"
+    from typing import get_args
+
+    from toolkit.config.base import Allocator
+
+    name = run.get("allocator") if run.get("allocator") in get_args(Allocator) else "auto"
     libraries = _as_a_worker(name, run.get("fast_mkl_on_amd") is not False)
     print(f"({libraries}, as the run's workers: run.allocator, run.fast_mkl_on_amd)", file=sys.stderr, flush=True)
     evaluate(args.run_dir, params, args.input, steps, args.name, args.ema, args.backend, args.seed,

@@ -166,6 +166,7 @@ ModelDir = Annotated[str, AfterValidator(_model_dir)]
 ExistingFile = Annotated[str, AfterValidator(_existing_file)]
 ExistingPath = Annotated[str, AfterValidator(_existing_path)]
 PositiveInt = Annotated[int, Field(ge=1)]
+Allocator = Literal["auto", "tcmalloc", "jemalloc", "system"]  # (run.allocator; toolkit/launch/allocator.py)
 PATH_CHECKS = {_model_dir, _existing_file, _existing_path}  # (the checks of the fields that take a path)
 
 

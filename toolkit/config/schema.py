@@ -11,10 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
-from toolkit.config.base import (MODELS, Attention, CheckpointSection, EngineSection, FunctionPath, GroupSection,
-                                 ModelDir, PositiveInt, RunName, Section, SlurmSection, TransportSection, WandbSection,
-                                 fp16_problem, load_function, model_files, packing_problem, pending_export,
-                                 split_function)
+from toolkit.config.base import (MODELS, Allocator, Attention, CheckpointSection, EngineSection, FunctionPath,
+                                 GroupSection, ModelDir, PositiveInt, RunName, Section, SlurmSection, TransportSection,
+                                 WandbSection, fp16_problem, load_function, model_files, packing_problem,
+                                 pending_export, split_function)
 from toolkit.config.data import DataSection
 from toolkit.config.lora_targets import lora_target_problem
 from toolkit.config.model_files import (attention_heads, context_problem, head_problem, kv_cache_problem,
@@ -49,7 +49,7 @@ class RunSection(Section):
     """A trainer rank that dies or hangs (no error of its own) stops every worker, and the run goes on from
     its last checkpoint at once, in the same process and (under Slurm) the same allocation: at most this
     many times per attempt of the run (0: the run stops instead)."""
-    allocator: Literal["auto", "tcmalloc", "jemalloc", "system"] = "auto"
+    allocator: Allocator = "auto"
     """Memory allocator of the workers: `auto` takes tcmalloc, else jemalloc, where the node has it
     (libtcmalloc-minimal4, libjemalloc2), else glibc's malloc (`system`), which keeps the freed memory of
     training steps and so holds more memory (README: Speed against TRL)."""

@@ -9,9 +9,9 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, model_validator
 
-from toolkit.config.base import (Attention, CheckpointSection, EngineSection, GroupSection, ModelDir, PositiveInt,
-                                 RunName, Section, SlurmSection, TransportSection, WandbSection, fp16_problem,
-                                 model_files, packing_problem, pending_export)
+from toolkit.config.base import (Allocator, Attention, CheckpointSection, EngineSection, GroupSection, ModelDir,
+                                 PositiveInt, RunName, Section, SlurmSection, TransportSection, WandbSection,
+                                 fp16_problem, model_files, packing_problem, pending_export)
 from toolkit.config.data import DataSection
 from toolkit.config.lora_targets import lora_target_problem
 from toolkit.config.model_files import context_problem, head_problem, main_tokenizer_problem
@@ -26,7 +26,7 @@ class StageRunSection(Section):
     """Passes over the training rows when `steps` is not given (steps = ceil(epochs x rows / batch_size))."""
     seed: int = 0
     """Seed for row order, dropout and new weights (a reward model's score head)."""
-    allocator: Literal["auto", "tcmalloc", "jemalloc", "system"] = "auto"
+    allocator: Allocator = "auto"
     """Memory allocator of the workers: `auto` takes tcmalloc, else jemalloc, where the node has it
     (libtcmalloc-minimal4, libjemalloc2), else glibc's malloc (`system`), which keeps the freed memory of
     training steps and so holds more memory (README: Speed against TRL)."""
