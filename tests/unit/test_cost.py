@@ -101,6 +101,22 @@ def test_offload_gives_each_phase_of_a_shared_gpu_the_device_by_hand():
     assert cpu[0].memory == cpu[1].memory and cpu[0].phases == cpu[1].phases
 
 
+def test_a_one_rank_trainer_moves_its_scorers_to_the_gpu_for_each_message_by_hand():
+    """The reference and reward models beside the actor on one trainer rank score each generator worker's
+    message as it arrives (the roles are not `deferred`: that takes several ranks), so with placement.offload
+    the 4 GB reference goes to the GPU and back once per message: 2 x 4e9 B over PCIe (2.5e10 B/s) for
+    each generator worker. (The planner charged one move a step there, as for several ranks.)"""
+    w, gpu = workload(), simple_cluster(nodes=2, gpus_per_node=2, shared=False)
+    extra = {}
+    for generators in (1, 2):
+        groups = (Group("generator", ("generation",), 1, generators, 1),
+                  Group("trainer", ("actor", "reference", "reward"), 1, 1, 1))
+        kept, moved = (estimate(Layout("separation", groups, 2, 8, 1, "vllm", offload), w, gpu)
+                       for offload in (False, True))
+        extra[generators] = moved.phases["score"] - kept.phases["score"]
+    assert extra == {1: pytest.approx(2 * 4e9 / 2.5e10), 2: pytest.approx(2 * 2 * 4e9 / 2.5e10)}
+
+
 def test_the_planner_turns_offload_on_where_nothing_fits_without_it_and_writes_it(tiny, tmp_path):
     """On one 20 GB GPU the case above needs 21.1 GB at once: every plan that fits offloads (with vLLM in
     the trainer's process too: its KV cache gets the device the parked state and the reference leave), the

@@ -19,7 +19,7 @@ from toolkit.config.data import DataSection
 from toolkit.config.lora_targets import lora_target_problem
 from toolkit.config.model_files import (attention_heads, context_problem, head_problem, kv_cache_problem,
                                         main_tokenizer_problem, model_config, tokenizer_problem, vllm_cpu_problem)
-from toolkit.placement.layout import PRESETS, generation_with_actor, on_trainer_ranks
+from toolkit.placement.layout import PRESETS, generation_with_actor, scored_in_training_step
 
 SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 
@@ -631,7 +631,7 @@ class RunConfig(Section):
     def evaluation_on_trainer_ranks(self) -> bool:
         """Whether the reward models score in-run evaluations on the actor's trainer ranks, each rank its
         shard (the reward role's `deferred`: they sit with the actor on a group of several ranks)."""
-        return bool(self.reward.models) and any(on_trainer_ranks(models, "reward") and g.workers > 1
+        return bool(self.reward.models) and any(scored_in_training_step(models, "reward", g.workers)
                                                 for _, models, g in self.placement.layout())
 
     @property

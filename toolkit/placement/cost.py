@@ -57,7 +57,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.placement.layout import Group, Layout, on_trainer_ranks
+from toolkit.placement.layout import Group, Layout, scored_in_training_step
 from toolkit.placement.plan import ROLE_OF, WorkerGroup, group_of, several_roles, stages
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -364,7 +364,7 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
     scoring = []  # (what each scoring role moved to host memory needs in its phase, the trainer's state then)
     for role, shapes_of in (("reference", [w.reference]), ("reward", list(w.reward_models))):
         if role in models:
-            deferred = on_trainer_ranks(models, role) and workers > 1  # (in the training step, state back)
+            deferred = scored_in_training_step(models, role, workers)  # (in the training step, state back)
             sharded = deferred and s.zero_stage == 3
             role_need = sum(forward_memory(m, w, workers if sharded else 1) for m in shapes_of)
             if moves and not sharded:
@@ -479,10 +479,10 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
         group, sharded = s.group(model), False
         if s.together(model, "generation"):
             n, workers, calls = each, g_workers, 1         # right after generation, on each worker
-        elif on_trainer_ranks(group.models, model):
+        elif scored_in_training_step(group.models, model, group.workers):
             workers = s.group("actor").workers             # every trainer rank its shard (the roles' `deferred`)
             n, calls = math.ceil(w.samples / workers), 1
-            sharded = s.zero_stage == 3 and workers > 1
+            sharded = s.zero_stage == 3
         elif s.together(model, "actor"):
             n, workers, calls = w.samples, 1, g_workers    # on trainer rank 0
         else:

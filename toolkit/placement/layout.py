@@ -44,6 +44,13 @@ def on_trainer_ranks(models: Iterable[str], scorer: str) -> bool:
     return scorer in models and "actor" in models
 
 
+def scored_in_training_step(models: Iterable[str], scorer: str, workers: int) -> bool:
+    """Whether a group hosting `models` on `workers` workers scores with `scorer` inside the training step,
+    every trainer rank its shard (the scoring roles' `deferred`): `on_trainer_ranks`, in a group of several
+    ranks. With one, scoring each message on arrival overlaps the wait for the rest of the step."""
+    return on_trainer_ranks(models, scorer) and workers > 1
+
+
 def generation_with_actor(groups: Iterable[Iterable[str]]) -> bool:
     """Whether, of groups hosting these models each, the one that generates is the actor's."""
     return any(generates_with_actor(models) for models in groups)

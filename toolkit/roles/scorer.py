@@ -57,10 +57,10 @@ class _Scoring(Role):
         group that does not generate, samples reach trainer rank 0 alone, and scoring them here would leave
         the other ranks idle; with one rank, scoring each message on arrival overlaps the wait for the rest
         of the step.) See `placement.layout.on_trainer_ranks`."""
-        from toolkit.placement.layout import on_trainer_ranks
+        from toolkit.placement.layout import scored_in_training_step
 
         group = self.worker.group
-        return on_trainer_ranks(group.models, self.MODEL) and group.workers > 1
+        return scored_in_training_step(group.models, self.MODEL, group.workers)
 
     @property
     def sharded(self) -> bool:
