@@ -98,9 +98,9 @@ class SeededDraw:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         model = torch.log_softmax(scores.float(), dim=-1)
+        drawn = None  # (greedy: the model's own, `raw` below)
         if self.uniforms is None:
             picks = model.argmax(-1, keepdim=True)
-            self.drawn.append(model.gather(-1, picks)[:, 0])
         else:
             probs = torch.softmax(scores.float() / self.temperature, dim=-1)
             if self.top_p < 1:  # keep the smallest set of the likeliest tokens whose mass reaches top_p
@@ -111,8 +111,10 @@ class SeededDraw:
             u = self.uniforms[:, self.step].to(probs.device)[:, None] * cumulative[:, -1:]
             picks = torch.searchsorted(cumulative, u, right=True).clamp_(max=probs.shape[-1] - 1)
             picks = torch.where(probs.gather(-1, picks) > 0, picks, probs.argmax(-1, keepdim=True))  # (never a 0 one)
-            self.drawn.append((probs.gather(-1, picks)[:, 0] / cumulative[:, -1]).log())
-        self.raw.append(model.gather(-1, picks)[:, 0])
+            drawn = (probs.gather(-1, picks)[:, 0] / cumulative[:, -1]).log()
+        raw = model.gather(-1, picks)[:, 0]
+        self.raw.append(raw)
+        self.drawn.append(raw if drawn is None else drawn)
         self.step += 1
         return torch.full_like(scores, float("-inf")).scatter_(-1, picks, 0.0)
 
