@@ -312,7 +312,7 @@ def main() -> None:
         tmp = make_own(f"{wenv.group}-{wenv.rank}")
         cfg = load_config(os.path.join(wenv.run_dir, "config.yaml"))
         log.info("worker %s starting (pid %d); %s", wenv.worker_id, os.getpid(), allocator.describe())
-        mkl_line = mkl_amd.describe()  # (reads /proc/cpuinfo; where the library is missing, tries to build it)
+        mkl_line = mkl_amd.describe()  # (reads /proc/cpuinfo)
         if mkl_line:
             log.info(mkl_line)
         log.info("OpenMP threads wait: %s=%s", VARIABLE, os.environ[VARIABLE])

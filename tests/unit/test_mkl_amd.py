@@ -73,8 +73,16 @@ def test_a_node_without_a_compiler_is_told_what_to_install(tmp_path, monkeypatch
     monkeypatch.setattr(mkl_amd, "folders", lambda: [str(tmp_path / "a"), str(tmp_path / "b")])
     path, why = mkl_amd.library()
     assert path is None and why.startswith(f"could not build it ({tmp_path / 'a'}: no C compiler")
+    # the preload looks for it once; the worker's log line then says why without another try
     monkeypatch.setenv(mkl_amd.ENV, "1")
+    monkeypatch.delenv(mkl_amd.WHY, raising=False)
+    monkeypatch.setenv(allocator.ENV, "system")
+    assert preload.wanted() == [] and os.environ[mkl_amd.WHY] == why
+    monkeypatch.setattr(mkl_amd, "_build", lambda folder: pytest.fail("built again"))
     assert mkl_amd.describe() == f"MKL on AMD: as shipped, at about half its speed (run.fast_mkl_on_amd: {why})"
+    monkeypatch.delenv(mkl_amd.WHY)  # (a process that did not go through the preload)
+    assert mkl_amd.describe() == ("MKL on AMD: as shipped, at about half its speed (run.fast_mkl_on_amd: the "
+                                  "library was not preloaded into this process)")
 
 
 @pytest.mark.skipif(not mkl_amd.amd(), reason="MKL's library is preloaded on AMD CPUs only")

@@ -28,6 +28,8 @@ import tempfile
 
 from toolkit.launch.env import FAST_MKL_ON_AMD as ENV  # "1" where the launcher asks for it
 
+WHY = "SLURM_RLHF_MKL_AMD_MISSING"  # why the preload found no library (set by it: `describe` builds nothing)
+
 SOURCE = "int mkl_serv_intel_cpu_true(void) { return 1; }\n"
 NAME = f"libslurm-rlhf-mkl-amd-{platform.machine()}.so"
 COMPILE_TIMEOUT_S = 60.0
@@ -111,6 +113,7 @@ def describe() -> str:
         return "MKL on AMD: as shipped (run.fast_mkl_on_amd false)" if amd() else ""
     if loaded():
         return "MKL on AMD: Intel's code paths (run.fast_mkl_on_amd)"
-    _, why = library()
-    return ("" if why == "not an AMD CPU" else
-            f"MKL on AMD: as shipped, at about half its speed (run.fast_mkl_on_amd: {why})")
+    if not amd():
+        return ""
+    why = os.environ.get(WHY) or "the library was not preloaded into this process"
+    return f"MKL on AMD: as shipped, at about half its speed (run.fast_mkl_on_amd: {why})"

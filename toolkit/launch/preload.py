@@ -24,7 +24,10 @@ def wanted() -> list[str]:
     if name and allocator.loaded() == "system":
         libraries.append(allocator.choice(name)[1])
     if os.environ.get(mkl_amd.ENV) == "1" and not mkl_amd.loaded():
-        libraries.append(mkl_amd.library()[0])
+        path, why = mkl_amd.library()
+        libraries.append(path)
+        if why:  # (for the worker's log line, `mkl_amd.describe`, without trying to build it again)
+            os.environ[mkl_amd.WHY] = why
     return [lib for lib in libraries if lib]
 
 
