@@ -283,16 +283,15 @@ def _on_sigterm(signum, frame):
 
 
 def main() -> None:
-    from toolkit.launch import allocator, mkl_amd
+    from toolkit.launch import allocator, mkl_amd, openmp
     from toolkit.launch.preload import reexec_with_preloads
 
     reexec_with_preloads()  # (before anything else: an allocator must be there from the start)
     from toolkit.launch.env import WorkerEnv, interface_of
-    from toolkit.launch.openmp import VARIABLE, wait_passively
     from toolkit.log import setup_logging
     from toolkit.tmpdir import make_own
 
-    wait_passively()  # (a worker started by other means than the CLI's launchers, e.g. a user's sbatch script)
+    openmp.wait_passively()  # (a worker started by other means than the CLI's launchers, e.g. a user's sbatch script)
     os.umask(0o077)
     # DeepSpeed's compiled ops live with the installation (tools/setup.sh builds them there), so two
     # environments never overwrite each other's builds.
@@ -315,7 +314,7 @@ def main() -> None:
         mkl_line = mkl_amd.describe()  # (reads /proc/cpuinfo)
         if mkl_line:
             log.info(mkl_line)
-        log.info("OpenMP threads wait: %s=%s", VARIABLE, os.environ[VARIABLE])
+        log.info("OpenMP threads wait: %s", openmp.describe())
         log.info("temporary files: %s", tmp or f"{tempfile.gettempdir()} (too deep for a directory of "
                  "its own: vLLM's sockets in it would pass the 107-byte limit)")
         worker = Worker(wenv, cfg)

@@ -9,6 +9,15 @@ they wait; GNU OpenMP's own default spins too, up to 300,000 times before it sle
 beside `--busy` processes that only burn CPU (`while True: pass`), as another job or test on a shared
 node would. Prints the median step time of each (the first step, with vLLM's warm-up, left out) and the
 run's wall time, then the ratio of ACTIVE's median step to PASSIVE's, alone and beside the busy ones.
+
+    python tools/bench_openmp.py --spin 3000,30000,300000 [--steps 5] [--busy 1]
+
+`run.openmp_spin` side by side: tools/bench_trl.py's workload (its 26M Llama, 16 prompts x 4 samples x
+128 new tokens, GRPO) in Flattening, every role in one worker process as on a node of its own, with
+`run.openmp_spin` 0 (the default: threads sleep at once) and each count given (GOMP_SPINCOUNT; GNU
+OpenMP's default without OMP_WAIT_POLICY is 300,000, what TRL and plain torch run with), alone and beside
+`--busy` busy processes. Prints each run's median step and phases, then the ratio of the default's median
+step to the fastest count's, alone and beside the busy ones.
 """
 
 from __future__ import annotations
@@ -46,14 +55,58 @@ def one_run(config: Path, run_dir: Path, policy: str, busy: int) -> tuple[float,
     return statistics.median(steps[1:]), wall
 
 
+def spin_table(counts: list[int], steps: int, busy: int, keep: Path | None) -> None:
+    """`run.openmp_spin` 0 and each of `counts` on bench_trl's workload in Flattening, alone and beside `busy`
+    busy processes (the runs in `keep`, or in a temporary directory)."""
+    from tools.bench_trl import build_model, ours
+    from toolkit.table import text_table
+    from toolkit.tiny import build_tiny
+
+    rows, steps_s = [("run.openmp_spin", "beside", "step s (median)", "generate s", "score s", "train s")], {}
+    with tempfile.TemporaryDirectory() as name:
+        tmp = keep or Path(name)
+        tmp.mkdir(parents=True, exist_ok=True)
+        tiny = build_tiny(tmp / "tiny")
+        build_model(tiny, tmp / "model")
+        for beside in sorted({0, busy}):
+            for count in (0, *counts):
+                hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(beside)]
+                try:
+                    r = ours(tmp / "model", tiny / "prompts.jsonl", tmp, "flattening", steps,
+                             run={"openmp_spin": count}, name=f"-spin{count}-{beside}")
+                finally:
+                    for hog in hogs:
+                        hog.kill()
+                        hog.wait()
+                steps_s[count, beside] = r["step_s"]
+                rows.append((str(count), f"{beside} busy", *(f"{r[k]:.2f}" for k in ("step_s", "generate_s", "score_s",
+                                                                                      "train_s"))))
+    print(f"GRPO step of tools/bench_trl.py's workload in Flattening (one worker), {steps} steps measured, "
+          f"{os.cpu_count()} cores")
+    print(text_table(rows))
+    fastest = min(counts, key=lambda c: steps_s[c, 0])
+    print(f"ratio run.openmp_spin 0 / {fastest} median step: alone {steps_s[0, 0] / steps_s[fastest, 0]:.2f}, "
+          f"beside {busy} busy {steps_s[0, busy] / steps_s[fastest, busy]:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--busy", type=int, default=1, help="busy processes beside the run (default 1)")
     parser.add_argument("--keep", type=Path, help="write the runs here (default: a temporary directory)")
+    parser.add_argument("--spin", help="spin counts to set run.openmp_spin to, e.g. 3000,30000: compare them "
+                        "with 0 on tools/bench_trl.py's workload in Flattening instead")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps: 2 or more (the first step is left out of the medians)")
+    if args.spin:
+        try:
+            counts = [int(c) for c in args.spin.split(",")]
+        except ValueError:
+            parser.error(f"--spin: comma-separated whole numbers, not {args.spin!r}")
+        if not counts or min(counts) < 1:
+            parser.error("--spin: counts of 1 or more (0, the default, is always run)")
+        return spin_table(counts, args.steps, args.busy, args.keep)
     from tests.conftest import example, write_config
     from toolkit.tiny import build_tiny
 

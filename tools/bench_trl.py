@@ -6,12 +6,14 @@ The model: a random 26M-parameter Llama (hidden 512, 8 layers, 8 heads, intermed
 tokenizer's 512 vocab, fp32. The workload: 16 prompts x 4 samples x 128 new tokens per step, every
 response forced to full length on both sides (slurm-rlhf: `rollout.ignore_eos`; TRL: `min_new_tokens`),
 KL coefficient 0.04 against a reference model, reward `digit_ratio`, one optimizer step per 64 samples in
-micro-batches of 16. slurm-rlhf runs three times: Separation (vLLM generator, scorer and trainer in
+micro-batches of 16. slurm-rlhf runs four times: Separation (vLLM generator, scorer and trainer in
 processes of their own), Flattening (every role in one process, what a one-GPU user runs; vLLM generates
-in the trainer's process, `rollout.backend: vllm`), and Flattening with `rollout.backend: hf` (the actor
-itself generates, with transformers `generate`: what vLLM gives there; not in the ratio). TRL goes into a
-virtual environment of its own, `.venv-trl` (made on first use, with the same torch and transformers), and
-runs tools/trl_grpo.py.
+in the trainer's process, `rollout.backend: vllm`), Flattening with `rollout.backend: hf` (the actor
+itself generates, with transformers `generate`: what vLLM gives there; not in the ratio), and Flattening
+whose OpenMP threads spin 3000 times before they sleep (`run.openmp_spin`; off by default, as it slows a
+worker beside other busy processes; TRL's threads spin up to 300,000 times, GNU OpenMP's default; not in
+the ratio). TRL goes into a virtual environment of its own, `.venv-trl` (made on first use, with the same
+torch and transformers), and runs tools/trl_grpo.py.
 
 Both sides train with the same memory switches: none. TRL 1.16's GRPOConfig turns activation (gradient)
 checkpointing on by default, which recomputes each micro-batch's forward pass (a third more training
@@ -62,6 +64,7 @@ TRL_VENV = REPO / ".venv-trl"
 TRL = "trl==1.16.0"
 
 
+SPIN = 3000  # run.openmp_spin of the last row (tools/bench_openmp.py --spin: the best count on these 2 cores)
 EOS_RATE, VARIABLE_MAX = 1 / 64, 256  # --variable: the end-of-sequence token's probability per position, the cut
 
 
@@ -182,8 +185,8 @@ def measured(command: list[str], **kwargs) -> PeakMemory:
 
 def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int, variable: bool = False,
          lag: int = 0, rollout: dict | None = None, placement: dict | None = None, name: str = "",
-         packing: bool = False) -> dict:
-    """Our run of the workload (`rollout`, `placement`: settings on top; `name`: of its run directory;
+         packing: bool = False, run: dict | None = None) -> dict:
+    """Our run of the workload (`rollout`, `placement`, `run`: settings on top; `name`: of its run directory;
     `packing`: `model.packing`, on samples of variable length only)."""
     config = {"run": {"name": f"bench-{strategy}", "algorithm": "grpo", "steps": steps + 2, "seed": 0},
               "data": {"prompts": str(prompts)}, "model": {"actor": str(model)},
@@ -202,6 +205,7 @@ def ours(model: Path, prompts: Path, tmp: Path, strategy: str, steps: int, varia
             config["placement"].update({group: {"cpus_per_worker": 1} for group in ("generator", "scorer", "trainer")})
     config["rollout"].update(rollout or {})
     config["placement"].update(placement or {})
+    config["run"].update(run or {})
     path = tmp / f"{strategy}-{lag}{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     run_dir = tmp / f"run-{strategy}-{lag}{name}"
@@ -248,7 +252,8 @@ def main() -> int:
     # (key, strategy, max_policy_lag, model.packing, rollout.backend, the row's name)
     runs = [("separation", "separation", 0, False, "vllm", "separation"),
             ("flattening", "flattening", 0, False, "vllm", "flattening"),
-            ("flattening-hf", "flattening", 0, False, "hf", "flattening, transformers generate")]
+            ("flattening-hf", "flattening", 0, False, "hf", "flattening, transformers generate"),
+            ("flattening-spin", "flattening", 0, False, "vllm", f"flattening, run.openmp_spin {SPIN}")]
     if args.variable:
         runs = [("separation", "separation", 0, True, "vllm", "separation, packed"),
                 ("async", "separation", 1, True, "vllm", "separation, packed, async lag 1"),
@@ -270,7 +275,8 @@ def main() -> int:
             results["TRL+"] = theirs(model, prompts, tmp, args.steps, preloads, variable=args.variable)
         for key, strategy, lag, packing, backend, _ in runs:
             results[key] = ours(model, prompts, tmp, strategy, args.steps, args.variable, lag, name=f"-{key}",
-                                packing=packing, rollout={"backend": backend})
+                                packing=packing, rollout={"backend": backend},
+                                run={"openmp_spin": SPIN} if key.endswith("-spin") else None)
 
     trl = results["TRL"]
     rows = [("system", "step s (median)", "mean response", "generate s", "score s", "train s", "sync s",
@@ -300,6 +306,9 @@ def main() -> int:
     if "TRL+" in against:
         notes.append(f"our workers ran with what run.allocator auto and run.fast_mkl_on_amd give, as named; against "
                      f"TRL with the same preloaded ({ours_with}): {against['TRL+']:.2f}")
+        if "flattening-spin" in results:
+            notes.append(f"Flattening with run.openmp_spin {SPIN} against that TRL: "
+                         f"{results['TRL+']['step_s'] / results['flattening-spin']['step_s']:.2f}")
     print(f"({'; '.join(notes)})")
     print(f"ratio {min(trl['step_s'] / results[k]['step_s'] for k in measured_keys):.2f}")
     return 0

@@ -8,6 +8,7 @@ and the same prompts per engine call: then every strategy gives the same per-ste
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -59,8 +60,10 @@ def interleaving_whole(tiny, tmp_path_factory) -> Path:
 
 def test_three_strategies_same_rewards_and_losses(tiny, interleaving_whole, tmp_path):
     # (Flattening with offload: the trainer's optimizer states, master weights and gradients go to host
-    # memory between updates, while the generator runs; here on CPU the calls run and move nothing.)
-    results = {s: run(tiny, tmp_path, s, "grpo", placement={"strategy": s, "offload": s == "flattening"})
+    # memory between updates, while the generator runs; here on CPU the calls run and move nothing. Its one
+    # worker also spins before its OpenMP threads sleep, run.openmp_spin, which changes no number.)
+    results = {s: run(tiny, tmp_path, s, "grpo", placement={"strategy": s, "offload": s == "flattening"},
+                      run={"openmp_spin": 3000} if s == "flattening" else {})
                for s in ("separation", "flattening")}
     status = json.loads((interleaving_whole / "status.json").read_text())
     interleaved = [json.loads(line) for line in (interleaving_whole / "metrics.jsonl").read_text().splitlines()]
@@ -72,6 +75,11 @@ def test_three_strategies_same_rewards_and_losses(tiny, interleaving_whole, tmp_
     assert len({r["reward_mean"] for r in base}) > 1  # the policy moved between steps
     for strategy in ("flattening", "interleaving"):
         assert_same(base, results[strategy][1], strategy)
+    policy, spin = os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), os.environ.get("GOMP_SPINCOUNT")  # (theirs win)
+    waits = f"OpenMP threads wait: OMP_WAIT_POLICY={policy}"
+    for name, line in (("separation/logs/trainer-0.log", f"{waits}, GOMP_SPINCOUNT={spin} " if spin else f"{waits}\n"),
+                       ("flattening/logs/all-0.log", f"{waits}, GOMP_SPINCOUNT={spin or 3000} (each spins")):
+        assert line in (tmp_path / name).read_text(), name
     parked = [r.get("park_s") for r in results["flattening"][1]]
     assert all(s is not None and s > 0 for s in parked[:-1]) and parked[-1] is None, parked  # (not after the last)
     assert all("park_s" not in r for r in results["interleaving"][1])

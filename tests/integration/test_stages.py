@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -129,8 +130,11 @@ def test_packing_computes_the_same_loss_without_padding(tiny, tmp_path):
 
 
 def test_two_trainer_ranks_train_like_one(tiny, sft_run, tmp_path):
-    run_dir = run_stage(tiny, tmp_path, "sft", placement={"trainer": {"workers": 2}})
-    assert (run_dir / "logs" / "trainer-1.log").stat().st_size > 0
+    # (their OpenMP threads spin before they sleep, run.openmp_spin, unless the environment says how long)
+    run_dir = run_stage(tiny, tmp_path, "sft", placement={"trainer": {"workers": 2}}, run={"openmp_spin": 1000})
+    spin = os.environ.get("GOMP_SPINCOUNT", "1000")
+    for rank in (0, 1):
+        assert f", GOMP_SPINCOUNT={spin} (each spins" in (run_dir / "logs" / f"trainer-{rank}.log").read_text()
     assert max_difference(run_dir, sft_run) < 1e-4  # the same batches, the gradients averaged over the ranks
     assert abs(records(run_dir)[-1]["eval_loss"] - records(sft_run)[-1]["eval_loss"]) < 1e-4
 

@@ -59,6 +59,15 @@ class RunSection(Section):
     one-function library built with the node's C compiler (launch/mkl_amd.py). CPU training and scoring
     about 2x faster on an AVX-512 EPYC, the same results within float rounding (README: MKL on AMD CPUs).
     No effect on other CPUs or on what runs on a GPU."""
+    openmp_spin: int = Field(default=0, ge=0)
+    """How many times a waiting OpenMP thread of a worker (torch's CPU kernels, vLLM's on CPU, DeepSpeed's CPU
+    Adam) checks for the rest of its team before it sleeps (GOMP_SPINCOUNT); 0: it sleeps at once
+    (OMP_WAIT_POLICY=PASSIVE, every slurm-rlhf process's default). Spinning saves the wake-ups of the many
+    small parallel regions of CPU work, but a spinning thread takes the CPU from any other busy process on
+    its cores. Set it where each worker has its CPUs to itself (one worker per node, e.g. Flattening, with
+    nothing else running there): on 2 cores a Flattening step of bench_trl's model took 8% less time with
+    3000, and 23% more beside one busy process (30000: 2.6x; README: "OpenMP threads sleep while they
+    wait"). No effect on GPU kernels; the environment's own GOMP_SPINCOUNT wins."""
     deterministic: bool = False
     """Bitwise-repeatable runs: deterministic torch algorithms, fixed thread counts (cpus_per_worker, else
     1), no vLLM prefix cache. A resumed run then ends with the same weights as an uninterrupted one."""

@@ -36,6 +36,9 @@ class StageRunSection(Section):
     one-function library built with the node's C compiler (launch/mkl_amd.py). CPU training and scoring
     about 2x faster on an AVX-512 EPYC, the same results within float rounding (README: MKL on AMD CPUs).
     No effect on other CPUs or on what runs on a GPU."""
+    openmp_spin: int = Field(default=0, ge=0)
+    """GOMP_SPINCOUNT of the workers: how many times a waiting OpenMP thread spins before it sleeps; 0: at
+    once. As an RL run's `run.openmp_spin`: for workers that have their CPUs to themselves."""
     deterministic: bool = False
     """Bitwise-repeatable training: deterministic torch algorithms, fixed thread counts."""
     max_trainer_restarts: int = Field(default=2, ge=0)

@@ -24,6 +24,7 @@ from typing import Callable
 
 from toolkit.errors import Interrupted, RunError, TrainerLost, raise_interrupt
 from toolkit.launch import env as E
+from toolkit.launch import openmp
 from toolkit.hold import hold
 from toolkit.launch.curves import Curves
 from toolkit.launch.env import node_name
@@ -146,7 +147,8 @@ class Supervisor:
         self.launcher.start(self.groups, {E.RUN_DIR: str(self.run_dir.path), E.CONTROL: self.coordinator.address,
                                           E.SECRET_FILE: str(self.run_dir.secret), E.ATTEMPT: self.attempt,
                                           E.ALLOCATOR: self.cfg.run.allocator,
-                                          E.FAST_MKL_ON_AMD: "1" if self.cfg.run.fast_mkl_on_amd else "0"})
+                                          E.FAST_MKL_ON_AMD: "1" if self.cfg.run.fast_mkl_on_amd else "0",
+                                          **openmp.spin(self.cfg.run.openmp_spin)})
         self.echo(f"started {len(self.worker_ids)} workers ({', '.join(f'{g.name} x{g.workers}' for g in self.groups)})"
                   f"; logs in {self.run_dir.logs}")
         started = time.monotonic()
