@@ -107,12 +107,14 @@ def test_a_malformed_request_is_answered_and_the_store_serves_on(store):
 def test_get_and_wait_are_answered_when_the_key_comes(store):
     other = connect_store("127.0.0.1", store.port, 30, KEY)
     started = time.monotonic()
-    threading.Timer(0.3, lambda: store.set("late", b"here")).start()
+    setter = threading.Timer(0.3, lambda: store.set("late", b"here"))
+    setter.start()
     try:
         assert other.get("late") == b"here"
         assert time.monotonic() - started >= 0.29  # (answered when the key came, not before)
         other.wait(["late"])
     finally:
+        setter.join(30)  # (its own reply may come after ours: the fixture must not close `store` before it)
         other.close()
 
 
