@@ -558,7 +558,7 @@ def cmd_validate(args) -> int:
 def _resolved_here(cfg) -> str:
     """Comment lines: what the config's `auto` choices come to on this machine (on Slurm each node decides
     its allocator, and the job's Python whether vLLM is there)."""
-    from toolkit.launch import mkl_amd
+    from toolkit.launch import mkl_amd, openmp
     from toolkit.launch.allocator import choice
 
     lines = []
@@ -571,6 +571,12 @@ def _resolved_here(cfg) -> str:
     if cfg.run.fast_mkl_on_amd:
         path, why = mkl_amd.library()
         lines.append("# run.fast_mkl_on_amd: " + (f"MKL's library {path}" if path else f"no effect here ({why})"))
+    if openmp.SPIN in os.environ:
+        lines.append(f"# run.openmp_spin {cfg.run.openmp_spin}: {openmp.SPIN}={os.environ[openmp.SPIN]} in this "
+                     "environment wins (the workers inherit it)")
+    elif cfg.run.openmp_spin:
+        lines.append(f"# run.openmp_spin: the workers' OpenMP threads spin {cfg.run.openmp_spin} times before they "
+                     f"sleep ({openmp.SPIN})")
     return "".join(line + "\n" for line in lines)
 
 

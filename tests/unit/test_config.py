@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 
@@ -643,3 +644,14 @@ def test_validate_says_what_the_auto_settings_come_to_here(tiny, tmp_path):
     result = cli("validate", path, "--set", "rollout.backend=hf", "--set", "run.allocator=system",
                  "--set", "run.fast_mkl_on_amd=false")
     assert result.returncode == 0 and not any(line.startswith("#") for line in result.stdout.splitlines())
+    # run.openmp_spin, and the environment's own GOMP_SPINCOUNT that wins over it
+    spin = cli("validate", path, "--set", "rollout.backend=hf", "--set", "run.openmp_spin=3000")
+    environment = os.environ.get("GOMP_SPINCOUNT")
+    assert spin.returncode == 0 and spin.stdout.splitlines()[-1] == (
+        f"# run.openmp_spin 3000: GOMP_SPINCOUNT={environment} in this environment wins (the workers inherit it)"
+        if environment else "# run.openmp_spin: the workers' OpenMP threads spin 3000 times before they sleep "
+        "(GOMP_SPINCOUNT)"), spin.stdout
+    ours = cli("validate", path, "--set", "rollout.backend=hf", "--set", "run.openmp_spin=3000",
+               env={"GOMP_SPINCOUNT": "100"})
+    assert ours.returncode == 0 and ours.stdout.splitlines()[-1] == (
+        "# run.openmp_spin 3000: GOMP_SPINCOUNT=100 in this environment wins (the workers inherit it)"), ours.stdout
