@@ -45,7 +45,8 @@ def test_workers_spin_as_asked_unless_the_environment_says_otherwise(monkeypatch
     assert openmp.describe() == "OMP_WAIT_POLICY=PASSIVE"
     monkeypatch.setenv(openmp.SPIN, "100")  # the user's own setting: the workers inherit it
     assert openmp.spin(3000) == {}
-    assert openmp.describe() == "OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=100 (each spins that many times before it sleeps)"
+    assert openmp.describe() == ("OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=100 (each spins that many times before it "
+                                 "sleeps)")
 
 
 def test_the_spin_count_reaches_torchs_openmp_threads():
