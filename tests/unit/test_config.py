@@ -348,6 +348,23 @@ def test_a_key_given_twice_is_refused_not_overwritten(tiny, tmp_path):
         load_cluster(clusters)
 
 
+def test_a_set_on_an_aliased_section_changes_that_place_only(tiny, tmp_path):
+    """YAML makes one object of an anchor and its aliases: `--set placement.generator.workers=2` changed the
+    scorer's and the trainer's workers too (two trainer ranks nobody asked for), silently."""
+    from toolkit.config.load import parse_yaml
+
+    text = write_config(tmp_path, example("tiny-grpo.yaml", tiny)).read_text()
+    path = tmp_path / "alias.yaml"
+    path.write_text(text + "placement:\n  strategy: separation\n  generator: &one {workers: 1, env: {A: '1'}}\n"
+                    "  scorer: *one\n  trainer: {<<: *one}\n")
+    cfg = load_config(path, ["placement.generator.workers=2", "placement.scorer.env.A=\"4\""])
+    p = cfg.placement
+    assert (p.generator.workers, p.scorer.workers, p.trainer.workers) == (2, 1, 1)
+    assert (p.generator.env, p.scorer.env, p.trainer.env) == ({"A": "1"}, {"A": "4"}, {"A": "1"})
+    with pytest.raises(ConfigError, match="m.yaml: an alias .* a config cannot contain itself"):
+        parse_yaml("a: &x [1, *x]\n", "m.yaml")
+
+
 def test_overrides(tiny, tmp_path):
     path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
     cfg = load_config(path, ["rollout.group_size=8", "trainer.lr=2e-6", "reward.functions.0.weight=0.5",
@@ -496,6 +513,16 @@ def test_lora_targets_that_name_no_layer_are_refused(tiny, tmp_path):
                "q_proj, up_proj, v_proj (or use all-linear)" in msg, msg
         data["trainer"]["lora"]["target_modules"] = ["q_proj", "mlp.up_proj", "model.layers.1.self_attn.v_proj"]
         assert load_config(write_config(tmp_path, data)).trainer.lora.target_modules[0] == "q_proj"
+        # a layer without a weight matrix (peft refused it at start-up), and no layer at all
+        data["trainer"]["lora"]["target_modules"] = ["q_proj", "input_layernorm"]
+        assert "trainer.lora.target_modules: input_layernorm has no weight matrix (a norm's weight is a vector, " \
+               "which LoRA cannot adapt), so it would get no adapter" in error_of(write_config(tmp_path, data))
+        data["trainer"]["lora"]["target_modules"] = ["v_prj", "norm"]
+        assert f"v_prj is not a layer of {actor}; norm has no weight matrix (a norm's weight is a vector, which " \
+               "LoRA cannot adapt), so they would get no adapter" in error_of(write_config(tmp_path, data))
+        data["trainer"]["lora"]["target_modules"] = []
+        assert "trainer.lora.target_modules: an empty list gives no layer an adapter" in error_of(
+            write_config(tmp_path, data))
     sft = {"stage": "sft", "run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
            "model": {"base": str(tiny / "model")}, "train": {"lora": {"target_modules": ["qproj"]}}}
     assert "train.lora.target_modules: qproj is not a layer" in error_of(write_config(tmp_path, sft, "sft.yaml"))

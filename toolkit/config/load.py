@@ -51,11 +51,26 @@ def parse_yaml(text: str, path: str | Path) -> Any:
     """The YAML document in `text` (read from `path`); ConfigError naming the file, line and column if it is
     not valid YAML or gives a key twice."""
     try:
-        return yaml.load(text, Loader=_StrictLoader)
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    return _unshared(data, path)
+
+
+def _unshared(value: Any, path: str | Path, inside: frozenset = frozenset()) -> Any:
+    """`value` with a mapping or list of its own wherever YAML shares one: an anchor (`&x`) and each of its
+    aliases (`*x`, `<<: *x`) are one object, so a `--set` on one place would change every place silently."""
+    if not isinstance(value, (dict, list)):
+        return value
+    if id(value) in inside:
+        raise ConfigError(f"{path}: an alias (*name) inside the mapping or list its anchor (&name) names: a config "
+                          "cannot contain itself")
+    inside = inside | {id(value)}
+    if isinstance(value, dict):
+        return {k: _unshared(v, path, inside) for k, v in value.items()}
+    return [_unshared(v, path, inside) for v in value]
 
 
 def read_yaml(path: str | Path) -> tuple[dict, str]:
