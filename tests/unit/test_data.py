@@ -28,15 +28,22 @@ def parquet(path: Path, rows) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    pq.write_table(pa.Table.from_pylist(columns(rows)), path)
     return str(path)
 
 
 def saved(path: Path, rows) -> str:
     import datasets
 
-    datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    datasets.Dataset.from_list(columns(rows)).save_to_disk(str(path))
     return str(path)
+
+
+def columns(rows: list[dict]) -> list[dict]:
+    """Every row with every field of the rows, None where it has none, as a table has them (pyarrow's
+    `from_pylist` and `datasets` would take the first row's fields as the columns)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return [{k: r.get(k) for k in keys} for r in rows]
 
 
 def data(**fields) -> DataSection:
@@ -58,6 +65,9 @@ def test_three_formats_read_the_same_rows(tmp_path):
         pairs = StageData(data(sources=[{"path": path}]), "rm", "pair", 0).train[0]
         assert {(e.prompt, e.response) for e in sft} == {(r["prompt"], r["response"]) for r in ROWS}
         assert {(e.chosen, e.rejected) for e in pairs} == {(r["chosen"], r["rejected"]) for r in ROWS}
+    # `prompts: FILE` takes a Parquet file by its name too (it was read as JSON Lines: "not UTF-8")
+    rl = StageData(data(prompts=paths[1]), "rl", "prompt", 0).train[0]
+    assert sorted(e.prompt for e in rl) == sorted(r["prompt"] for r in ROWS)
 
 
 def test_split_is_disjoint_decided_by_content_and_has_eval_parts(tmp_path):
@@ -155,6 +165,20 @@ def test_fit_cuts_the_prompt_from_the_left():
     ('{"messages": [{"role": "user"}]}\n', "sft", ":1: messages[0] is not a message"),
     ('{"prompt": "a", "response": [{"role": "user", "content": "x"}]}\n', "sft", "must be the assistant's message"),
     ("\n\n", "prompt", "no rows in the file"),
+    # an empty or blank response, two same responses, a blank prompt: refused in every form the rows come in
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}\n', "sft",
+     ":1: messages: the assistant's last message (the response) is empty"),
+    ('{"prompt": "q", "chosen": [{"role": "assistant", "content": " "}], "rejected": "b"}\n', "pair",
+     ":1: chosen: the assistant's last message (the preferred response) is empty"),
+    ('{"prompt": "q", "response": "  "}\n', "sft", ":1: field 'response' (the response) is missing or not a non-empty"),
+    ('{"prompt": "q", "chosen": "a", "rejected": "a"}\n', "pair",
+     ":1: 'chosen' and 'rejected' are the same response ('a'); a pair needs two different responses"),
+    ('{"prompt": " \\n"}\n', "prompt", ":1: field 'prompt' is ' \\n' (str), not non-empty text"),
+    # roles a chat template may not know (Qwen's drops such a message from the prompt without a word)
+    ('{"prompt": [{"role": "human", "content": "q"}]}\n', "prompt",
+     ":1: prompt[0] has role 'human'; chat templates know 'user'"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "Assistant", "content": "a"}]}\n', "sft",
+     ":1: messages[1] has role 'Assistant'; chat templates know 'assistant'"),
 ])
 def test_bad_rows_are_named_by_file_and_line(tmp_path, text, kind, expected):
     path = tmp_path / "p.jsonl"
@@ -255,6 +279,36 @@ def test_hh_rows_take_the_text_both_responses_share_as_the_prompt(tmp_path):
             StageData(data(sources=[{"path": jsonl(tmp_path / "bad.jsonl", [row])}]), "rm", "pair", 0)
 
 
+def test_whole_conversations_as_chosen_and_rejected_serve_every_stage(tmp_path):
+    """{chosen: [user, assistant], rejected: [user, assistant]} with no prompt field: the prompt is the chosen
+    conversation before its reply, for RM pairs, SFT (the chosen reply) and RL prompts alike; sft and rl
+    refused these rows, asking for a data.prompt_key they have no field for."""
+    ask = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."}]
+    rows = [{"chosen": ask + [{"role": "assistant", "content": "An apple."}],
+             "rejected": ask + [{"role": "assistant", "content": "A carrot."}]}]
+    section = data(sources=[{"path": jsonl(tmp_path / "conv.jsonl", rows)}])
+    pair = StageData(section, "rm", "pair", 0).train[0][0]
+    sft = StageData(section, "sft", "sft", 0).train[0][0]
+    rl = StageData(section, "rl", "prompt", 0).train[0][0]
+    assert (pair.prompt, pair.chosen, pair.rejected) == (ask, "An apple.", "A carrot.")
+    assert (sft.prompt, sft.response) == (ask, "An apple.") and rl.prompt == ask
+
+
+def test_a_null_in_a_column_is_a_field_the_row_does_not_have(tmp_path):
+    """Parquet and `datasets` give every row every column, null where a row has no such field (as pandas and
+    pyarrow write rows of different fields): those rows read as their JSON Lines do, where they were refused
+    ('field 'messages' must be a non-empty list', 'field 'prompt' is None')."""
+    prompts = [{"prompt": "a", "topic": "x"}, {"messages": [{"role": "user", "content": "b"}]}]
+    answered = [{"prompt": "c", "response": "d"}, {"prompt": "e", "chosen": "f", "rejected": "g"}]
+    for write, name in ((jsonl, "m.jsonl"), (parquet, "m.parquet"), (saved, "m")):
+        rl, sft = (write(tmp_path / f"{kind}-{name}", rows) for kind, rows in (("rl", prompts), ("sft", answered)))
+        assert [r.data for r in read_source(rl)] == prompts and [r.data for r in read_source(sft)] == answered
+        assert [e.prompt for e in StageData(data(sources=[{"path": rl}], shuffle=False), "rl", "prompt", 0).train[0]] \
+            == ["a", [{"role": "user", "content": "b"}]], name
+        assert [(e.prompt, e.response) for e in StageData(data(sources=[{"path": sft}], shuffle=False), "sft", "sft",
+                                                          0).train[0]] == [("c", "d"), ("e", "f")], name
+
+
 def test_gzipped_json_files_are_read_as_they_come(tmp_path):
     """HH-RLHF comes as train.jsonl.gz: a .jsonl.gz (or .json.gz array) reads the same rows as the plain file;
     a cut-off gzip file is named."""
@@ -272,6 +326,11 @@ def test_gzipped_json_files_are_read_as_they_come(tmp_path):
     packed.write_bytes(packed.read_bytes()[:-12])
     with pytest.raises(ConfigError, match=re.escape(f"{packed}: not a whole gzip file")):
         read_source(str(packed))
+    damaged = bytearray(gzip.compress(json.dumps(ROWS).encode()))
+    damaged[10] ^= 0xFF  # (the first byte of the compressed data: zlib's own error, not gzip's)
+    packed.write_bytes(bytes(damaged))
+    with pytest.raises(ConfigError, match=re.escape(f"{packed}: not a whole gzip file (Error -3 while decompressing")):
+        read_source(str(packed))
 
 
 def test_bad_files_are_named(tmp_path):
@@ -286,6 +345,12 @@ def test_bad_files_are_named(tmp_path):
     with pytest.raises(ConfigError, match="not a data set saved with datasets' save_to_disk"):
         (tmp_path / "empty").mkdir()
         read_source(str(tmp_path / "empty"))
+    damaged = bytearray(Path(parquet(tmp_path / "d.parquet", [{"prompt": f"question {i} " * 5} for i in range(300)]))
+                        .read_bytes())
+    damaged[200:260] = bytes(b ^ 0x5A for b in damaged[200:260])  # (a data page: the footer still reads)
+    (tmp_path / "d.parquet").write_bytes(bytes(damaged))
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'd.parquet'}: rows 1 onwards cannot be read (")):
+        read_source(str(tmp_path / "d.parquet"))
     bad_row = parquet(tmp_path / "rows.parquet", [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": ""}])
     with pytest.raises(ConfigError, match=r"rows.parquet: row 2: field 'response' \(the response\) is missing"):
         StageData(data(sources=[{"path": bad_row}]), "sft", "sft", 0)

@@ -52,7 +52,8 @@ class SplitSection(Section):
 
 class DataSection(Section):
     prompts: ExistingFile | None = None
-    """Shorthand for one JSON Lines source: `prompts: file.jsonl` is `sources: [{path: file.jsonl}]`."""
+    """Shorthand for one source: `prompts: file.jsonl` is `sources: [{path: file.jsonl}]` (a file not named
+    .parquet, .json or .jsonl[.gz] is read as JSON Lines)."""
     sources: list[DataSource] = []
     """Where the rows come from; several sources are blended by weight."""
     split: SplitSection | None = None
@@ -91,7 +92,14 @@ class DataSection(Section):
         if self.prompts is not None:
             if self.sources:
                 raise ValueError("give prompts or sources, not both")
-            self.sources = [DataSource.model_construct(path=self.prompts, format="jsonl", weight=1.0, name=None)]
+            from toolkit.data.sources import format_of
+            from toolkit.errors import ConfigError
+
+            try:
+                fmt = format_of(str(self.prompts))
+            except ConfigError:  # (a name that says nothing: JSON Lines, as before)
+                fmt = "jsonl"
+            self.sources = [DataSource.model_construct(path=self.prompts, format=fmt, weight=1.0, name=None)]
             self.prompts = None
         if not self.sources:
             raise ValueError("no rows: give sources: [{path: ...}] (or prompts: FILE.jsonl)")

@@ -19,6 +19,12 @@ from dataclasses import dataclass, field
 from toolkit.data import Row
 from toolkit.errors import ConfigError
 
+# Chat roles as the chat templates of Hugging Face tokenizers name them; ShareGPT's names, and these in other
+# cases, are what half-converted data holds (a template may drop a message whose role it does not know).
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant", "chatgpt": "assistant"}
+
+
 @dataclass
 class Example:
     id: int
@@ -37,6 +43,8 @@ def example_of(row: Row, kind: str, keys, id: int) -> Example:
     if kind == "text":
         return Example(id, where, text=_text(data, keys.text_key, where, "text"))
     messages = _messages(data[keys.messages_key], where, keys.messages_key) if keys.messages_key in data else None
+    chosen = data.get(keys.chosen_key)
+    conversation = chosen[:-1] if isinstance(chosen, list) else None  # (chosen as a whole conversation)
     ex = Example(id, where)
     implicit = _implicit(data, keys, where) if messages is None and keys.prompt_key not in data else None
     if implicit and kind == "pair":
@@ -46,10 +54,11 @@ def example_of(row: Row, kind: str, keys, id: int) -> Example:
         ex.prompt, ex.response = implicit[:2]  # (SFT trains on the chosen response)
         return ex
     if kind == "pair":
-        chosen = data.get(keys.chosen_key)
         ex.chosen = _reply(chosen, where, keys.chosen_key, "the preferred response")
         ex.rejected = _reply(data.get(keys.rejected_key), where, keys.rejected_key, "the other response")
-        conversation = chosen[:-1] if isinstance(chosen, list) else None
+        if ex.chosen == ex.rejected:
+            raise ConfigError(f"{where}: {keys.chosen_key!r} and {keys.rejected_key!r} are the same response "
+                              f"({ex.chosen!r:.60}); a pair needs two different responses")
         ex.prompt = _prompt(data, keys, where, messages, conversation)
         return ex
     if kind == "sft":
@@ -64,11 +73,11 @@ def example_of(row: Row, kind: str, keys, id: int) -> Example:
             raise ConfigError(f"{where}: no response: expected a field {keys.response_key!r}, {keys.chosen_key!r} "
                               f"or {keys.messages_key!r} (fields: {sorted(data)}); set data.response_key to the "
                               "field that holds it")
-        ex.prompt = _prompt(data, keys, where, messages)
+        ex.prompt = _prompt(data, keys, where, messages, conversation)
         return ex
     if messages and messages[-1]["role"] == "assistant":
         messages = messages[:-1]
-    ex.prompt = implicit[0] if implicit else _prompt(data, keys, where, messages)
+    ex.prompt = implicit[0] if implicit else _prompt(data, keys, where, messages, conversation)
     # (a reward function takes `prompt` and `response` itself: a row's fields of those names are not passed)
     ex.fields = {k: v for k, v in data.items() if k not in (keys.prompt_key, keys.messages_key, "prompt", "response")}
     return ex
@@ -137,7 +146,7 @@ def with_input(prompt: str | list, data: dict, key: str | None, where: str, sett
 
 def _text(data: dict, key: str, where: str, what: str) -> str:
     value = data.get(key)
-    if key in data and not (isinstance(value, str) and value):  # (there, but not text)
+    if key in data and not (isinstance(value, str) and value.strip()):  # (there, but not text)
         raise ConfigError(f"{where}: field {key!r} is {value!r:.60} ({type(value).__name__}), not non-empty text; "
                           f"fix the row, or set data.{what}_key to the field holding the {what}")
     if not isinstance(value, str) or not value:
@@ -155,8 +164,11 @@ def _reply(value, where: str, key: str, what: str) -> str:
         if messages[-1]["role"] != "assistant":
             raise ConfigError(f"{where}: {key}: the last message is from {messages[-1]['role']!r}; {what} must be "
                               "the assistant's message")
+        if not messages[-1]["content"].strip():
+            raise ConfigError(f"{where}: {key}: the assistant's last message ({what}) is empty; give it its text, "
+                              "or leave the row out")
         return messages[-1]["content"]
-    if not isinstance(value, str) or not value:
+    if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{where}: field {key!r} ({what}) is missing or not a non-empty string; point "
                           "data.response_key, chosen_key or rejected_key at the field that holds it")
     return value
@@ -169,4 +181,10 @@ def _messages(value, where: str, key: str) -> list:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ConfigError(f"{where}: {key}[{i}] is not a message {{role: ..., content: ...}} with string values "
                               f"(got {m!r:.80})")
+        role = m["role"]
+        right = SHAREGPT_ROLES.get(role.lower()) or (role.lower() if role.lower() in ROLES and role != role.lower()
+                                                     else None)
+        if right:  # (a chat template renders the roles it knows: one like Qwen's leaves out the others)
+            raise ConfigError(f"{where}: {key}[{i}] has role {role!r}; chat templates know {right!r} (the "
+                              f"roles are {', '.join(ROLES)}): convert the data's roles")
     return [{"role": m["role"], "content": m["content"]} for m in value]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from typing import Iterator
 
 from toolkit.data import Row
@@ -26,7 +27,7 @@ def rows(path: str) -> Iterator[Row]:
                 row = _line_row(raw.removeprefix(BOM) if number == 1 else raw, path, number)
                 if row is not None:
                     yield row
-    except (gzip.BadGzipFile, EOFError) as e:
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise ConfigError(f"{path}: not a whole gzip file ({e}); compress it again, or name it without .gz if it "
                           "is plain text") from None
 

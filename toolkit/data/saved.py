@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from toolkit.data import Row
+from toolkit.data.parquet import present
 from toolkit.errors import ConfigError
 
 
@@ -23,4 +24,4 @@ def rows(path: str) -> Iterator[Row]:
                               f"point data.sources[].path at one of them, e.g. {path}/{next(iter(loaded))}")
         path, loaded = f"{path}/train", loaded["train"]
     for index, data in enumerate(loaded):
-        yield Row(index, f"{path}: row {index + 1}", dict(data))
+        yield Row(index, f"{path}: row {index + 1}", present(data))
