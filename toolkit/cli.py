@@ -751,6 +751,7 @@ def cmd_report(args) -> int:
             raise ConfigError(f"--samples-at {args.samples_at!r}: expected step numbers separated by commas") from None
     if args.last_steps < 1:
         raise ConfigError("--last-steps must be at least 1")
+    os.umask(0o077)  # (samples and the config: for the run's owner, also in an --out folder that exists)
     print(f"wrote {write_report(args.run_dir, args.out, steps, args.last_steps)}")
     return 0
 

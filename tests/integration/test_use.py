@@ -171,6 +171,8 @@ def test_generate_reads_alpaca_rows_by_their_keys(tiny, tmp_path):
     ('{"id": 1}', 'bad.jsonl:2: expected "prompt": a string or a list of {"role", "content"} messages'),
     ('{"prompt": [{"role": "user"}]}', "bad.jsonl:2: expected \"prompt\""),
     ('{"prompt": "x"', "bad.jsonl:2: not valid JSON"),
+    # (no tokens at all: the engine failed inside transformers, after the model loaded, naming no line)
+    ('{"prompt": ""}', 'bad.jsonl:2: the prompt "" is no tokens (this tokenizer adds no begin-of-sequence token)'),
 ])
 def test_generate_names_the_bad_line(trained, tmp_path, line, message):
     bad = tmp_path / "bad.jsonl"
@@ -428,6 +430,21 @@ def test_report_draws_the_run_from_its_files(trained, tmp_path):
     (tmp_path / "a-file").write_text("mine\n")
     result = cli("report", trained, "--out", tmp_path / "a-file")
     assert result.returncode == 2 and "is a file" in result.stderr and (tmp_path / "a-file").read_text() == "mine\n"
+
+    # an experience file damaged since its commit is named on the page (it was a traceback), and the page and
+    # its plots are the owner's alone in an --out folder that exists and that everyone can read
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained, damaged)
+    cut = damaged / "experience" / experience.file_name(1)
+    os.truncate(cut, cut.stat().st_size // 2)
+    (tmp_path / "public").mkdir(mode=0o755)
+    result = cli("report", damaged, "--out", tmp_path / "public", "--samples-at", "2,4")
+    assert result.returncode == 0, result.stderr
+    page = (tmp_path / "public" / "index.html").read_text()
+    assert f"<h3>step 2</h3><p>{cut} cannot be read (" in page and "<h3>step 4 (mean reward" in page
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "public").iterdir()}
+    assert set(modes) == {"index.html", "curves.png", "step_time.png", "timeline.png"} and set(modes.values()) == {
+        0o600}, modes
 
 
 def test_the_report_renders_in_a_headless_browser(trained, tmp_path):

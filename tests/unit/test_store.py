@@ -85,6 +85,9 @@ def test_manifest_ignores_a_torn_last_line(tmp_path):
     with open(m.path, "a") as f:
         f.write('{"kind": "experience", "st')  # a crash in the middle of a write
     assert [r["step"] for r in m.records()] == [0]
+    m.append({"kind": "experience", "step": 1})  # (the next attempt's record: a line of its own, not lost with it)
+    assert [r["step"] for r in m.records()] == [0, 1]
+    assert m.path.read_text().splitlines()[1] == '{"kind": "experience", "st'
 
 
 def test_verify(tmp_path):
@@ -174,6 +177,9 @@ def test_what_a_run_holds_is_each_steps_last_record_less_what_is_gone(tmp_path):
     held = held_experience(tmp_path, records)
     assert list(held) == [0, 1] and held[1]["bytes"] == 2
     assert {step: r["files"] for step, r in live_checkpoints(records).items()} == {2: {"a": 2}}
+    # a resume from older weights saves step 1 again into the folder removed before: it is there again
+    again = records + [{"kind": "checkpoint", "step": 1, "dir": "checkpoints/step-000001", "files": {"b": 1}}]
+    assert {step: r["files"] for step, r in live_checkpoints(again).items()} == {1: {"b": 1}, 2: {"a": 2}}
 
 
 def test_a_new_run_resumes_from_nothing(tmp_path):
@@ -286,6 +292,9 @@ def test_a_checkpoint_is_written_so_that_its_own_resume_accepts_it(tmp_path):
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
+    left = run_dir / "checkpoints" / ".step-000009.tmp" / "actor"  # (a save killed before it ended, at another step)
+    left.mkdir(parents=True)
+    (left / "weights").write_bytes(b"x" * 1000)
     previous = os.umask(0o002)
     try:
         checkpoint.save(run_dir, 3, {}, {"step": 3}, rank=0, barrier=lambda: None, keep=2,
@@ -296,3 +305,4 @@ def test_a_checkpoint_is_written_so_that_its_own_resume_accepts_it(tmp_path):
     modes = {str(p.relative_to(final)): p.stat().st_mode & 0o777 for p in [final, *final.rglob("*")]}
     assert modes and not any(mode & 0o022 for mode in modes.values()), modes
     check_ours_alone(final)
+    assert sorted(p.name for p in final.parent.iterdir()) == ["step-000003"]  # (nothing else removed what was left)

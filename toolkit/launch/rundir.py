@@ -125,8 +125,9 @@ class RunDir:
         return self.logs / f"{worker_id.replace(':', '-')}.log"
 
     def append_metrics(self, record: dict) -> None:
-        with open(self.metrics, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        from toolkit.store.manifest import append_jsonl
+
+        append_jsonl(self.metrics, record)
 
     def write_status(self, status: dict) -> None:
         self.write_atomic(self.status, json.dumps(status, indent=1))

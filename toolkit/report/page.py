@@ -40,7 +40,13 @@ def _samples_section(run_dir: Path, steps: list[int]) -> str:
 
     parts = []
     for step in steps:
-        record = experience.read(run_dir / "experience" / experience.file_name(step))
+        path = run_dir / "experience" / experience.file_name(step)
+        try:
+            record = experience.read(path)
+        except (OSError, ValueError, KeyError) as e:  # (damaged since its commit: a resume would set it aside)
+            parts.append(f"<h3>step {step + 1}</h3><p>{html.escape(str(path))} cannot be read ({html.escape(str(e))}); "
+                         "<code>slurm-rlhf resume</code> checks every committed file and sets a damaged one aside.</p>")
+            continue
         meta, samples = record["meta"], record["samples"]
         total = samples["reward_total"]
         order = sorted(range(len(total)), key=lambda i: -float(total[i]))

@@ -55,8 +55,9 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
     runs on every rank with the checkpoint's directory (it may gather weights under ZeRO-3)."""
     final = directory_of(run_dir, step)
     tmp = final.parent / f".{final.name}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if rank == 0:  # (and what a save killed before it ended left, of any step: nothing else removes it)
+        for stale in final.parent.glob(".step-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     barrier()
     try:
@@ -125,5 +126,5 @@ def _remove_old(run_dir: Path, manifest: Manifest, keep: int) -> None:
     """Keep the newest `keep` checkpoints (experience is never removed)."""
     live = live_checkpoints(manifest.records())
     for _, record in sorted(live.items())[:-keep]:
-        shutil.rmtree(Path(run_dir) / record["dir"], ignore_errors=True)
-        manifest.append({"kind": "removed", "dir": record["dir"]})
+        manifest.append({"kind": "removed", "dir": record["dir"]})  # (first: a crash between the two then leaves
+        shutil.rmtree(Path(run_dir) / record["dir"], ignore_errors=True)  # a folder, not a record of a missing one)

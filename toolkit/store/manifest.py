@@ -40,11 +40,7 @@ class Manifest:
         self.path = self.run_dir / "manifest.jsonl"
 
     def append(self, record: dict) -> None:
-        line = json.dumps({**record, "time": time.time()}) + "\n"
-        with open(self.path, "a") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        append_jsonl(self.path, {**record, "time": time.time()}, fsync=True)
 
     def records(self) -> list[dict]:
         return read_jsonl(self.path)
@@ -55,9 +51,15 @@ class Manifest:
 
 
 def live_checkpoints(records: list[dict]) -> dict[int, dict]:
-    """{step: record} of the checkpoints that `records` wrote and did not remove (a step's last record wins)."""
-    removed = {r["dir"] for r in records if r["kind"] == "removed"}
-    return {r["step"]: r for r in records if r["kind"] == "checkpoint" and r["dir"] not in removed}
+    """{step: record} of the checkpoints that `records` wrote and did not remove since (a step's last record
+    wins: a resume from older weights may save a step again into a folder removed before)."""
+    live: dict[int, dict] = {}
+    for r in records:
+        if r["kind"] == "checkpoint":
+            live[r["step"]] = r
+        elif r["kind"] == "removed":
+            live = {step: c for step, c in live.items() if c["dir"] != r["dir"]}
+    return live
 
 
 def held_experience(run_dir: Path, records: list[dict]) -> dict[int, dict]:
@@ -65,6 +67,21 @@ def held_experience(run_dir: Path, records: list[dict]) -> dict[int, dict]:
     wins; a file set aside by a resume is gone from experience/)."""
     last = {r["step"]: r for r in records if r["kind"] == "experience"}
     return {step: r for step, r in sorted(last.items()) if (Path(run_dir) / r["file"]).is_file()}
+
+
+def append_jsonl(path: Path, record: dict, fsync: bool = False) -> None:
+    """Append `record` as one line of JSON. After a line cut short by a crash (no newline at the end of the
+    file) it starts a line of its own: joined to the cut line, it would be skipped with it when read."""
+    line = json.dumps(record).encode() + b"\n"
+    with open(path, "a+b") as f:
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                line = b"\n" + line
+        f.write(line)  # (append mode: at the end, wherever the file position is)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def read_jsonl(path: Path) -> list[dict]:

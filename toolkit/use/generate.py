@@ -56,6 +56,9 @@ def read_prompts(found: list[tuple[str, dict, object]], tokenizer, chat_template
             prompts.append(render_prompt(tokenizer, prompt, chat_template == "on"))
         except ValueError as e:
             raise ConfigError(f"{location}: {e}") from None
+        if not prompts[-1]:  # (the engine would fail on it, after the model loaded, naming no line)
+            raise ConfigError(f"{location}: the prompt {json.dumps(prompt)[:60]} is no tokens (this tokenizer adds no "
+                              "begin-of-sequence token); give the row a prompt")
         data.append(row)
     return data, prompts
 
