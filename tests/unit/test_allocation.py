@@ -150,6 +150,28 @@ def test_srun_reports_are_parsed():
     assert (first["node"], first["tasks"], first["what"]) == ("n3", "1", "Killed")
 
 
+def test_a_step_that_srun_could_not_start_is_blamed_on_what_srun_said(tmp_path):
+    """srun can fail before any task runs (the step's memory is not free, say): no worker log is written,
+    and the error named only `srun step ? ended` and a worker log that does not exist."""
+    import subprocess
+
+    from toolkit.launch.rundir import RunDir
+    from toolkit.launch.slurm import SlurmLauncher
+
+    launcher = object.__new__(SlurmLauncher)  # (its state as `start` leaves it; no Slurm here)
+    launcher.run_dir, launcher._reported, launcher._log_from = RunDir(tmp_path), set(), {}
+    launcher.run_dir.logs.mkdir(parents=True)
+    launcher.srun_log("generator").write_text(
+        "$ srun --verbose ...\nsrun: error: Unable to create step for job 4242: Memory required by task is not "
+        "available\n")
+    launcher.steps = {"generator": subprocess.Popen(["sh", "-c", "exit 1"])}
+    launcher.steps["generator"].wait()
+    [ended] = launcher.poll()
+    assert (ended.worker_id, ended.code) == ("generator:0", 1)
+    assert ended.detail == ("srun step ? ended: srun: error: Unable to create step for job 4242: Memory required by "
+                            f"task is not available (srun's log: {tmp_path}/logs/srun-generator.log)")
+
+
 def test_bind_host_is_an_address_an_interface_or_a_network_resolved_on_each_node(monkeypatch):
     from toolkit.launch import env
 
@@ -163,6 +185,12 @@ def test_bind_host_is_an_address_an_interface_or_a_network_resolved_on_each_node
         env.resolve_bind_host("10.9.0.0/16")
     with pytest.raises(ConfigError, match="'ifb0': that interface of node .* has no IPv4 address"):
         env.resolve_bind_host("ifb0")
+    # an interface this node lacks, or an address not its own: ZeroMQ failed to bind, a traceback
+    for wrong in ("ib1", "10.9.9.9"):
+        with pytest.raises(ConfigError, match=f"transport.bind_host '{wrong}' is not an interface, an address or a "
+                                              r"network of node .* \(its interfaces: lo 127\.0\.0\.1, eth0"):
+            env.resolve_bind_host(wrong)
+    assert env.resolve_bind_host("localhost") == "127.0.0.1" and env.resolve_bind_host("*") == "*"
     # The default: the node's name resolved, but not to a loopback address (Debian's 127.0.1.1), which
     # the other nodes of a job cannot reach
     monkeypatch.setattr(env.socket, "gethostbyname", lambda name: "127.0.1.1")
@@ -209,7 +237,9 @@ def test_the_jobs_end_is_read_from_squeue_within_a_limit(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setattr(slurm, "END_TIME_TIMEOUT_S", 1.0)
     launcher = types.SimpleNamespace(job_id="7")
-    for script, expected in [("echo 2026-12-04T20:15:00", datetime.datetime(2026, 12, 4, 20, 15).timestamp()),
+    monkeypatch.setenv("SLURM_TIME_FORMAT", "relative")  # (a user's: squeue would print `Tomorr 20:15`)
+    standard = 'if [ "$SLURM_TIME_FORMAT" = standard ]; then echo 2026-12-04T20:15:00; else echo Tomorr 20:15; fi'
+    for script, expected in [(standard, datetime.datetime(2026, 12, 4, 20, 15).timestamp()),
                              ("echo NONE", None), ("exec sleep 60", None), ("exit 1", None)]:
         squeue.write_text(f"#!/bin/sh\n{script}\n")
         squeue.chmod(0o700)

@@ -67,6 +67,58 @@ def test_a_slurm_job_has_ended_in_the_states_slurm_gives_back():
         assert not ended(state), state
 
 
+def test_a_controller_that_does_not_answer_is_not_a_job_that_ended(monkeypatch, tmp_path):
+    """squeue and scontrol fail alike when slurmctld does not answer and when it no longer knows the job: the
+    job counted as ended in both, so `resume` would start a second driver beside a running job, and `--wait`
+    stopped following it. Only `Invalid job id` ends it now. The commands here are scripts on PATH."""
+    from toolkit.launch.jobs import ended, live_job, slurm_job
+    from toolkit.launch.rundir import RunDir
+
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    rd.update_job(job_id=7)
+    for said, state in [("Unable to contact slurm controller (connect failure)", "UNREACHABLE (Slurm did not answer: "
+                         "slurm_load_jobs error: Unable to contact slurm controller (connect failure))"),
+                        ("Invalid job id specified", "UNKNOWN (no longer known to slurmctld)")]:
+        for name in ("squeue", "scontrol"):
+            (tmp_path / name).write_text(f"#!/bin/sh\necho 'slurm_load_jobs error: {said}' >&2\nexit 1\n")
+            (tmp_path / name).chmod(0o700)
+        assert slurm_job("7")["state"] == state
+        assert ended(state) == state.startswith("UNKNOWN")
+        assert live_job(rd) == (None if ended(state) else f"slurm job 7 is {state}")
+
+
+def test_cancel_stops_a_local_driver_before_a_slurm_job_of_the_past(monkeypatch, tmp_path):
+    """A run submitted once and then resumed here still names its old job in job.json: `cancel` scancelled
+    that job, said so, and left the local driver running. scancel here is a script that says it was called."""
+    import psutil
+
+    from toolkit.launch.env import node_name
+    from toolkit.launch.jobs import cancel
+    from toolkit.launch.rundir import RunDir
+
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    (tmp_path / "scancel").write_text(f"#!/bin/sh\ntouch {tmp_path / 'scancelled'}\n")
+    (tmp_path / "scancel").chmod(0o700)
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    rd.update_job(job_id=12345)
+    holds = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+             "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
+    driver = subprocess.Popen([sys.executable, "-c", holds, str(rd.path / "driver.lock")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert driver.stdout.readline() == "held\n"
+        rd.write_status({"state": "running", "driver": {"pid": driver.pid, "node": node_name(),
+                                                        "started": psutil.Process(driver.pid).create_time()}})
+        assert "stopped the local driver" in cancel(rd, timeout_s=10)
+        assert driver.wait(timeout=10) == -15 and not (tmp_path / "scancelled").exists()
+    finally:
+        driver.kill()
+        driver.wait()
+
+
 def test_tiny_replaces_nothing_of_the_users(tmp_path):
     (tmp_path / "prompts.jsonl").write_text("mine\n")
     result = cli("tiny", tmp_path, timeout=60)

@@ -81,7 +81,16 @@ def resolve_bind_host(spec: str | None) -> str:
                     return address
         raise ConfigError(f"transport.bind_host {spec}: no address of node {node_name()} is in that network "
                          f"(its interfaces: {_describe(addresses)})")
-    return spec
+    if spec in ("*", "0.0.0.0"):  # (every interface)
+        return spec
+    try:
+        address = socket.gethostbyname(spec)  # (an address, or a name for one of this node's)
+    except OSError:
+        address = None
+    if address is None or not any(address in addrs for addrs in addresses.values()):
+        raise ConfigError(f"transport.bind_host {spec!r} is not an interface, an address or a network of node "
+                          f"{node_name()} (its interfaces: {_describe(addresses)}); ZeroMQ could not listen there")
+    return address
 
 
 def node_address() -> str:

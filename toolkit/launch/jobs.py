@@ -52,21 +52,33 @@ def open_run(path: str | os.PathLike, hint: str = "") -> RunDir:
 
 
 def slurm_job(job_id: str) -> dict:
-    """{state, nodes, elapsed, reason} of a Slurm job, from squeue while queued or running, else scontrol."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%N|%M|%r"], capture_output=True, text=True,
-                         timeout=30)
+    """{state, nodes, elapsed, reason} of a Slurm job, from squeue while queued or running, else scontrol. A
+    controller that does not answer gives the state UNREACHABLE, which has not ended: Slurm says `Invalid job
+    id` of a job it no longer knows (UNKNOWN), and a job of a busy controller may well be running."""
+    out = _ask(["squeue", "-h", "-j", job_id, "-o", "%T|%N|%M|%r"])
     rows = [r.split("|") for r in out.stdout.splitlines() if r.strip()]
     if rows:
         state, nodes, elapsed, reason = rows[0]
         if len(rows) > 1:  # a heterogeneous job has one row per component
             nodes = ",".join(r[1] for r in rows)
         return {"state": state, "nodes": nodes, "elapsed": elapsed, "reason": reason}
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
-    fields = dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
-    if not fields:
-        return {"state": "UNKNOWN (no longer known to slurmctld)", "nodes": "", "elapsed": "", "reason": ""}
-    return {"state": fields.get("JobState", "?"), "nodes": fields.get("NodeList", ""),
-            "elapsed": fields.get("RunTime", ""), "reason": fields.get("Reason", "")}
+    info = _ask(["scontrol", "show", "job", "-o", job_id])
+    fields = dict(f.split("=", 1) for f in info.stdout.split() if "=" in f)
+    if fields:
+        return {"state": fields.get("JobState", "?"), "nodes": fields.get("NodeList", ""),
+                "elapsed": fields.get("RunTime", ""), "reason": fields.get("Reason", "")}
+    said = (info.stderr.strip() or out.stderr.strip() or "no answer").splitlines()[-1]
+    if info.returncode and "Invalid job id" not in said:
+        return {"state": f"UNREACHABLE (Slurm did not answer: {said})", "nodes": "", "elapsed": "", "reason": ""}
+    return {"state": "UNKNOWN (no longer known to slurmctld)", "nodes": "", "elapsed": "", "reason": ""}
+
+
+def _ask(command: list[str], timeout_s: float = 30) -> subprocess.CompletedProcess:
+    """A Slurm command's answer; one that does not come within `timeout_s` is a failed command."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(command, 1, "", f"{command[0]}: no answer within {timeout_s:.0f} s")
 
 
 def running_steps(job_id: str, components: int = 8) -> set[str]:
@@ -163,12 +175,15 @@ def follow(rd: RunDir, job_id: str) -> int:
     from toolkit.progress import Progress
 
     out = rd.path / "slurm" / f"{job_id}_0_log.out"
-    shown = 0
+    shown, unreachable = 0, False
     progress = Progress()
     try:
         while True:
             job = slurm_job(job_id)
             state = job["state"].split()[0]
+            if state == "UNREACHABLE" and not unreachable:  # (said once; it goes on asking)
+                print(f"note: {job['state']}; asking again until it does", file=sys.stderr, flush=True)
+            unreachable = state == "UNREACHABLE"
             if out.exists():
                 text = out.read_text(errors="replace")
                 for line in text[shown:text.rfind("\n") + 1].splitlines():
@@ -221,13 +236,17 @@ def run_going(path: Path) -> str | None:
 
 
 def cancel(rd: RunDir, timeout_s: float = 60) -> str:
-    """Cancel the run's Slurm job (or stop its local driver) and wait until it has ended."""
+    """Cancel the run's Slurm job (or stop its local driver) and wait until it has ended. A local driver that
+    runs comes first: a run submitted once and resumed here still names its old job in job.json."""
     job = rd.read_json(rd.job)
-    if job.get("job_id"):
+    if job.get("job_id") and not rd.lock_held():
         job_id = str(job["job_id"])
         if shutil.which("scancel") is None:
             raise RunError("scancel not found: run `cancel` where Slurm's commands are installed")
-        subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=30, check=True)
+        answer = _ask(["scancel", job_id])
+        if answer.returncode:
+            raise RunError(f"scancel {job_id} failed: {answer.stderr.strip() or f'exit status {answer.returncode}'}; "
+                           f"try again, or see `squeue -j {job_id}`")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             state = slurm_job(job_id)["state"]

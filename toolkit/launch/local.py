@@ -15,12 +15,27 @@ import signal
 import subprocess
 import sys
 import time
+
+from toolkit.errors import RunError
 from toolkit.launch import env as E
 from toolkit.launch.exits import Exit, wait_all
 from toolkit.launch.forkserver import ForkServer, Forked, die_with_parent, usable
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import WorkerGroup
 from toolkit.tmpdir import remove_left
+
+
+def visible_gpus(environ, wanted: int) -> list[str]:
+    """The `wanted` GPUs to hand out to the workers, in order: among those CUDA_VISIBLE_DEVICES gives the
+    driver where it is set (`2,3`: GPUs 2 and 3, not 0 and 1, which may be someone else's), else 0, 1, ..."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not visible:
+        return [str(i) for i in range(wanted)]
+    devices = [d.strip() for d in visible.split(",")]
+    if wanted > len(devices):
+        raise RunError(f"the run's workers take {wanted} GPUs, and CUDA_VISIBLE_DEVICES={visible} gives this driver "
+                       f"{len(devices)}; give it more, or fewer workers or gpus_per_worker")
+    return devices[:wanted]
 
 
 class LocalLauncher:
@@ -34,9 +49,9 @@ class LocalLauncher:
         self.server: ForkServer | None = None  # (toolkit/launch/forkserver.py)
 
     def start(self, groups: list[WorkerGroup], env: dict[str, str]) -> None:
+        gpus = visible_gpus({**os.environ, **env}, sum(g.workers * g.gpus_per_worker for g in groups))
         if usable(groups):
             self.server = ForkServer({**os.environ, **env}, self.run_dir.logs / "fork-server.log")
-        next_gpu = 0
         for group in groups:
             for rank, worker_id in enumerate(group.worker_ids()):
                 child_env = {**os.environ, **env, **group.env, E.GROUP: group.name, E.RANK: str(rank)}
@@ -45,9 +60,8 @@ class LocalLauncher:
                 if group.cpus_per_worker:
                     child_env.setdefault("OMP_NUM_THREADS", str(group.cpus_per_worker))
                 if group.gpus_per_worker:  # each worker sees only its own GPUs, as under Slurm
-                    gpus = range(next_gpu, next_gpu + group.gpus_per_worker)
-                    child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-                    next_gpu += group.gpus_per_worker
+                    mine, gpus = gpus[:group.gpus_per_worker], gpus[group.gpus_per_worker:]
+                    child_env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
                 self.envs[worker_id] = child_env
                 self._spawn(worker_id, child_env)
 

@@ -137,7 +137,8 @@ class SlurmLauncher:
         END_TIME_TIMEOUT_S: the driver then stops as if the end were now, the safe side)."""
         try:
             out = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", "%e"], capture_output=True, text=True,
-                                 timeout=END_TIME_TIMEOUT_S)
+                                 timeout=END_TIME_TIMEOUT_S,  # (in the format parsed below, whatever the user's)
+                                 env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
         except (subprocess.TimeoutExpired, OSError):
             return None
         try:
@@ -157,8 +158,12 @@ class SlurmLauncher:
             if name in self._reported or proc.poll() is None:
                 continue
             self._reported.add(name)
+            text = self._srun_text(name)
             rank, detail = 0, f"srun step {self.step_id(name) or '?'} ended"
-            failure = TASK_FAILED.search(self._srun_text(name))
+            said = [line.strip() for line in text.splitlines() if line.startswith("srun: error:")][-3:]
+            if said:  # (srun failed before any task ran, say: no worker log names why, srun's does)
+                detail += f": {' / '.join(said)} (srun's log: {self.srun_log(name)})"
+            failure = TASK_FAILED.search(text)
             if failure:
                 rank = int(re.split(r"[,-]", failure["tasks"])[0])
                 detail = f"srun: step {self.step_id(name) or '?'}, node {failure['node']}: {failure['what'].strip()}"

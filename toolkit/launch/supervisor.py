@@ -538,7 +538,8 @@ class Supervisor:
         except OSError:
             tail = []
         shown = "".join(f"\n    | {line}" for line in tail)
-        return f"log: {path}" + (f" (last lines:){shown}" if tail else "")
+        return f"log: {path}" + (f" (last lines:){shown}" if tail else "" if path.exists() else
+                                 " (not written: the worker did not start)")
 
     def _who_is_where(self) -> str:
         rows = []
