@@ -81,8 +81,6 @@ def resolve_bind_host(spec: str | None) -> str:
                     return address
         raise ConfigError(f"transport.bind_host {spec}: no address of node {node_name()} is in that network "
                          f"(its interfaces: {_describe(addresses)})")
-    if spec in ("*", "0.0.0.0"):  # (every interface)
-        return spec
     try:
         address = socket.gethostbyname(spec)  # (an address, or a name for one of this node's)
     except OSError:
