@@ -10,6 +10,7 @@ here with one worker per node group.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -26,14 +27,42 @@ EXAMPLE_PROMPTS = ["Explain what a Slurm job step is in two sentences.",
                    "Translate 'good morning' into French."]
 
 
-def _params(model: Path) -> float:
+def _shape(model: Path, cluster_file: str | None):
+    """(the model's shape as the planner counts it, None), or (None, why it cannot) for a family it does not
+    count (then the config is written for this machine with settings safe at any size, and a cluster needs
+    `plan --params`)."""
     from toolkit.placement.cost import ModelShape
 
-    return ModelShape.from_config(str(model)).params
+    try:
+        return ModelShape.from_config(str(model)), None
+    except ConfigError as e:
+        if cluster_file is None:
+            return None, str(e).partition("; give the")[0]
+        raise ConfigError(f"{str(e).partition('; give the')[0]}, so init cannot size a config for {cluster_file}; "
+                          f"write one for this machine (init without --cluster), then plan it for the cluster with "
+                          f"the model's size: slurm-rlhf plan CONFIG --cluster {cluster_file} --params actor=7e9 "
+                          "--write PLANNED.yaml") from None
+
+
+def kv_cache_gb(shape, data: dict, sequences: int = 16) -> float | None:
+    """vLLM's KV cache for `sequences` samples of the longest length at once, in steps of 0.5 GiB; None where
+    the default (0.5 GiB) holds them, or the shape is not known. The default held not even one sample of
+    a 13B model, so the config `init` wrote failed its own check."""
+    from toolkit.config.schema import RolloutSection
+    from toolkit.placement.cost import DTYPE_BYTES
+
+    if shape is None:
+        return None
+    rollout = data["rollout"]
+    tokens = rollout.get("max_prompt_tokens", RolloutSection.model_fields["max_prompt_tokens"].default) + \
+        rollout["max_new_tokens"]
+    need = min(sequences, rollout["prompts_per_step"] * rollout["group_size"]) * tokens * shape.kv_bytes_per_token(
+        DTYPE_BYTES[data["model"]["dtype"]]) / 2**30
+    return math.ceil(need * 2) / 2 if need > 0.5 else None
 
 
 def starter_data(model: Path, prompts: Path, out_dir: Path, reward_model: Path | None, algorithm: str,
-                 gpus: bool, params: float) -> dict:
+                 gpus: bool, params: float | None) -> dict:
     """The config mapping before planning (paths relative to the config's directory)."""
     def rel(path: Path) -> str:  # (relative below the config's directory, else absolute)
         path, base = Path(path).resolve(), out_dir.resolve()
@@ -42,7 +71,7 @@ def starter_data(model: Path, prompts: Path, out_dir: Path, reward_model: Path |
     name = model.resolve().name
     if name in ("model", "hf", "export") or name.startswith("step-"):
         name = model.resolve().parent.name or "run"  # (a model at /model: the file system's root is no name)
-    big = params >= 1e9
+    big = params is None or params >= 1e9  # (a size not known: what is safe at any size)
     data = {
         "run": {"name": name, "algorithm": algorithm, "steps": 200, "seed": 0},
         "data": {"prompts": rel(prompts)},
@@ -52,7 +81,7 @@ def starter_data(model: Path, prompts: Path, out_dir: Path, reward_model: Path |
         "reward": ({"models": [{"path": rel(reward_model)}]} if reward_model else {"functions": [
             {"function": "toolkit.rewards.examples:length_penalty", "args": {"max_chars": 800}}]}),
         "algorithm": {"kl": {"coef": 0.04 if algorithm == "grpo" else 0.05}},
-        "trainer": {"lr": 1e-6 if params >= 1e8 else 1e-5, "zero_stage": 2, "micro_batch_size": 4,
+        "trainer": {"lr": 1e-5 if params is not None and params < 1e8 else 1e-6, "zero_stage": 2, "micro_batch_size": 4,
                     "gradient_checkpointing": big},
         "checkpoint": {"every_steps": 20, "keep": 2},
     }
@@ -87,27 +116,35 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
         raise ConfigError(f"--out {out} is a directory; give the config file to write, e.g. {target / 'run.yaml'}")
     if target.exists() and not force:
         raise ConfigError(f"{out} exists; choose another name, or --force to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    notes = []
-    if prompts is None:
-        prompts_path = target.parent / "prompts.example.jsonl"
-        if not prompts_path.exists():
-            prompts_path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in EXAMPLE_PROMPTS))
-        notes.append(f"example prompts in {prompts_path}: replace them with yours (data.prompts)")
-    else:
-        prompts_path = Path(prompts)
-    if reward_model is None:
-        notes.append("the reward is a placeholder (a length penalty): put your reward functions or models in reward:")
     cluster = None
     if cluster_file:
         from toolkit.placement.cluster import load_cluster
 
         cluster = load_cluster(cluster_file)
     gpus = bool(cluster and cluster.gpus_per_node)
-    params = _params(model_dir)
+    shape, uncounted = _shape(model_dir, cluster_file)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    notes, made = [], None
+    if prompts is None:
+        prompts_path = target.parent / "prompts.example.jsonl"
+        if not prompts_path.exists():
+            prompts_path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in EXAMPLE_PROMPTS))
+            made = prompts_path
+        notes.append(f"example prompts in {prompts_path}: replace them with yours (data.prompts)")
+    else:
+        prompts_path = Path(prompts)
+    if reward_model is None:
+        notes.append("the reward is a placeholder (a length penalty): put your reward functions or models in reward:")
+    params = shape.params if shape is not None else None
+    size = f"{params / 1e6:,.1f}M parameters" if params is not None else "a size the planner does not count"
     data = starter_data(model_dir, prompts_path, target.parent, Path(reward_model) if reward_model else None,
                         algorithm, gpus, params)
-    header = [f"Starter config for {model_dir.resolve()} ({params / 1e6:,.1f}M parameters), written by "
+    if (cache := kv_cache_gb(shape, data)) is not None:  # (before the planner sizes it for a cluster)
+        data["rollout"].setdefault("vllm", {})["kv_cache_gb"] = cache
+    if shape is None:
+        notes.append(f"{uncounted}; so the config has settings safe at any size (lr 1e-6, activation "
+                     "checkpointing): check rollout.vllm.kv_cache_gb and the trainer's")
+    header = [f"Starter config for {model_dir.resolve()} ({size}), written by "
               "`slurm-rlhf init`.", "Check it: slurm-rlhf validate FILE;  run it here: slurm-rlhf run FILE;  "
               "on Slurm: slurm-rlhf submit FILE"]
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
@@ -120,11 +157,15 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
         tmp.write_text(text)
         load_config(tmp)  # (what is written validates)
         os.replace(tmp, target)
+    except BaseException:
+        if made is not None:  # (nothing left behind by a config that was not written)
+            made.unlink(missing_ok=True)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
-    return [f"wrote {target}: {algorithm} on {model_dir.name} ({params / 1e6:,.1f}M parameters); {header[-1]}"
-            if cluster is not None else f"wrote {target}: {algorithm} on {model_dir.name} ({params / 1e6:,.1f}M "
-            "parameters), to run on this machine", *notes]
+    return [f"wrote {target}: {algorithm} on {model_dir.name} ({size}); {header[-1]}"
+            if cluster is not None else f"wrote {target}: {algorithm} on {model_dir.name} ({size}), to run on this "
+            "machine", *notes]
 
 
 def _plan_into(data: dict, cfg, cluster, notes: list[str]) -> str:
