@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=float, help="mean prompt tokens (default: measured on the data file)")
     p.add_argument("--response-tokens", type=float, help="mean response tokens (default: rollout.max_new_tokens)")
     p.add_argument("--write", type=Path, metavar="OUT.yaml", help="write the run config with the best plan")
+    p.add_argument("--force", action="store_true", help="replace --write's file if it exists")
 
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory (LoRA merged)")
     p.add_argument("run_dir")
@@ -615,6 +616,8 @@ def cmd_plan(args) -> int:
                           f"{Path(args.write) / 'planned.yaml'}")
     if args.write and not Path(args.write).resolve().parent.is_dir():
         raise ConfigError(f"--write {args.write}: its folder {Path(args.write).resolve().parent} does not exist")
+    if args.write and Path(args.write).exists() and not args.force:  # (it may be the config planned, with notes)
+        raise ConfigError(f"--write {args.write} exists; choose another name, or --force to replace it")
     w = workload_of(cfg, args.prompt_tokens, args.response_tokens, params)
     found = search(cluster, w, cfg.trainer.zero_stage, tuple(args.strategy or STRATEGIES),
                    offload={"auto": None, "on": True, "off": False}[args.offload])

@@ -220,6 +220,17 @@ def test_a_reward_module_that_fails_as_it_is_imported_is_named(tiny, tmp_path, m
         assert says in error_of(write_config(tmp_path, data)), given
 
 
+def test_vllm_splits_the_key_value_heads_too():
+    """vLLM gives each tensor-parallel rank as many key/value heads, or copies one on several ranks: Phi-3
+    medium's 10 over 8 ranks passed `validate` and the planner, and vLLM's QKVParallelLinear refused them."""
+    from toolkit.config.model_files import kv_heads, tp_splits
+
+    assert kv_heads({"num_attention_heads": 40, "num_key_value_heads": 10}) == 10
+    assert kv_heads({"num_attention_heads": 40}) == kv_heads({"n_head": 40}) == 40
+    assert not tp_splits(40, 10, 8) and tp_splits(40, 10, 2) and tp_splits(64, 8, 16) and tp_splits(32, 8, 8)
+    assert not tp_splits(40, 40, 16) and tp_splits(None, None, 8)
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["algorithm.kl.coef=.inf"], "algorithm.kl.coef: got inf: input should be a finite number"),
     (["reward.functions.0.weight=.nan"], "reward.functions.0.weight: got nan: input should be a finite number"),
@@ -229,7 +240,8 @@ def test_a_reward_module_that_fails_as_it_is_imported_is_named(tiny, tmp_path, m
     (["placement.trainer.env={\"A=B\": x}"], "env: 'A=B' is not an environment variable name"),
     (["slurm.time_min=1"], "slurm.signal_lead_s (120 s) and stop_margin_s (15 s) do not fit in the time limit"),
     (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=4", "placement.generator.cpus_per_worker=4"],
-     "rollout.vllm.tensor_parallel_size (4) does not divide the 2 attention heads of model.actor"),
+     "rollout.vllm.tensor_parallel_size (4) does not split the 2 attention heads and 2 key/value heads of "
+     "model.actor"),
     (["data.chosen_key=rejected"], "chosen_key and rejected_key are the same field ('rejected')"),
     (["transport.bind_host=0.0.0.0"], "'0.0.0.0' listens on every interface of the node"),
     (["transport.bind_host=*"], "'*' listens on every interface of the node"),
@@ -309,6 +321,27 @@ def test_files_that_are_not_what_they_should_be_are_named(tiny, tmp_path):
         data = example("tiny-grpo.yaml", tiny)
         data["model"]["actor"] = str(model)
         assert f"{model}/config.json {says}" in error_of(write_config(tmp_path, data)), name
+
+
+def test_chat_prompts_need_a_tokenizer_with_a_chat_template(tiny, tmp_path):
+    """validate, plan and submit accepted chat prompts beside a tokenizer without a chat template; the
+    generators failed at their first step (after start-up, or a wait in the queue), and plan in a traceback."""
+    model = tmp_path / "nochat"
+    shutil.copytree(tiny / "model", model)
+    (model / "chat_template.jinja").unlink()
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"prompt": "1 2"}\n{"messages": [{"role": "user", "content": "count"}]}\n')
+    data = example("tiny-grpo.yaml", tiny, data={"prompts": str(chat)}, rollout={"prompts_per_step": 4})
+    data["model"]["actor"] = str(model)
+    assert f"{chat}:2: a prompt of chat messages, and the tokenizer {model} has no chat template to render it " \
+           "with" in (said := cli("validate", write_config(tmp_path, data)).stderr), said
+    data["data"]["prompts"] = str(tiny / "prompts.jsonl")
+    assert "data.chat_template: true, and the tokenizer" in cli(
+        "validate", write_config(tmp_path, data), "--set", "data.chat_template=true").stderr
+    assert cli("validate", write_config(tmp_path, data)).returncode == 0  # (text prompts: no template needed)
+    data["model"]["actor"] = str(tiny / "model")
+    data["data"]["prompts"] = str(chat)
+    assert cli("validate", write_config(tmp_path, data)).returncode == 0
 
 
 def test_no_reward(tiny, tmp_path):

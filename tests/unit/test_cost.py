@@ -206,9 +206,14 @@ def test_plan_writes_a_config_that_loads(tiny, tmp_path):
     assert setting_of(cfg).strategy == best[1]
     # (a --write that cannot be written is refused before the search, not in a traceback after it)
     for bad, says in [(tmp_path, f"--write {tmp_path} is a directory"),
-                      (tmp_path / "nodir" / "x.yaml", f"its folder {tmp_path / 'nodir'} does not exist")]:
+                      (tmp_path / "nodir" / "x.yaml", f"its folder {tmp_path / 'nodir'} does not exist"),
+                      (config, f"--write {config} exists; choose another name, or --force to replace it")]:
         result = cli("plan", config, "--cluster", CLUSTERS / "2x8-h100.yaml", "--write", bad, timeout=120)
         assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+    before = config.read_text()  # (the config planned: replaced only when asked, whole)
+    assert cli("plan", config, "--cluster", CLUSTERS / "2x8-h100.yaml", "--write", config, "--force",
+               timeout=120).returncode == 0
+    assert config.read_text() != before and load_config(config).placement.strategy == best[1]
 
 
 def test_trainer_memory_switches_by_hand():
@@ -415,6 +420,22 @@ def test_the_planner_gives_vllm_only_tp_sizes_that_divide_the_policys_attention_
     assert sizes == {"Qwen--Qwen2.5-7B-Instruct.json": {1, 2, 4}, "meta-llama--Llama-2-7b-hf.json": {1, 2, 4, 8}}
     assert ModelShape.from_config(REPO / "tests" / "fixtures" / "model_configs" / "facebook--opt-13b.json").heads == 40
     assert ModelShape.from_params(13e9).heads is None  # (a guessed shape: its heads are not known)
+    # and its key/value heads: 40 heads and 10 KV heads (Phi-3 medium's) split over 2 ranks, not 4 or 8
+    w = llama_ppo("meta-llama--Llama-2-13b-hf.json")
+    grouped = dataclasses.replace(w.actor, kv_heads=10)
+    found = search(cluster, dataclasses.replace(w, actor=grouped, reference=grouped), 3,
+                   strategies=("colocate_all_models",), keep=10**6)
+    assert {c.setting.tensor_parallel for c in found.fit + found.rejected} == {1, 2}
+
+
+def test_with_the_parameters_offloaded_the_planner_plans_zero_3_alone():
+    """trainer.offload_params needs ZeRO-3; the planner ranked ZeRO-1 and 2 plans too, and `--write` then
+    wrote a config that its own validation refused."""
+    w = llama_ppo("meta-llama--Llama-2-7b-hf.json")
+    offloaded = dataclasses.replace(w, switches=Switches(checkpointing=True, offload_optimizer=True,
+                                                         offload_params=True))
+    found = search(load_cluster(CLUSTERS / "2x8-h100.yaml"), offloaded, 3, strategies=("colocate_all_models",))
+    assert found.fit and {c.setting.zero_stage for c in found.fit + found.rejected} == {3}
 
 
 def test_a_large_search_picks_the_trainers_settings_first_and_finds_the_same_best_plan():
@@ -517,7 +538,7 @@ def test_a_plan_for_gpus_sizes_the_kv_cache_and_writes_it(tiny, tmp_path):
     # generation in the trainer's 8 workers: vLLM in each one's process (faster than transformers there),
     # with the KV cache its device has room for beside the trainer's state (asleep while it trains)
     result = cli("plan", config, "--cluster", CLUSTERS / "1x8-h200.yaml", "--strategy", "flattening", "--write", out,
-                 timeout=120)
+                 "--force", timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     written = load_config(out)
     assert written.rollout.backend == "vllm" and written.placement.group_with("actor").workers == 8

@@ -68,3 +68,24 @@ def test_an_unknown_architecture_says_what_to_pass(tmp_path):
                                           r"--params actor=7e9"):
         ModelShape.from_config(tmp_path)
     assert "llama" in FAMILIES and "opt" in FAMILIES
+
+
+def test_sizes_that_are_not_counts_are_named(tmp_path):
+    """null, 0, "4096" or 32.0 where a count goes: a TypeError or ZeroDivisionError out of `plan` and `init`."""
+    llama = json.loads((Path(__file__).parents[1] / "fixtures" / "model_configs" / "meta-llama--Llama-2-7b-hf.json")
+                       .read_text())
+    for key, value in (("num_attention_heads", None), ("num_attention_heads", 0), ("hidden_size", "4096"),
+                       ("num_hidden_layers", 32.0)):
+        (tmp_path / "config.json").write_text(json.dumps({**llama, key: value}))
+        with pytest.raises(ConfigError, match=f"config.json: a llama config whose sizes are not all whole numbers "
+                                              f"above 0 .*\"{key}\": {json.dumps(value)}"):
+            ModelShape.from_config(tmp_path)
+
+
+def test_a_cluster_file_not_in_utf8_is_named(tmp_path):
+    from toolkit.placement.cluster import load_cluster
+
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"name: ours\n# Cluster de l\xe9quipe\n")  # (Latin-1)
+    with pytest.raises(ConfigError, match=r"c.yaml: not UTF-8 text \(byte 25: b'\\xe9'\); a cluster file is a YAML"):
+        load_cluster(path)

@@ -49,6 +49,19 @@ def attention_heads(config: dict) -> int | None:
     return next((config[k] for k in ("num_attention_heads", "n_head") if isinstance(config.get(k), int)), None)
 
 
+def kv_heads(config: dict) -> int | None:
+    """The number of key/value heads (grouped-query attention), where the config says: its query heads where
+    it names no others."""
+    value = config.get("num_key_value_heads")
+    return value if isinstance(value, int) and value > 0 else attention_heads(config)
+
+
+def tp_splits(heads: int | None, kv: int | None, tp: int) -> bool:
+    """Whether vLLM can split attention over `tp` ranks: each rank takes as many query heads, and as many
+    key/value heads, or one key/value head copied on `tp // kv` ranks (an unknown count passes)."""
+    return (heads is None or heads % tp == 0) and (kv is None or kv % tp == 0 or tp % kv == 0)
+
+
 def vllm_cpu_problem(path: str | Path) -> str | None:
     """Why vLLM cannot serve the model at `path` on a CPU, if a reason is known before starting it."""
     size = head_dim(model_config(path))
@@ -97,6 +110,20 @@ def tokenizer_problem(path: str | Path, field: str, or_else: str = "") -> str | 
         return None
     return (f"{field}: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the model's "
             f"tokenizer there (tokenizer.save_pretrained){or_else}")
+
+
+def has_chat_template(path: str | Path) -> bool | None:
+    """Whether the tokenizer at `path` has a chat template (its own file, or tokenizer_config.json's entry);
+    None where the directory is not there yet (a model an earlier stage of a pipeline writes)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        return None
+    if any((directory / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    try:
+        return bool(json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def main_tokenizer_problem(path: str | Path, model_field: str, own_tokenizer: bool) -> str | None:

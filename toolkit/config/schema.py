@@ -17,8 +17,9 @@ from toolkit.config.base import (MODELS, Allocator, Attention, CheckpointSection
                                  pending_export, split_function)
 from toolkit.config.data import DataSection
 from toolkit.config.lora_targets import lora_target_problem
-from toolkit.config.model_files import (attention_heads, context_problem, head_problem, kv_cache_problem,
-                                        main_tokenizer_problem, model_config, tokenizer_problem, vllm_cpu_problem)
+from toolkit.config.model_files import (attention_heads, context_problem, head_problem, kv_cache_problem, kv_heads,
+                                        main_tokenizer_problem, model_config, tokenizer_problem, tp_splits,
+                                        vllm_cpu_problem)
 from toolkit.placement.layout import PRESETS, generation_with_actor, scored_in_training_step
 
 SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
@@ -548,10 +549,13 @@ class RunConfig(Section):
             raise ValueError(f"rollout.vllm.tensor_parallel_size ({tp}) is more than the CPUs of each generator "
                              f"worker ({generators.cpus_per_worker}); on CPUs each rank needs one of its own: give "
                              f"placement.{group}.cpus_per_worker at least {tp}")
-        heads = attention_heads(model_config(model_files(self.model.actor, info)))
-        if tp > 1 and self.generation_backend == "vllm" and heads and heads % tp:
-            raise ValueError(f"rollout.vllm.tensor_parallel_size ({tp}) does not divide the {heads} attention heads of "
-                             f"model.actor; vLLM splits the heads over its ranks: use a size that divides {heads}")
+        config = model_config(model_files(self.model.actor, info))
+        heads, kv = attention_heads(config), kv_heads(config)
+        if tp > 1 and self.generation_backend == "vllm" and not tp_splits(heads, kv, tp):
+            raise ValueError(f"rollout.vllm.tensor_parallel_size ({tp}) does not split the {heads} attention heads "
+                             f"and {kv} key/value heads of model.actor; vLLM gives each rank as many of both (or "
+                             "copies a key/value head on several): use a size that divides the heads and divides "
+                             "or is a multiple of the key/value heads")
         sections = {name: g for name, _, g in layout}
         for name, g in sections.items():
             if g.same_nodes_as is None:

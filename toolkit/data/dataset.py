@@ -62,6 +62,7 @@ def check_data(cfg) -> StageData:
     """Read a stage config's data as its workers will (a bad row is a ConfigError before any process starts), and
     check that the reward functions can be called with the RL rows' fields."""
     data = StageData(cfg.data, cfg.stage, KIND[cfg.stage], cfg.run.seed)
+    _check_chat_template(cfg, data)
     if cfg.stage == "rl":
         from toolkit.rewards.calls import check_calls
 
@@ -72,6 +73,20 @@ def check_data(cfg) -> StageData:
     if ptx is not None and ptx.coef:
         StageData(ptx.data, "ptx", "text", cfg.run.seed)
     return data
+
+
+def _check_chat_template(cfg, data: StageData) -> None:
+    """Prompts of chat messages (or text with data.chat_template) need a tokenizer with a chat template: the
+    workers found out at their first step, after start-up or a wait in the queue."""
+    from toolkit.config.model_files import has_chat_template
+
+    chat = next((e for part in [*data.train, data.eval] for e in part if isinstance(e.prompt, list)), None)
+    if (chat is None and not cfg.data.chat_template) or has_chat_template(cfg.tokenizer_path) is not False:
+        return
+    what = f"{chat.location}: a prompt of chat messages" if chat else "data.chat_template: true"
+    raise ConfigError(f"{what}, and the tokenizer {cfg.tokenizer_path} has no chat template to render it with; "
+                      "give text prompts (and data.chat_template: false), or a tokenizer that has one "
+                      "(model.tokenizer)")
 
 
 def _check_held_out(cfg, held_out: int) -> None:

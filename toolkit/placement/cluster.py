@@ -94,9 +94,12 @@ class Cluster(_Section):
 def load_cluster(path: str | Path) -> Cluster:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the cluster file ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); a cluster "
+                          "file is a YAML file") from None
     data = parse_yaml(text, path)
     try:
         return Cluster.model_validate(data)

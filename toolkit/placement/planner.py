@@ -18,9 +18,11 @@ import functools
 import heapq
 import itertools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.config.model_files import tp_splits
 from toolkit.placement.cost import DTYPE_BYTES, GB, Estimate, ModelShape, Switches, Workload, estimate, group_memory
 from toolkit.placement.layout import PRESETS, Group, Layout, generates_with_actor, generation_with_actor
 from toolkit.placement.plan import several_roles
@@ -110,9 +112,10 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     closest: list = []  # (-peak, n, Candidate): the `keep` closest to fitting
     of_strategy: dict[str, tuple[float, Candidate]] = {}
     found = Found([], [], strategies=tuple(strategies))
-    # (vLLM gives each rank as many attention heads: a size that does not divide the policy's cannot start)
+    # (vLLM gives each rank as many attention heads and key/value heads: a size that does not split the
+    # policy's cannot start; a shape guessed from a parameter count knows neither)
     tps = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node and cluster.gpus_per_node % t == 0
-           and (w.actor.heads is None or w.actor.heads % t == 0)] or [1]
+           and tp_splits(w.actor.heads, w.actor.kv_heads if w.actor.heads else None, t)] or [1]
     usable = cluster.device.memory_gb * GB
     settings: dict = {}  # (trainer ranks, trainer groups): their (ZeRO stage, micro-batch) settings
 
@@ -354,11 +357,12 @@ def _bounds(plans: list[Layout], pick, w: Workload, cluster, memory) -> list[flo
 def _trainer_options(w: Workload, groups, zero_stage: int, memo: dict) -> tuple[tuple[Group, ...], list]:
     """The trainer groups of `groups` (as `Layout.trainers`: the actor's, then a critic's of its own),
     and the (ZeRO stage, micro-batch) settings they may take: any stage with several ranks, the run's with
-    one. `memo` keeps the settings of each rank count."""
+    one, and only ZeRO-3 under trainer.offload_params (which needs it). `memo` keeps the settings of each
+    rank count."""
     trainers = tuple(g for g in groups if "actor" in g.models or "critic" in g.models)
     key = trainers[0].workers
     if key not in memo:
-        zeros = (1, 2, 3) if key > 1 else (zero_stage,)
+        zeros = (3,) if w.switches.offload_params else (1, 2, 3) if key > 1 else (zero_stage,)
         memo[key] = list(itertools.product(zeros, _micro_batches(w, key)))
     return trainers, memo[key]
 
@@ -514,8 +518,13 @@ def write_config(cfg, c: Candidate, path: Path) -> None:
     data = as_config(cfg, c)
     s = c.setting
     validate(data, base_dir=path.resolve().parent, source=path)  # refuse to write what would not load
-    path.write_text(f"# written by slurm-rlhf plan: {s.strategy}, {s.describe()}\n"
-                    + yaml.safe_dump(data, sort_keys=False))
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"  # (whole or not at all)
+    try:
+        tmp.write_text(f"# written by slurm-rlhf plan: {s.strategy}, {s.describe()}\n"
+                       + yaml.safe_dump(data, sort_keys=False))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def setting_of(cfg) -> Layout:

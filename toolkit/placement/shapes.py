@@ -11,6 +11,7 @@ public models.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError
@@ -143,3 +144,7 @@ def count(config: dict, source: str = "config.json") -> Count:
         return counter(config, family) if counter is _decoder else counter(config)
     except KeyError as e:
         raise ConfigError(f"{source}: a {family} config needs {e.args[0]!r}, and this one has none") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # (null, 0, "4096", 32.0 where a count goes)
+        sizes = {k: v for k, v in config.items() if k.startswith(("num_", "n_")) or k.endswith(("_size", "_dim"))}
+        raise ConfigError(f"{source}: a {family} config whose sizes are not all whole numbers above 0 ({e}): "
+                          f"{json.dumps(sizes)[:300]}") from None
