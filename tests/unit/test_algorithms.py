@@ -29,6 +29,15 @@ def test_grpo_advantages():
     assert close(grpo_advantages(rewards, groups, normalize_std=False), [2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3])
     # groups may be interleaved; equal rewards and single-sample groups give 0
     assert close(grpo_advantages(T([3.0, 5.0, 3.0, 1.0]), T([1, 2, 1, 3])), [0, 0, 0, 0])
+    # equal rewards that float32 cannot hold exactly give exactly 0 too: the float32 mean missed them by a
+    # rounding step, the std was made of that rounding, and every sample of the group got the same +-0.01-0.86
+    for value, size in ((0.1, 7), (0.7, 16), (2.7, 16), (13.7, 16), (100.3, 3)):
+        rewards = torch.cat([torch.full((size,), value), T([0.0, 1.0])])
+        advantages = grpo_advantages(rewards, torch.cat([torch.zeros(size), T([1, 1])]))
+        assert advantages[:size].abs().max().item() == 0.0 and close(advantages[size:], [-0.7071, 0.7071], 1e-4)
+        assert advantages.dtype == torch.float32
+    # and a group that differs by little still gets its signal, whatever the size of the rewards
+    assert close(grpo_advantages(T([100.3, 100.3, 100.31]), T([0, 0, 0])), [-0.5774, -0.5774, 1.1547], 1e-3)
 
 
 def test_last_token_index():
@@ -123,6 +132,9 @@ def test_kl_estimators():
     assert close(kl_estimate(lp, ref, "k2"), [0.5])
     assert close(kl_estimate(lp, ref, "k3"), [math.exp(-1)])
     assert close(kl_estimate(ref, ref, "k3"), [0.0])
+    # k3 overflows where the log-prob is far below the reference's (a prompt or padding position, whose ref
+    # is 0): the GRPO loss takes the policy's log-prob only on response tokens, so the mask keeps it finite
+    assert kl_estimate(T([-95.0]), T([0.0]), "k3").isinf().all()
     with pytest.raises(ValueError, match="k1, k2 or k3"):
         kl_estimate(lp, ref, "k4")
 
@@ -148,6 +160,13 @@ def test_kl_controllers():
     restored = AdaptiveKLController(1.0, 6.0, 10000)
     restored.load_state_dict(c.state_dict())
     assert restored.coef == c.coef
+    # a step of more samples than the horizon moves it by at most 20% (the factor went below 0 past 5 x horizon,
+    # and the coefficient then rewarded moving away from the reference); a KL that is not a number leaves it
+    c = AdaptiveKLController(0.05, target=6.0, horizon=100)
+    c.update(0.5, 1024)
+    assert close(c.coef, 0.04)
+    c.update(float("nan"), 1024)
+    assert close(c.coef, 0.04)
 
 
 def test_rloo_leave_one_out_by_hand():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class FixedKLController:
     """The coefficient never changes."""
@@ -20,15 +22,20 @@ class FixedKLController:
 
 
 class AdaptiveKLController(FixedKLController):
-    """coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_samples / horizon, after each step."""
+    """coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * min(n_samples / horizon, 1), after each step: at most
+    ±20% a step. (Ziegler's and TRL's factor, without the min, goes below 0 with a step of more than 5 x
+    horizon samples, and the coefficient then rewards moving away from the reference.) A KL that is not a
+    number (a step that diverged) leaves the coefficient as it was, where it made it NaN for good."""
 
     def __init__(self, coef: float, target: float, horizon: int):
         super().__init__(coef)
         self.target, self.horizon = target, horizon
 
     def update(self, current_kl: float, n_samples: int) -> None:
+        if not math.isfinite(current_kl):
+            return
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.coef *= 1.0 + error * n_samples / self.horizon
+        self.coef *= 1.0 + error * min(n_samples / self.horizon, 1.0)
 
 
 def make_kl_controller(coef: float, adaptive: bool, target: float, horizon: int) -> FixedKLController:

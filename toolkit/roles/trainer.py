@@ -192,9 +192,9 @@ class TrainerRole(Role):
             record = experience.read(Path(path))
             batch = experience.batch_of(record)
             if abs(record["attrs"]["kl_coef"] - self.kl.coef) > 1e-12 or record["attrs"]["policy_version"] != self.version:
-                log.warning("%s was trained from policy_version %s with kl_coef %s; replaying it at %s with %s",
-                            path, record["attrs"]["policy_version"], record["attrs"]["kl_coef"], self.version,
-                            self.kl.coef)
+                log.warning("%s was trained from policy_version %s with kl_coef %s; replaying it at %s with its "
+                            "advantages and kl_coef as recorded (the KL controller is at %s)", path,
+                            record["attrs"]["policy_version"], record["attrs"]["kl_coef"], self.version, self.kl.coef)
             metrics = self._learn(batch, record=record)
             if self.ema is not None:  # (the sync after each update folds it in; a replay has no sync)
                 self._full_weights()

@@ -49,6 +49,7 @@ class Experience:
     advantages: torch.Tensor
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    kl_coef: float | None = None  # GRPO: the KL coefficient of its loss, the step's (adaptive: as it was then)
 
     @property
     def mask(self) -> torch.Tensor:
@@ -89,7 +90,7 @@ def make_experience(batch, shard_index: np.ndarray, actor, values_of: Callable[[
     mine = torch.from_numpy(shard_index)
     if cfg.run.algorithm == "grpo":
         per_sample = grpo_advantages(total, groups, algo.normalize_advantages)[mine]
-        return Experience(padded, old, ref, behaviour, per_sample[:, None] * mask)
+        return Experience(padded, old, ref, behaviour, per_sample[:, None] * mask, kl_coef=kl_coef)
     if cfg.run.algorithm == "rloo":  # the KL of every sequence is needed for every group: summed over ranks
         kl = torch.zeros(len(batch))
         kl[mine] = ((old - ref) * mask).sum(1)
@@ -122,7 +123,7 @@ def experience_from_record(record: dict, shard_index: np.ndarray, pad_id: int) -
         return scatter_responses(stored[name][lo:hi], local, padded) if name in stored else None
 
     return Experience(padded, place("old_logprobs"), place("ref_logprobs"), place("behaviour_logprobs"),
-                      place("advantages"), place("values"), place("returns"))
+                      place("advantages"), place("values"), place("returns"), kl_coef=record["attrs"]["kl_coef"])
 
 
 # The statistics `train_on` can return: the actor's, the critic's (a rank training one of them returns
@@ -302,9 +303,12 @@ def _actor_micro_batch(exp: Experience, actor, cfg, part: MicroBatch, ptx, count
         exp.old_logprobs[part.index, : part.width] = part.put((old * mask).cpu())
     loss, stats = policy_loss(logprobs, old, advantages, mask, algo.clip_eps, weights)
     add("pg_loss", loss.item())
-    if cfg.run.algorithm == "grpo" and algo.kl.coef > 0:
-        kl_term = masked_mean(kl_estimate(logprobs, ref, "k3"), mask)
-        loss = loss + algo.kl.coef * kl_term
+    kl_coef = algo.kl.coef if exp.kl_coef is None else exp.kl_coef  # (algorithm.kl.adaptive moves it)
+    if cfg.run.algorithm == "grpo" and kl_coef > 0:
+        # (k3 = exp(ref - logprob) - 1 + ...: at a prompt or padding position, where ref is 0, a log-prob
+        # below -88 overflowed to inf, and inf x 0 of the mask made the loss and every gradient NaN)
+        kl_term = masked_mean(kl_estimate(torch.where(mask.bool(), logprobs, ref), ref, "k3"), mask)
+        loss = loss + kl_coef * kl_term
         add("kl_loss", kl_term.item())
     if ptx is not None:
         text_ids, text_attention, text_mask = (t.to(device) for t in ptx(count))
