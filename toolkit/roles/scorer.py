@@ -38,6 +38,9 @@ class RewardFunctionError(RuntimeError):
     pass
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 class _Scoring(Role):
     """What both scoring roles share: timing, status, offloading their models between uses, and scoring
     on the trainer's ranks instead (`deferred`)."""
@@ -187,7 +190,7 @@ class RewardRole(_Scoring):
             stats = json.loads((Path(rm.path) / "reward_stats.json").read_text()) if rm.normalize else None
             # The same vocabulary: score the generated tokens themselves, not a new tokenization of the text.
             self.reward_models.append(RewardModel(self._load(load), tokenizer, tokenizer.get_vocab() == actor_vocab,
-                                                  stats))
+                                                  stats, str(rm.path)))
         if self.reward_models:
             self.status["reward_model_parameters"] = sum(held_parameters(rm.model) for rm in self.reward_models)
         self.names = [f.name for f in cfg.reward.functions] + [m.name for m in cfg.reward.models]
@@ -252,10 +255,10 @@ class RewardRole(_Scoring):
                     f"reward function {name!r} ({path}) failed on prompt id {int(batch.prompt_ids[i])}, "
                     f"sample {int(batch.sample_index[i])}: {type(e).__name__}: {e}") from e
             value = _number(given)
-            if value is None or not math.isfinite(value):
+            if value is None or not math.isfinite(value) or abs(value) > FLOAT32_MAX:  # (rewards are float32)
                 raise RewardFunctionError(f"reward function {name!r} ({path}) returned {given!r} for prompt id "
                                           f"{int(batch.prompt_ids[i])}; rewards must be finite numbers (a float, "
-                                          "an int or a bool)")
+                                          f"an int or a bool) within float32's range (±{FLOAT32_MAX:.3g})")
             out[i] = value
         return out
 
@@ -279,6 +282,13 @@ class RewardRole(_Scoring):
                                    self.cfg.model.packing).numpy()
         if rm.stats is not None:
             scores = (scores - rm.stats["mean"]) / max(rm.stats["std"], 1e-6)
+        bad = np.flatnonzero(~np.isfinite(scores))
+        if len(bad):  # (an fp16 model that overflowed, say: NaN advantages for its group, or the batch's)
+            i = int(bad[0])
+            raise RewardFunctionError(
+                f"reward model {rm.path} scored {scores[i]} for prompt id {int(batch.prompt_ids[i])}, sample "
+                f"{int(batch.sample_index[i])} ({len(bad)} of {len(scores)} samples not finite); in "
+                f"{self.cfg.model.dtype}, a model whose scores overflow needs float32 (model.dtype)")
         return scores
 
 
@@ -299,3 +309,4 @@ class RewardModel:
     tokenizer: object
     same_vocab: bool          # the actor's vocabulary: the samples' token ids are scored as they are
     stats: dict | None        # {mean, std} of its rewards on the RL prompts, when it normalises
+    path: str = ""            # its directory, for errors
