@@ -179,6 +179,28 @@ def test_corrupted_last_experience_is_generated_again(baseline, killed, tmp_path
     assert held and all((run_dir / d).is_dir() for d in held), listing
 
 
+def test_a_run_killed_between_its_last_checkpoint_and_its_export_exports_on_resume(baseline, tmp_path):
+    """Killed after the last step's checkpoint and before the copy to RUN_DIR/export: the resume had nothing
+    to train (that step is in the checkpoint) and ended as finished without the export the next stage reads
+    (or with the one of an earlier end, had run.steps been raised)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(baseline, run_dir)
+    for name in ("export", "export-ema"):
+        shutil.rmtree(run_dir / name)
+    manifest = run_dir / "manifest.jsonl"
+    manifest.write_text("".join(line + "\n" for line in manifest.read_text().splitlines()
+                                if json.loads(line)["kind"] != "export"))
+    status = json.loads((run_dir / "status.json").read_text())
+    (run_dir / "status.json").write_text(json.dumps({**status, "state": "running"}))  # (as a killed driver left it)
+    result = cli("resume", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    final = run_dir / "checkpoints" / f"step-{STEPS:06d}"
+    for name, copy in (("export", "hf"), ("export-ema", "hf-ema")):
+        assert (run_dir / name / "model.safetensors").read_bytes() == (final / copy / "model.safetensors").read_bytes()
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    assert [r["step"] for r in map(json.loads, manifest.read_text().splitlines()) if r["kind"] == "export"] == [STEPS]
+
+
 def test_damaged_checkpoint_falls_back_to_an_older_state(baseline, killed, tmp_path):
     def truncate(run_dir: Path) -> None:
         shard = next((run_dir / "checkpoints" / "step-000002" / "actor").rglob("*optim_states.pt"))

@@ -253,7 +253,8 @@ class KLSection(Section):
     target: float = Field(default=6.0, gt=0)
     """Adaptive only: target KL per sequence (sum over response tokens)."""
     horizon: PositiveInt = 10000
-    """Adaptive only: number of samples over which the coefficient moves by at most ±20%."""
+    """Adaptive only: number of samples over which the coefficient moves by at most ±20% (a step of more
+    samples moves it by ±20% at most too)."""
 
 
 class AlgorithmSection(Section):

@@ -43,6 +43,7 @@ from toolkit.roles.update import STATS, Experience, experience_from_record, make
 from toolkit.samples import SampleBatch
 from toolkit.store import checkpoint, experience
 from toolkit.store.manifest import Manifest
+from toolkit.training.export import exported
 from toolkit.training.ranks import Ranks
 from toolkit.weights.hf_format import checkpoint_converter, identity
 from toolkit.weights.probe import model_logprobs, probe_tokens
@@ -207,7 +208,7 @@ class TrainerRole(Role):
         if any(self._checkpoint_due(m["step"]) for m in replayed):
             replayed[-1]["checkpoint_s"], replayed[-1]["checkpoint_mb"] = self._checkpoint()
             log.info("saved a checkpoint after the replay (policy_version %d)", self.version)
-        if replayed and self.version == self.cfg.run.steps:
+        if self.version == self.cfg.run.steps and (replayed or not exported(self.run_dir, self.version)):
             self._export()
         return replayed
 

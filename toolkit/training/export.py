@@ -45,6 +45,17 @@ def save_hf(module, directory: Path, tokenizer_path: str, rank: int, zero3: bool
         write()
 
 
+def exported(run_dir: Path, step: int) -> bool:
+    """Whether RUN_DIR/export holds the model of `step`: the manifest's last export record (written after
+    the copies) is of that step. A run killed between its last checkpoint and the export had none, or the
+    one of an earlier end (before run.steps was raised), and its resume, with nothing to train, ended as
+    finished without one."""
+    from toolkit.store.manifest import Manifest
+
+    last = Manifest(run_dir).last("export")
+    return last is not None and last["step"] == step and (Path(run_dir) / "export").is_dir()
+
+
 def publish(run_dir: Path, source: Path, name: str = "export") -> Path:
     """Copy a checkpoint's Hugging Face directory `source` to RUN_DIR/<name> (atomically; rank 0)."""
     final = Path(run_dir) / name

@@ -26,6 +26,7 @@ from toolkit.packing import inside
 from toolkit.roles.base import Role
 from toolkit.store import checkpoint
 from toolkit.store.manifest import Manifest
+from toolkit.training.export import exported
 from toolkit.training.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class SupervisedRole(Role):
         # Resumed after the last step's checkpoint but before the export: the loop only finishes. Decided
         # here, before any rank can have exported: a look at the file system after the loop would race
         # with rank 0's export (a rank that saw none would wait for a checkpoint no other rank makes).
-        self.finish_pending = self.step == self.steps and not (self.run_dir / "export").exists()
+        self.finish_pending = self.step == self.steps and not exported(self.run_dir, self.step)
         log.info("%s: %d training rows, %d eval rows, %d steps of %d rows on %d rank(s), starting at step %d",
                  cfg.stage, self.data.train_rows, len(self.data.eval), self.steps, t.batch_size, self.ranks.world,
                  self.step)
