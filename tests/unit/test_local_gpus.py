@@ -41,3 +41,6 @@ def test_workers_get_the_gpus_the_driver_was_given(monkeypatch, tmp_path):
     with pytest.raises(RunError, match="the run's workers take 4 GPUs, and CUDA_VISIBLE_DEVICES=1,2 gives this "
                                        "driver 2; give it more"):
         given(monkeypatch, tmp_path, "1,2")
+    with pytest.raises(RunError, match="the run's workers take 4 GPUs, and CUDA_VISIBLE_DEVICES= gives this "
+                                       "driver 0"):
+        given(monkeypatch, tmp_path, "")  # (set, and empty: no GPU)

@@ -28,10 +28,10 @@ from toolkit.tmpdir import remove_left
 def visible_gpus(environ, wanted: int) -> list[str]:
     """The `wanted` GPUs to hand out to the workers, in order: among those CUDA_VISIBLE_DEVICES gives the
     driver where it is set (`2,3`: GPUs 2 and 3, not 0 and 1, which may be someone else's), else 0, 1, ..."""
-    visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if not visible:
+    if "CUDA_VISIBLE_DEVICES" not in environ:
         return [str(i) for i in range(wanted)]
-    devices = [d.strip() for d in visible.split(",")]
+    visible = environ["CUDA_VISIBLE_DEVICES"].strip()
+    devices = [d.strip() for d in visible.split(",")] if visible else []  # ("": no GPU at all)
     if wanted > len(devices):
         raise RunError(f"the run's workers take {wanted} GPUs, and CUDA_VISIBLE_DEVICES={visible} gives this driver "
                        f"{len(devices)}; give it more, or fewer workers or gpus_per_worker")
