@@ -351,12 +351,14 @@ def _train_rows(status: dict, cfg, data_changed: bool) -> int:
 
 
 def _accept_data(run_dir, cfg) -> None:
-    """Record the data files as they are now as the run's (resume --data-changed)."""
-    from toolkit.data.fingerprint import fingerprint
+    """Record the data files and the settings that decide the draws as they are now as the run's (resume
+    --data-changed)."""
+    from toolkit.data.fingerprint import draw_settings, fingerprint
     from toolkit.store.manifest import Manifest
 
-    Manifest(run_dir.path).append({"kind": "data", "files": fingerprint(cfg), "accepted": True})
-    print(f"{run_dir.path}: going on with the data files as they are now", flush=True)
+    Manifest(run_dir.path).append({"kind": "data", "files": fingerprint(cfg), "draws": draw_settings(cfg),
+                                   "accepted": True})
+    print(f"{run_dir.path}: going on with the data files and draw settings as they are now", flush=True)
 
 
 def _resume_pipeline(pd, args) -> int:

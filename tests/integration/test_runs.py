@@ -355,7 +355,9 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
     if backend == "hf":  # (raised run.steps: it trains on from the last checkpoint)
         config_text = (run_dir / "config.yaml").read_text()
         assert "\n  steps: 3\n" in config_text
-        (run_dir / "config.yaml").write_text(config_text.replace("\n  steps: 3\n", "\n  steps: 4\n"))
+        assert "\n  shuffle: true\n" in config_text  # (and the rows drawn in order: refused too, as a draw changes)
+        (run_dir / "config.yaml").write_text(config_text.replace("\n  steps: 3\n", "\n  steps: 4\n")
+                                             .replace("\n  shuffle: true\n", "\n  shuffle: false\n"))
         before = prompts.stat().st_size  # a row added since the run started: refused, nothing started
         prompts.write_text(prompts.read_text() + '{"prompt": "one more"}\n')
         code_before = rewards.stat().st_size  # and the reward function edited: said, not refused
@@ -364,10 +366,11 @@ def test_a_run_stops_when_told_at_every_moment_and_resumes(tiny, tmp_path, backe
         assert changed.returncode == 1 and "started" not in changed.stdout, changed.stdout + changed.stderr
         assert (f"the run's data changed since it started: {prompts} (data.sources.0.path): other contents "
                 f"({before} bytes then, {prompts.stat().st_size} now)") in changed.stderr, changed.stderr
+        assert "data.shuffle: True then, False now" in changed.stderr, changed.stderr
         assert f"slurm-rlhf resume {run_dir} --data-changed" in changed.stderr
         assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
         longer = cli("resume", run_dir, "--data-changed")
-        assert "going on with the data files as they are now" in longer.stdout
+        assert "going on with the data files and draw settings as they are now" in longer.stdout
         assert longer.returncode == 0 and "resuming after step 3: checkpoint checkpoints/step-000003" in longer.stdout
         assert (f"resume: the reward code changed since the last start: reward.functions.0 ({rewards}:digits): "
                 f"{rewards} has other contents ({code_before} bytes then, {rewards.stat().st_size} now); steps 4 "

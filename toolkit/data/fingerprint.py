@@ -46,6 +46,27 @@ def fingerprint(cfg, known: dict | None = None) -> dict:
     return out
 
 
+def draw_settings(cfg) -> dict:
+    """The settings that decide which rows each step draws (the cursor of step s is s x the rows a step takes,
+    in an order the seed, the shuffle, the split, the held-out share and the sources' weights give): a change
+    of any between attempts makes the next steps draw rows twice or never, as a change of the files does."""
+    import json
+
+    d = cfg.data
+    per_step = (("rollout.prompts_per_step", cfg.rollout.prompts_per_step) if cfg.stage == "rl"
+                else ("train.batch_size", cfg.train.batch_size))
+    settings = {"run.seed": cfg.run.seed, "data.shuffle": d.shuffle, "data.eval_fraction": d.eval_fraction,
+                "data.split": d.split.model_dump() if d.split else None,
+                "data.sources.*.weight": [s.weight for s in d.sources], per_step[0]: per_step[1]}
+    return json.loads(json.dumps(settings))  # (as the manifest gives them back)
+
+
+def draw_changes(then: dict, now: dict) -> list[str]:
+    """The draw settings that differ, one line each."""
+    return [f"{key}: {then.get(key)!r} then, {now.get(key)!r} now" for key in sorted(set(then) | set(now))
+            if then.get(key) != now.get(key)]
+
+
 def changes(then: dict, now: dict) -> list[str]:
     """What differs between two fingerprints, one line per data file (nothing: the same data)."""
     lines = []

@@ -221,21 +221,24 @@ class Supervisor:
                 "replay": [str(p) for p in plan.replay], "next_step": plan.next_step}
 
     def _check_data(self) -> None:
-        """Record the data files at the run's first start; later, fail if any changed since (fingerprint.py)."""
-        from toolkit.data.fingerprint import changes, fingerprint
+        """Record the data files and the settings that decide the draws at the run's first start; later, fail
+        if any changed since (fingerprint.py)."""
+        from toolkit.data.fingerprint import changes, draw_changes, draw_settings, fingerprint
         from toolkit.launch.pipeline import resume_target
 
         manifest = Manifest(self.run_dir.path)
-        then = (manifest.last("data") or {}).get("files")
-        now = fingerprint(self.cfg, then)
-        changed = changes(then, now) if then is not None else []
+        record = manifest.last("data") or {}
+        then, draws_then = record.get("files"), record.get("draws")
+        now, draws = fingerprint(self.cfg, then), draw_settings(self.cfg)
+        changed = (changes(then, now) if then is not None else []) + (
+            draw_changes(draws_then, draws) if draws_then is not None else [])
         if changed:
             raise RunError("the run's data changed since it started: " + "; ".join(changed) + ". Its next "
                            "steps would draw other rows than the order it began with (some twice, some never). "
-                           "Put the data back as it was, or go on with it as it is now: slurm-rlhf resume "
-                           f"{resume_target(self.run_dir.path)} --data-changed")
-        if now != then:  # (the first start, or a file touched but the same)
-            manifest.append({"kind": "data", "files": now})
+                           "Put the data (and those settings in config.yaml) back as they were, or go on with them "
+                           f"as they are now: slurm-rlhf resume {resume_target(self.run_dir.path)} --data-changed")
+        if now != then or draws != draws_then:  # (the first start, a file touched but the same, or a run from
+            manifest.append({"kind": "data", "files": now, "draws": draws})  # before the settings were recorded)
 
     def _check_reward_code(self, next_step: int) -> None:
         """Record the reward functions' files at the run's first start; later, say which changed since the
