@@ -18,7 +18,10 @@ would change what is sampled and its log-probs away from the trainer's. `as_give
 own while we generate.
 
 `sample` puts them together: one `generate` over a batch of prompts, each row from its own seed, cut at
-its end-of-sequence token. The RL generator's transformers engine and `generate`/`chat` both sample so.
+the first token it stops at. The RL generator's transformers engine and `generate`/`chat` both sample so,
+and stop where vLLM stops (`stop_ids`): at the tokenizer's end-of-sequence token and at every
+`eos_token_id` of the model's own generation_config (Llama-3-Instruct's `<|eot_id|>`, Gemma-it's
+`<end_of_turn>`); before, they ran on past the end of a turn to max_new_tokens there.
 """
 
 from __future__ import annotations
@@ -37,12 +40,21 @@ class Drawn:
     raw: list[float]    # each token's log-prob under the model (temperature 1, no top-p)
 
 
+def stop_ids(tokenizer, model) -> list[int]:
+    """The tokens a response ends at, as vLLM ends it: the tokenizer's end-of-sequence token, and every
+    `eos_token_id` of the model's own generation_config."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += [extra] if isinstance(extra, int) else list(extra or [])
+    return list(dict.fromkeys(ids))
+
+
 @torch.no_grad()
 def sample(model, device, prompts: list[list[int]], seeds: list[int], temperature: float, top_p: float,
-           max_new_tokens: int, pad_id: int, eos_id: int | None) -> list[Drawn]:
+           max_new_tokens: int, pad_id: int, stop: list[int]) -> list[Drawn]:
     """One response to each of `prompts` (token ids), row i drawn from `seeds[i]`, in one `generate` (the
-    prompts padded on the left with `pad_id`). A row stops at `eos_id` (None: never, every row runs to
-    `max_new_tokens`); only the settings given here apply (`as_given`)."""
+    prompts padded on the left with `pad_id`). A row stops at the first of the tokens `stop` ([]: never,
+    every row runs to `max_new_tokens`); only the settings given here apply (`as_given`)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     width = max(len(p) for p in prompts)
@@ -52,7 +64,7 @@ def sample(model, device, prompts: list[list[int]], seeds: list[int], temperatur
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
     # Greedy decoding picks each row's token, the only one `SeededDraw` leaves.
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                              eos_token_id=eos_id, return_dict_in_generate=True)
+                              eos_token_id=list(stop) or None, return_dict_in_generate=True)
     draw = SeededDraw(seeds, temperature, top_p, max_new_tokens)
     with as_given(model):
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
@@ -60,8 +72,9 @@ def sample(model, device, prompts: list[list[int]], seeds: list[int], temperatur
     drawn, raw = draw.drawn_logprobs().cpu(), draw.raw_logprobs().cpu()
     rows = []
     for i, row in enumerate(out.sequences[:, width:].tolist()):
-        finished = eos_id is not None and eos_id in row  # (generate pads a finished row after its EOS)
-        end = row.index(eos_id) + 1 if finished else len(row)
+        ends = [k for k, token in enumerate(row) if token in stop]  # (generate pads a finished row after it)
+        finished = bool(ends)
+        end = ends[0] + 1 if finished else len(row)
         rows.append(Drawn(row[:end], finished, drawn[i, :end].tolist(), raw[i, :end].tolist()))
     return rows
 

@@ -24,9 +24,13 @@ from toolkit.weights.sync import sync_group_name
 log = logging.getLogger(__name__)
 
 
-def sample_seed(run_seed: int, step: int, prompt_id: int, sample_index: int) -> int:
-    digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt_id}:{sample_index}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+def sample_seed(run_seed: int, step: int, prompt_id: int, group_index: int, sample_index: int) -> int:
+    """The seed of a sample: its own, whichever worker draws it and whatever else is in its batch. The group's
+    place in the step is part of it: a prompt drawn twice in a step (a small source of a blend repeats, a
+    file of fewer rows than prompts_per_step) got the same seeds twice, and its two groups were one sample
+    set trained on twice."""
+    key = f"{run_seed}:{step}:{prompt_id}:{group_index}:{sample_index}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
 
 
 class GeneratorRole(Role):
@@ -106,8 +110,8 @@ class GeneratorRole(Role):
         samples = {"prompts": per_prompt(prompts), "prompt_ids": per_prompt(meta["prompt_ids"]),
                    "group_index": per_prompt(meta["group_index"]), "sample_index": list(range(group_size)) * len(prompts),
                    "texts": per_prompt(texts), "fields": per_prompt(meta["fields"])}
-        samples["seeds"] = [sample_seed(self.cfg.run.seed, step, pid, k)
-                            for pid, k in zip(samples["prompt_ids"], samples["sample_index"])]
+        samples["seeds"] = [sample_seed(self.cfg.run.seed, step, pid, g, k)
+                            for pid, g, k in zip(samples["prompt_ids"], samples["group_index"], samples["sample_index"])]
         n = len(samples["prompts"])  # (sample i: of prompt i // group_size, its sample i % group_size)
         if self.streams and not evaluation:
             return self._stream(step, samples)

@@ -153,12 +153,12 @@ class Sampler:
         """One sample of each (prompt, seed) of `rows`, all in one transformers `generate`, each row drawn from
         its own seed (`toolkit/hf_sampling.py`): a row's sample does not depend on the rows beside it, and the
         model's own generation_config (top_k, repetition_penalty, ...) does not apply, as in vLLM."""
-        from toolkit.hf_sampling import sample
+        from toolkit.hf_sampling import sample, stop_ids
 
         eos = self.tokenizer.eos_token_id
         pad = next((t for t in (self.tokenizer.pad_token_id, eos) if t is not None), 0)
         drawn = sample(self.model, self.device, [p for p, _ in rows], [seed for _, seed in rows], params.temperature,
-                       params.top_p, params.max_new_tokens, pad, eos)
+                       params.top_p, params.max_new_tokens, pad, stop_ids(self.tokenizer, self.model))
         return [Sample(self.tokenizer.decode(r.tokens, skip_special_tokens=True), len(r.tokens), r.finished,
                        sum(r.raw), r.tokens) for r in drawn]
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
-PROBE_LENGTH = 8  # every weight takes part at every position, so a few tokens check them all; its forward
-# pass is the part of a sync that the broadcast does not hide on a small model (tools/bench_sync.py)
+PROBE_LENGTH = 8  # every weight of the layers takes part at every position, so a few tokens check those;
+# not every row of the input embedding (8 of them) nor every expert of a mixture (those the 8 tokens are
+# routed to): a stale one of those passes (a review found it, 2026-12-07). Its forward pass is the part of
+# a sync that the broadcast does not hide on a small model (tools/bench_sync.py)
 
 
 class WeightSyncError(RuntimeError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.hf_sampling import stop_ids
 from toolkit.roles.engines import Completion
 from toolkit.transport.rendezvous import connect_store
 from toolkit.weights.sync import WeightReceiver, form_group
@@ -24,7 +25,8 @@ class HFEngine:
             model.to(device).eval()
         self.model = model
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.eos_id = None if cfg.rollout.ignore_eos else self.tokenizer.eos_token_id  # (None: never stop early)
+        self.stop = stop_ids(self.tokenizer, model)  # (where vLLM stops; rollout.ignore_eos: nowhere, as vLLM)
+        self.rollout_stop = [] if cfg.rollout.ignore_eos else self.stop
         self._receiver = None
         self._store = None  # (the weight-sync group's rendezvous store)
 
@@ -39,14 +41,14 @@ class HFEngine:
 
         size = self.cfg.rollout.generate_batch_size or len(prompts)
         s = self.cfg.rollout if sampling is None else sampling
-        eos_id = self.eos_id if sampling is None else self.tokenizer.eos_token_id
+        stop = self.rollout_stop if sampling is None else self.stop
         training = self.model.training
         self.model.eval()
         try:
             completions = []
             for start in range(0, len(prompts), size):
                 rows = sample(self.model, self.device, prompts[start:start + size], seeds[start:start + size],
-                              s.temperature, s.top_p, self.cfg.rollout.max_new_tokens, self.pad_id, eos_id)
+                              s.temperature, s.top_p, self.cfg.rollout.max_new_tokens, self.pad_id, stop)
                 completions += [Completion(r.tokens, r.drawn, r.finished,
                                            self.tokenizer.decode(r.tokens, skip_special_tokens=True)) for r in rows]
             return completions
