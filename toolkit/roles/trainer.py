@@ -39,7 +39,8 @@ from toolkit.hold import hold
 from toolkit.modeling import critic_values, gather_responses, pad_samples
 from toolkit.placement.plan import group_of, trainer_groups
 from toolkit.roles.base import Role
-from toolkit.roles.update import STATS, Experience, experience_from_record, make_experience, old_at_update, train_on
+from toolkit.roles.update import (PER_RANK, STATS, Experience, experience_from_record, make_experience, old_at_update,
+                                  train_on)
 from toolkit.samples import SampleBatch
 from toolkit.store import checkpoint, experience
 from toolkit.store.manifest import Manifest
@@ -551,12 +552,15 @@ class TrainerRole(Role):
                                    advantages.sum(), (advantages ** 2).sum()], dtype=torch.float64)
         ppo = cfg.run.algorithm == "ppo"
         values = [(exp.values * mask).sum(), (exp.returns * mask).sum()] if self.critic is not None else [0.0, 0.0]
+        # (token means: weighted by each rank's tokens, so the step's are over every rank's response tokens)
+        weight = {k: 1.0 if k in PER_RANK else stats.get("train_tokens", 0.0) for k in STATS}
         totals = self.ranks.sum(torch.cat([policy, torch.tensor([
             *values, float(reference is not None and record is None), float(reward is not None and record is None),
-            *[stats.get(k, 0.0) for k in STATS], *[float(k in stats) for k in STATS]], dtype=torch.float64)]))
+            *[stats.get(k, 0.0) * weight[k] for k in STATS], *[weight[k] if k in stats else 0.0 for k in STATS]],
+            dtype=torch.float64)]))
         kl_sum, tokens, samples, diff_sum, adv_sum, adv_sq, value_sum, return_sum = totals[:8].tolist()
         sums, having = totals[10:10 + len(STATS)].tolist(), totals[10 + len(STATS):].tolist()
-        metrics = {k: total / n for k, total, n in zip(STATS, sums, having) if n}  # (means over the ranks having it)
+        metrics = {k: total / n for k, total, n in zip(STATS, sums, having) if n}  # (over the ranks having it)
         # (ranks that scored their shard with the reference, and with the reward models)
         for name, ranks in zip(("reference_ranks", "reward_ranks"), totals[8:10].tolist()):
             if ranks:

@@ -127,9 +127,11 @@ def experience_from_record(record: dict, shard_index: np.ndarray, pad_id: int) -
 
 
 # The statistics `train_on` can return: the actor's, the critic's (a rank training one of them returns
-# its own), and the two that every rank returns.
+# its own), token means over the step's response tokens, and the two that every rank returns (PER_RANK);
+# with `train_tokens`, the response tokens the token means are over.
 STATS = ("pg_loss", "loss", "entropy", "clip_frac", "approx_kl", "kl_loss", "ptx_loss", "behaviour_weight",
          "behaviour_weight_capped", "value_loss", "value_clip_frac", "micro_batches", "padding_frac")
+PER_RANK = ("micro_batches", "padding_frac")
 
 
 def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx=None,
@@ -214,10 +216,15 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
     algo, trainer = cfg.algorithm, cfg.trainer
     n = len(exp.padded)
     sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
     count = real = computed = 0
+    tokens = 0.0  # (the current micro-batch's response tokens)
 
     def add(name: str, value) -> None:
-        sums[name] = sums.get(name, 0.0) + float(value)
+        """A micro-batch's token mean, weighted by its tokens: the step's figure is the token mean over its
+        micro-batches (a mean of their means gave a micro-batch of 2 tokens the weight of one of 40)."""
+        sums[name] = sums.get(name, 0.0) + float(value) * tokens
+        weights[name] = weights.get(name, 0.0) + tokens
 
     at_update = actor is not None and exp.old_logprobs is None
     if at_update:  # filled in below from each micro-batch's training forward
@@ -238,6 +245,7 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
                               next(engines[0].parameters()).device)
             real += int(part.padded.attention_mask.sum())
             computed += part.ids.numel()
+            tokens = float(part.mask.sum())
             with part.passes(engines):  # (forward and backward: activation checkpointing runs it again)
                 if actor is not None:
                     _actor_micro_batch(exp, actor, cfg, part, ptx, count, share if by_tokens else None, add,
@@ -252,8 +260,8 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
                     add("value_clip_frac", v_stats["value_clip_frac"])
             count += 1
     # (micro-batches of all epochs, and the share of the positions they computed that were padding)
-    return {**{k: v / max(count, 1) for k, v in sums.items()}, "micro_batches": count,
-            "padding_frac": 1 - real / max(computed, 1)}
+    return {**{k: v / weights[k] if weights[k] else 0.0 for k, v in sums.items()}, "micro_batches": count,
+            "padding_frac": 1 - real / max(computed, 1), "train_tokens": max(weights.values(), default=0.0)}
 
 
 class MicroBatch:
