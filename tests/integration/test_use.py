@@ -394,7 +394,8 @@ def test_report_draws_the_run_from_its_files(trained, tmp_path):
 
     result = cli("report", trained, "--out", tmp_path / "report", "--samples-at", "2,4")  # (numbered from 1)
     assert result.returncode == 0, result.stderr
-    page = (tmp_path / "report" / "index.html").read_text()
+    page = (tmp_path / "report" / "index.html").read_bytes().decode()  # (as written: read_text would turn a
+    # response's carriage return into a line break)
     embedded = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,([^"]+)">', page)
     assert [alt for alt, _ in embedded] == ["curves", "step time by phase", "timeline"]
     for (_, data), name in zip(embedded, ("curves", "step_time", "timeline")):
