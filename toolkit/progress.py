@@ -41,6 +41,11 @@ class Progress:
         per_step = (self.times[-1] - self.times[0]) / (len(self.times) - 1)
         return per_step * max(0, total - done)
 
+    def restart_clock(self) -> None:
+        """Forget the step times so far (a worker is started again: the step it holds up would make the
+        time left too long for the next RECENT steps); the time left shows again after two steps."""
+        self.times.clear()
+
     def step(self, line: str, done: int, total: int | None, summary: str) -> None:
         """Step `done` of `total` is complete: its full `line`, and `summary` for the live line."""
         left = self._advance(done, total)

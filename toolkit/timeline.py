@@ -45,6 +45,16 @@ class PhaseLog(dict):
         self._file.close()
 
 
+def mark_restart(run_dir: Path, worker_id: str) -> None:
+    """The driver's line in a worker's timeline when it starts the worker again: from then until the new
+    process registers, the worker is down (without it the phase it died in would be drawn up to then)."""
+    path = timeline_file(run_dir, worker_id)
+    path.parent.mkdir(exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write(json.dumps({"t": round(time.time(), 4), "phase": "restarting", "step": None}) + "\n")
+
+
 def read_timelines(run_dir: Path) -> dict[str, list[dict]]:
     """{worker file name: its phase changes in order} (a line cut short by a crash is skipped)."""
     from toolkit.store.manifest import read_jsonl

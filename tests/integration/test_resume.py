@@ -418,6 +418,20 @@ def test_dead_or_hung_workers_are_started_again_alone_and_the_run_ends_as_if_not
     dropped = sum(m["duplicate_samples"] for m in metrics)
     assert dropped % 4 == 0  # (whole groups, if any)
     print(f"duplicate samples dropped: {dropped}")
+    # Each worker's timeline says it was down from its restart until its new process registered: the report
+    # does not draw the phase it died in up to then.
+    from toolkit.report.plots import intervals
+    from toolkit.timeline import read_timelines
+
+    timelines = read_timelines(run_dir)
+    for role in roles:
+        rows = timelines[f"{role}-0"]
+        downs = [i for i, r in enumerate(rows) if r["phase"] == "restarting"]
+        assert len(downs) == status["worker_restarts"][f"{role}:0"], rows
+        assert all(rows[i + 1]["phase"] == "registering" for i in downs), rows
+        drawn = intervals(rows, rows[0]["t"], rows[-1]["t"])
+        assert [p for p, *_ in drawn].count("restarting") == len(downs)
+    assert not any(r["phase"] == "restarting" for r in timelines["trainer-0"])
 
 
 def test_a_generator_started_again_has_only_the_samples_the_trainer_misses_generated_again(tiny, tmp_path):

@@ -20,6 +20,19 @@ def test_plain_lines_end_with_the_time_left_from_the_measured_step_time(monkeypa
     assert lines == ["step 1/4", "step 2/4  eta 4s", "step 3/4  eta 2s", "step 4/4"]
 
 
+def test_the_time_left_forgets_the_steps_before_a_worker_was_started_again(monkeypatch):
+    clock = iter([100.0, 102.0, 160.0, 162.0, 164.0])  # (step 3 waited 58 s for a worker started again)
+    monkeypatch.setattr("toolkit.progress.time.monotonic", lambda: next(clock))
+    out = io.StringIO()
+    p = Progress(out, live=False)
+    for done in (1, 2, 3, 4, 5):
+        if done == 3:
+            p.restart_clock()
+        p.step(f"step {done}/9", done, 9, "reward 0.1")
+    # after the restart: no estimate from one step, then 2 s a step (not (164-100)/4 = 16 s)
+    assert out.getvalue().splitlines()[2:] == ["step 3/9", "step 4/9  eta 10s", "step 5/9  eta 8s"]
+
+
 def test_a_terminal_gets_one_live_line_below_the_step_lines():
     out = io.StringIO()
     p = Progress(out, live=True)

@@ -33,6 +33,7 @@ from toolkit.placement.plan import group_of, plan
 from toolkit.progress import Progress
 from toolkit.store.manifest import Manifest, plan_resume, set_aside
 from toolkit.store.ownership import check_ours_alone
+from toolkit.timeline import mark_restart
 
 log = logging.getLogger("toolkit.driver")
 STATUS_EVERY_S = 2.0  # status.json is rewritten this often while the run waits on its workers
@@ -512,7 +513,10 @@ class Supervisor:
                  if (inbox := (self.book.get(w) or {}).get("inbox"))}
         with self.coordinator.answering():  # (the scancel of a hung step and its end can take a minute)
             self.launcher.restart(worker_id, E.inbox_ports(ports))
+        if isinstance(self.echo, Progress):
+            self.echo.restart_clock()  # (the step that waits for it is no measure of the steps left)
         for w in together:
+            mark_restart(self.run_dir.path, w)
             self.generation[w] = self.generation.get(w, 0) + 1
             self.book.pop(w, None)
             self.ready.discard(w)

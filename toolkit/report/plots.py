@@ -13,7 +13,8 @@ PHASES = [("generate_s", "generate"), ("score_s", "score"), ("train_s", "train")
           ("checkpoint_s", "checkpoint"), ("commit_s", "HDF5 commit"), ("eval_wall_s", "in-run evaluation")]
 COLORS = {"generating": "tab:blue", "scoring": "tab:orange", "training": "tab:green", "syncing": "tab:red",
           "checkpointing": "tab:purple", "collecting": "tab:olive", "replaying": "tab:brown",
-          "evaluating": "tab:cyan", "setup": "tab:gray", "registering": "lightgray", "ready": "gainsboro"}
+          "evaluating": "tab:cyan", "setup": "tab:gray", "registering": "lightgray", "ready": "gainsboro",
+          "restarting": "black"}  # (restarting: the worker was lost; from then until it registers again)
 IDLE = ("idle", "done", "ready", "collecting")  # drawn as gaps: the worker waits (the trainer for samples)
 
 
