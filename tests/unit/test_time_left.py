@@ -43,3 +43,12 @@ def test_an_evaluation_out_now_counts_toward_the_next_step(tiny, tmp_path):
     # samples: 1.6 x 18 / 64 = 0.45 s
     first = [{"step_s": 2.0, "generate_s": 1.0, "score_s": 0.6}]
     assert driver._evaluation_ahead_s(first) == 1.6 * 18 / 64
+
+
+def test_evaluations_out_at_the_same_time_count_once_in_a_steps_evaluation_time():
+    from toolkit.launch.driver import covered
+
+    # the step started at 10; one evaluation went out before it (5..14), two overlapped (12..20, 13..18),
+    # one was out later (25..27): 10..20 and 25..27
+    assert covered([(12.0, 20.0), (5.0, 14.0), (13.0, 18.0), (25.0, 27.0)], 10.0) == 12.0
+    assert covered([(1.0, 4.0)], 10.0) == 0.0 and covered([], 10.0) == 0.0

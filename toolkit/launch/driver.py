@@ -36,6 +36,17 @@ from toolkit.launch.supervisor import Supervisor, read_metrics
 from toolkit.placement.plan import group_of
 
 
+
+def covered(spans: list[tuple[float, float]], start: float) -> float:
+    """Seconds after `start` that at least one of `spans` (from, to) covers: evaluations out at the same
+    time (async, one longer than eval.every_steps steps) count once."""
+    total, reached = 0.0, start
+    for begin, end in sorted(spans):
+        if end > reached:
+            total += end - max(begin, reached)
+            reached = end
+    return total
+
 class Driver(Supervisor):
     unit = "policy_version"
 
@@ -126,7 +137,7 @@ class Driver(Supervisor):
         self.running_step = None
         # (the part of the step's wall time during which an evaluation was out: synchronously the generators
         # take its prompts before the step's, so the step after one carries it)
-        evaluating = sum(done - max(sent, started) for sent, done in self.evaluated_walls if done > started)
+        evaluating = covered(self.evaluated_walls, started)
         self.evaluated_walls.clear()
         extra = {"eval_wall_s": evaluating} if evaluating else {}
         return self._record(step, step_s=self.last_done - started, **extra)
