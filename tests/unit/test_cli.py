@@ -89,6 +89,18 @@ def test_a_controller_that_does_not_answer_is_not_a_job_that_ended(monkeypatch, 
         assert live_job(rd) == (None if ended(state) else f"slurm job 7 is {state}")
 
 
+def test_slurm_commands_missing_on_this_node_are_a_job_state_not_a_traceback(monkeypatch, tmp_path):
+    """`status` of a run submitted elsewhere, on a node where Slurm is not in PATH: the job's state says so
+    (before: FileNotFoundError from squeue); it has not ended, so `resume` starts no second driver."""
+    from toolkit.launch.jobs import ended, running_steps, slurm_job
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # (no squeue, no scontrol)
+    state = slurm_job("7")["state"]
+    assert state.startswith("UNREACHABLE (Slurm did not answer: scontrol could not run here (No such file")
+    assert "is Slurm in PATH on this node?" in state and not ended(state)
+    assert running_steps("7") == set()
+
+
 def test_cancel_stops_a_local_driver_before_a_slurm_job_of_the_past(monkeypatch, tmp_path):
     """A run submitted once and then resumed here still names its old job in job.json: `cancel` scancelled
     that job, said so, and left the local driver running. scancel here is a script that says it was called."""

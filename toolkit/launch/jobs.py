@@ -74,16 +74,20 @@ def slurm_job(job_id: str) -> dict:
 
 
 def _ask(command: list[str], timeout_s: float = 30) -> subprocess.CompletedProcess:
-    """A Slurm command's answer; one that does not come within `timeout_s` is a failed command."""
+    """A Slurm command's answer; one that does not come within `timeout_s`, or cannot run (not in PATH on
+    this node), is a failed command."""
     try:
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return subprocess.CompletedProcess(command, 1, "", f"{command[0]}: no answer within {timeout_s:.0f} s")
+    except OSError as e:
+        return subprocess.CompletedProcess(command, 127, "", f"{command[0]} could not run here ({e.strerror}; "
+                                                              "is Slurm in PATH on this node?)")
 
 
 def running_steps(job_id: str, components: int = 8) -> set[str]:
     """Ids of the job's steps Slurm lists as running (a heterogeneous job's component k is <job>+k)."""
-    out = subprocess.run(["squeue", "-h", "-s", "-o", "%i"], capture_output=True, text=True, timeout=30)
+    out = _ask(["squeue", "-h", "-s", "-o", "%i"])
     ids = {str(int(job_id) + k) for k in range(components)}
     return {step for step in out.stdout.split() if step.split(".")[0] in ids}
 
