@@ -32,13 +32,15 @@ def _shape(model: Path, cluster_file: str | None):
     count (then the config is written for this machine with settings safe at any size, and a cluster needs
     `plan --params`)."""
     from toolkit.placement.cost import ModelShape
+    from toolkit.placement.shapes import NotCounted
 
     try:
         return ModelShape.from_config(str(model)), None
     except ConfigError as e:
+        what = e.what if isinstance(e, NotCounted) else str(e)
         if cluster_file is None:
-            return None, str(e).partition("; give the")[0]
-        raise ConfigError(f"{str(e).partition('; give the')[0]}, so init cannot size a config for {cluster_file}; "
+            return None, what
+        raise ConfigError(f"{what}, so init cannot size a config for {cluster_file}; "
                           f"write one for this machine (init without --cluster), then plan it for the cluster with "
                           f"the model's size: slurm-rlhf plan CONFIG --cluster {cluster_file} --params actor=7e9 "
                           "--write PLANNED.yaml") from None

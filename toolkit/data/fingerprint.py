@@ -11,6 +11,7 @@ again, so a resume of a large data set costs a `stat` per file.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -50,8 +51,6 @@ def draw_settings(cfg) -> dict:
     """The settings that decide which rows each step draws (the cursor of step s is s x the rows a step takes,
     in an order the seed, the shuffle, the split, the held-out share and the sources' weights give): a change
     of any between attempts makes the next steps draw rows twice or never, as a change of the files does."""
-    import json
-
     d = cfg.data
     per_step = (("rollout.prompts_per_step", cfg.rollout.prompts_per_step) if cfg.stage == "rl"
                 else ("train.batch_size", cfg.train.batch_size))

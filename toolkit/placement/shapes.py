@@ -131,15 +131,23 @@ FAMILIES = {"llama": _decoder, "mistral": _decoder, "qwen2": _decoder, "qwen3": 
             "opt": _opt, "gpt2": _gpt2, "gpt_neox": _gpt_neox}
 
 
+class NotCounted(ConfigError):
+    """A family the planner does not count: `what` says which; the message adds what to give instead."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}; give the model's size instead, e.g. --params actor=7e9 (and reference=, "
+                         "critic=, reward=)")
+        self.what = what
+
+
 def count(config: dict, source: str = "config.json") -> Count:
     """The parameter count and attention shape of the model a config.json describes (ConfigError for an
     architecture this does not know, saying what to pass instead)."""
     family = config.get("model_type")
     counter = FAMILIES.get(family)
     if counter is None:
-        raise ConfigError(f"{source}: model_type {family!r} ({', '.join(config.get('architectures') or ['?'])}) "
-                          f"is not one the planner counts ({', '.join(sorted(FAMILIES))}); give the model's size "
-                          "instead, e.g. --params actor=7e9 (and reference=, critic=, reward=)")
+        raise NotCounted(f"{source}: model_type {family!r} ({', '.join(config.get('architectures') or ['?'])}) "
+                         f"is not one the planner counts ({', '.join(sorted(FAMILIES))})")
     try:
         return counter(config, family) if counter is _decoder else counter(config)
     except KeyError as e:
