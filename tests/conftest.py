@@ -383,3 +383,26 @@ def wandb_history(run_dir: Path) -> list[list[dict]]:
                     rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
         runs.append(rows)
     return runs
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of `size` (e.g. "256m") mounted at `path` (made here; root only, else the test is skipped),
+    unmounted after."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 MB tmpfs mounted under tmp_path."""
+    with tmpfs(tmp_path / "disk", "256m") as disk:
+        yield disk

@@ -502,22 +502,6 @@ def test_a_hung_trainer_then_a_dead_one_restart_every_worker_from_the_checkpoint
     assert restarts == sorted(restarts) and restarts[-1] == 2, restarts
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 256 MB tmpfs mounted under tmp_path (root only), unmounted after the test."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=0700", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.strip()}")
-    try:
-        yield disk
-    finally:
-        if subprocess.run(["umount", str(disk)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
-
-
 def test_a_full_disk_is_named_and_the_last_checkpoint_is_left_untouched(tiny, tmp_path, small_disk):
     """The run directory on a small tmpfs, filled up while step 3 trains (room left for its experience
     file, not for the checkpoint after it): the run fails with an error that names the checkpoint's path

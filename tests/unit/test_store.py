@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -306,3 +307,105 @@ def test_a_checkpoint_is_written_so_that_its_own_resume_accepts_it(tmp_path):
     assert modes and not any(mode & 0o022 for mode in modes.values()), modes
     check_ours_alone(final)
     assert sorted(p.name for p in final.parent.iterdir()) == ["step-000003"]  # (nothing else removed what was left)
+
+
+def test_an_export_is_put_in_place_of_one_whose_removal_was_killed(tmp_path):
+    """A removal of the export before killed midway (or held open on NFS) left its folder: the next export
+    took it for the name to move the old one to, and failed on every resume (Directory not empty)."""
+    from toolkit.training.export import publish
+
+    run_dir = tmp_path / "run"
+    for name, content in (("export", b"old"), (".export.old", b"older")):  # (what a killed publish left)
+        (run_dir / name).mkdir(parents=True)
+        (run_dir / name / "model.safetensors").write_bytes(content)
+    source = tmp_path / "hf"
+    source.mkdir()
+    (source / "model.safetensors").write_bytes(b"new")
+    publish(run_dir, source)
+    assert (run_dir / "export" / "model.safetensors").read_bytes() == b"new"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["export"]
+
+
+def test_a_checkpoint_saved_again_replaces_a_folder_that_cannot_be_removed(tmp_path, monkeypatch):
+    """A step saved again (after a resume from an older checkpoint) into a folder with a file that cannot be
+    removed (held open on NFS): the old folder is moved aside, not removed in place; before, the rename
+    onto it failed and the new checkpoint was deleted."""
+    import shutil
+
+    from toolkit.store import checkpoint
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    save = lambda state: checkpoint.save(run_dir, 3, {}, state, rank=0, barrier=lambda: None, keep=2)  # noqa: E731
+    save({"step": 3, "attempt": 1})
+    remove = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda path, *a, **k: None if "step-000003" in str(path) and not
+                        str(path).endswith(".tmp") else remove(path, *a, **k))
+    save({"step": 3, "attempt": 2})
+    plan = plan_resume(run_dir)
+    assert plan.checkpoint["dir"] == "checkpoints/step-000003" and plan.problems == []
+    assert json.loads((run_dir / plan.checkpoint["dir"] / "trainer_state.json").read_text())["attempt"] == 2
+
+
+def test_an_export_or_a_manifest_record_on_a_full_disk_is_named_and_leaves_no_partial_copy(tmp_path):
+    from tests.conftest import tmpfs
+    from toolkit.store.space import DiskFull
+    from toolkit.training.export import publish
+
+    source = tmp_path / "hf"
+    source.mkdir()
+    (source / "model.safetensors").write_bytes(os.urandom(3 << 20))
+    with tmpfs(tmp_path / "disk", "2m") as disk:
+        run_dir = disk / "run"
+        run_dir.mkdir()
+        with pytest.raises(DiskFull, match=rf"no space left to write the export {run_dir}/export \("):
+            publish(run_dir, source)
+        assert list(run_dir.iterdir()) == []  # (the partial copy is gone)
+        with open(disk / "filler", "wb", buffering=0) as f:  # (then no room for even a line)
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"x" * 4096)
+        with pytest.raises(DiskFull, match=r"no space left to write the checkpoint record of the manifest"):
+            Manifest(run_dir).append({"kind": "checkpoint", "step": 1, "dir": "x" * 5000})
+
+
+def test_a_manifest_line_that_is_not_even_utf8_is_skipped_like_a_cut_one(tmp_path):
+    m = Manifest(tmp_path)
+    m.append({"kind": "experience", "step": 0})
+    with open(m.path, "ab") as f:
+        f.write(b'{"kind": "experience", "step": 1\x89PNG\xff\n[1, 2]\n"text"\n{"no kind": 1}\n')  # (what the disk held)
+    m.append({"kind": "experience", "step": 2})
+    assert [r["step"] for r in m.records()] == [0, 2]
+
+
+def test_a_data_files_checksum_is_read_in_blocks_and_the_runs_own_through_a_map(tmp_path, monkeypatch):
+    """A mapped file that shrinks while it is read kills the process (SIGBUS): a data file being rewritten
+    while a run starts is read in blocks; both ways give the same checksum, across blocks too."""
+    import mmap
+
+    from toolkit.store import checksum
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(os.urandom(checksum.BLOCK + 12345))
+    expected = "xxh3_128:" + xxhash.xxh3_128(path.read_bytes()).hexdigest()
+    assert checksum_of(path, ours=True) == expected
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: pytest.fail("a data file was mapped"))
+    assert checksum_of(path) == expected
+
+
+def test_an_export_is_on_disk_before_it_is_named(tmp_path, monkeypatch):
+    """Every file and folder of the copy is fsynced before the rename (a rename alone does not order the
+    files' data before it: after a power loss the manifest's export record could name empty files)."""
+    from toolkit.training.export import publish
+
+    source = tmp_path / "hf"
+    (source / "adapter").mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "adapter/adapter_model.safetensors"):
+        (source / name).write_bytes(b"x")
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
+    publish(tmp_path / "run", source)
+    tmp = str(tmp_path / "run" / ".export.tmp")
+    assert {p.removeprefix(tmp) for p in synced if p.startswith(tmp)} == {
+        "/model.safetensors", "/config.json", "/adapter/adapter_model.safetensors", "/adapter", ""}
+    assert synced[-1] == str(tmp_path / "run")  # (and the rename, in its folder)

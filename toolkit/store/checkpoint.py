@@ -14,9 +14,7 @@ place and only then records it in the manifest, so a checkpoint in the manifest 
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -25,7 +23,7 @@ import torch
 
 from toolkit.hold import hold
 from toolkit.store import space
-from toolkit.store.experience import fsync_dir
+from toolkit.store.durable import put_in_place, settle
 from toolkit.store.manifest import Manifest, checkpoint_files, live_checkpoints
 from toolkit.store.ownership import check_ours_alone
 
@@ -73,23 +71,14 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
         size_mb = 0.0
         if rank == 0:
             (tmp / "trainer_state.json").write_text(json.dumps(state))
-            for path in [tmp, *tmp.rglob("*")]:
-                # (not writable by others, as a resume requires (store/ownership.py): a default ACL on a
-                # project directory gives its group write access whatever the umask; a file system without
-                # modes refuses, and its files are for SLURM_RLHF_TRUST_CHECKPOINTS)
-                with contextlib.suppress(OSError):
-                    path.chmod(path.stat().st_mode & ~0o022)
-                if path.is_file():
-                    with open(path, "rb") as f:
-                        os.fsync(f.fileno())
+            settle(tmp)  # (a file system without modes keeps them: its files are for SLURM_RLHF_TRUST_CHECKPOINTS)
             files = checkpoint_files(tmp)
             size_mb = sum(size for _, size in files.values()) / 2**20
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
+            put_in_place(tmp, final)  # (a step saved again after a resume from an older one replaces its folder)
             manifest = Manifest(run_dir)
             manifest.append({"kind": "checkpoint", "step": step, "dir": str(final.relative_to(run_dir)),
                              "files": files})
+            _remove_old(run_dir, manifest, keep)
     except Exception as e:  # (a full disk, mostly: say so, and leave no half-written checkpoint)
         error = space.explain("checkpoint", final, e, run_dir)
         if rank == 0:
@@ -97,8 +86,6 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
         if error is not e:
             raise error from e
         raise
-    if rank == 0:
-        _remove_old(run_dir, manifest, keep)
     barrier()
     return size_mb
 

@@ -1,7 +1,7 @@
 """Checksums of the run's files (experience and checkpoints), as the manifest records them.
 
 A checksum is "xxh3_128:<32 hex digits>", XXH3's 128-bit hash of the file's bytes, read through a
-memory map of the page cache. It is there to find a file that a crash, a full disk or a failing disk
+memory map of the page cache where the run has just written the file (else in blocks, see `checksum_of`). It is there to find a file that a crash, a full disk or a failing disk
 left torn, truncated or corrupted, and it does that as well as a cryptographic hash; it is no defence
 against someone who can write the run directory, since they could rewrite the manifest beside it (run
 files are the user's alone, mode 0600). It reads a 52 MB file from the page cache in 2.5 ms here, 21
@@ -20,15 +20,26 @@ from pathlib import Path
 import xxhash
 
 ALGORITHM = "xxh3_128"
+BLOCK = 8 << 20
 
 
-def checksum_of(path: Path) -> str:
-    with open(path, "rb") as f:
-        h = xxhash.xxh3_128()
+def checksum_of(path: Path, ours: bool = False) -> str:
+    """The file's checksum. Read in 8 MB blocks, unless it is `ours`: a file this run has just written and
+    no one else writes (an experience file, a checkpoint's), read through a memory map (1.5 ms for 52 MB
+    here, against 2.7 ms). A mapped file that shrinks while it is read kills the process with SIGBUS, which
+    Python cannot catch: a data file rewritten during a run's start did."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb", buffering=0) as f:
         size = f.seek(0, 2)
-        if size:  # (an empty file cannot be mapped)
+        if ours and size:  # (an empty file cannot be mapped)
             with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as view:
                 h.update(view)
+        elif size:
+            f.seek(0)
+            block = bytearray(BLOCK)
+            view = memoryview(block)
+            while n := f.readinto(block):
+                h.update(view[:n])
     return f"{ALGORITHM}:{h.hexdigest()}"
 
 

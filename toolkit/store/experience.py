@@ -107,7 +107,7 @@ def commit(directory: Path, step: int, record: dict) -> tuple[Path, str, int]:
         writeback = Writeback(fd)
         with h5py.File(tmp, "w") as f:
             _write(f, record, writeback)
-        hasher = threading.Thread(target=lambda: digest.append(checksum_of(tmp)), name="experience-checksum")
+        hasher = threading.Thread(target=lambda: digest.append(checksum_of(tmp, ours=True)), name="experience-checksum")
         hasher.start()
         try:
             os.fsync(fd)

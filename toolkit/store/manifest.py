@@ -40,10 +40,19 @@ class Manifest:
         self.path = self.run_dir / "manifest.jsonl"
 
     def append(self, record: dict) -> None:
-        append_jsonl(self.path, {**record, "time": time.time()}, fsync=True)
+        """Append `record` (with the time), on disk when this returns; a full disk is a DiskFull naming it."""
+        try:
+            append_jsonl(self.path, {**record, "time": time.time()}, fsync=True)
+        except OSError as e:
+            from toolkit.store import space
+
+            error = space.explain(f"{record['kind']} record of the manifest", self.path, e, self.run_dir)
+            if error is not e:
+                raise error from e
+            raise
 
     def records(self) -> list[dict]:
-        return read_jsonl(self.path)
+        return [r for r in read_jsonl(self.path) if "kind" in r]
 
     def last(self, kind: str) -> dict | None:
         """The newest record of `kind`; None if there is none."""
@@ -88,15 +97,17 @@ def read_jsonl(path: Path) -> list[dict]:
     """The records of an append-only JSON Lines file of the run (none if it is missing); a line cut short
     by a crash is skipped."""
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_bytes().splitlines()
     except FileNotFoundError:
         return []
     out = []
     for line in lines:
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line cut short by a crash
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue  # a line cut short by a crash (or what the disk held after it: not even UTF-8)
+        if isinstance(record, dict):
+            out.append(record)
     return out
 
 
@@ -115,7 +126,7 @@ def verify(path: Path, checksum: str, size: int) -> str | None:
 
 def checkpoint_files(directory: Path) -> dict[str, list]:
     """{relative path: [checksum, bytes]} of every file under a checkpoint directory."""
-    return {str(p.relative_to(directory)): [checksum_of(p), p.stat().st_size]
+    return {str(p.relative_to(directory)): [checksum_of(p, ours=True), p.stat().st_size]
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 

@@ -26,6 +26,10 @@ def says_no_space(error: BaseException) -> bool:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in NO_SPACE:
             return True
+        if isinstance(error, shutil.Error) and error.args and isinstance(error.args[0], list):
+            # (copytree gathers its files' errors as text: (source, target, "[Errno 28] ..."))
+            if any(f"[Errno {code}]" in str(item[-1]) for item in error.args[0] for code in NO_SPACE):
+                return True
         error = error.__cause__ or error.__context__
     return False
 

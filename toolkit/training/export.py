@@ -8,7 +8,6 @@ An export is written under a temporary name and renamed into place, so `export/`
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -57,14 +56,22 @@ def exported(run_dir: Path, step: int) -> bool:
 
 
 def publish(run_dir: Path, source: Path, name: str = "export") -> Path:
-    """Copy a checkpoint's Hugging Face directory `source` to RUN_DIR/<name> (atomically; rank 0)."""
+    """Copy a checkpoint's Hugging Face directory `source` to RUN_DIR/<name> (atomically, on disk before
+    it is named; rank 0). A full disk is a DiskFull naming it, and the partial copy is removed."""
+    from toolkit.store import space
+    from toolkit.store.durable import put_in_place, settle
+
     final = Path(run_dir) / name
     tmp = final.parent / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
-    old = final.parent / f".{name}.old"
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        shutil.copytree(source, tmp)
+        settle(tmp)
+        put_in_place(tmp, final)
+    except Exception as e:
+        error = space.explain(name, final, e, run_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if error is not e:
+            raise error from e
+        raise
     return final
