@@ -15,14 +15,17 @@ action positions, so losses and log-probs are those of the padded layout.
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 NAME = "slurm_rlhf_packed"  # the attention implementation registered with transformers while packed
-_bounds = threading.local()
+# The sample bounds of the block `inside` runs, read by `_attention`. Not thread-local: on a GPU, autograd
+# runs the backward pass, and activation checkpointing's forward pass again, on a thread of its own per
+# device. A worker runs one training pass at a time (the weight-sync probe's pass, in a thread of its own,
+# is not packed and runs after training).
+_bounds: list[int] | None = None
 
 
 @dataclass
@@ -85,7 +88,7 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"packing: {what} ({type(module).__name__}) is not supported; set "
                                       "model.packing (train.packing) to false")
-    bounds = _bounds.value
+    bounds = _bounds
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves a group
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -131,10 +134,11 @@ def inside(models, packed: Packed | None):
     before = [c._attn_implementation for c in configs]
     for c in configs:
         c._attn_implementation = NAME
-    _bounds.value = packed.bounds
+    global _bounds
+    _bounds = packed.bounds
     try:
         yield
     finally:
-        _bounds.value = None
+        _bounds = None
         for c, name in zip(configs, before):
             c._attn_implementation = name

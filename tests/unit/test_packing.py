@@ -38,25 +38,27 @@ def test_pack_lays_samples_end_to_end_and_maps_per_token_tensors_both_ways():
     assert torch.equal(packed.put(taken, 19), per_token * within)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-checkpointed", "llama-lora", "gpt2", "mistral-window"])
+@pytest.mark.parametrize("family", ["llama", "llama-checkpointed", "llama-checkpointed-thread", "llama-lora", "gpt2",
+                                    "mistral-window"])
 def test_packed_forward_and_backward_equal_the_padded_ones(family):
     """Grouped-query attention and rotary positions (Llama), the same with activation checkpointing (the
-    forward pass runs again in the backward pass, inside `inside` too) and inside peft's LoRA wrapper,
+    forward pass runs again in the backward pass, inside `inside` too; on a GPU autograd runs the backward
+    pass on a thread of its own per device, which `-thread` does here) and inside peft's LoRA wrapper,
     learned absolute positions (GPT-2), and a sliding window shorter than a sample (Mistral): the same
     log-probs and gradients within 1e-5."""
     import transformers
 
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=50)
     llama = lambda: transformers.LlamaConfig(**shape, num_key_value_heads=2)  # noqa: E731
-    config = {"llama": llama, "llama-checkpointed": llama, "llama-lora": llama,
+    config = {"llama": llama, "llama-checkpointed": llama, "llama-checkpointed-thread": llama, "llama-lora": llama,
               "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=50, attn_pdrop=0,
                                                       resid_pdrop=0, embd_pdrop=0),
               "mistral-window": lambda: transformers.MistralConfig(**shape, num_key_value_heads=2, sliding_window=6),
               }[family]()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
-    if family.endswith("checkpointed"):
-        model.gradient_checkpointing_enable()
+    if "checkpointed" in family:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if family.endswith("lora"):
         import peft
 
@@ -73,7 +75,14 @@ def test_packed_forward_and_backward_equal_the_padded_ones(family):
     with inside([model], packed):
         logprobs = token_logprobs(model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits,
                                   packed.input_ids, 0.7)
-        (logprobs * packed.take(mask)).sum().backward()
+        loss = (logprobs * packed.take(mask)).sum()
+        if family.endswith("thread"):
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(loss.backward).result()
+        else:
+            loss.backward()
     assert model.config._attn_implementation == "sdpa"  # restored after the block
     assert ((packed.put(logprobs, padded.shape[1]) - padded) * mask).abs().max().item() < 1e-5
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -99,3 +108,42 @@ def test_packed_reward_model_scores_equal_the_padded_ones(tiny):
     padded = last_token_scores(model, sequences, 0, 3, torch.device("cpu"))
     packed = last_token_scores(model, sequences, 0, 3, torch.device("cpu"), packing=True)
     assert padded.std() > 0 and (packed - padded).abs().max().item() < 1e-5
+
+
+_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=50)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+SHAPES = {"llama": _DECODER, "mistral": _DECODER, "qwen2": _DECODER, "qwen3": dict(_DECODER, head_dim=16),
+          "gemma": dict(_DECODER, head_dim=16), "mixtral": dict(_DECODER, num_local_experts=4, num_experts_per_tok=2),
+          "qwen2_moe": dict(_DECODER, **_MOE, shared_expert_intermediate_size=64),
+          "qwen3_moe": dict(_DECODER, **_MOE, head_dim=16),
+          "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=50,
+                      word_embed_proj_dim=64),
+          "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=50),
+          "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           vocab_size=50, rotary_pct=0.25)}
+
+
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_every_family_packing_is_allowed_for_scores_packed_samples_as_padded_ones(family):
+    """The families config validation lets pack (PACKED_FAMILIES) are these, and each one's packed log-probs
+    equal its padded ones: no layer reads across a sample's bounds."""
+    import transformers
+
+    from toolkit.config.model_files import PACKED_FAMILIES
+
+    assert set(SHAPES) == set(PACKED_FAMILIES)
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, **SHAPES[family])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ids, attention = _rows(50)
+    with torch.no_grad():
+        padded = token_logprobs(model(input_ids=ids, attention_mask=attention).logits, ids, 1.0)
+        packed = pack(ids, attention)
+        with inside([model], packed):
+            logprobs = token_logprobs(model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits,
+                                      packed.input_ids, 1.0)
+    mask = torch.zeros_like(padded)
+    for i, n in enumerate(LENGTHS):
+        mask[i, : n - 1] = 1
+    assert ((packed.put(logprobs, padded.shape[1]) - padded) * mask).abs().max().item() < 1e-5
