@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -483,6 +484,24 @@ def test_memory_switch_errors_name_the_field_and_the_fix(tiny, tmp_path, trainer
     data["model"].update({k: (str(tiny / "reward_model") if v == "OTHER" else v) for k, v in model.items()})
     data.setdefault("placement", {}).update(placement)
     assert expected in error_of(write_config(tmp_path, data))
+
+
+def test_packing_a_model_of_a_family_not_checked_packed_is_refused(tiny, tmp_path):
+    """A hybrid model's state-space or convolution layers run across the packed samples' bounds (a reviewer's
+    tiny Jamba, LFM2 and Qwen3-Next scored a sample by the one packed before it), silently: refused, for the
+    actor or any model the run packs (here a reward model; in sft, the base model)."""
+    other = tmp_path / "hybrid"
+    shutil.copytree(tiny / "reward_model", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "jamba"}))
+    data = example("tiny-ppo.yaml", tiny)
+    data["model"]["packing"] = True
+    data["reward"]["models"][0]["path"] = str(other)
+    said = error_of(write_config(tmp_path, data))
+    assert "model.packing: reward.models.0.path is a 'jamba' model, not of a family whose packed passes" in said
+    assert "set model.packing: false" in said
+    data["reward"]["models"][0]["path"] = str(tiny / "reward_model")
+    assert load_config(write_config(tmp_path, data)).model.packing  # (a Llama: packed)
 
 
 def test_packing_with_ptx_is_refused(tiny, tmp_path):

@@ -71,6 +71,24 @@ def vllm_cpu_problem(path: str | Path) -> str | None:
     return None
 
 
+# Families whose every layer is attention, MLP or norm, whose packed passes (toolkit/packing.py) were checked
+# equal to padded ones (tests/unit/test_packing.py). Elsewhere a layer may run across the samples' bounds:
+# the state-space, convolution or linear-attention layers of hybrid models (Jamba, LFM2, Qwen3-Next) did,
+# silently, and Falcon's attention failed.
+PACKED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "opt", "gpt2",
+                   "gpt_neox")
+
+
+def packing_family_problem(path: str | Path, field: str, switch: str) -> str | None:
+    """Why `switch` (model.packing, train.packing) cannot run with the model at `path` (`field`)."""
+    family = model_config(path).get("model_type")
+    if family is None or family in PACKED_FAMILIES:
+        return None
+    return (f"{switch}: {field} is a {family!r} model, not of a family whose packed passes were checked equal to "
+            f"padded ones ({', '.join(PACKED_FAMILIES)}): in other families a layer that is not attention may "
+            f"read across the samples' bounds; set {switch}: false")
+
+
 # Heads by the class names of config.json's `architectures`: a language-model head (what generates and is
 # trained as a policy) or a one-label score head (what a reward model reads a sequence with).
 LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")

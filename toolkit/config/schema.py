@@ -18,8 +18,8 @@ from toolkit.config.base import (MODELS, Allocator, Attention, CheckpointSection
 from toolkit.config.data import DataSection
 from toolkit.config.lora_targets import lora_target_problem
 from toolkit.config.model_files import (attention_heads, context_problem, head_problem, kv_cache_problem, kv_heads,
-                                        main_tokenizer_problem, model_config, tokenizer_problem, tp_splits,
-                                        vllm_cpu_problem)
+                                        main_tokenizer_problem, model_config, packing_family_problem,
+                                        tokenizer_problem, tp_splits, vllm_cpu_problem)
 from toolkit.placement.layout import PRESETS, generation_with_actor, scored_in_training_step
 
 SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
@@ -492,6 +492,8 @@ class RunConfig(Section):
             raise ValueError("model.packing with ptx.coef > 0 is not supported (PTX text comes in padded rows); "
                              "remove one of them")
         problem = self.model.packing and packing_problem("model.packing", self.model.attn_implementation)
+        for field, path in self.sequence_models() if self.model.packing else ():
+            problem = problem or packing_family_problem(model_files(path, info), field, "model.packing")
         if problem:
             raise ValueError(problem)
         if budget is not None and self.ptx.coef > 0:

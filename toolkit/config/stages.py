@@ -14,7 +14,7 @@ from toolkit.config.base import (Allocator, Attention, CheckpointSection, Engine
                                  fp16_problem, model_files, packing_problem, pending_export)
 from toolkit.config.data import DataSection
 from toolkit.config.lora_targets import lora_target_problem
-from toolkit.config.model_files import context_problem, head_problem, main_tokenizer_problem
+from toolkit.config.model_files import context_problem, head_problem, main_tokenizer_problem, packing_family_problem
 
 
 class StageRunSection(Section):
@@ -116,7 +116,9 @@ class StageConfig(Section):
     def _batches(self, info: ValidationInfo) -> "StageConfig":
         ranks = self.placement.trainer.workers
         per_step = self.train.micro_batch_size * ranks
-        problem = self.train.packing and packing_problem("train.packing", self.model.attn_implementation)
+        problem = self.train.packing and (
+            packing_problem("train.packing", self.model.attn_implementation) or
+            packing_family_problem(model_files(self.model.base, info), "model.base", "train.packing"))
         problem = problem or fp16_problem(self.model.dtype, "trainer", self.placement.trainer)
         if problem:
             raise ValueError(problem)
