@@ -184,10 +184,12 @@ def test_token_budget_micro_batches_make_the_update_of_the_token_mean(tiny, tmp_
     """trainer.micro_batch_tokens: each of two trainer ranks takes its half of the update in one
     micro-batch, or in many small ones of a few rows (as many on both ranks, which cut their samples
     differently), padded or packed into one sequence each (model.packing, which also packs the reference
-    model's scoring), and it is the same update (the loss is the token mean of a rank's samples however
-    they are cut); rows of micro_batch_size (a mean of each micro-batch's token mean) make another."""
+    model's scoring), or one rank takes the whole update, and it is the same update (the loss is the token
+    mean of the update's samples however they are cut and shared out: before, of each rank's, so one rank
+    and two differed); rows of micro_batch_size (a mean of each micro-batch's token mean) make another."""
     two = {"trainer": {"workers": 2}}
     one_dir, one = run(tiny, tmp_path, "one", run={"steps": 1}, trainer={"micro_batch_tokens": 10**6}, placement=two)
+    alone_dir, _ = run(tiny, tmp_path, "alone", run={"steps": 1}, trainer={"micro_batch_tokens": 10**6})
     many_dir, many = run(tiny, tmp_path, "many", run={"steps": 1}, trainer={"micro_batch_tokens": 280}, placement=two)
     packed_dir, packed = run(tiny, tmp_path, "packed", run={"steps": 1}, trainer={"micro_batch_tokens": 280},
                              model={"actor": str(tiny / "model"), "packing": True}, placement=two)
@@ -196,9 +198,10 @@ def test_token_budget_micro_batches_make_the_update_of_the_token_mean(tiny, tmp_
     assert many[0]["padding_frac"] < one[0]["padding_frac"] and packed[0]["padding_frac"] == 0
     assert 2 <= packed[0]["micro_batches"] <= many[0]["micro_batches"]  # (280 tokens of samples, not of rows)
     assert one[0]["reward_mean"] == many[0]["reward_mean"] == packed[0]["reward_mean"] == rows[0]["reward_mean"]
-    weights, cut, by_rows, in_one = (load_file(d / "export" / "model.safetensors")
-                                     for d in (one_dir, many_dir, rows_dir, packed_dir))
+    weights, cut, by_rows, in_one, on_one_rank = (load_file(d / "export" / "model.safetensors")
+                                                  for d in (one_dir, many_dir, rows_dir, packed_dir, alone_dir))
     assert max((weights[k] - cut[k]).abs().max().item() for k in weights) < 1e-4  # (lr 1e-3)
+    assert max((weights[k] - on_one_rank[k]).abs().max().item() for k in weights) < 1e-4
     assert max((weights[k] - in_one[k]).abs().max().item() for k in weights) < 1e-4
     assert max((weights[k] - by_rows[k]).abs().max().item() for k in weights) > 1e-3
     assert abs(packed[0]["kl"] - one[0]["kl"]) < 1e-5  # the scorer's packed reference log-probs

@@ -540,7 +540,8 @@ class TrainerRole(Role):
                 self.ranks.send(exp.returns, self.partner)
         commit_s = self._commit(batch, exp) if commit else 0.0
         ptx = None if self.ptx is None else (lambda i: self.ptx.batch(batch.step, i))
-        stats = train_on(exp, self.actor, self.critic, cfg, self.shuffle_rng, ptx, self.ranks.max)
+        stats = train_on(exp, self.actor, self.critic, cfg, self.shuffle_rng, ptx, self.ranks.max, self.dp.sum,
+                         self.dp.world)
         mask = exp.mask
         # What each rank adds up: the actor's ranks the policy's figures, the critic's the values'.
         policy = torch.zeros(6, dtype=torch.float64)

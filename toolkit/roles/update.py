@@ -135,11 +135,13 @@ PER_RANK = ("micro_batches", "padding_frac")
 
 
 def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx=None,
-             agree_max: Callable[[int], int] = lambda n: n) -> dict[str, float]:
+             agree_max: Callable[[int], int] = lambda n: n,
+             sum_ranks: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, world: int = 1) -> dict[str, float]:
     """`algorithm.epochs` passes over the experience in micro-batches, `trainer.updates_per_step`
     optimizer steps each (see `micro_batches`). `ptx(i)` gives the i-th micro-batch of PTX text (ids,
     attention, loss mask) when the PTX mixture is on. `agree_max(n)`: the largest n over the trainer
-    ranks (token-budget micro-batches: every rank runs as many). Returns means of the loss statistics.
+    ranks (token-budget micro-batches: every rank runs as many); `sum_ranks(t)`: `t` summed over the `world`
+    data-parallel ranks of the models (to weigh those micro-batches). Returns means of the loss statistics.
     The models are in training mode meanwhile (activation checkpointing acts only then; RL has no dropout).
     `actor` or `critic` may be None: a rank of one of them (the critic on ranks of its own) trains it on
     the same micro-batches, in the same order, as the other's rank of the same shard."""
@@ -147,7 +149,7 @@ def train_on(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, 
     for m in models:
         m.train()
     try:
-        return _epochs(exp, actor, critic, cfg, shuffle_rng, ptx, agree_max)
+        return _epochs(exp, actor, critic, cfg, shuffle_rng, ptx, agree_max, sum_ranks, world)
     finally:
         for m in models:
             m.eval()
@@ -191,12 +193,24 @@ def _backward(engine, loss: torch.Tensor, share: float | None) -> None:
         engine.backward(loss * share, scale_wrt_gas=False)
 
 
-def _planned(exp: Experience, updates: list[list]):
-    """(index, last of its update, its share of the update's response tokens) of every micro-batch."""
-    for update in updates:
-        tokens = [float(exp.mask[torch.from_numpy(i)].sum()) for i in update]
+def _planned(exp: Experience, updates: list[list], sum_ranks: Callable[[torch.Tensor], torch.Tensor], world: int):
+    """(index, last of its update, its weight) of every micro-batch: its share of the response tokens of
+    its update over every data-parallel rank, times `world` (DeepSpeed averages the ranks' gradients), so
+    the update is the token mean of all its samples. (Each rank's own share made it a mean of the ranks'
+    token means: a rank of short responses weighed as much as one of long ones, and the same samples
+    trained differently on 1 rank and on 2.) One collective (`sum_ranks`) per call, on every rank."""
+    tokens = [[float(exp.mask[torch.from_numpy(i)].sum()) for i in update] for update in updates]
+    totals = sum_ranks(torch.tensor([sum(t) for t in tokens], dtype=torch.float64)).tolist()
+    for update, counts, total in zip(updates, tokens, totals):
         for k, index in enumerate(update):
-            yield torch.from_numpy(index), k == len(update) - 1, tokens[k] / (sum(tokens) or 1.0)
+            yield torch.from_numpy(index), k == len(update) - 1, counts[k] * world / (total or 1.0)
+
+
+def _rows(updates: list[list]):
+    """(index, last of its update, None) of every micro-batch of `micro_batch_size` rows."""
+    for update in updates:
+        for k, index in enumerate(update):
+            yield torch.from_numpy(index), k == len(update) - 1, None
 
 
 def split_to(batches: list[np.ndarray], count: int) -> list[np.ndarray]:
@@ -211,8 +225,8 @@ def split_to(batches: list[np.ndarray], count: int) -> list[np.ndarray]:
     return batches
 
 
-def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx,
-            agree_max: Callable[[int], int]) -> dict[str, float]:
+def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, ptx, agree_max: Callable[[int], int],
+            sum_ranks: Callable[[torch.Tensor], torch.Tensor], world: int) -> dict[str, float]:
     algo, trainer = cfg.algorithm, cfg.trainer
     n = len(exp.padded)
     sums: dict[str, float] = {}
@@ -230,14 +244,15 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
     if at_update:  # filled in below from each micro-batch's training forward
         exp.old_logprobs = torch.zeros_like(exp.padded.action_mask)
     # By token budget, micro-batches differ in size: the update's boundary is set here, and each
-    # micro-batch's token-mean loss is weighted by its share of the update's tokens (instead of
-    # DeepSpeed's 1 / gradient_accumulation_steps), so the loss is the token mean over the update.
+    # micro-batch's token-mean loss is weighted by its share of the update's tokens over the ranks (instead
+    # of DeepSpeed's 1 / gradient_accumulation_steps), so the loss is the token mean over the update.
     by_tokens = trainer.micro_batch_tokens is not None
     engines = [m for m in (actor, critic) if m is not None]
     for _ in range(algo.epochs):
         order = torch.randperm(n, generator=shuffle_rng) if trainer.updates_per_step > 1 or algo.epochs > 1 \
             else torch.arange(n)
-        for index, last, share in _planned(exp, micro_batches(exp, order, cfg, agree_max)):
+        planned = micro_batches(exp, order, cfg, agree_max)
+        for index, last, share in _planned(exp, planned, sum_ranks, world) if by_tokens else _rows(planned):
             if by_tokens:
                 for engine in engines:
                     engine.set_gradient_accumulation_boundary(last)
@@ -248,13 +263,12 @@ def _epochs(exp: Experience, actor, critic, cfg, shuffle_rng: torch.Generator, p
             tokens = float(part.mask.sum())
             with part.passes(engines):  # (forward and backward: activation checkpointing runs it again)
                 if actor is not None:
-                    _actor_micro_batch(exp, actor, cfg, part, ptx, count, share if by_tokens else None, add,
-                                       at_update)
+                    _actor_micro_batch(exp, actor, cfg, part, ptx, count, share, add, at_update)
                 if critic is not None:
                     values = critic(part.ids, **part.inputs)[:, :-1]
                     v_loss, v_stats = value_loss(values, part.take(exp.values), part.take(exp.returns), part.mask,
                                                  algo.value_clip_eps)
-                    _backward(critic, v_loss, share if by_tokens else None)
+                    _backward(critic, v_loss, share)
                     critic.step()
                     add("value_loss", v_loss.item())
                     add("value_clip_frac", v_stats["value_clip_frac"])
