@@ -139,6 +139,15 @@ def test_two_trainer_ranks_train_like_one(tiny, sft_run, tmp_path):
     assert abs(records(run_dir)[-1]["eval_loss"] - records(sft_run)[-1]["eval_loss"]) < 1e-4
 
 
+def test_the_micro_batch_size_does_not_change_what_sft_trains(tiny, sft_run, tmp_path):
+    """Rows of 2 instead of 8: the step's loss is the mean over all its response tokens either way (it was a
+    mean of the micro-batches' means, so a short response weighed as much as a long one, and a memory
+    setting changed the model)."""
+    run_dir = run_stage(tiny, tmp_path, "sft", train={"micro_batch_size": 2})
+    assert max_difference(run_dir, sft_run) < 1e-4
+    assert abs(records(run_dir)[-1]["eval_loss"] - records(sft_run)[-1]["eval_loss"]) < 1e-4
+
+
 def test_reward_model_learns_the_hidden_preference(rm_run):
     from toolkit.modeling import ScoreModel
 

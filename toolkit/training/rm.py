@@ -33,12 +33,13 @@ class RMTask:
         return p + r
 
     def batch(self, examples, packing: bool = False) -> dict:
-        """Chosen sequences first, then rejected, right-padded: one forward pass for both."""
+        """Chosen sequences first, then rejected, right-padded: one forward pass for both (`targets`: the
+        pairs its loss is a mean over)."""
         sequences = [self.sequence(ex.prompt, ex.chosen) for ex in examples]
         sequences += [self.sequence(ex.prompt, ex.rejected) for ex in examples]
         ids, attention = right_pad(sequences, self.pad_id)
         return {"input_ids": ids, "attention_mask": attention, "last": attention.sum(1) - 1,
-                "tokens": int(attention.sum()), "positions": ids.numel()}
+                "tokens": int(attention.sum()), "positions": ids.numel(), "targets": len(examples)}
 
     def loss(self, model, batch: dict, device) -> tuple[torch.Tensor, dict[str, float]]:
         scores = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))

@@ -37,8 +37,9 @@ class SFTTask:
         return prompt + response, len(prompt)
 
     def batch(self, examples, packing: bool = False) -> dict:
-        """The model inputs of a micro-batch and its loss mask (1 on response tokens). Packed, the batch's
-        `packed` (a `toolkit.packing.Packed`) is what its forward and backward passes run inside."""
+        """The model inputs of a micro-batch, its loss mask (1 on response tokens) and their count (`targets`:
+        what its loss is a mean over). Packed, the batch's `packed` (a `toolkit.packing.Packed`) is what its
+        forward and backward passes run inside."""
         rows = [self.tokens(ex) for ex in examples]
         padded_ids, attention = right_pad([seq for seq, _ in rows], self.pad_id)
         packed, ids, inputs = model_inputs(padded_ids, attention, packing)
@@ -50,14 +51,14 @@ class SFTTask:
             for i, (seq, n) in enumerate(rows):
                 mask[i, n: len(seq)] = 1
         return {"input_ids": ids, "inputs": inputs, "loss_mask": mask, "tokens": int(attention.sum()),
-                "positions": ids.numel(), "packed": packed}
+                "positions": ids.numel(), "packed": packed, "targets": int(mask.sum())}
 
     def loss(self, model, batch: dict, device) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss to minimise, sums for metrics): the token mean over the micro-batch's response tokens."""
         ids = batch["input_ids"].to(device)
         logits = model(input_ids=ids, **{k: v.to(device) for k, v in batch["inputs"].items()}).logits
         total, tokens = response_lm_loss(logits, ids, batch["loss_mask"].to(device))
-        return total / tokens.clamp(min=1), {"loss_sum": float(total), "target_tokens": float(tokens)}
+        return total / tokens.clamp(min=1), {"loss_sum": float(total.detach()), "target_tokens": float(tokens)}
 
     @staticmethod
     def summary(sums: dict[str, float], prefix: str = "") -> dict[str, float]:

@@ -135,11 +135,17 @@ class SupervisedRole(Role):
         started = time.monotonic()
         rows = self.data.next(t.batch_size)[self.ranks.rank * self.per_rank: (self.ranks.rank + 1) * self.per_rank]
         sums: dict[str, float] = {"tokens": 0.0, "positions": 0.0}
-        for start in range(0, len(rows), t.micro_batch_size):
-            batch = self.task.batch(rows[start: start + t.micro_batch_size], packing=t.packing)
+        batches = [self.task.batch(rows[start: start + t.micro_batch_size], packing=t.packing)
+                   for start in range(0, len(rows), t.micro_batch_size)]
+        # Each micro-batch's mean loss weighs by its share of the step's targets over every rank (DeepSpeed
+        # then averages the ranks): the step's loss is the mean over all its targets (SFT: response tokens),
+        # whatever the micro-batches. (DeepSpeed's 1 / accumulation steps made it a mean of the micro-batches'
+        # means: a response of 3 tokens weighed as much as one of 64, and micro_batch_size changed training.)
+        everywhere = self._sum({"targets": float(sum(b["targets"] for b in batches))})["targets"] or 1.0
+        for batch in batches:
             with inside([self.engine], batch.get("packed")):  # (forward and backward; see toolkit.packing)
                 loss, stats = self.task.loss(self.engine, batch, self.device)
-                self.engine.backward(loss)
+                self.engine.backward(loss * (batch["targets"] * self.ranks.world / everywhere), scale_wrt_gas=False)
             self.engine.step()
             for k, v in {**stats, "tokens": batch["tokens"], "positions": batch["positions"]}.items():
                 sums[k] = sums.get(k, 0.0) + v
