@@ -504,6 +504,36 @@ def test_packing_a_model_of_a_family_not_checked_packed_is_refused(tiny, tmp_pat
     assert load_config(write_config(tmp_path, data)).model.packing  # (a Llama: packed)
 
 
+def test_a_critic_or_reference_that_cannot_read_the_actors_token_ids_is_refused(tiny, tmp_path):
+    """The critic and the reference model read the actor's token ids as they are: one with fewer token
+    embeddings failed the run at its first step (index out of range), one with a tokenizer of other ids
+    scored other tokens, silently."""
+    import shutil
+
+    small = tmp_path / "small"
+    shutil.copytree(tiny / "reward_model", small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
+    data = example("tiny-ppo.yaml", tiny)
+    data["model"]["critic"] = str(small)
+    said = error_of(write_config(tmp_path, data))
+    assert f"model.critic: {small} has 300 token embeddings (vocab_size), fewer than the 512 ids" in said, said
+    other = tmp_path / "other"
+    shutil.copytree(tiny / "model", other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = list(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # (two tokens' ids swapped)
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    data = example("tiny-grpo.yaml", tiny)
+    data["model"]["reference"] = str(other)
+    said = error_of(write_config(tmp_path, data))
+    assert f"model.reference: {other} has a tokenizer of its own that gives 2 token(s) other ids" in said, said
+    data = example("tiny-ppo.yaml", tiny)
+    data["model"]["critic"] = str(tiny / "reward_model")  # (trained with the actor's tokenizer)
+    assert load_config(write_config(tmp_path, data)).model.critic
+
+
 def test_packing_with_ptx_is_refused(tiny, tmp_path):
     text = {"sources": [{"path": str(tiny / "pipeline.jsonl")}], "text_key": "response"}
     data = example("tiny-grpo.yaml", tiny, ptx={"coef": 1.0, "data": text})

@@ -130,6 +130,39 @@ def tokenizer_problem(path: str | Path, field: str, or_else: str = "") -> str | 
             f"tokenizer there (tokenizer.save_pretrained){or_else}")
 
 
+def vocabulary(path: str | Path) -> dict[str, int] | None:
+    """Token -> id of the fast tokenizer at `path` (tokenizer.json: its model's vocabulary and the added
+    tokens); None where there is none to read."""
+    try:
+        data = json.loads((Path(path) / "tokenizer.json").read_text(encoding="utf-8"))
+        vocab = data["model"]["vocab"]
+        ids = dict(vocab) if isinstance(vocab, dict) else {entry[0]: i for i, entry in enumerate(vocab)}
+        ids.update({t["content"]: t["id"] for t in data.get("added_tokens") or []})
+        return ids
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
+
+
+def vocabulary_problem(tokenizer_dir: str | Path, path: str | Path, field: str) -> str | None:
+    """Why the model at `path` (`field`: the reference model, the critic), which reads the actor's token ids
+    as they are, cannot: fewer token embeddings than the run's tokenizer has ids (a run fails at its first
+    step: index out of range), or a tokenizer of its own that maps tokens to other ids (its scores would be
+    of other tokens, silently)."""
+    run_ids, own_ids = vocabulary(tokenizer_dir), vocabulary(path)
+    need = max(run_ids.values()) + 1 if run_ids else None
+    size = model_config(path).get("vocab_size")
+    fix = (f"start {field} from the actor, or from a model trained with the actor's tokenizer (e.g. a reward "
+           "model of the pipeline's rm stage)")
+    if isinstance(size, int) and need is not None and size < need:
+        return (f"{field}: {path} has {size} token embeddings (vocab_size), fewer than the {need} ids of the run's "
+                f"tokenizer ({tokenizer_dir}), whose token ids it reads; {fix}")
+    if run_ids is not None and own_ids is not None and own_ids != run_ids:
+        other = sum(1 for token, i in own_ids.items() if run_ids.get(token) != i)
+        return (f"{field}: {path} has a tokenizer of its own that gives {other} token(s) other ids than the run's "
+                f"({tokenizer_dir}), whose token ids it reads; {fix}")
+    return None
+
+
 def has_chat_template(path: str | Path) -> bool | None:
     """Whether the tokenizer at `path` has a chat template (its own file, or tokenizer_config.json's entry);
     None where the directory is not there yet (a model an earlier stage of a pipeline writes)."""

@@ -19,7 +19,7 @@ from toolkit.config.data import DataSection
 from toolkit.config.lora_targets import lora_target_problem
 from toolkit.config.model_files import (attention_heads, context_problem, head_problem, kv_cache_problem, kv_heads,
                                         main_tokenizer_problem, model_config, packing_family_problem,
-                                        tokenizer_problem, tp_splits, vllm_cpu_problem)
+                                        tokenizer_problem, tp_splits, vllm_cpu_problem, vocabulary_problem)
 from toolkit.placement.layout import PRESETS, generation_with_actor, scored_in_training_step
 
 SYNC_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
@@ -477,6 +477,9 @@ class RunConfig(Section):
             problem = head_problem(path, field, wants) if wants and not pending else None
             if wants == "score" and not pending:  # (a reward model reads the texts with its own tokenizer)
                 problem = problem or tokenizer_problem(path, field)
+            if field in ("model.reference", "model.critic"):  # (they read the actor's token ids)
+                problem = problem or vocabulary_problem(model_files(self.tokenizer_path, info),
+                                                        model_files(path, info), field)
             if problem:
                 raise ValueError(problem)
         if not pending_export(self.tokenizer_path, info):
