@@ -20,7 +20,8 @@ ENV = "SLURM_RLHF_TEST_HOLD"
 MOMENTS = ("start-up", "registered", "loading", "generating", "scoring", "training", "syncing", "checkpointing",
            "boundary",  # a supervised stage's rank 0 between two steps
            "rejoining",  # a generator started again, between asking for its new weight-sync group and joining it
-           "evaluating")  # a generator given the held-out prompts of an evaluation (eval.every_steps)
+           "evaluating",  # a generator given the held-out prompts of an evaluation (eval.every_steps)
+           "re-registering")  # a worker started again (told where to listen), before it registers
 
 
 _reached: dict[str, int] = {}

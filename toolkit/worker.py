@@ -51,6 +51,8 @@ class Worker:
         has_inbox = cfg.stage == "rl" and (self.rank == 0 or any(self.group.receives(r) for r in self.group.roles))
         self.inbox = Inbox(self.ctx, self.codec, wenv.bind_host, t.max_inflight_messages,
                            t.max_message_mb, wenv.inbox_port) if has_inbox else None
+        if self.inbox is not None:
+            log.info("%s listens on %s", self.id, self.inbox.address)
         self.outboxes: dict = {}
         self.book: dict = {}
         self.resume: dict | None = None
@@ -59,7 +61,7 @@ class Worker:
         self.later: collections.deque = collections.deque()  # commands a role took while busy, handled next
 
     def run(self) -> None:
-        from toolkit.launch.env import node_name
+        from toolkit.launch.env import INBOX_PORT, node_name
         from toolkit.roles import make_role
 
         self.heartbeat.start()
@@ -70,6 +72,8 @@ class Worker:
         for role in self.roles.values():
             extra.update(role.prepare())
         self.status["phase"] = "registering"
+        if os.environ.get(INBOX_PORT):  # (a worker started again)
+            hold("re-registering", self.wenv.run_dir)
         step = os.environ.get("SLURM_STEP_ID")
         self.control.send("register", group=self.group.name, rank=self.rank, pid=os.getpid(), node=node_name(),
                           inbox=self.inbox.address if self.inbox else None,
@@ -182,7 +186,7 @@ class Worker:
             if msg.kind == kind and wanted(msg.meta):
                 return msg
             if msg.kind == "shutdown":
-                raise SystemExit(0)
+                raise ShutDown()
             log.warning("ignored command %r while waiting for %r", msg.kind, kind)
         raise TimeoutError(f"no {kind!r} from the coordinator within {timeout_s:.0f} s")
 
@@ -258,6 +262,11 @@ def _leave() -> None:
     remove_own()
 
 
+class ShutDown(BaseException):
+    """The driver said `shutdown` while the worker waited for another command: the worker's clean end
+    (any SystemExit is code the worker ran ending it: a failure)."""
+
+
 def _report_failure(worker, worker_id: str, error: BaseException) -> None:
     """Log the failure and tell the coordinator, with the end of the traceback (none for an error that
     says what happened and what to do: the log keeps it)."""
@@ -267,10 +276,13 @@ def _report_failure(worker, worker_id: str, error: BaseException) -> None:
     lines = traceback.format_exception(error)
     log.error("worker %s failed:\n%s", worker_id, "".join(lines))
     told = isinstance(error, (ToolkitError, DiskFull))
+    said = f"{type(error).__name__}: {error}"
+    if isinstance(error, SystemExit):
+        said = (f"SystemExit: {error.code if error.code not in (None, 0) else f'sys.exit({error.code!r})'} "
+                "(code the worker ran ended it: a worker ends only when the driver says so)")
     if worker is not None:
         try:
-            worker.control.send("failed", error=f"{type(error).__name__}: {error}",
-                                traceback="" if told else "".join(lines[-6:]))
+            worker.control.send("failed", error=said, traceback="" if told else "".join(lines[-6:]))
         except Exception:
             pass
 
@@ -330,13 +342,10 @@ def main() -> None:
                 torch.utils.deterministic.fill_uninitialized_memory = False
         worker.run()
         log.info("worker %s done", wenv.worker_id)
-    except SystemExit as e:
-        # SystemExit() and SystemExit(0) end the worker cleanly; SystemExit("message") (e.g. from a reward
-        # function or a library) or a non-zero code is a failure, reported like any other.
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if code:
-            _report_failure(worker, wenv.worker_id, e)
-    except BaseException as e:
+    except ShutDown:
+        log.info("worker %s told to shut down", wenv.worker_id)
+    except BaseException as e:  # (SystemExit too, even sys.exit() of a reward function: the driver restarted
+        # a worker that ended "cleanly" unasked, again and again, and said no cause)
         code = 1
         _report_failure(worker, wenv.worker_id, e)
     finally:

@@ -278,17 +278,21 @@ def test_killed_driver_leaves_no_workers(tiny, tmp_path):
         assert not left, f"left in TMPDIR: {left}"  # (each worker removed its own directory as it ended)
 
 
-def test_a_role_that_exits_with_a_message_fails_the_run_and_says_why(tiny, tmp_path):
-    """SystemExit("message") inside a role (here a reward function) is a failure, reported as such. The function
-    is given as a file beside the config (`quitting.py:reward`), which the scorer worker loads by its path."""
-    (tmp_path / "quitting.py").write_text("def reward(prompt, response, **kw):\n"
-                                          "    raise SystemExit('out of API quota')\n")
+@pytest.mark.parametrize("argument, said", [("'out of API quota'", "SystemExit: out of API quota (code the worker"),
+                                            ("", "SystemExit: sys.exit(None) (code the worker ran ended it")])
+def test_a_role_that_exits_fails_the_run_and_says_why(tiny, tmp_path, argument, said):
+    """SystemExit inside a role (here a reward function) is a failure, reported as such, with a message or
+    without (sys.exit(): before, a clean end, so the driver started the scorer again, and again, and failed
+    at last naming no cause). The function is given as a file beside the config (`quitting.py:reward`), which
+    the scorer worker loads by its path."""
+    (tmp_path / "quitting.py").write_text("import sys\n\n\ndef reward(prompt, response, **kw):\n"
+                                          f"    sys.exit({argument})\n")
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 2, "name": "q"},
                                             reward={"functions": [{"function": "quitting.py:reward"}]},
                                             rollout={"backend": "hf"}))
     result = cli("run", config, "--run-dir", tmp_path / "run")
     assert result.returncode == 1, result.stdout + result.stderr
-    assert ") failed: SystemExit: out of API quota" in result.stderr, result.stderr
+    assert f") failed: {said}" in result.stderr and "starting it again" not in result.stderr, result.stderr
     assert f"function: {tmp_path / 'quitting.py'}:reward\n" in (tmp_path / "run" / "config.yaml").read_text()
     assert_no_workers_left(tmp_path / "run")
 
