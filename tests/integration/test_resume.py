@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -26,8 +27,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import (REPO, alive, cli, exact_grpo, example, left_in, run_and_kill, start_held,
-                            tensorboard_scalars, wandb_history, write_config)
+from tests.conftest import (REPO, alive, assert_no_workers_left, cli, exact_grpo, example, left_in, run_and_kill,
+                            start_held, tensorboard_scalars, wandb_history, write_config)
 from tests.conftest import experience_commits as commits
 from toolkit.store import experience
 
@@ -432,6 +433,49 @@ def test_dead_or_hung_workers_are_started_again_alone_and_the_run_ends_as_if_not
         drawn = intervals(rows, rows[0]["t"], rows[-1]["t"])
         assert [p for p, *_ in drawn].count("restarting") == len(downs)
     assert not any(r["phase"] == "restarting" for r in timelines["trainer-0"])
+
+
+def test_a_worker_started_again_twice_listens_where_it_did_and_a_hung_one_is_started_again(baseline, tiny, tmp_path):
+    """The generator killed (-9) while it generates; the process started in its place killed before it
+    registers; the next one stopped (SIGSTOP) after it registered, while it rejoins the weight sync. Each is
+    started again, the last at its missed heartbeats (not after transport.startup_timeout_s, 600 s, as a
+    worker started again was), and every one listens on the generator's first port: before, a worker whose
+    replacement died before registering was started on a new port, where no prompt reached it (the run
+    stalled for transport.step_timeout_s). The run ends as the uninterrupted baseline."""
+    moment = fault_moments("twice", ("generator",))[0]
+    faults = [(moment, signal.SIGKILL), ("re-registering", signal.SIGKILL), ("rejoining", signal.SIGSTOP)]
+    run_dir, out, victims, pids = run_with_faults(baseline, tiny, tmp_path, faults)
+    assert out.count("starting it again alone (restart ") == 3, out
+    assert "sent no heartbeat for" in out and "restart 3 of run.max_worker_restarts 3" in out
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["worker_restarts"] == {"generator:0": 3}
+    first = (run_dir / "logs" / "generator-0.log").read_text()
+    inboxes = set(re.findall(r"generator:0 listens on (\S+)", first))
+    assert inboxes == {status["workers"]["generator:0"]["inbox"]}, (inboxes, status["workers"]["generator:0"])
+
+
+def test_a_worker_started_again_in_the_last_step_does_not_hold_the_runs_end(baseline, tiny, tmp_path):
+    """The scorer killed while the trainer trains the last step: its replacement is not registered yet when
+    the driver tells the workers to shut down, and the driver no longer waits 60 s for it (it never got
+    the word) before it stops it."""
+    from toolkit.hold import held_file
+
+    run_dir = tmp_path / "run"
+    hold = f"training@{STEPS}"
+    proc, _ = start_held(exact_grpo(tiny, tmp_path), run_dir, hold)
+    try:
+        scorer = json.loads((run_dir / "status.json").read_text())["workers"]["scorer:0"]["pid"]
+        os.kill(scorer, signal.SIGKILL)
+        held_file(run_dir, hold).unlink()
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert f"scorer worker rank 0 (scorer:0, pid {scorer} on node" in out and "starting it again alone" in out
+    assert "did not exit within 60 s of shutdown" not in out, out
+    assert_same_as_baseline(run_dir, baseline)
+    assert_no_workers_left(run_dir)
 
 
 def test_a_generator_started_again_has_only_the_samples_the_trainer_misses_generated_again(tiny, tmp_path):

@@ -116,9 +116,9 @@ class LocalLauncher:
                 exited.append(Exit(worker_id, proc.returncode))
         return exited
 
-    def wait(self, timeout_s: float) -> bool:
-        """Wait until every worker exited by itself; True if they all did in time."""
-        return wait_all(self.procs.values(), timeout_s)
+    def wait(self, timeout_s: float, leaving_out: list[str] = ()) -> bool:
+        """Wait until every worker (but those `leaving_out`) exited by itself; True if they all did in time."""
+        return wait_all([p for w, p in self.procs.items() if w not in leaving_out], timeout_s)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM every worker's process group, SIGKILL what is left after `grace_s`, and reap."""

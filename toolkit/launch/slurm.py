@@ -171,9 +171,10 @@ class SlurmLauncher:
             exited.append(Exit(f"{name}:{rank}", code if code or not failure else 1, detail))
         return exited
 
-    def wait(self, timeout_s: float) -> bool:
-        """Wait until every step has ended; True if they all did in time."""
-        return wait_all(self.steps.values(), timeout_s)
+    def wait(self, timeout_s: float, leaving_out: list[str] = ()) -> bool:
+        """Wait until every step (but those of workers `leaving_out`) has ended; True if they all did in time."""
+        skipped = {w.split(":")[0] for w in leaving_out}
+        return wait_all([p for name, p in self.steps.items() if name not in skipped], timeout_s)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """End every step: SIGTERM through srun (it signals the tasks), then scancel -s KILL what is left."""

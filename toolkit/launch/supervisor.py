@@ -52,6 +52,8 @@ class Supervisor:
         self.steps: int | None = getattr(cfg.run, "steps", None)  # (a supervised stage says it when ready)
         self.train_rows: int | None = None  # (a supervised stage's, which its steps follow from; said when ready)
         self.book: dict[str, dict] = {}
+        self.inboxes: dict[str, str] = {}  # each worker's first inbox address (kept: a worker started again
+        # listens there, where its peers send; it is in the book only until the worker is started again)
         self.ready: set[str] = set()
         self.trained: dict[int, dict] = {}  # metrics the trainer reported, by step, not written yet
         self.stopping = False
@@ -323,7 +325,9 @@ class Supervisor:
         for worker_id in self.worker_ids:
             self.coordinator.send(worker_id, "shutdown")
         with self.coordinator.answering():  # (a worker that takes long to end must not think the driver gone)
-            ended = self.launcher.wait(timeout_s=60)
+            # A worker started again that has not registered yet gets no `shutdown` (nor is its register
+            # handled now): the wait ends with those that got one.
+            ended = self.launcher.wait(timeout_s=60, leaving_out=[w for w in self.restarting if w not in self.book])
         if not ended:
             log.warning("some workers did not exit within 60 s of shutdown; stopping them")
 
@@ -368,6 +372,8 @@ class Supervisor:
             log.warning("message %r from unknown worker %r ignored", msg.kind, worker_id)
         elif msg.kind == "register":
             self.book[worker_id] = {k: m.get(k) for k in ("group", "rank", "pid", "node", "inbox", "store")}
+            if m.get("inbox"):
+                self.inboxes.setdefault(worker_id, m["inbox"])
             # The launcher knows the step's real id (in a heterogeneous job, the component's job id).
             self.book[worker_id]["slurm_step"] = self.launcher.step_id(m.get("group", "")) or m.get("slurm_step")
             log.info("registered %s (pid %s on %s)", worker_id, m.get("pid"), m.get("node"))
@@ -450,7 +456,7 @@ class Supervisor:
             raise self._lost(ended.worker_id, self._exited(ended) + self._no_restart_left(ended.worker_id))
         limit = self.cfg.transport.heartbeat_timeout_s
         for worker_id, silent_s in self.coordinator.silent(self.worker_ids, limit):
-            if worker_id in self.restarting:  # (started again with another's step just now)
+            if worker_id in self.restarting and worker_id not in self.book:  # (started again: not registered yet)
                 continue
             if self._may_restart(worker_id):
                 self._restart(worker_id, f"sent no heartbeat for {silent_s:.0f} s (hung?)")
@@ -509,8 +515,7 @@ class Supervisor:
         how = f"with the other task(s) of its step, {', '.join(others)}" if others else "alone"
         self.echo(f"{self._describe(worker_id)} {why}; starting it again {how} (restart {self.worker_restarts} "
                   f"of run.max_worker_restarts {self.cfg.run.max_worker_restarts})\n{self._log_hint(worker_id)}")
-        ports = {int(w.split(":")[1]): int(inbox.rsplit(":", 1)[1]) for w in together
-                 if (inbox := (self.book.get(w) or {}).get("inbox"))}
+        ports = {int(w.split(":")[1]): int(self.inboxes[w].rsplit(":", 1)[1]) for w in together if w in self.inboxes}
         with self.coordinator.answering():  # (the scancel of a hung step and its end can take a minute)
             self.launcher.restart(worker_id, E.inbox_ports(ports))
         if isinstance(self.echo, Progress):
