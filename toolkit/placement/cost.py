@@ -29,7 +29,8 @@ generate + max(0, score + train - generation_idle * generate) + sync + transport
             n = the sequences of a wave (vLLM: what its KV cache holds; transformers: its batch)
   score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker; a
             reference or reward model with the trainer: each trainer rank its shard)
-  train     old log-probs (and values): 2*P*n*L/F + calls * c_forward;
+  train     old log-probs (and values; with LoRA the reference's too, the actor without its adapters):
+            2*P*n*L/F + calls * c_forward;
             forward+backward k*P*n*L*epochs/F + micro-batches * c_micro, k = 2 (forward) + 2 (gradients
             of the activations) + 2 (of the weights; 0 with LoRA, whose adapters are too small to count)
             + 2 with checkpointing (the forward pass again);
@@ -138,7 +139,7 @@ class Switches:
 @dataclass(frozen=True)
 class Workload:
     actor: ModelShape
-    reference: ModelShape
+    reference: ModelShape | None       # None with LoRA (set by __post_init__): the actor without its adapters
     critic: ModelShape | None          # PPO only
     reward_models: tuple[ModelShape, ...]
     samples: int                       # per step
@@ -155,6 +156,10 @@ class Workload:
     max_policy_lag: int = 0            # >= 1: generation of the next steps overlaps training (async)
 
     def __post_init__(self):
+        # with LoRA the reference is the actor with its adapters disabled, run by the trainer (RunConfig.hosts):
+        # no model of its own to place, hold or send samples to
+        if self.switches.lora_rank:
+            object.__setattr__(self, "reference", None)
         # the critic and reward models end in a value head: one output per token
         if self.critic is not None:
             object.__setattr__(self, "critic", dataclasses.replace(self.critic, value_head=True))
@@ -192,6 +197,12 @@ def trained_models(w: Workload, hosted: tuple[str, ...] = ("actor", "critic")) -
     (`--actor_lora_dim`) and OpenRLHF."""
     return ([(w.actor, True)] * ("actor" in hosted)
             + ([(w.critic, False)] if w.critic is not None and "critic" in hosted else []))
+
+
+def scoring_models(w: Workload) -> tuple[tuple[str, list[ModelShape]], ...]:
+    """The scoring roles with the models each holds: the reference (none with LoRA, where the trainer runs
+    the actor without its adapters instead) and the reward role's reward models (maybe none: functions)."""
+    return (("reference", [w.reference]),) * (w.reference is not None) + (("reward", list(w.reward_models)),)
 
 
 def switches_of(sw: Switches, lora: bool) -> Switches:
@@ -362,7 +373,7 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
     # (with the trainer under ZeRO-3, sharded over its ranks: the scoring roles' `sharded`; offloading
     # leaves those on the device, and moves the others there for their own phase only)
     scoring = []  # (what each scoring role moved to host memory needs in its phase, the trainer's state then)
-    for role, shapes_of in (("reference", [w.reference]), ("reward", list(w.reward_models))):
+    for role, shapes_of in scoring_models(w):
         if role in models:
             deferred = scored_in_training_step(models, role, workers)  # (in the training step, state back)
             sharded = deferred and s.zero_stage == 3
@@ -475,7 +486,7 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
 
     busy = {g.name: 0.0 for g in s.groups}  # seconds each group works a step (for the overlap of async mode)
     each = math.ceil(w.samples / g_workers)  # what each generating worker sends on
-    for model, shapes in (("reference", [w.reference]), ("reward", list(w.reward_models))):
+    for model, shapes in scoring_models(w):
         group, sharded = s.group(model), False
         if s.together(model, "generation"):
             n, workers, calls = each, g_workers, 1         # right after generation, on each worker
@@ -506,6 +517,8 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
     trains = {}
     for g in s.trainers:
         train = sum(forward_s(m, math.ceil(n), t_workers) for m, _ in trained_models(w, g.trains))
+        if w.reference is None and "actor" in g.trains:  # LoRA: the reference's log-probs, adapters disabled
+            train += forward_s(w.actor, math.ceil(n), t_workers)
         for m, lora in trained_models(w, g.trains):
             sw = switches_of(w.switches, lora)
             passes = 2 + 2 + (0 if sw.lora_rank else 2) + (2 if sw.checkpointing else 0)  # FLOPs per parameter and token

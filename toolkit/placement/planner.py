@@ -49,6 +49,7 @@ class Found:
     estimated: int = 0
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # strategy: layouts not estimated
     strategies: tuple[str, ...] = STRATEGIES  # (those searched)
+    unused: tuple[str, ...] = ()  # presets with a group that would host nothing of this run (LoRA: a reference's)
 
 
 def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float | None = None,
@@ -64,7 +65,8 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
         prompt_tokens = mean_prompt_tokens(cfg)
     t = cfg.trainer
     return Workload(
-        actor=shape("actor", cfg.model.actor), reference=shape("reference", cfg.reference_path),
+        actor=shape("actor", cfg.model.actor),
+        reference=shape("reference", cfg.reference_path) if cfg.hosts("reference") else None,  # (LoRA: none)
         critic=shape("critic", cfg.critic_path) if cfg.run.algorithm == "ppo" else None,
         reward_models=tuple(shape("reward", m.path) for m in cfg.reward.models),
         samples=cfg.samples_per_step, prompts=cfg.rollout.prompts_per_step, prompt_tokens=prompt_tokens,
@@ -111,7 +113,11 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     heap: list = []  # (-step_s, n, Candidate): the `keep` fastest that fit
     closest: list = []  # (-peak, n, Candidate): the `keep` closest to fitting
     of_strategy: dict[str, tuple[float, Candidate]] = {}
-    found = Found([], [], strategies=tuple(strategies))
+    # (LoRA: no reference model; a preset whose group would host nothing else is no layout of this run)
+    layouts_of = {strategy: _preset_layout(strategy, w) for strategy in strategies}
+    unused = tuple(strategy for strategy in strategies if layouts_of[strategy] is None)
+    strategies = [strategy for strategy in strategies if layouts_of[strategy] is not None]
+    found = Found([], [], strategies=tuple(strategies), unused=unused)
     # (vLLM gives each rank as many attention heads and key/value heads: a size that does not split the
     # policy's cannot start; a shape guessed from a parameter count knows neither)
     tps = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node and cluster.gpus_per_node % t == 0
@@ -155,8 +161,7 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
         return not s.offload or offload is True or any(memory(g, s, w, cluster).moves for g in s.groups)
 
     for strategy in strategies:
-        layout = [(name, tuple(m for m in models if m != "critic" or w.critic is not None))  # GRPO: no critic
-                  for name, models in PRESETS[strategy].items()]
+        layout = layouts_of[strategy]
         own_generator = not generation_with_actor(models for _, models in layout)
         # PPO: the critic with the actor, or on ranks of its own (with a generator of its own, as OpenRLHF
         # runs it)
@@ -226,6 +231,15 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     kept = [c for _, _, c in sorted(closest, key=lambda item: (-item[0], item[1]))]
     found.rejected = kept + [c for _, c in of_strategy.values() if c not in kept]
     return found
+
+
+def _preset_layout(strategy: str, w: Workload) -> list[tuple[str, tuple[str, ...]]] | None:
+    """The groups ((name, models), ...) of preset `strategy` with the models workload `w` has: no critic
+    but with PPO, no reference with LoRA (the actor without its adapters, run by the trainer); None when a
+    group would then host nothing (colocate_critic_reward's reference group, under LoRA)."""
+    missing = {m for m, shape in (("critic", w.critic), ("reference", w.reference)) if shape is None}
+    layout = [(name, tuple(m for m in models if m not in missing)) for name, models in PRESETS[strategy].items()]
+    return None if any(not models for _, models in layout) else layout
 
 
 def _offloads(cluster, groups_models, only: bool | None = None) -> tuple[bool, ...]:
@@ -430,6 +444,9 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
                          f"{'; '.join(closest.estimate.short)}")
     missing = [s for s in found.strategies if s not in {c.setting.strategy for c in [*fit, *rejected]}
                and s not in found.skipped]
+    if found.unused:
+        lines.append("not weighed, as a group of theirs would host nothing (with trainer.lora the reference is "
+                     "the actor without its adapters, run by the trainer): " + ", ".join(found.unused))
     if missing and not cluster.shared:
         lines.append(f"not possible on {cluster.nodes} node(s) (a node group owns whole nodes, except a "
                      f"generator on the trainer's): " + ", ".join(
