@@ -61,6 +61,50 @@ def test_counts_of_the_tiny_families_match_transformers(family):
     assert ours.total == total and abs(ours.active - active) < 1
 
 
+def peft_adapters(config: dict, targets) -> int:
+    """Parameters peft gives LoRA of rank 16 on `targets` (its target_modules) of the model transformers builds
+    from `config` on the meta device."""
+    import warnings
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    c = dict(config)
+    cfg = AutoConfig.for_model(c.pop("model_type"), **{k: v for k, v in c.items() if k != "architectures"})
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (peft on a mixture's fused experts)
+        model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=16, target_modules=targets))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_lora_adapters_of_mixtures_are_each_experts():
+    """peft 0.21 (rank 16, all-linear) on Mixtral-8x7B and Qwen3-30B-A3B as transformers 5 builds them gave
+    359,665,664 and 996,507,648 adapter parameters; counting one gated MLP a layer gave 41.9M and 16.7M."""
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
+    assert ModelShape.from_config(fixtures / "mistralai--Mixtral-8x7B-v0.1.json").lora_params(16) == 359_665_664
+    assert ModelShape.from_config(fixtures / "Qwen--Qwen3-30B-A3B.json").lora_params(16) == 996_507_648
+
+
+# A target_modules list for each family: layers of attention and of the MLP (a mixture: its router and experts)
+LISTS = {"opt": ["q_proj", "fc2"], "gpt2": ["c_attn", "c_fc"], "gpt_neox": ["query_key_value", "dense_4h_to_h"],
+         "mixtral": ["q_proj", "gate", "w2"], "qwen3_moe": ["k_proj", "gate", "down_proj"]}
+
+
+@pytest.mark.parametrize("config", [json.loads(p.read_text()) for p in CONFIGS]
+                         + [getattr(__import__("transformers"), TINY[f][0])(**TINY[f][1]).to_dict() for f in sorted(TINY)],
+                         ids=[p.stem for p in CONFIGS] + [f"tiny-{f}" for f in sorted(TINY)])
+def test_lora_adapters_are_what_peft_gives_every_family_and_mixtures_each_expert(config, tmp_path):
+    """LoRA's adapters as peft counts them (rank 16): on every linear layer of the blocks (all-linear: OPT's,
+    GPT-2's and GPT-NeoX's two MLP matrices; each expert of a mixture, its router, a shared expert), and on
+    the layers a list names."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = ModelShape.from_config(tmp_path)
+    targets = LISTS.get(config["model_type"], ["q_proj", "v_proj", "down_proj"])
+    assert shape.lora_params(16) == peft_adapters(config, "all-linear")
+    assert shape.lora_params(16, tuple(targets)) == peft_adapters(config, targets)
+
+
 def test_an_unknown_architecture_says_what_to_pass(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "bloom", "architectures": ["BloomForCausalLM"], "hidden_size": 64}))

@@ -77,6 +77,7 @@ class ModelShape:
     ffn: int | None = None              # the MLP's inner width (None: 4 x hidden)
     value_head: bool = False            # one output per token (critic, reward model), not the vocabulary
     heads: int | None = None            # attention (query) heads, where known: vLLM's TP size must divide them
+    linears: tuple = ()                 # what LoRA may adapt (shapes.Linear); () : a Llama-like block's seven
 
     @property
     def outputs(self) -> int:
@@ -99,7 +100,7 @@ class ModelShape:
         config = json.loads(file.read_text())
         n = count(config, str(file))
         return cls(float(n.total), n.layers, n.hidden, n.vocab, n.kv_heads, n.head_dim, float(n.active), n.ffn,
-                   heads=attention_heads(config))
+                   heads=attention_heads(config), linears=n.linears)
 
     @classmethod
     def from_params(cls, params: float, vocab: int = 32000) -> "ModelShape":
@@ -111,12 +112,23 @@ class ModelShape:
     def kv_bytes_per_token(self, dtype_bytes: int) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
-    def lora_params(self, rank: int) -> float:
-        """Adapter parameters of LoRA on every linear layer of the blocks (peft's "all-linear"): rank x
-        (inputs + outputs) of the query, key, value and output projections and the gated MLP's three."""
-        ffn = self.ffn or 4 * self.hidden
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        return float(rank * self.layers * (2 * (h + h) + 2 * (h + kv) + 3 * (h + ffn)))
+    def lora_params(self, rank: int, targets: tuple[str, ...] | None = None) -> float:
+        """Adapter parameters of LoRA of `rank` on the linear layers `targets` names (peft's target_modules;
+        None: "all-linear", every linear layer of the blocks): rank x (inputs + outputs) of each, a
+        mixture's experts each (shapes.Linear). A shape without its layers (from a parameter count): a
+        Llama-like block's query, key, value and output projections and the gated MLP's three."""
+        from toolkit.placement.shapes import Linear
+
+        linears = self.linears
+        if not linears:
+            h, kv, ffn = self.hidden, self.kv_heads * self.head_dim, self.ffn or 4 * self.hidden
+            q = self.heads * self.head_dim if self.heads else h
+            linears = tuple(Linear(path, i, o, self.layers) for path, i, o in (
+                ("self_attn.q_proj", h, q), ("self_attn.k_proj", h, kv), ("self_attn.v_proj", h, kv),
+                ("self_attn.o_proj", q, h), ("mlp.gate_proj", h, ffn), ("mlp.up_proj", h, ffn),
+                ("mlp.down_proj", ffn, h)))
+        return float(sum(m.adapters(rank) for m in linears
+                         if targets is None or any(m.named_by(t) for t in targets)))
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,7 @@ class Switches:
     offload_optimizer: bool = False     # Adam states and master weights in host memory
     offload_params: bool = False        # ZeRO-3: the parameters too
     lora_rank: int | None = None        # only adapters train
+    lora_targets: tuple[str, ...] | None = None  # the layers they adapt (trainer.lora.target_modules; None: all)
 
     def config(self) -> list[str]:
         """The config settings that turn these switches on."""
@@ -207,12 +220,12 @@ def scoring_models(w: Workload) -> tuple[tuple[str, list[ModelShape]], ...]:
 
 def switches_of(sw: Switches, lora: bool) -> Switches:
     """The switches as a model with (`lora`) or without LoRA has them."""
-    return sw if lora or sw.lora_rank is None else dataclasses.replace(sw, lora_rank=None)
+    return sw if lora or sw.lora_rank is None else dataclasses.replace(sw, lora_rank=None, lora_targets=None)
 
 
 def trained_params(m: ModelShape, sw: Switches) -> float:
     """Parameters that get gradients and optimizer states: all of them, or with LoRA the adapters'."""
-    return m.lora_params(sw.lora_rank) if sw.lora_rank else m.params
+    return m.lora_params(sw.lora_rank, sw.lora_targets) if sw.lora_rank else m.params
 
 
 def trainer_memory(m: ModelShape, w: Workload, world: int, zero: int, micro_batch: int,
@@ -242,7 +255,7 @@ def remedy(models: list[tuple[ModelShape, bool]], w: Workload, world: int, zero:
     on = w.switches
     for r in REMEDIES:
         sw = Switches(r.checkpointing or on.checkpointing, (r.offload_optimizer and zero >= 1) or on.offload_optimizer,
-                      on.offload_params, on.lora_rank or r.lora_rank)
+                      on.offload_params, on.lora_rank or r.lora_rank, on.lora_targets)
         if sw == on:
             continue
         need = others + sum(trainer_memory(m, w, world, zero, micro_batch, switches_of(sw, lora)) for m, lora in models)

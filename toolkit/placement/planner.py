@@ -76,7 +76,9 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
         max_policy_lag=cfg.rollout.max_policy_lag,
         updates_per_step=cfg.trainer.updates_per_step, epochs=cfg.algorithm.epochs,
         switches=Switches(t.gradient_checkpointing, t.offload_optimizer, t.offload_params,
-                          t.lora.rank if t.lora is not None else None))
+                          t.lora.rank if t.lora is not None else None,
+                          tuple(t.lora.target_modules) if t.lora is not None and t.lora.target_modules != "all-linear"
+                          else None))
 
 
 def mean_prompt_tokens(cfg, limit: int = 256) -> float:

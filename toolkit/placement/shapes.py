@@ -18,6 +18,30 @@ from toolkit.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class Linear:
+    """Weight matrices LoRA may adapt (peft's `all-linear`: every linear layer but the output head): `copies`
+    of an `inputs` x `outputs` matrix at `path` in a block. A mixture's experts are one parameter per layer
+    in transformers 5 (each expert's gate and up projections fused, then the down projections), which peft
+    0.21 adapts as one: an A of `ranks` x r rows (r per expert and per matrix fused) and one B over all
+    outputs. `fused`: the projections' own names, which a target_modules list names (peft needs all of them)."""
+
+    path: str
+    inputs: int
+    outputs: int
+    copies: int
+    ranks: int = 1
+    fused: tuple[str, ...] = ()
+
+    def named_by(self, target: str) -> bool:
+        """Whether peft's `target_modules` entry `target` (a layer's name or the end of its path) names it."""
+        names = [self.path] + [f"{self.path.rpartition('.')[0]}.{name}" for name in self.fused]
+        return any(f".{name}".endswith(f".{target}") for name in names)
+
+    def adapters(self, rank: int) -> int:
+        return self.copies * rank * self.ranks * (self.inputs + self.outputs)
+
+
+@dataclass(frozen=True)
 class Count:
     total: float
     active: float
@@ -27,6 +51,7 @@ class Count:
     kv_heads: int
     head_dim: int
     ffn: int  # the MLP's inner width (a mixture of experts: one expert's)
+    linears: tuple[Linear, ...] = ()  # what LoRA may adapt
 
 
 def _attention(c: dict, h: int, heads: int, kv: int, hd: int, qkv_bias: bool, o_bias: bool) -> int:
@@ -64,29 +89,53 @@ def _decoder(c: dict, family: str) -> Count:
     dense_mlp = 3 * h * c.get("intermediate_size", 4 * h) + (
         2 * c.get("intermediate_size", 4 * h) + h if c.get("mlp_bias") else 0)
     total = active = 0.0
+    linears: dict[tuple, int] = {}  # (path, inputs, outputs, ranks, fused): layers that have it
+
+    def add(*matrices: tuple) -> None:
+        for m in matrices:
+            linears[m] = linears.get(m, 0) + 1
+
+    def mlp(path: str, width: int) -> tuple:
+        return ((f"{path}.gate_proj", h, width, 1, ()), (f"{path}.up_proj", h, width, 1, ()),
+                (f"{path}.down_proj", width, h, 1, ()))
+
     for i in range(layers):
         total += attention + norms
         active += attention + norms
+        add(("self_attn.q_proj", h, heads * hd, 1, ()), ("self_attn.k_proj", h, kv * hd, 1, ()),
+            ("self_attn.v_proj", h, kv * hd, 1, ()), ("self_attn.o_proj", heads * hd, h, 1, ()))
         if family == "mixtral":
             experts, top = c["num_local_experts"], c["num_experts_per_tok"]
             expert = 3 * h * c["intermediate_size"]
             total += h * experts + experts * expert
             active += h * experts + top * expert
+            width = c["intermediate_size"]
+            add(("mlp.gate", h, experts, 1, ()), ("mlp.experts.gate_up_proj", h, 2 * width, 2 * experts, ("w1", "w3")),
+                ("mlp.experts.down_proj", width, h, experts, ("w2",)))
         elif family in ("qwen2_moe", "qwen3_moe") and _moe_layer(c, i):
             experts, top = c["num_experts"], c["num_experts_per_tok"]
             expert = 3 * h * c["moe_intermediate_size"]
             shared = 0
+            width = c["moe_intermediate_size"]
+            if family == "qwen3_moe":  # (peft 0.21 maps no Qwen2-MoE names onto transformers 5's router and
+                add(("mlp.gate", h, experts, 1, ()),  # experts, so it adapts neither there)
+                    ("mlp.experts.gate_up_proj", h, 2 * width, 2 * experts, ("gate_proj", "up_proj")),
+                    ("mlp.experts.down_proj", width, h, experts, ("down_proj",)))
             if family == "qwen2_moe" and c.get("shared_expert_intermediate_size"):
                 shared = 3 * h * c["shared_expert_intermediate_size"] + h  # and its one-output gate
+                add(*mlp("mlp.shared_expert", c["shared_expert_intermediate_size"]),
+                    ("mlp.shared_expert_gate", h, 1, 1, ()))
             total += h * experts + experts * expert + shared
             active += h * experts + top * expert + shared
         else:
             total += dense_mlp
             active += dense_mlp
+            add(*mlp("mlp", c.get("intermediate_size", 4 * h)))
     tied = c.get("tie_word_embeddings", family in ("gemma", "gemma2"))
     rest = vocab * h * (1 if tied else 2) + h  # embeddings (and LM head), final norm
     ffn = c.get("moe_intermediate_size") or c.get("intermediate_size", 4 * h)
-    return Count(total + rest, active + rest, layers, h, vocab, kv, hd, ffn)
+    return Count(total + rest, active + rest, layers, h, vocab, kv, hd, ffn,
+                 tuple(Linear(path, i, o, n, r, f) for (path, i, o, r, f), n in linears.items()))
 
 
 def _opt(c: dict) -> Count:
@@ -101,7 +150,11 @@ def _opt(c: dict) -> Count:
     tied = c.get("tie_word_embeddings", True)
     total = layers * per_layer + vocab * proj * (1 if tied else 2) + positions + projections + final
     heads = c["num_attention_heads"]
-    return Count(total, total, layers, h, vocab, heads, h // heads, ffn)
+    linears = (*(Linear(f"self_attn.{name}", h, h, layers) for name in ("q_proj", "k_proj", "v_proj", "out_proj")),
+               Linear("fc1", h, ffn, layers), Linear("fc2", ffn, h, layers))
+    if proj != h:
+        linears += (Linear("decoder.project_in", proj, h, 1), Linear("decoder.project_out", h, proj, 1))
+    return Count(total, total, layers, h, vocab, heads, h // heads, ffn, linears)
 
 
 def _gpt2(c: dict) -> Count:
@@ -111,7 +164,9 @@ def _gpt2(c: dict) -> Count:
     tied = c.get("tie_word_embeddings", True)
     total = layers * per_layer + vocab * h * (1 if tied else 2) + c["n_positions"] * h + 2 * h
     heads = c["n_head"]
-    return Count(total, total, layers, h, vocab, heads, h // heads, inner)
+    linears = (Linear("attn.c_attn", h, 3 * h, layers), Linear("attn.c_proj", h, h, layers),
+               Linear("mlp.c_fc", h, inner, layers), Linear("mlp.c_proj", inner, h, layers))
+    return Count(total, total, layers, h, vocab, heads, h // heads, inner, linears)
 
 
 def _gpt_neox(c: dict) -> Count:
@@ -123,7 +178,9 @@ def _gpt_neox(c: dict) -> Count:
     tied = c.get("tie_word_embeddings", False)
     total = layers * per_layer + vocab * h * (1 if tied else 2) + 2 * h
     heads = c["num_attention_heads"]
-    return Count(total, total, layers, h, vocab, heads, h // heads, ffn)
+    linears = (Linear("attention.query_key_value", h, 3 * h, layers), Linear("attention.dense", h, h, layers),
+               Linear("mlp.dense_h_to_4h", h, ffn, layers), Linear("mlp.dense_4h_to_h", ffn, h, layers))
+    return Count(total, total, layers, h, vocab, heads, h // heads, ffn, linears)
 
 
 FAMILIES = {"llama": _decoder, "mistral": _decoder, "qwen2": _decoder, "qwen3": _decoder, "gemma": _decoder,
