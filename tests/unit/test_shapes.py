@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.errors import ConfigError
-from toolkit.placement.cost import ModelShape
+from toolkit.placement.cost import ModelShape, Workload
 from toolkit.placement.shapes import FAMILIES, count
 from toolkit.tiny import FAMILIES as TINY
 
@@ -59,6 +59,27 @@ def test_counts_of_the_tiny_families_match_transformers(family):
     ours = count(config)
     total, active = built(config)
     assert ours.total == total and abs(ours.active - active) < 1
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_critics_and_reward_models_count_a_score_head_not_an_lm_head(path):
+    """A critic or reward model is transformers' ...ForSequenceClassification (one label): no LM head, a
+    score head of hidden x 1 (OPT: of its projection's width). Meta-Llama-3-8B's was counted with its
+    untied 525M LM head (+7.0%)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = json.loads(path.read_text())
+    c = dict(config)
+    cfg = AutoConfig.for_model(c.pop("model_type"), **{k: v for k, v in c.items() if k != "architectures"})
+    cfg.num_labels = 1
+    with torch.device("meta"):
+        built_params = sum(p.numel() for p in AutoModelForSequenceClassification.from_config(cfg).parameters())
+    shape = ModelShape.from_config(path)
+    critic = Workload(actor=shape, reference=shape, critic=shape, reward_models=(shape,), samples=1, prompts=1,
+                      prompt_tokens=1, response_tokens=1).critic
+    assert abs(critic.params - built_params) / built_params < 0.01, (critic.params, built_params)
+    assert critic.params == shape.params - shape.lm_head + critic.score_inputs and critic.outputs == 1
 
 
 def peft_adapters(config: dict, targets) -> int:

@@ -78,6 +78,8 @@ class ModelShape:
     value_head: bool = False            # one output per token (critic, reward model), not the vocabulary
     heads: int | None = None            # attention (query) heads, where known: vLLM's TP size must divide them
     linears: tuple = ()                 # what LoRA may adapt (shapes.Linear); () : a Llama-like block's seven
+    lm_head: float | None = None        # parameters of an output head of its own (0: tied; None: not known)
+    score_inputs: int = 0               # a value head's inputs (score: hidden x 1; OPT: its projection's)
 
     @property
     def outputs(self) -> int:
@@ -100,7 +102,7 @@ class ModelShape:
         config = json.loads(file.read_text())
         n = count(config, str(file))
         return cls(float(n.total), n.layers, n.hidden, n.vocab, n.kv_heads, n.head_dim, float(n.active), n.ffn,
-                   heads=attention_heads(config), linears=n.linears)
+                   heads=attention_heads(config), linears=n.linears, lm_head=float(n.lm_head), score_inputs=n.score_inputs)
 
     @classmethod
     def from_params(cls, params: float, vocab: int = 32000) -> "ModelShape":
@@ -108,6 +110,16 @@ class ModelShape:
         layers = 16 if params < 1.5e9 else 32 if params < 1.5e10 else 48 if params < 4e10 else 80
         hidden = int(math.sqrt(max(params - 2 * vocab * 1024, params / 2) / (12 * layers)) // 128 * 128) or 128
         return cls(float(params), layers, hidden, vocab, max(hidden // 128 // 4, 1), 128)
+
+    def value_model(self) -> "ModelShape":
+        """This model as a critic or reward model (transformers' ...ForSequenceClassification): no LM head
+        of its own, a score head of hidden x 1 instead, one output per token. (A shape from a parameter
+        count keeps its count.)"""
+        if self.value_head or self.lm_head is None:
+            return dataclasses.replace(self, value_head=True)
+        less = self.lm_head - self.score_inputs
+        return dataclasses.replace(self, params=self.params - less, value_head=True, lm_head=0.0,
+                                   active_params=None if self.active_params is None else self.active_params - less)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
@@ -173,11 +185,10 @@ class Workload:
         # no model of its own to place, hold or send samples to
         if self.switches.lora_rank:
             object.__setattr__(self, "reference", None)
-        # the critic and reward models end in a value head: one output per token
+        # the critic and reward models end in a value head (no LM head): one output per token
         if self.critic is not None:
-            object.__setattr__(self, "critic", dataclasses.replace(self.critic, value_head=True))
-        object.__setattr__(self, "reward_models", tuple(dataclasses.replace(m, value_head=True)
-                                                        for m in self.reward_models))
+            object.__setattr__(self, "critic", self.critic.value_model())
+        object.__setattr__(self, "reward_models", tuple(m.value_model() for m in self.reward_models))
 
     @property
     def tokens(self) -> float:

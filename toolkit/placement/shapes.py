@@ -52,6 +52,8 @@ class Count:
     head_dim: int
     ffn: int  # the MLP's inner width (a mixture of experts: one expert's)
     linears: tuple[Linear, ...] = ()  # what LoRA may adapt
+    lm_head: int = 0  # an output head of its own (untied from the embeddings): vocab x hidden, else 0
+    score_inputs: int = 0  # what a value head (...ForSequenceClassification's score, one output) reads: hidden
 
 
 def _attention(c: dict, h: int, heads: int, kv: int, hd: int, qkv_bias: bool, o_bias: bool) -> int:
@@ -135,7 +137,7 @@ def _decoder(c: dict, family: str) -> Count:
     rest = vocab * h * (1 if tied else 2) + h  # embeddings (and LM head), final norm
     ffn = c.get("moe_intermediate_size") or c.get("intermediate_size", 4 * h)
     return Count(total + rest, active + rest, layers, h, vocab, kv, hd, ffn,
-                 tuple(Linear(path, i, o, n, r, f) for (path, i, o, r, f), n in linears.items()))
+                 tuple(Linear(path, i, o, n, r, f) for (path, i, o, r, f), n in linears.items()), vocab * h * (not tied), h)
 
 
 def _opt(c: dict) -> Count:
@@ -154,7 +156,7 @@ def _opt(c: dict) -> Count:
                Linear("fc1", h, ffn, layers), Linear("fc2", ffn, h, layers))
     if proj != h:
         linears += (Linear("decoder.project_in", proj, h, 1), Linear("decoder.project_out", h, proj, 1))
-    return Count(total, total, layers, h, vocab, heads, h // heads, ffn, linears)
+    return Count(total, total, layers, h, vocab, heads, h // heads, ffn, linears, vocab * proj * (not tied), proj)
 
 
 def _gpt2(c: dict) -> Count:
@@ -166,7 +168,7 @@ def _gpt2(c: dict) -> Count:
     heads = c["n_head"]
     linears = (Linear("attn.c_attn", h, 3 * h, layers), Linear("attn.c_proj", h, h, layers),
                Linear("mlp.c_fc", h, inner, layers), Linear("mlp.c_proj", inner, h, layers))
-    return Count(total, total, layers, h, vocab, heads, h // heads, inner, linears)
+    return Count(total, total, layers, h, vocab, heads, h // heads, inner, linears, vocab * h * (not tied), h)
 
 
 def _gpt_neox(c: dict) -> Count:
@@ -180,7 +182,7 @@ def _gpt_neox(c: dict) -> Count:
     heads = c["num_attention_heads"]
     linears = (Linear("attention.query_key_value", h, 3 * h, layers), Linear("attention.dense", h, h, layers),
                Linear("mlp.dense_h_to_4h", h, ffn, layers), Linear("mlp.dense_4h_to_h", ffn, h, layers))
-    return Count(total, total, layers, h, vocab, heads, h // heads, ffn, linears)
+    return Count(total, total, layers, h, vocab, heads, h // heads, ffn, linears, vocab * h * (not tied), h)
 
 
 FAMILIES = {"llama": _decoder, "mistral": _decoder, "qwen2": _decoder, "qwen3": _decoder, "gemma": _decoder,
