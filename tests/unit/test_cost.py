@@ -88,7 +88,7 @@ def test_offload_gives_each_phase_of_a_shared_gpu_the_device_by_hand():
     kept, moved = (estimate(Layout("flattening", groups, 2, 8, 1, "hf", offload), w, gpu) for offload in (False, True))
     trainer = 16e9 + 10 * 8 * 200 * 1000 * 17 * 4 + 8 * 200 * 1000 * 4 * 3
     reference = 4e9 + 8 * 200 * 1000 * 4 * 2
-    assert kept.memory["all"] == pytest.approx(trainer + reference + 8 * (200 * 8000 + 100 * 1000 * 4))
+    assert kept.memory["all"] == pytest.approx(trainer + reference + 8 * (200 * 8000 + 1000 * 4 * 2 + 100 * 4))
     assert moved.memory["all"] == pytest.approx(trainer)
     assert moved.phases["generate"] == kept.phases["generate"]
     assert moved.phases["score"] - kept.phases["score"] == pytest.approx(2 * 4e9 / 2.5e10)
@@ -580,12 +580,13 @@ def test_a_plan_for_gpus_sizes_the_kv_cache_and_writes_it(tiny, tmp_path):
 
 def test_transformers_generates_its_batch_at_once_in_waves():
     """rollout.generate_batch_size 3 of 8 samples: 3 waves of 3; memory for 3 samples' KV cache (1.6 MB
-    each) and scores (100 steps x 1,000 vocabulary x 4 bytes each)."""
+    each), one step's scores (1,000 vocabulary x 4 bytes, and their softmax) and the drawn tokens' log-probs
+    (100 x 4 bytes): the sampler keeps no step's scores after it (SeededDraw)."""
     flattening = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8, 1, "hf")
     every = estimate(flattening, workload(), simple_cluster())
     three = estimate(flattening, workload(generate_batch=3), simple_cluster())
     assert every.generate_batch == 8 and three.generate_batch == 3
-    assert every.memory["all"] - three.memory["all"] == pytest.approx(5 * (1.6e6 + 100 * 1000 * 4))
+    assert every.memory["all"] - three.memory["all"] == pytest.approx(5 * (1.6e6 + 1000 * 4 * 2 + 100 * 4))
     wave = 2e9 * 3 * 100 / 1e12 + 100 * ((4e9 + 3 * 150 * 8000) / 1e11 + 0.02)
     assert three.phases["generate"] == pytest.approx(3 * wave)
 
@@ -599,8 +600,9 @@ def test_the_hybrid_engines_inference_tp_splits_the_gathered_actor_over_ranks():
     group = (Group("all", ("generation", "reference", "reward", "actor"), 1, 4),)
     one, two = (estimate(Layout("flattening", group, 3, 2, tp, "hf"), workload(), c) for tp in (1, 2))
     assert (one.generate_batch, two.generate_batch) == (2, 4)
-    # weights 4e9 / TP; per sample: KV 200 tokens x 8,000 bytes / TP and 100 steps' scores of 1,000 x 4 bytes
-    assert one.memory["all"] - two.memory["all"] == pytest.approx(4e9 / 2 + 2 * (1.6e6 + 4e5) - 4 * (0.8e6 + 4e5))
+    # weights 4e9 / TP; per sample: KV 200 tokens x 8,000 bytes / TP, one step's scores 1,000 x 4 x 2 bytes
+    # and 100 log-probs of 4 bytes
+    assert one.memory["all"] - two.memory["all"] == pytest.approx(4e9 / 2 + 2 * (1.6e6 + 8400) - 4 * (0.8e6 + 8400))
     wave = {tp: 2e9 * batch * 100 / (tp * 1e12) + 100 * (max(2e9 * batch / (tp * 1e12),
                                                               (4e9 + batch * 150 * 8000) / (tp * 1e11)) + 0.02)
             for tp, batch in ((1, 2), (2, 4))}

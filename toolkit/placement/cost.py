@@ -17,8 +17,8 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
                   (vLLM in a trainer's process sleeps while the trainer works, on a GPU: its group
                   needs the trainer's state plus the larger of activations and weights + KV budget)
   transformers generate()  rollout.generate_batch_size samples at once, or (planned) as many as 90% of
-                  the device has room for beside the rest of its group: their KV cache + the scores it
-                  keeps (Lr * vocab * 4 each)
+                  the device has room for beside the rest of its group: their KV cache + one step's
+                  scores (vocab * 4 * 2 each) + the log-probs it keeps (Lr * 4 each)
   scorer model    P*b + forward logits fbs*L*vocab*4*2 (a reward model: values, fbs*L*4*2); a reference
                   or reward model with the trainer under ZeRO-3 holds P*b/W (sharded over the trainer's
                   W ranks)
@@ -336,8 +336,11 @@ def concurrency(w: Workload, budget: float, tp: int) -> int:
 
 
 def hf_sample_bytes(w: Workload, tp: int) -> float:
-    """What transformers' generate() holds per sample of a batch: its KV cache and every step's scores."""
-    return w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes) / tp + w.response_tokens * w.actor.vocab * 4
+    """What transformers' generate() holds per sample of a batch: its KV cache, one step's scores (fp32
+    logits and their softmax: the sampler draws from them and keeps the drawn token's log-prob alone) and
+    those log-probs."""
+    return (w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes) / tp + w.actor.vocab * 4 * 2
+            + w.response_tokens * 4)
 
 
 def generation_memory(w: Workload, batch: int, tp: int, own_weights: bool, budget: float | None = None) -> float:
