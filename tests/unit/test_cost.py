@@ -49,6 +49,27 @@ def test_trainer_memory_by_zero_stage():
         pytest.approx(2 * 200 * 10 * 1000 * 17 * 4 + 2 * 200 * 1000 * 4 * 3)
 
 
+def test_micro_batches_by_token_budget_are_sized_and_counted_by_the_budget(tiny, tmp_path):
+    """trainer.micro_batch_tokens 400 (two samples of 200 tokens): a micro-batch holds what 2 rows hold,
+    whatever micro_batch_size is, and a rank's 8 samples take 4 micro-batches of 0.5 s; the search weighs
+    no micro_batch_size (1 splits every update) and writes a config that keeps the budget."""
+    from toolkit.placement.planner import write_config as write_plan
+
+    budget = workload(micro_batch_tokens=400)
+    assert trainer_memory(budget.actor, budget, 1, 0, 1) == trainer_memory(budget.actor, workload(), 1, 0, 2)
+    assert trainer_memory(budget.actor, budget, 1, 0, 0) == trainer_memory(budget.actor, workload(), 1, 0, 0)
+    s = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 1, 1, "hf")
+    by_rows = dataclasses.replace(s, micro_batch=8)
+    assert estimate(s, budget, simple_cluster()).phases["train"] == pytest.approx(
+        estimate(by_rows, workload(), simple_cluster()).phases["train"] + 3 * 0.5)
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, trainer={"micro_batch_tokens": 560})))
+    w = workload_of(cfg, 10.0)
+    found = search(load_cluster(CLUSTERS / "2x8-h100.yaml"), w, cfg.trainer.zero_stage)
+    assert found.fit and {p.setting.micro_batch for p in found.fit + found.rejected} == {1}
+    write_plan(cfg, found.fit[0], tmp_path / "planned.yaml")
+    assert load_config(tmp_path / "planned.yaml").trainer.micro_batch_tokens == 560
+
+
 def simple_cluster(**kw) -> Cluster:
     data = {"name": "hand", "nodes": 1, "gpus_per_node": 0, "shared": True,
             "device": {"memory_gb": 1000, "flops": 1e12, "memory_bandwidth": 1e11},

@@ -7,7 +7,7 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
                   offload_optimizer), T = P or, with LoRA, the adapters' parameters;
                   activations mb*L*layers*hidden*17*b, or with checkpointing mb*L*hidden*b*layers
                   + one layer's mb*L*hidden*17*b; logits mb*L*vocab*4*3 (a critic's values:
-                  mb*L*4*3).
+                  mb*L*4*3); by token budget (trainer.micro_batch_tokens) the budget for mb*L.
                   A trainer that does not fit is told the fewest switches under which it would.
                   A critic on ranks of its own (a group hosting it alone): its group holds the critic's
                   share, the actor's group the actor's.
@@ -179,6 +179,7 @@ class Workload:
     kv_cache_gb: float | None = None   # vLLM's KV-cache budget per device; None: what the weights leave
     generate_batch: int | None = 0     # transformers: samples generated at once (0: all; None: what fits)
     max_policy_lag: int = 0            # >= 1: generation of the next steps overlaps training (async)
+    micro_batch_tokens: int | None = None  # trainer.micro_batch_tokens: micro-batches of this many tokens at most
 
     def __post_init__(self):
         # with LoRA the reference is the actor with its adapters disabled, run by the trainer (RunConfig.hosts):
@@ -247,11 +248,29 @@ def trainer_memory(m: ModelShape, w: Workload, world: int, zero: int, micro_batc
     weights = 0.0 if sw.offload_params and zero == 3 else m.params * b / (world if zero == 3 else 1)
     grads = trained * b / (world if zero >= 2 else 1)
     adam = 0.0 if sw.offload_optimizer and zero >= 1 else optimizer_bytes(m, w, world, zero, sw)
-    layer = micro_batch * w.tokens * m.hidden * 17 * b  # what one layer keeps for its backward pass
+    tokens = micro_batch_tokens(w, micro_batch)
+    layer = tokens * m.hidden * 17 * b  # what one layer keeps for its backward pass
     # checkpointing keeps each layer's input, and one layer's activations while it is recomputed
-    activations = micro_batch * w.tokens * m.hidden * b * m.layers + layer if sw.checkpointing else layer * m.layers
-    logits = micro_batch * w.tokens * m.outputs * 4 * 3
+    activations = tokens * m.hidden * b * m.layers + layer if sw.checkpointing else layer * m.layers
+    logits = tokens * m.outputs * 4 * 3
     return weights + grads + adam + activations + logits
+
+
+def micro_batch_tokens(w: Workload, micro_batch: int) -> float:
+    """Tokens of one training micro-batch: `micro_batch` rows of the mean sample, or, by token budget
+    (trainer.micro_batch_tokens), the budget (rows x their longest sample fill it; 0 rows: none)."""
+    if w.micro_batch_tokens is not None:
+        return float(w.micro_batch_tokens) if micro_batch else 0.0
+    return micro_batch * w.tokens
+
+
+def micro_batches_of(w: Workload, samples: float, micro_batch: int) -> int:
+    """Micro-batches a trainer rank runs a step over its `samples`: of `micro_batch` rows, or, by token
+    budget, of as many samples as the budget holds, in each update (the samples' mean length: no padding)."""
+    if w.micro_batch_tokens is None:
+        return math.ceil(samples / micro_batch) * w.epochs
+    per_update = samples / w.updates_per_step
+    return math.ceil(per_update * w.tokens / w.micro_batch_tokens) * w.updates_per_step * w.epochs
 
 
 # Tried in this order on a trainer that does not fit, each with those before it: what to suggest.
@@ -540,7 +559,7 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
     f = dev.flops * share(t_workers)
     bw = dev.memory_bandwidth * share(t_workers)
     updates = w.updates_per_step * w.epochs
-    micro_batches = math.ceil(n / s.micro_batch) * w.epochs
+    micro_batches = micro_batches_of(w, n, s.micro_batch)
     trains = {}
     for g in s.trainers:
         train = sum(forward_s(m, math.ceil(n), t_workers) for m, _ in trained_models(w, g.trains))

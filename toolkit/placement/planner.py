@@ -73,7 +73,7 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
         response_tokens=response_tokens if response_tokens is not None else cfg.rollout.max_new_tokens,
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], forward_batch_size=cfg.model.forward_batch_size,
         kv_cache_gb=cfg.rollout.vllm.kv_cache_gb, generate_batch=cfg.rollout.generate_batch_size or 0,
-        max_policy_lag=cfg.rollout.max_policy_lag,
+        max_policy_lag=cfg.rollout.max_policy_lag, micro_batch_tokens=t.micro_batch_tokens,
         updates_per_step=cfg.trainer.updates_per_step, epochs=cfg.algorithm.epochs,
         switches=Switches(t.gradient_checkpointing, t.offload_optimizer, t.offload_params,
                           t.lora.rank if t.lora is not None else None,
@@ -384,9 +384,14 @@ def _trainer_options(w: Workload, groups, zero_stage: int, memo: dict) -> tuple[
 
 
 def _micro_batches(w: Workload, trainers: int) -> list[int]:
+    """The micro-batch sizes (rows) a trainer of `trainers` ranks may take: those that split each rank's
+    samples of an update. By token budget (trainer.micro_batch_tokens) the budget sizes micro-batches,
+    and micro_batch_size only has to split them: 1."""
     per_update = w.samples // trainers // w.updates_per_step
     if w.samples % (trainers * w.updates_per_step):
         return []
+    if w.micro_batch_tokens is not None:
+        return [1]
     return [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= per_update and per_update % m == 0]
 
 
@@ -425,7 +430,7 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
             phases = (f"{e.phases[k]:.3f}" for k in ("generate", "score", "train", "sync", "transport"))
             rows.append((str(i), s.strategy, s.describe(), s.generation_engine, "yes" if s.offload else "-",
                          str(s.tensor_parallel),
-                         str(s.zero_stage), str(s.micro_batch), f"{e.step_s:.3f}", *phases,
+                         str(s.zero_stage), mb_of(w, s), f"{e.step_s:.3f}", *phases,
                          f"{max(e.memory.values()) / GB:.2f}"))
         lines.append(text_table(rows))
         skipped = sum(found.skipped.values())
@@ -442,7 +447,7 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
             closest = min((c for c in rejected if c.setting.strategy == strategy),
                           key=lambda c: max(c.estimate.memory.values()))
             lines.append(f"  {strategy} ({closest.setting.describe()}, ZeRO-{closest.setting.zero_stage}, "
-                         f"mb {closest.setting.micro_batch}{', offload' * closest.setting.offload}): "
+                         f"mb {mb_of(w, closest.setting)}{', offload' * closest.setting.offload}): "
                          f"{'; '.join(closest.estimate.short)}")
     missing = [s for s in found.strategies if s not in {c.setting.strategy for c in [*fit, *rejected]}
                and s not in found.skipped]
@@ -454,6 +459,11 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
                      f"generator on the trainer's): " + ", ".join(
             f"{s} ({len(PRESETS[s])} groups)" for s in missing))
     return "\n".join(lines)
+
+
+def mb_of(w: Workload, s: Layout) -> str:
+    """The table's micro-batch: rows, or by token budget (trainer.micro_batch_tokens) its tokens."""
+    return str(s.micro_batch) if w.micro_batch_tokens is None else f"{w.micro_batch_tokens}t"
 
 
 def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
