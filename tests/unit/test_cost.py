@@ -70,6 +70,25 @@ def test_micro_batches_by_token_budget_are_sized_and_counted_by_the_budget(tiny,
     assert load_config(tmp_path / "planned.yaml").trainer.micro_batch_tokens == 560
 
 
+def test_ptx_text_rows_cost_the_actor_memory_and_time_by_hand(tiny, tmp_path):
+    """ptx.coef > 0: each actor micro-batch of mb rows adds mb text rows of ptx.max_tokens (50), forward
+    and backward in the same pass (update.py), so their activations and logits are held with the batch's;
+    the critic has none."""
+    ptx = workload(ptx_tokens=50)
+    critic = dataclasses.replace(ptx.actor, value_head=True)
+    assert trainer_memory(ptx.actor, ptx, 1, 0, 2) - trainer_memory(ptx.actor, workload(), 1, 0, 2) == \
+        pytest.approx(2 * 50 * (10 * 1000 * 17 * 4 + 1000 * 4 * 3))
+    assert trainer_memory(critic, ptx, 1, 0, 2) == trainer_memory(critic, workload(), 1, 0, 2)
+    s = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8, 1, "hf")
+    # one micro-batch of 8 rows: 6 FLOPs x 1e9 parameters x 8 x 50 tokens at 1e12
+    assert estimate(s, ptx, simple_cluster()).phases["train"] - estimate(s, workload(), simple_cluster()).phases[
+        "train"] == pytest.approx(6 * 1e9 * 8 * 50 / 1e12)
+    (tmp_path / "ptx.jsonl").write_text('{"text": "one two three"}\n')
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, ptx={
+        "coef": 1.0, "max_tokens": 50, "data": {"sources": [{"path": str(tmp_path / "ptx.jsonl")}]}})))
+    assert workload_of(cfg, 10.0).ptx_tokens == 50
+
+
 def simple_cluster(**kw) -> Cluster:
     data = {"name": "hand", "nodes": 1, "gpus_per_node": 0, "shared": True,
             "device": {"memory_gb": 1000, "flops": 1e12, "memory_bandwidth": 1e11},

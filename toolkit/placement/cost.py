@@ -7,7 +7,8 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
                   offload_optimizer), T = P or, with LoRA, the adapters' parameters;
                   activations mb*L*layers*hidden*17*b, or with checkpointing mb*L*hidden*b*layers
                   + one layer's mb*L*hidden*17*b; logits mb*L*vocab*4*3 (a critic's values:
-                  mb*L*4*3); by token budget (trainer.micro_batch_tokens) the budget for mb*L.
+                  mb*L*4*3); by token budget (trainer.micro_batch_tokens) the budget for mb*L; with
+                  PTX the actor's mb*L has mb*ptx.max_tokens more (its text rows, in the same backward).
                   A trainer that does not fit is told the fewest switches under which it would.
                   A critic on ranks of its own (a group hosting it alone): its group holds the critic's
                   share, the actor's group the actor's.
@@ -33,7 +34,7 @@ generate + max(0, score + train - generation_idle * generate) + sync + transport
             2*P*n*L/F + calls * c_forward;
             forward+backward k*P*n*L*epochs/F + micro-batches * c_micro, k = 2 (forward) + 2 (gradients
             of the activations) + 2 (of the weights; 0 with LoRA, whose adapters are too small to count)
-            + 2 with checkpointing (the forward pass again);
+            + 2 with checkpointing (the forward pass again); PTX: k*P*mb*ptx.max_tokens per micro-batch;
             optimizer updates * (c_opt + state bytes / B); ZeRO traffic over the group's link;
             on GPUs, host memory: offload_optimizer, per update T/W parameters through the host's Adam
             (H params/s per device) and T*b/W bytes each way over the device's host link (PCIe);
@@ -180,6 +181,8 @@ class Workload:
     generate_batch: int | None = 0     # transformers: samples generated at once (0: all; None: what fits)
     max_policy_lag: int = 0            # >= 1: generation of the next steps overlaps training (async)
     micro_batch_tokens: int | None = None  # trainer.micro_batch_tokens: micro-batches of this many tokens at most
+    ptx_tokens: int = 0                # PTX (ptx.coef > 0): tokens of each text row (ptx.max_tokens) an actor
+                                       # micro-batch of mb rows adds mb of
 
     def __post_init__(self):
         # with LoRA the reference is the actor with its adapters disabled, run by the trainer (RunConfig.hosts):
@@ -249,6 +252,8 @@ def trainer_memory(m: ModelShape, w: Workload, world: int, zero: int, micro_batc
     grads = trained * b / (world if zero >= 2 else 1)
     adam = 0.0 if sw.offload_optimizer and zero >= 1 else optimizer_bytes(m, w, world, zero, sw)
     tokens = micro_batch_tokens(w, micro_batch)
+    if not m.value_head:  # the actor: PTX text rows beside each micro-batch, held until their one backward
+        tokens += micro_batch * w.ptx_tokens
     layer = tokens * m.hidden * 17 * b  # what one layer keeps for its backward pass
     # checkpointing keeps each layer's input, and one layer's activations while it is recomputed
     activations = tokens * m.hidden * b * m.layers + layer if sw.checkpointing else layer * m.layers
@@ -569,6 +574,8 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
             sw = switches_of(w.switches, lora)
             passes = 2 + 2 + (0 if sw.lora_rank else 2) + (2 if sw.checkpointing else 0)  # FLOPs per parameter and token
             train += passes * m.active * n * w.tokens * w.epochs / f + micro_batches * o.train_micro_batch
+            if not m.value_head:  # PTX: each micro-batch's text rows, forward and backward with it
+                train += passes * m.active * micro_batches * s.micro_batch * w.ptx_tokens / f
             state = trainer_memory(m, w, t_workers, s.zero_stage, 0, sw)
             train += updates * (o.optimizer_step + state / bw)
             train += host_s(m, w, cluster, t_workers, s.zero_stage, updates, micro_batches, sw)
