@@ -600,6 +600,19 @@ def test_a_vllm_generator_holds_what_its_kv_cache_budget_allows_and_generates_in
     assert not small.fits and "holds no whole sequence of 200 tokens" in small.short[0]
 
 
+def test_vllm_with_more_tp_ranks_than_key_value_heads_copies_them_on_each_rank():
+    """vLLM gives each TP rank its share of the key/value heads, at least one: the model's one head at TP 2
+    is on both ranks, 8,000 bytes a token on each (not 4,000), so a 5 MB budget a rank still holds 3
+    sequences (not 6) and each rank reads its whole KV cache at each decode step."""
+    separation = Layout("separation", (Group("generator", ("generation",), 1, 1, 2), Group("scorer", ("reference",
+                        "reward")), Group("trainer", ("actor",))), 2, 8, 2)
+    e = estimate(separation, workload(kv_cache_gb=0.005), simple_cluster())
+    wave = 2e9 * 3 * 100 / (2 * 1e12) + 100 * ((4e9 / 2 + 3 * 150 * 8000) / 1e11 + 0.01)
+    assert e.phases["generate"] == pytest.approx(3 * wave)
+    assert workload().actor.vllm_kv_bytes_per_token(4, 2) == 8000
+    assert dataclasses.replace(workload().actor, kv_heads=8).vllm_kv_bytes_per_token(4, 2) == 8 // 2 * 8000
+
+
 def test_a_plan_for_gpus_sizes_the_kv_cache_and_writes_it(tiny, tmp_path):
     config = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
     out = tmp_path / "planned.yaml"

@@ -13,8 +13,9 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
                   A critic on ranks of its own (a group hosting it alone): its group holds the critic's
                   share, the actor's group the actor's.
   vLLM generator  P*b/TP + its KV budget: rollout.vllm.kv_cache_gb, or (planned) 90% of the device
-                  less the weights and the rest of its group; it holds floor(budget*TP / (L *
-                  kv_bytes_per_token)) sequences at once, and generates a worker's samples in waves
+                  less the weights and the rest of its group; it holds floor(budget / (L * a rank's
+                  KV bytes per token: max(1, kv_heads // TP) heads, as vLLM copies heads where TP
+                  exceeds them)) sequences at once, and generates a worker's samples in waves
                   (vLLM in a trainer's process sleeps while the trainer works, on a GPU: its group
                   needs the trainer's state plus the larger of activations and weights + KV budget)
   transformers generate()  rollout.generate_batch_size samples at once, or (planned) as many as 90% of
@@ -26,7 +27,7 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
 Time (seconds per step, phases one after the other; with max_policy_lag >= 1 and generators of their
 own, the busiest group's seconds, as generation of the next steps overlaps training; on a shared machine,
 generate + max(0, score + train - generation_idle * generate) + sync + transport):
-  generate  waves * (2*P*n*Lp/(TP*F) + Lr * (max(2*P*n/(TP*F), (P*b/TP + KV)/B) + c_decode + c_seq*n)),
+  generate  waves * (2*P*n*Lp/(TP*F) + Lr * (max(2*P*n/(TP*F), (P*b/TP + a rank's KV)/B) + c_decode + c_seq*n)),
             n = the sequences of a wave (vLLM: what its KV cache holds; transformers: its batch)
   score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker; a
             reference or reward model with the trainer: each trainer rank its shard)
@@ -124,6 +125,11 @@ class ModelShape:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def vllm_kv_bytes_per_token(self, dtype_bytes: int, tp: int) -> float:
+        """KV-cache bytes of a token on each of vLLM's `tp` ranks: its share of the key/value heads, or, with
+        more ranks than heads, one head each (vLLM copies each head onto tp / kv_heads ranks)."""
+        return 2 * self.layers * max(1, self.kv_heads // tp) * self.head_dim * dtype_bytes
 
     def lora_params(self, rank: int, targets: tuple[str, ...] | None = None) -> float:
         """Adapter parameters of LoRA of `rank` on the linear layers `targets` names (peft's target_modules;
@@ -355,8 +361,8 @@ def kv_budget(w: Workload, device_gb: float, tp: int) -> float:
 
 
 def concurrency(w: Workload, budget: float, tp: int) -> int:
-    """Sequences a vLLM engine generates at once: as many whole sequences as its KV budget holds."""
-    return int(budget * tp // (w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes)))
+    """Sequences a vLLM engine generates at once: as many whole sequences as each rank's KV budget holds."""
+    return int(budget // (w.tokens * w.actor.vllm_kv_bytes_per_token(w.dtype_bytes, tp)))
 
 
 def hf_sample_bytes(w: Workload, tp: int) -> float:
@@ -525,8 +531,11 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
     else:
         c_decode, c_sequence = o.decode_step_hf, o.decode_per_sequence_hf
         batch = max(1, e.generate_batch)  # (transformers: rollout.generate_batch_size at once)
-    kv = batch * (w.prompt_tokens + w.response_tokens / 2) * w.actor.kv_bytes_per_token(b)
-    decode_step = max(2 * P * batch / (tp * f), (w.actor.params * b + kv) / (tp * bw))
+    # (the KV cache each rank reads a decode step: vLLM's share of the heads, at least one head)
+    per_rank = (w.actor.vllm_kv_bytes_per_token(b, tp) if s.generation_engine == "vllm"
+                else w.actor.kv_bytes_per_token(b) / tp)
+    kv = batch * (w.prompt_tokens + w.response_tokens / 2) * per_rank
+    decode_step = max(2 * P * batch / (tp * f), (w.actor.params * b / tp + kv) / bw)
     e.phases["generate"] = math.ceil(per / batch) * (2 * P * batch * w.prompt_tokens / (tp * f)
                                                      + w.response_tokens * (decode_step + c_decode + c_sequence * batch))
 
