@@ -89,6 +89,21 @@ def test_ptx_text_rows_cost_the_actor_memory_and_time_by_hand(tiny, tmp_path):
     assert workload_of(cfg, 10.0).ptx_tokens == 50
 
 
+def test_grpo_with_one_update_a_step_runs_no_forward_for_its_old_log_probs(tiny, tmp_path):
+    """GRPO with one update a step and one epoch takes the old log-probs from the training forward
+    (update.py `old_at_update`): the train phase has no 2*1e9*8*200/1e12 = 3.2 s pass and its 0.1 s call;
+    two updates a step, or PPO, have it."""
+    s = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8, 1, "hf")
+    train = estimate(s, workload(), simple_cluster()).phases["train"]
+    assert estimate(s, workload(old_logprobs_forward=False), simple_cluster()).phases["train"] == \
+        pytest.approx(train - 3.3)
+    grpo = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny)))
+    assert not workload_of(grpo, 10.0).old_logprobs_forward
+    twice = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, trainer={"updates_per_step": 2})))
+    ppo = load_config(write_config(tmp_path, example("tiny-ppo.yaml", tiny)))
+    assert workload_of(twice, 10.0).old_logprobs_forward and workload_of(ppo, 10.0).old_logprobs_forward
+
+
 def simple_cluster(**kw) -> Cluster:
     data = {"name": "hand", "nodes": 1, "gpus_per_node": 0, "shared": True,
             "device": {"memory_gb": 1000, "flops": 1e12, "memory_bandwidth": 1e11},

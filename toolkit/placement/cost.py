@@ -32,7 +32,8 @@ generate + max(0, score + train - generation_idle * generate) + sync + transport
   score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker; a
             reference or reward model with the trainer: each trainer rank its shard)
   train     old log-probs (and values; with LoRA the reference's too, the actor without its adapters):
-            2*P*n*L/F + calls * c_forward;
+            2*P*n*L/F + calls * c_forward (GRPO with one update a step and one epoch takes its old
+            log-probs from the training forward: none);
             forward+backward k*P*n*L*epochs/F + micro-batches * c_micro, k = 2 (forward) + 2 (gradients
             of the activations) + 2 (of the weights; 0 with LoRA, whose adapters are too small to count)
             + 2 with checkpointing (the forward pass again); PTX: k*P*mb*ptx.max_tokens per micro-batch;
@@ -189,6 +190,7 @@ class Workload:
     micro_batch_tokens: int | None = None  # trainer.micro_batch_tokens: micro-batches of this many tokens at most
     ptx_tokens: int = 0                # PTX (ptx.coef > 0): tokens of each text row (ptx.max_tokens) an actor
                                        # micro-batch of mb rows adds mb of
+    old_logprobs_forward: bool = True  # False: the training forward's own (GRPO, one update a step, one epoch)
 
     def __post_init__(self):
         # with LoRA the reference is the actor with its adapters disabled, run by the trainer (RunConfig.hosts):
@@ -576,7 +578,8 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
     micro_batches = micro_batches_of(w, n, s.micro_batch)
     trains = {}
     for g in s.trainers:
-        train = sum(forward_s(m, math.ceil(n), t_workers) for m, _ in trained_models(w, g.trains))
+        train = sum(forward_s(m, math.ceil(n), t_workers) for m, _ in trained_models(w, g.trains)
+                    if m.value_head or w.old_logprobs_forward)  # (the critic's values; the actor's old log-probs)
         if w.reference is None and "actor" in g.trains:  # LoRA: the reference's log-probs, adapters disabled
             train += forward_s(w.actor, math.ceil(n), t_workers)
         for m, lora in trained_models(w, g.trains):

@@ -74,7 +74,7 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], forward_batch_size=cfg.model.forward_batch_size,
         kv_cache_gb=cfg.rollout.vllm.kv_cache_gb, generate_batch=cfg.rollout.generate_batch_size or 0,
         max_policy_lag=cfg.rollout.max_policy_lag, micro_batch_tokens=t.micro_batch_tokens,
-        ptx_tokens=cfg.ptx.max_tokens if cfg.ptx.coef > 0 else 0,
+        ptx_tokens=cfg.ptx.max_tokens if cfg.ptx.coef > 0 else 0, old_logprobs_forward=not cfg.old_logprobs_at_update,
         updates_per_step=cfg.trainer.updates_per_step, epochs=cfg.algorithm.epochs,
         switches=Switches(t.gradient_checkpointing, t.offload_optimizer, t.offload_params,
                           t.lora.rank if t.lora is not None else None,
