@@ -104,6 +104,26 @@ def test_grpo_with_one_update_a_step_runs_no_forward_for_its_old_log_probs(tiny,
     assert workload_of(twice, 10.0).old_logprobs_forward and workload_of(ppo, 10.0).old_logprobs_forward
 
 
+def test_a_backend_the_run_names_is_the_one_planned_and_written(tiny, tmp_path):
+    """rollout.backend hf (or vllm) fixes the engine: every plan generates with it, at TP 1 for hf, and
+    `--write` keeps it; auto weighs both where the actor's group generates."""
+    from toolkit.placement.planner import write_config as write_plan
+
+    gpus = load_cluster(CLUSTERS / "2x8-h100.yaml")
+    for backend in ("hf", "vllm"):
+        cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, rollout={"backend": backend})))
+        found = search(gpus, workload_of(cfg, 10.0), cfg.trainer.zero_stage)
+        assert found.fit and {p.setting.generation_engine for p in found.fit + found.rejected} == {backend}
+        write_plan(cfg, found.fit[0], tmp_path / "planned.yaml")
+        assert load_config(tmp_path / "planned.yaml").rollout.backend == backend
+        if backend == "hf":
+            assert {p.setting.tensor_parallel for p in found.fit + found.rejected} == {1}
+    auto = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny)))
+    found = search(gpus, workload_of(auto, 10.0), 2, strategies=("flattening",), keep=10_000)
+    engines = {p.setting.generation_engine for p in found.fit + found.rejected}
+    assert engines == {"hf", "vllm"}
+
+
 def simple_cluster(**kw) -> Cluster:
     data = {"name": "hand", "nodes": 1, "gpus_per_node": 0, "shared": True,
             "device": {"memory_gb": 1000, "flops": 1e12, "memory_bandwidth": 1e11},

@@ -191,6 +191,7 @@ class Workload:
     ptx_tokens: int = 0                # PTX (ptx.coef > 0): tokens of each text row (ptx.max_tokens) an actor
                                        # micro-batch of mb rows adds mb of
     old_logprobs_forward: bool = True  # False: the training forward's own (GRPO, one update a step, one epoch)
+    backend: str = "auto"              # rollout.backend: vllm or hf fixes the engine plans generate with
 
     def __post_init__(self):
         # with LoRA the reference is the actor with its adapters disabled, run by the trainer (RunConfig.hosts):

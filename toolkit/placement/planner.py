@@ -75,6 +75,7 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
         kv_cache_gb=cfg.rollout.vllm.kv_cache_gb, generate_batch=cfg.rollout.generate_batch_size or 0,
         max_policy_lag=cfg.rollout.max_policy_lag, micro_batch_tokens=t.micro_batch_tokens,
         ptx_tokens=cfg.ptx.max_tokens if cfg.ptx.coef > 0 else 0, old_logprobs_forward=not cfg.old_logprobs_at_update,
+        backend=cfg.rollout.backend,
         updates_per_step=cfg.trainer.updates_per_step, epochs=cfg.algorithm.epochs,
         switches=Switches(t.gradient_checkpointing, t.offload_optimizer, t.offload_params,
                           t.lora.rank if t.lora is not None else None,
@@ -124,7 +125,8 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     # (vLLM gives each rank as many attention heads and key/value heads: a size that does not split the
     # policy's cannot start; a shape guessed from a parameter count knows neither)
     tps = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node and cluster.gpus_per_node % t == 0
-           and tp_splits(w.actor.heads, w.actor.kv_heads if w.actor.heads else None, t)] or [1]
+           and tp_splits(w.actor.heads, w.actor.kv_heads if w.actor.heads else None, t)
+           and (t == 1 or w.backend != "hf")] or [1]  # (transformers' generate() has no TP of its own)
     usable = cluster.device.memory_gb * GB
     settings: dict = {}  # (trainer ranks, trainer groups): their (ZeRO stage, micro-batch) settings
 
@@ -178,8 +180,8 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
                 if workers is not None and workers <= w.prompts:
                     trainers, options = _trainer_options(w, groups, zero_stage, settings)
                     # the actor's group generates with transformers, or with vLLM in each trainer rank's
-                    # process (rollout.backend vllm): both are plans
-                    for engine in ("vllm",) if own_generator else ("hf", "vllm"):
+                    # process (rollout.backend vllm): both are plans, unless rollout.backend names one
+                    for engine in _engines(w, own_generator):
                         for moves in offloads:
                             layouts.append((groups, tp, engine, moves, trainers, options))
         if len(layouts) <= keep or cluster.shared:  # (a small search: every setting of every layout)
@@ -234,6 +236,14 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     kept = [c for _, _, c in sorted(closest, key=lambda item: (-item[0], item[1]))]
     found.rejected = kept + [c for _, c in of_strategy.values() if c not in kept]
     return found
+
+
+def _engines(w: Workload, own_generator: bool) -> tuple[str, ...]:
+    """The generation engines to weigh: the one rollout.backend names, or (auto) vLLM for a generator of
+    its own and either where the actor's group generates."""
+    if w.backend != "auto":
+        return (w.backend,)
+    return ("vllm",) if own_generator else ("hf", "vllm")
 
 
 def _preset_layout(strategy: str, w: Workload) -> list[tuple[str, tuple[str, ...]]] | None:
@@ -530,7 +540,7 @@ def rollout_of(c: Candidate, rollout: dict) -> None:
     """Put plan `c`'s generation settings into a config's `rollout` mapping: the engine it was estimated
     with (`backend`), vLLM's TP size and KV cache, or the transformers batch."""
     s = c.setting
-    rollout["backend"] = s.generation_engine
+    rollout["backend"] = s.generation_engine  # (the run's own where it names one: the search weighed only it)
     vllm = rollout.setdefault("vllm", {})
     vllm["tensor_parallel_size"] = s.tensor_parallel
     if s.generation_engine == "vllm":
