@@ -172,7 +172,8 @@ class Switches:
 @dataclass(frozen=True)
 class Workload:
     actor: ModelShape
-    reference: ModelShape | None       # None with LoRA (set by __post_init__): the actor without its adapters
+    reference: ModelShape | None       # None: the run has none (trainer.lora: the actor without its adapters,
+                                       # whose forward the trainer runs); other systems' LoRA runs may have one
     critic: ModelShape | None          # PPO only
     reward_models: tuple[ModelShape, ...]
     samples: int                       # per step
@@ -194,10 +195,6 @@ class Workload:
     backend: str = "auto"              # rollout.backend: vllm or hf fixes the engine plans generate with
 
     def __post_init__(self):
-        # with LoRA the reference is the actor with its adapters disabled, run by the trainer (RunConfig.hosts):
-        # no model of its own to place, hold or send samples to
-        if self.switches.lora_rank:
-            object.__setattr__(self, "reference", None)
         # the critic and reward models end in a value head (no LM head): one output per token
         if self.critic is not None:
             object.__setattr__(self, "critic", self.critic.value_model())
