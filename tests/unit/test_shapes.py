@@ -147,6 +147,26 @@ def test_sizes_that_are_not_counts_are_named(tmp_path):
             ModelShape.from_config(tmp_path)
 
 
+def test_sizes_of_0_below_0_or_true_and_configs_that_are_no_object_are_config_errors(tmp_path):
+    """A negative or zero layer count gave a count of 0.262B, a negative hidden size -2.4B, `true` layers
+    0.465B, all without an error; a config.json of [1, 2], null or cut-off JSON was a traceback."""
+    llama = json.loads((Path(__file__).parents[1] / "fixtures" / "model_configs" / "meta-llama--Llama-2-7b-hf.json")
+                       .read_text())
+    for key, value, says in (("num_hidden_layers", -2, "num_hidden_layers is -2"),
+                             ("num_hidden_layers", 0, "num_hidden_layers is 0"),
+                             ("hidden_size", -4096, "hidden_size is -4096"), ("vocab_size", 0, "vocab_size is 0"),
+                             ("num_hidden_layers", True, "num_hidden_layers is true"),
+                             ("num_key_value_heads", 3, "num_key_value_heads 3 does not divide num_attention_heads 32")):
+        (tmp_path / "config.json").write_text(json.dumps({**llama, key: value}))
+        with pytest.raises(ConfigError, match=f"config.json: a llama config whose sizes are not all whole numbers "
+                                              f"above 0 \\({says}\\)"):
+            ModelShape.from_config(tmp_path)
+    for text, says in (("[1, 2]", "not list"), ("null", "not NoneType"), ("{", "not JSON")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ConfigError, match=f"config.json: .*{says}"):
+            ModelShape.from_config(tmp_path)
+
+
 def test_a_cluster_file_not_in_utf8_is_named(tmp_path):
     from toolkit.placement.cluster import load_cluster
 

@@ -61,6 +61,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit.errors import ConfigError
 from toolkit.placement.layout import Group, Layout, scored_in_training_step
 from toolkit.placement.plan import ROLE_OF, WorkerGroup, group_of, several_roles, stages
 
@@ -102,7 +103,10 @@ class ModelShape:
 
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
-        config = json.loads(file.read_text())
+        try:
+            config = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{file}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
         n = count(config, str(file))
         return cls(float(n.total), n.layers, n.hidden, n.vocab, n.kv_heads, n.head_dim, float(n.active), n.ffn,
                    heads=attention_heads(config), linears=n.linears, lm_head=float(n.lm_head), score_inputs=n.score_inputs)

@@ -199,19 +199,45 @@ class NotCounted(ConfigError):
         self.what = what
 
 
+# The sizes the families above read: each, where given (not null), a whole number above 0.
+SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers", "vocab_size",
+         "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "num_local_experts",
+         "num_experts", "num_experts_per_tok", "decoder_sparse_step", "ffn_dim", "word_embed_proj_dim",
+         "max_position_embeddings", "n_embd", "n_layer", "n_inner", "n_positions", "n_head")
+
+
+def _size_problem(config: dict) -> str | None:
+    """What is wrong with a size of `config` (see SIZES), or with how its heads split, if anything."""
+    for key in SIZES:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return f"{key} is {json.dumps(value)}"
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        return f"num_key_value_heads {kv} does not divide num_attention_heads {heads}"
+    return None
+
+
 def count(config: dict, source: str = "config.json") -> Count:
     """The parameter count and attention shape of the model a config.json describes (ConfigError for an
-    architecture this does not know, saying what to pass instead)."""
+    architecture this does not know, saying what to pass instead, and for sizes that are no counts)."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: a config.json is a JSON object of the model's settings (model_type, "
+                          f"hidden_size, ...), not {type(config).__name__}")
     family = config.get("model_type")
     counter = FAMILIES.get(family)
     if counter is None:
         raise NotCounted(f"{source}: model_type {family!r} ({', '.join(config.get('architectures') or ['?'])}) "
                          f"is not one the planner counts ({', '.join(sorted(FAMILIES))})")
+    sizes = {k: v for k, v in config.items() if k.startswith(("num_", "n_")) or k.endswith(("_size", "_dim"))}
+    problem = _size_problem(config)
+    if problem:
+        raise ConfigError(f"{source}: a {family} config whose sizes are not all whole numbers above 0 ({problem}): "
+                          f"{json.dumps(sizes)[:300]}")
     try:
         return counter(config, family) if counter is _decoder else counter(config)
     except KeyError as e:
         raise ConfigError(f"{source}: a {family} config needs {e.args[0]!r}, and this one has none") from None
-    except (TypeError, ValueError, ZeroDivisionError) as e:  # (null, 0, "4096", 32.0 where a count goes)
-        sizes = {k: v for k, v in config.items() if k.startswith(("num_", "n_")) or k.endswith(("_size", "_dim"))}
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # (null where a count goes)
         raise ConfigError(f"{source}: a {family} config whose sizes are not all whole numbers above 0 ({e}): "
                           f"{json.dumps(sizes)[:300]}") from None
