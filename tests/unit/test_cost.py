@@ -124,6 +124,23 @@ def test_a_backend_the_run_names_is_the_one_planned_and_written(tiny, tmp_path):
     assert engines == {"hf", "vllm"}
 
 
+def test_a_strategy_without_a_plan_for_this_step_says_why_not_that_nodes_are_missing():
+    """On one node of 8 GPUs, Flattening has 8 trainer ranks: 30 samples do not split over them, and 3
+    prompts leave 5 of its 8 generators without one. It was reported "not possible on 1 node(s)"."""
+    from toolkit.placement.planner import report
+
+    c = load_cluster(CLUSTERS / "1x8-a100-80g.yaml")
+    for samples, prompts, why in ((30, 15, "the step's 30 samples do not split evenly over its trainer's 8 rank(s) "
+                                            "x trainer.updates_per_step 1"),
+                                  (6, 3, "its generator would have 8 worker(s) or more, more than the step's 3 "
+                                         "prompt(s)")):
+        w = workload(samples=samples, prompts=prompts)
+        found = search(c, w, 2, strategies=("flattening",))
+        text = report(c, w, found)
+        assert not found.fit and f"not possible with this step: flattening ({why}" in text, text
+        assert "not possible on 1 node(s)" not in text
+
+
 def simple_cluster(**kw) -> Cluster:
     data = {"name": "hand", "nodes": 1, "gpus_per_node": 0, "shared": True,
             "device": {"memory_gb": 1000, "flops": 1e12, "memory_bandwidth": 1e11},

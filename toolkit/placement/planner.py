@@ -50,6 +50,8 @@ class Found:
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # strategy: layouts not estimated
     strategies: tuple[str, ...] = STRATEGIES  # (those searched)
     unused: tuple[str, ...] = ()  # presets with a group that would host nothing of this run (LoRA: a reference's)
+    why_not: dict[str, str] = dataclasses.field(default_factory=dict)  # strategy: why none of its layouts can
+    # run this step (more generator workers than prompts, or samples that do not split over the trainer's ranks)
 
 
 def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float | None = None,
@@ -171,12 +173,13 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
         # PPO: the critic with the actor, or on ranks of its own (with a generator of its own, as OpenRLHF
         # runs it)
         critics = (None, *CRITIC_APART) if w.critic is not None and own_generator else (None,)
-        layouts = []
+        layouts, generators = [], []  # (generators: the worker count of each arrangement's generator)
         offloads = _offloads(cluster, [models for _, models in layout], offload)  # (a critic apart: the same roles)
         for critic in critics:
             for split, tp, share in _arrangements(cluster, layout, tps if own_generator else [1], own_generator, critic):
                 groups = _groups(cluster, layout, split, tp, share, critic)
                 workers = None if groups is None else next(g.workers for g in groups if "generation" in g.models)
+                generators += [workers] * (workers is not None)
                 if workers is not None and workers <= w.prompts:
                     trainers, options = _trainer_options(w, groups, zero_stage, settings)
                     # the actor's group generates with transformers, or with vLLM in each trainer rank's
@@ -184,6 +187,14 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
                     for engine in _engines(w, own_generator):
                         for moves in offloads:
                             layouts.append((groups, tp, engine, moves, trainers, options))
+        if generators and not layouts:
+            found.why_not[strategy] = (f"its generator would have {min(generators)} worker(s) or more, more than "
+                                       f"the step's {w.prompts} prompt(s) (rollout.prompts_per_step)")
+        elif layouts and not any(options for *_, options in layouts):  # (the samples split over none of them)
+            ranks = sorted({trainers[0].workers for *_, trainers, _ in layouts})
+            found.why_not[strategy] = (
+                f"the step's {w.samples} samples do not split evenly over its trainer's "
+                f"{' or '.join(map(str, ranks))} rank(s) x trainer.updates_per_step {w.updates_per_step}")
         if len(layouts) <= keep or cluster.shared:  # (a small search: every setting of every layout)
             for groups, tp, engine, moves, trainers, options in layouts:
                 for zero, mb in options:
@@ -461,7 +472,10 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
                          f"mb {mb_of(w, closest.setting)}{', offload' * closest.setting.offload}): "
                          f"{'; '.join(closest.estimate.short)}")
     missing = [s for s in found.strategies if s not in {c.setting.strategy for c in [*fit, *rejected]}
-               and s not in found.skipped]
+               and s not in found.skipped and s not in found.why_not]
+    for strategy, why in found.why_not.items():
+        lines.append(f"not possible with this step: {strategy} ({why}; change rollout.prompts_per_step or "
+                     "group_size)")
     if found.unused:
         lines.append("not weighed, as a group of theirs would host nothing (with trainer.lora the reference is "
                      "the actor without its adapters, run by the trainer): " + ", ".join(found.unused))
