@@ -636,11 +636,12 @@ def test_every_cluster_file_loads_and_plan_takes_a_node_count(tiny, tmp_path):
 
 def test_a_vllm_generator_holds_what_its_kv_cache_budget_allows_and_generates_in_waves():
     """KV cache: 2 x 10 layers x 1 head x 100 x 4 bytes = 8,000 bytes a token, 1.6 MB a 200-token sequence:
-    a 5 MB budget holds 3 sequences, so 8 samples take 3 waves of 3."""
+    a budget of 0.005 GiB (rollout.vllm.kv_cache_gb is GiB, as the engine reads it: 5.37 MB) holds 3
+    sequences, so 8 samples take 3 waves of 3."""
     separation = Layout("separation", (Group("generator", ("generation",)), Group("scorer", ("reference", "reward")),
                                        Group("trainer", ("actor",))), 2, 8)
     e = estimate(separation, workload(kv_cache_gb=0.005), simple_cluster())
-    assert e.memory["generator"] == pytest.approx(4e9 + 5e6) and e.kv_cache_gb == pytest.approx(0.005)
+    assert e.memory["generator"] == pytest.approx(4e9 + 0.005 * 2**30) and e.kv_cache_gb == pytest.approx(0.005)
     # a wave: prefill 2 x 1e9 x 3 x 100 / 1e12; 100 decode steps of max(2e9 x 3 / 1e12, (4e9 + KV of 3 x 150
     # tokens) / 1e11) + vLLM's 0.01
     wave = 2e9 * 3 * 100 / 1e12 + 100 * ((4e9 + 3 * 150 * 8000) / 1e11 + 0.01)
@@ -669,7 +670,8 @@ def test_a_plan_for_gpus_sizes_the_kv_cache_and_writes_it(tiny, tmp_path):
                  "--write", out, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     written = load_config(out)
-    assert 0.9 * 141 - 1 < written.rollout.vllm.kv_cache_gb <= 0.9 * 141  # (the tiny model's weights are nothing)
+    # (GiB: 90% of 141 GB, the tiny model's weights being nothing)
+    assert 0.9 * 141e9 / 2**30 - 1 < written.rollout.vllm.kv_cache_gb <= 0.9 * 141e9 / 2**30
     # generation in the trainer's 8 workers: vLLM in each one's process (faster than transformers there),
     # with the KV cache its device has room for beside the trainer's state (asleep while it trains)
     result = cli("plan", config, "--cluster", CLUSTERS / "1x8-h200.yaml", "--strategy", "flattening", "--write", out,
@@ -677,7 +679,8 @@ def test_a_plan_for_gpus_sizes_the_kv_cache_and_writes_it(tiny, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     written = load_config(out)
     assert written.rollout.backend == "vllm" and written.placement.group_with("actor").workers == 8
-    assert 0.9 * 141 - 2 < written.rollout.vllm.kv_cache_gb <= 0.9 * 141 and written.rollout.generate_batch_size is None
+    assert 0.9 * 141e9 / 2**30 - 2 < written.rollout.vllm.kv_cache_gb <= 0.9 * 141e9 / 2**30
+    assert written.rollout.generate_batch_size is None
 
 
 def test_transformers_generates_its_batch_at_once_in_waves():

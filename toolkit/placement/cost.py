@@ -66,7 +66,8 @@ from toolkit.placement.layout import Group, Layout, scored_in_training_step
 from toolkit.placement.plan import ROLE_OF, WorkerGroup, group_of, several_roles, stages
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-GB = 1e9
+GB = 1e9      # cluster files' memory_gb and the planner's reports: decimal gigabytes
+GIB = 2**30   # rollout.vllm.kv_cache_gb: gibibytes, as the vLLM engine reads it (vllm_engine.py)
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ class Workload:
     updates_per_step: int = 1
     epochs: int = 1
     switches: Switches = Switches()
-    kv_cache_gb: float | None = None   # vLLM's KV-cache budget per device; None: what the weights leave
+    kv_cache_gb: float | None = None   # vLLM's KV-cache budget per device (GiB); None: what the weights leave
     generate_batch: int | None = 0     # transformers: samples generated at once (0: all; None: what fits)
     max_policy_lag: int = 0            # >= 1: generation of the next steps overlaps training (async)
     micro_batch_tokens: int | None = None  # trainer.micro_batch_tokens: micro-batches of this many tokens at most
@@ -214,7 +215,7 @@ class Estimate:
     memory: dict[str, float] = field(default_factory=dict)    # bytes per device, per group
     phases: dict[str, float] = field(default_factory=dict)    # seconds per step
     short: list[str] = field(default_factory=list)            # why it does not fit
-    kv_cache_gb: float = 0.0                                  # a vLLM engine's KV cache per device
+    kv_cache_gb: float = 0.0                                  # a vLLM engine's KV cache per device (GiB)
     generate_batch: int = 0                                   # transformers: samples generated at once
     overlapped_s: float | None = None                         # async: the busiest group's seconds a step
 
@@ -360,7 +361,7 @@ def kv_budget(w: Workload, device_gb: float, tp: int) -> float:
     """Bytes of KV cache a vLLM engine has per device: `rollout.vllm.kv_cache_gb`, or, when the planner
     sets it (None), 90% of the device less the engine's share of the weights."""
     if w.kv_cache_gb is not None:
-        return w.kv_cache_gb * GB
+        return w.kv_cache_gb * GIB
     return max(0.0, 0.9 * device_gb * GB - w.actor.params * w.dtype_bytes / tp)
 
 
@@ -455,9 +456,9 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
         beside = need + idle - parked if phased else need
         if s.generation_engine == "vllm":
             budget = kv_budget(w, cluster.device.memory_gb - beside / GB, tp)
-            kv_cache_gb = budget / GB
+            kv_cache_gb = budget / GIB
             if concurrency(w, budget, tp) < 1:
-                short = (f"{name}: vLLM's KV cache of {budget / GB:.1f} GB per device holds no whole "
+                short = (f"{name}: vLLM's KV cache of {budget / GIB:.1f} GiB per device holds no whole "
                          f"sequence of {w.tokens:.0f} tokens; raise rollout.vllm.kv_cache_gb or the TP size")
             batch = 0
         else:  # transformers: rollout.generate_batch_size, or (planned) as many as the device has room for
@@ -531,7 +532,7 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
     P = w.actor.active  # (FLOPs; the weights read per decode step are all of them: w.actor.params)
     if s.generation_engine == "vllm":  # (its own worker's, or in the trainer's process: rollout.backend vllm)
         c_decode, c_sequence = o.decode_step_vllm, o.decode_per_sequence_vllm
-        batch = max(1, min(per, concurrency(w, e.kv_cache_gb * GB, tp)))  # in waves of what its KV cache holds
+        batch = max(1, min(per, concurrency(w, e.kv_cache_gb * GIB, tp)))  # in waves of what its KV cache holds
     else:
         c_decode, c_sequence = o.decode_step_hf, o.decode_per_sequence_hf
         batch = max(1, e.generate_batch)  # (transformers: rollout.generate_batch_size at once)

@@ -520,7 +520,7 @@ def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
 
 
 def kv_cache_gb(c: Candidate) -> float:
-    """The KV cache per device a plan gives a vLLM engine, as `rollout.vllm.kv_cache_gb` (0.1 GB steps)."""
+    """The KV cache per device a plan gives a vLLM engine, as `rollout.vllm.kv_cache_gb` (GiB, 0.1 steps)."""
     return max(0.1, math.floor(c.estimate.kv_cache_gb * 10) / 10)
 
 
