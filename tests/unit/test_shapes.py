@@ -112,8 +112,15 @@ LISTS = {"opt": ["q_proj", "fc2"], "gpt2": ["c_attn", "c_fc"], "gpt_neox": ["que
          "mixtral": ["q_proj", "gate", "w2"], "qwen3_moe": ["k_proj", "gate", "down_proj"]}
 
 
+def tiny_config(family: str) -> dict:
+    import transformers
+
+    class_name, args = TINY[family]
+    return getattr(transformers, class_name)(**args).to_dict()
+
+
 @pytest.mark.parametrize("config", [json.loads(p.read_text()) for p in CONFIGS]
-                         + [getattr(__import__("transformers"), TINY[f][0])(**TINY[f][1]).to_dict() for f in sorted(TINY)],
+                         + [tiny_config(f) for f in sorted(TINY)],
                          ids=[p.stem for p in CONFIGS] + [f"tiny-{f}" for f in sorted(TINY)])
 def test_lora_adapters_are_what_peft_gives_every_family_and_mixtures_each_expert(config, tmp_path):
     """LoRA's adapters as peft counts them (rank 16): on every linear layer of the blocks (all-linear: OPT's,
@@ -156,7 +163,8 @@ def test_sizes_of_0_below_0_or_true_and_configs_that_are_no_object_are_config_er
                              ("num_hidden_layers", 0, "num_hidden_layers is 0"),
                              ("hidden_size", -4096, "hidden_size is -4096"), ("vocab_size", 0, "vocab_size is 0"),
                              ("num_hidden_layers", True, "num_hidden_layers is true"),
-                             ("num_key_value_heads", 3, "num_key_value_heads 3 does not divide num_attention_heads 32")):
+                             ("num_key_value_heads", 3,
+                              "num_key_value_heads 3 does not divide num_attention_heads 32")):
         (tmp_path / "config.json").write_text(json.dumps({**llama, key: value}))
         with pytest.raises(ConfigError, match=f"config.json: a llama config whose sizes are not all whole numbers "
                                               f"above 0 \\({says}\\)"):
