@@ -6,7 +6,8 @@ Each run of the file (a published figure with its source and the text that gives
 planner: its models' config.json files (tests/fixtures/model_configs), the cluster file with the run's
 node count, its workload, and the layout the source describes (`layout.strategy`, with the generation
 engine it used, and `layout.tensor_parallel` where the source sets its generation's TP size, as
-DeepSpeed-Chat's `--inference_tp_size`, and `layout.offload` where the source moves models to host
+DeepSpeed-Chat's `--inference_tp_size` or NeMo-RL's Generation [TP,PP] (a generator of its own: the
+fastest plan of that size, whose groups are formed for it), and `layout.offload` where the source moves models to host
 memory between phases, as DeepSpeed-Chat's `--offload_reference_model`; off where it does not say). The
 prediction is the fastest plan of that layout that fits (the planner chooses ZeRO stage, micro-batch and
 TP size, as the publishers tuned theirs), with the per-GPU batch sizes the source states where it does
@@ -58,17 +59,28 @@ def predict(run: dict, rates: dict | None = None):
                    offload=run["layout"].get("offload", False))
     settings = run.get("settings", {})
     engine = run["layout"]["engine"]  # (the source's: the planner may find the other faster)
-    fit, rejected = ([c for c in plans if c.setting.generation_engine == engine]
+    tp = run["layout"].get("tensor_parallel")
+    fit, rejected = ([c for c in plans if c.setting.generation_engine == engine and tp_of(c.setting, tp)]
                      for plans in (found.fit, found.rejected))
     pool = fit or (rejected if settings else [])
     if not pool:
         return None, found
     best = pool[0]
+    # (a generator of its own was searched at each TP size, its groups formed for it: the plan is the
+    # fastest of that size; where the actor's group generates, the groups are the same at any TP size,
+    # which the planner leaves at 1, and the source's is set)
+    own = any(g.own_engine for g in best.setting.groups)
     layout = dataclasses.replace(best.setting, micro_batch=settings.get("micro_batch", best.setting.micro_batch),
-                                 tensor_parallel=run["layout"].get("tensor_parallel", best.setting.tensor_parallel))
+                                 tensor_parallel=best.setting.tensor_parallel if own or tp is None else tp)
     # (as the search sized them: the generate() batch or KV cache that fits, unless the source states it)
     w = dataclasses.replace(w, generate_batch=settings.get("generate_batch"), kv_cache_gb=None)
     return dataclasses.replace(best, setting=layout, estimate=estimate(layout, w, cluster)), found
+
+
+def tp_of(s, tp: int | None) -> bool:
+    """Whether plan setting `s` generates at the source's TP size `tp` (None: any), where a generator of its
+    own is searched at each size."""
+    return tp is None or s.tensor_parallel == tp or not any(g.own_engine for g in s.groups)
 
 
 def with_rates(cluster, rates: dict | None):

@@ -49,6 +49,98 @@ def test_trainer_memory_by_zero_stage():
         pytest.approx(2 * 200 * 10 * 1000 * 17 * 4 + 2 * 200 * 1000 * 4 * 3)
 
 
+def test_micro_batches_by_token_budget_are_sized_and_counted_by_the_budget(tiny, tmp_path):
+    """trainer.micro_batch_tokens 400 (two samples of 200 tokens): a micro-batch holds what 2 rows hold,
+    whatever micro_batch_size is, and a rank's 8 samples take 4 micro-batches of 0.5 s; the search weighs
+    no micro_batch_size (1 splits every update) and writes a config that keeps the budget."""
+    from toolkit.placement.planner import write_config as write_plan
+
+    budget = workload(micro_batch_tokens=400)
+    assert trainer_memory(budget.actor, budget, 1, 0, 1) == trainer_memory(budget.actor, workload(), 1, 0, 2)
+    assert trainer_memory(budget.actor, budget, 1, 0, 0) == trainer_memory(budget.actor, workload(), 1, 0, 0)
+    s = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 1, 1, "hf")
+    by_rows = dataclasses.replace(s, micro_batch=8)
+    assert estimate(s, budget, simple_cluster()).phases["train"] == pytest.approx(
+        estimate(by_rows, workload(), simple_cluster()).phases["train"] + 3 * 0.5)
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, trainer={"micro_batch_tokens": 560})))
+    w = workload_of(cfg, 10.0)
+    found = search(load_cluster(CLUSTERS / "2x8-h100.yaml"), w, cfg.trainer.zero_stage)
+    assert found.fit and {p.setting.micro_batch for p in found.fit + found.rejected} == {1}
+    write_plan(cfg, found.fit[0], tmp_path / "planned.yaml")
+    assert load_config(tmp_path / "planned.yaml").trainer.micro_batch_tokens == 560
+
+
+def test_ptx_text_rows_cost_the_actor_memory_and_time_by_hand(tiny, tmp_path):
+    """ptx.coef > 0: each actor micro-batch of mb rows adds mb text rows of ptx.max_tokens (50), forward
+    and backward in the same pass (update.py), so their activations and logits are held with the batch's;
+    the critic has none."""
+    ptx = workload(ptx_tokens=50)
+    critic = dataclasses.replace(ptx.actor, value_head=True)
+    assert trainer_memory(ptx.actor, ptx, 1, 0, 2) - trainer_memory(ptx.actor, workload(), 1, 0, 2) == \
+        pytest.approx(2 * 50 * (10 * 1000 * 17 * 4 + 1000 * 4 * 3))
+    assert trainer_memory(critic, ptx, 1, 0, 2) == trainer_memory(critic, workload(), 1, 0, 2)
+    s = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8, 1, "hf")
+    # one micro-batch of 8 rows: 6 FLOPs x 1e9 parameters x 8 x 50 tokens at 1e12
+    assert estimate(s, ptx, simple_cluster()).phases["train"] - estimate(s, workload(), simple_cluster()).phases[
+        "train"] == pytest.approx(6 * 1e9 * 8 * 50 / 1e12)
+    (tmp_path / "ptx.jsonl").write_text('{"text": "one two three"}\n')
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, ptx={
+        "coef": 1.0, "max_tokens": 50, "data": {"sources": [{"path": str(tmp_path / "ptx.jsonl")}]}})))
+    assert workload_of(cfg, 10.0).ptx_tokens == 50
+
+
+def test_grpo_with_one_update_a_step_runs_no_forward_for_its_old_log_probs(tiny, tmp_path):
+    """GRPO with one update a step and one epoch takes the old log-probs from the training forward
+    (update.py `old_at_update`): the train phase has no 2*1e9*8*200/1e12 = 3.2 s pass and its 0.1 s call;
+    two updates a step, or PPO, have it."""
+    s = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8, 1, "hf")
+    train = estimate(s, workload(), simple_cluster()).phases["train"]
+    assert estimate(s, workload(old_logprobs_forward=False), simple_cluster()).phases["train"] == \
+        pytest.approx(train - 3.3)
+    grpo = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny)))
+    assert not workload_of(grpo, 10.0).old_logprobs_forward
+    twice = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, trainer={"updates_per_step": 2})))
+    ppo = load_config(write_config(tmp_path, example("tiny-ppo.yaml", tiny)))
+    assert workload_of(twice, 10.0).old_logprobs_forward and workload_of(ppo, 10.0).old_logprobs_forward
+
+
+def test_a_backend_the_run_names_is_the_one_planned_and_written(tiny, tmp_path):
+    """rollout.backend hf (or vllm) fixes the engine: every plan generates with it, at TP 1 for hf, and
+    `--write` keeps it; auto weighs both where the actor's group generates."""
+    from toolkit.placement.planner import write_config as write_plan
+
+    gpus = load_cluster(CLUSTERS / "2x8-h100.yaml")
+    for backend in ("hf", "vllm"):
+        cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, rollout={"backend": backend})))
+        found = search(gpus, workload_of(cfg, 10.0), cfg.trainer.zero_stage)
+        assert found.fit and {p.setting.generation_engine for p in found.fit + found.rejected} == {backend}
+        write_plan(cfg, found.fit[0], tmp_path / "planned.yaml")
+        assert load_config(tmp_path / "planned.yaml").rollout.backend == backend
+        if backend == "hf":
+            assert {p.setting.tensor_parallel for p in found.fit + found.rejected} == {1}
+    auto = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny)))
+    found = search(gpus, workload_of(auto, 10.0), 2, strategies=("flattening",), keep=10_000)
+    engines = {p.setting.generation_engine for p in found.fit + found.rejected}
+    assert engines == {"hf", "vllm"}
+
+
+def test_a_strategy_without_a_plan_for_this_step_says_why_not_that_nodes_are_missing():
+    """On one node of 8 GPUs, Flattening has 8 trainer ranks: 30 samples do not split over them, and 3
+    prompts leave 5 of its 8 generators without one. It was reported "not possible on 1 node(s)"."""
+    from toolkit.placement.planner import report
+
+    c = load_cluster(CLUSTERS / "1x8-a100-80g.yaml")
+    for samples, prompts, why in ((30, 15, "the step's 30 samples do not split evenly over its trainer's 8 rank(s) "
+                                            "x trainer.updates_per_step 1"),
+                                  (6, 3, "its generator would have 8 worker(s) or more, more than the step's 3 "
+                                         "prompt(s)")):
+        w = workload(samples=samples, prompts=prompts)
+        found = search(c, w, 2, strategies=("flattening",))
+        text = report(c, w, found)
+        assert not found.fit and f"not possible with this step: flattening ({why}" in text, text
+        assert "not possible on 1 node(s)" not in text
+
+
 def simple_cluster(**kw) -> Cluster:
     data = {"name": "hand", "nodes": 1, "gpus_per_node": 0, "shared": True,
             "device": {"memory_gb": 1000, "flops": 1e12, "memory_bandwidth": 1e11},
@@ -88,7 +180,7 @@ def test_offload_gives_each_phase_of_a_shared_gpu_the_device_by_hand():
     kept, moved = (estimate(Layout("flattening", groups, 2, 8, 1, "hf", offload), w, gpu) for offload in (False, True))
     trainer = 16e9 + 10 * 8 * 200 * 1000 * 17 * 4 + 8 * 200 * 1000 * 4 * 3
     reference = 4e9 + 8 * 200 * 1000 * 4 * 2
-    assert kept.memory["all"] == pytest.approx(trainer + reference + 8 * (200 * 8000 + 100 * 1000 * 4))
+    assert kept.memory["all"] == pytest.approx(trainer + reference + 8 * (200 * 8000 + 1000 * 4 * 2 + 100 * 4))
     assert moved.memory["all"] == pytest.approx(trainer)
     assert moved.phases["generate"] == kept.phases["generate"]
     assert moved.phases["score"] - kept.phases["score"] == pytest.approx(2 * 4e9 / 2.5e10)
@@ -285,6 +377,36 @@ def test_lora_is_the_actors_alone_and_only_its_adapters_cross_the_links():
     whole = estimate(layout, workload(critic=critic), simple_cluster(gpus_per_node=2, shared=False))
     assert whole.memory["all"] - e.memory["all"] == pytest.approx(
         trainer_memory(m, lora, 2, 2, 4, Switches()) - trainer_memory(m, lora, 2, 2, 4))
+
+
+def test_with_lora_there_is_no_reference_to_place_hold_or_score_and_the_plans_written_load(tiny, tmp_path):
+    """With trainer.lora the reference is the actor with its adapters disabled, run by the trainer
+    (RunConfig.hosts): no preset group hosts it (colocate_critic_reward, whose group would host nothing, is
+    not weighed), nothing holds its weights, and its forward is the trainer's, on each rank's shard."""
+    from toolkit.placement.planner import write_config as write_plan
+
+    lora = workload(switches=Switches(lora_rank=8), reference=None)
+    c = simple_cluster()
+    with_ref = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8, 1, "hf")
+    alone = Layout("flattening", (Group("all", ("generation", "reward", "actor")),), 2, 8, 1, "hf")
+    e = estimate(alone, lora, c)  # (a layout without a reference group: no StopIteration)
+    assert e.phases["score"] == 0.0 and e.memory == estimate(with_ref, lora, c).memory
+    # train: the old log-probs' and the reference's forwards, 2 x (2*1e9*8*200/1e12 + one call 0.1); forward
+    # and backward without weight gradients 4*1e9*8*200/1e12 + 1 micro-batch 0.5; optimizer 1.0 + its bytes
+    state = 4e9 + lora.actor.lora_params(8) * (4 + 8)
+    assert e.phases["train"] == pytest.approx(2 * 3.3 + 6.4 + 0.5 + 1.0 + state / 1e11)
+    gpus = load_cluster(CLUSTERS / "2x8-h100.yaml")
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, trainer={"lora": {"rank": 8}})))
+    assert workload_of(cfg, 10.0).reference is None
+    found = search(gpus, workload_of(cfg, 10.0), cfg.trainer.zero_stage)
+    assert found.unused == ("colocate_critic_reward",)
+    plans = found.fit + found.rejected
+    assert plans and not any("reference" in g.models for p in plans for g in p.setting.groups)
+    for strategy in dict.fromkeys(p.setting.strategy for p in found.fit):  # each strategy's best plan loads
+        out = tmp_path / f"{strategy}.yaml"
+        write_plan(cfg, next(p for p in found.fit if p.setting.strategy == strategy), out)
+        written = load_config(out)
+        assert estimate(setting_of(written), workload_of(written, 10.0), gpus).step_s > 0
 
 
 def test_critic_and_reward_models_hold_values_not_the_vocabularys_logits():
@@ -514,17 +636,31 @@ def test_every_cluster_file_loads_and_plan_takes_a_node_count(tiny, tmp_path):
 
 def test_a_vllm_generator_holds_what_its_kv_cache_budget_allows_and_generates_in_waves():
     """KV cache: 2 x 10 layers x 1 head x 100 x 4 bytes = 8,000 bytes a token, 1.6 MB a 200-token sequence:
-    a 5 MB budget holds 3 sequences, so 8 samples take 3 waves of 3."""
+    a budget of 0.005 GiB (rollout.vllm.kv_cache_gb is GiB, as the engine reads it: 5.37 MB) holds 3
+    sequences, so 8 samples take 3 waves of 3."""
     separation = Layout("separation", (Group("generator", ("generation",)), Group("scorer", ("reference", "reward")),
                                        Group("trainer", ("actor",))), 2, 8)
     e = estimate(separation, workload(kv_cache_gb=0.005), simple_cluster())
-    assert e.memory["generator"] == pytest.approx(4e9 + 5e6) and e.kv_cache_gb == pytest.approx(0.005)
+    assert e.memory["generator"] == pytest.approx(4e9 + 0.005 * 2**30) and e.kv_cache_gb == pytest.approx(0.005)
     # a wave: prefill 2 x 1e9 x 3 x 100 / 1e12; 100 decode steps of max(2e9 x 3 / 1e12, (4e9 + KV of 3 x 150
     # tokens) / 1e11) + vLLM's 0.01
     wave = 2e9 * 3 * 100 / 1e12 + 100 * ((4e9 + 3 * 150 * 8000) / 1e11 + 0.01)
     assert e.phases["generate"] == pytest.approx(3 * wave)
     small = estimate(separation, workload(kv_cache_gb=0.001), simple_cluster())
     assert not small.fits and "holds no whole sequence of 200 tokens" in small.short[0]
+
+
+def test_vllm_with_more_tp_ranks_than_key_value_heads_copies_them_on_each_rank():
+    """vLLM gives each TP rank its share of the key/value heads, at least one: the model's one head at TP 2
+    is on both ranks, 8,000 bytes a token on each (not 4,000), so a 5 MB budget a rank still holds 3
+    sequences (not 6) and each rank reads its whole KV cache at each decode step."""
+    separation = Layout("separation", (Group("generator", ("generation",), 1, 1, 2), Group("scorer", ("reference",
+                        "reward")), Group("trainer", ("actor",))), 2, 8, 2)
+    e = estimate(separation, workload(kv_cache_gb=0.005), simple_cluster())
+    wave = 2e9 * 3 * 100 / (2 * 1e12) + 100 * ((4e9 / 2 + 3 * 150 * 8000) / 1e11 + 0.01)
+    assert e.phases["generate"] == pytest.approx(3 * wave)
+    assert workload().actor.vllm_kv_bytes_per_token(4, 2) == 8000
+    assert dataclasses.replace(workload().actor, kv_heads=8).vllm_kv_bytes_per_token(4, 2) == 8 // 2 * 8000
 
 
 def test_a_plan_for_gpus_sizes_the_kv_cache_and_writes_it(tiny, tmp_path):
@@ -534,7 +670,8 @@ def test_a_plan_for_gpus_sizes_the_kv_cache_and_writes_it(tiny, tmp_path):
                  "--write", out, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     written = load_config(out)
-    assert 0.9 * 141 - 1 < written.rollout.vllm.kv_cache_gb <= 0.9 * 141  # (the tiny model's weights are nothing)
+    # (GiB: 90% of 141 GB, the tiny model's weights being nothing)
+    assert 0.9 * 141e9 / 2**30 - 1 < written.rollout.vllm.kv_cache_gb <= 0.9 * 141e9 / 2**30
     # generation in the trainer's 8 workers: vLLM in each one's process (faster than transformers there),
     # with the KV cache its device has room for beside the trainer's state (asleep while it trains)
     result = cli("plan", config, "--cluster", CLUSTERS / "1x8-h200.yaml", "--strategy", "flattening", "--write", out,
@@ -542,17 +679,19 @@ def test_a_plan_for_gpus_sizes_the_kv_cache_and_writes_it(tiny, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     written = load_config(out)
     assert written.rollout.backend == "vllm" and written.placement.group_with("actor").workers == 8
-    assert 0.9 * 141 - 2 < written.rollout.vllm.kv_cache_gb <= 0.9 * 141 and written.rollout.generate_batch_size is None
+    assert 0.9 * 141e9 / 2**30 - 2 < written.rollout.vllm.kv_cache_gb <= 0.9 * 141e9 / 2**30
+    assert written.rollout.generate_batch_size is None
 
 
 def test_transformers_generates_its_batch_at_once_in_waves():
     """rollout.generate_batch_size 3 of 8 samples: 3 waves of 3; memory for 3 samples' KV cache (1.6 MB
-    each) and scores (100 steps x 1,000 vocabulary x 4 bytes each)."""
+    each), one step's scores (1,000 vocabulary x 4 bytes, and their softmax) and the drawn tokens' log-probs
+    (100 x 4 bytes): the sampler keeps no step's scores after it (SeededDraw)."""
     flattening = Layout("flattening", (Group("all", ("generation", "reference", "reward", "actor")),), 2, 8, 1, "hf")
     every = estimate(flattening, workload(), simple_cluster())
     three = estimate(flattening, workload(generate_batch=3), simple_cluster())
     assert every.generate_batch == 8 and three.generate_batch == 3
-    assert every.memory["all"] - three.memory["all"] == pytest.approx(5 * (1.6e6 + 100 * 1000 * 4))
+    assert every.memory["all"] - three.memory["all"] == pytest.approx(5 * (1.6e6 + 1000 * 4 * 2 + 100 * 4))
     wave = 2e9 * 3 * 100 / 1e12 + 100 * ((4e9 + 3 * 150 * 8000) / 1e11 + 0.02)
     assert three.phases["generate"] == pytest.approx(3 * wave)
 
@@ -566,8 +705,9 @@ def test_the_hybrid_engines_inference_tp_splits_the_gathered_actor_over_ranks():
     group = (Group("all", ("generation", "reference", "reward", "actor"), 1, 4),)
     one, two = (estimate(Layout("flattening", group, 3, 2, tp, "hf"), workload(), c) for tp in (1, 2))
     assert (one.generate_batch, two.generate_batch) == (2, 4)
-    # weights 4e9 / TP; per sample: KV 200 tokens x 8,000 bytes / TP and 100 steps' scores of 1,000 x 4 bytes
-    assert one.memory["all"] - two.memory["all"] == pytest.approx(4e9 / 2 + 2 * (1.6e6 + 4e5) - 4 * (0.8e6 + 4e5))
+    # weights 4e9 / TP; per sample: KV 200 tokens x 8,000 bytes / TP, one step's scores 1,000 x 4 x 2 bytes
+    # and 100 log-probs of 4 bytes
+    assert one.memory["all"] - two.memory["all"] == pytest.approx(4e9 / 2 + 2 * (1.6e6 + 8400) - 4 * (0.8e6 + 8400))
     wave = {tp: 2e9 * batch * 100 / (tp * 1e12) + 100 * (max(2e9 * batch / (tp * 1e12),
                                                               (4e9 + batch * 150 * 8000) / (tp * 1e11)) + 0.02)
             for tp, batch in ((1, 2), (2, 4))}

@@ -84,3 +84,18 @@ def test_a_rate_set_for_the_table_changes_each_prediction_by_what_it_costs():
     assert slower.estimate.phases["generate"] - here.estimate.phases["generate"] == pytest.approx(256 * 0.004)
     assert slower.estimate.step_s - here.estimate.step_s == pytest.approx(256 * 0.004)
 
+
+
+def test_a_source_tp_size_picks_the_fastest_plan_at_that_size_with_its_groups_formed_for_it():
+    """NeMo-RL's 1-step-off run generates at TP 1 (its table's Generation [TP,PP] is [1,1]): the plan is
+    the search's fastest at TP 1, a vLLM engine on each GPU of the generator's node, not the TP-8 plan's
+    one worker of 8 GPUs with its TP replaced."""
+    from published_runs import predict
+
+    run = next(r for r in RUNS if r["id"] == "NRL-8B-1-step-off-16xH100")
+    assert run["layout"]["tensor_parallel"] == 1
+    best, found = predict(run)
+    generator = best.setting.group("generation")
+    assert best.setting.tensor_parallel == 1 and generator.gpus_per_worker == 1 and generator.workers == 8
+    same = [c for c in found.fit if c.setting.tensor_parallel == 1 and c.setting.generation_engine == "vllm"]
+    assert best.setting == same[0].setting and best.estimate.step_s == pytest.approx(same[0].estimate.step_s)

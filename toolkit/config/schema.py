@@ -660,6 +660,14 @@ class RunConfig(Section):
         return self.rollout.max_policy_lag > 0 if setting == "auto" else setting == "on"
 
     @property
+    def old_logprobs_at_update(self) -> bool:
+        """Whether the old log-probs are the training forward's own, with no forward pass of their own:
+        GRPO with one update per batch (one epoch, updates_per_step 1) and no behaviour correction (see
+        toolkit/roles/update.py; the planner charges no such pass then)."""
+        return (self.run.algorithm == "grpo" and self.algorithm.epochs == 1 and self.trainer.updates_per_step == 1
+                and not self.behaviour_correction)
+
+    @property
     def tokenizer_path(self) -> Path:
         """`model.tokenizer`, or the actor's directory."""
         return Path(self.model.tokenizer or self.model.actor)

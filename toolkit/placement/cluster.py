@@ -22,7 +22,7 @@ class _Section(BaseModel):
 
 class Device(_Section):
     memory_gb: float = Field(gt=0)
-    """Memory of one device (GPU memory, or the node's memory when it has no GPU)."""
+    """Memory of one device (GPU memory, or the node's memory when it has no GPU), in GB of 10^9 bytes."""
     flops: float = Field(gt=0)
     """Dense matmul FLOP/s reached in the model dtype."""
     memory_bandwidth: float = Field(gt=0)

@@ -7,32 +7,36 @@ be checked by hand (tests/unit/test_cost.py does). Memory (bytes per device):
                   offload_optimizer), T = P or, with LoRA, the adapters' parameters;
                   activations mb*L*layers*hidden*17*b, or with checkpointing mb*L*hidden*b*layers
                   + one layer's mb*L*hidden*17*b; logits mb*L*vocab*4*3 (a critic's values:
-                  mb*L*4*3).
+                  mb*L*4*3); by token budget (trainer.micro_batch_tokens) the budget for mb*L; with
+                  PTX the actor's mb*L has mb*ptx.max_tokens more (its text rows, in the same backward).
                   A trainer that does not fit is told the fewest switches under which it would.
                   A critic on ranks of its own (a group hosting it alone): its group holds the critic's
                   share, the actor's group the actor's.
   vLLM generator  P*b/TP + its KV budget: rollout.vllm.kv_cache_gb, or (planned) 90% of the device
-                  less the weights and the rest of its group; it holds floor(budget*TP / (L *
-                  kv_bytes_per_token)) sequences at once, and generates a worker's samples in waves
+                  less the weights and the rest of its group; it holds floor(budget / (L * a rank's
+                  KV bytes per token: max(1, kv_heads // TP) heads, as vLLM copies heads where TP
+                  exceeds them)) sequences at once, and generates a worker's samples in waves
                   (vLLM in a trainer's process sleeps while the trainer works, on a GPU: its group
                   needs the trainer's state plus the larger of activations and weights + KV budget)
   transformers generate()  rollout.generate_batch_size samples at once, or (planned) as many as 90% of
-                  the device has room for beside the rest of its group: their KV cache + the scores it
-                  keeps (Lr * vocab * 4 each)
+                  the device has room for beside the rest of its group: their KV cache + one step's
+                  scores (vocab * 4 * 2 each) + the log-probs it keeps (Lr * 4 each)
   scorer model    P*b + forward logits fbs*L*vocab*4*2 (a reward model: values, fbs*L*4*2); a reference
                   or reward model with the trainer under ZeRO-3 holds P*b/W (sharded over the trainer's
                   W ranks)
 Time (seconds per step, phases one after the other; with max_policy_lag >= 1 and generators of their
 own, the busiest group's seconds, as generation of the next steps overlaps training; on a shared machine,
 generate + max(0, score + train - generation_idle * generate) + sync + transport):
-  generate  waves * (2*P*n*Lp/(TP*F) + Lr * (max(2*P*n/(TP*F), (P*b/TP + KV)/B) + c_decode + c_seq*n)),
+  generate  waves * (2*P*n*Lp/(TP*F) + Lr * (max(2*P*n/(TP*F), (P*b/TP + a rank's KV)/B) + c_decode + c_seq*n)),
             n = the sequences of a wave (vLLM: what its KV cache holds; transformers: its batch)
   score     per scoring model: 2*P*n*L/F + calls * c_forward (n: samples of the busiest worker; a
             reference or reward model with the trainer: each trainer rank its shard)
-  train     old log-probs (and values): 2*P*n*L/F + calls * c_forward;
+  train     old log-probs (and values; with LoRA the reference's too, the actor without its adapters):
+            2*P*n*L/F + calls * c_forward (GRPO with one update a step and one epoch takes its old
+            log-probs from the training forward: none);
             forward+backward k*P*n*L*epochs/F + micro-batches * c_micro, k = 2 (forward) + 2 (gradients
             of the activations) + 2 (of the weights; 0 with LoRA, whose adapters are too small to count)
-            + 2 with checkpointing (the forward pass again);
+            + 2 with checkpointing (the forward pass again); PTX: k*P*mb*ptx.max_tokens per micro-batch;
             optimizer updates * (c_opt + state bytes / B); ZeRO traffic over the group's link;
             on GPUs, host memory: offload_optimizer, per update T/W parameters through the host's Adam
             (H params/s per device) and T*b/W bytes each way over the device's host link (PCIe);
@@ -57,11 +61,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit.errors import ConfigError
 from toolkit.placement.layout import Group, Layout, scored_in_training_step
 from toolkit.placement.plan import ROLE_OF, WorkerGroup, group_of, several_roles, stages
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-GB = 1e9
+GB = 1e9      # cluster files' memory_gb and the planner's reports: decimal gigabytes
+GIB = 2**30   # rollout.vllm.kv_cache_gb: gibibytes, as the vLLM engine reads it (vllm_engine.py)
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,9 @@ class ModelShape:
     ffn: int | None = None              # the MLP's inner width (None: 4 x hidden)
     value_head: bool = False            # one output per token (critic, reward model), not the vocabulary
     heads: int | None = None            # attention (query) heads, where known: vLLM's TP size must divide them
+    linears: tuple = ()                 # what LoRA may adapt (shapes.Linear); () : a Llama-like block's seven
+    lm_head: float | None = None        # parameters of an output head of its own (0: tied; None: not known)
+    score_inputs: int = 0               # a value head's inputs (score: hidden x 1; OPT: its projection's)
 
     @property
     def outputs(self) -> int:
@@ -95,10 +104,13 @@ class ModelShape:
 
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
-        config = json.loads(file.read_text())
+        try:
+            config = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{file}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
         n = count(config, str(file))
         return cls(float(n.total), n.layers, n.hidden, n.vocab, n.kv_heads, n.head_dim, float(n.active), n.ffn,
-                   heads=attention_heads(config))
+                   heads=attention_heads(config), linears=n.linears, lm_head=float(n.lm_head), score_inputs=n.score_inputs)
 
     @classmethod
     def from_params(cls, params: float, vocab: int = 32000) -> "ModelShape":
@@ -107,15 +119,41 @@ class ModelShape:
         hidden = int(math.sqrt(max(params - 2 * vocab * 1024, params / 2) / (12 * layers)) // 128 * 128) or 128
         return cls(float(params), layers, hidden, vocab, max(hidden // 128 // 4, 1), 128)
 
+    def value_model(self) -> "ModelShape":
+        """This model as a critic or reward model (transformers' ...ForSequenceClassification): no LM head
+        of its own, a score head of hidden x 1 instead, one output per token. (A shape from a parameter
+        count keeps its count.)"""
+        if self.value_head or self.lm_head is None:
+            return dataclasses.replace(self, value_head=True)
+        less = self.lm_head - self.score_inputs
+        return dataclasses.replace(self, params=self.params - less, value_head=True, lm_head=0.0,
+                                   active_params=None if self.active_params is None else self.active_params - less)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
-    def lora_params(self, rank: int) -> float:
-        """Adapter parameters of LoRA on every linear layer of the blocks (peft's "all-linear"): rank x
-        (inputs + outputs) of the query, key, value and output projections and the gated MLP's three."""
-        ffn = self.ffn or 4 * self.hidden
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        return float(rank * self.layers * (2 * (h + h) + 2 * (h + kv) + 3 * (h + ffn)))
+    def vllm_kv_bytes_per_token(self, dtype_bytes: int, tp: int) -> float:
+        """KV-cache bytes of a token on each of vLLM's `tp` ranks: its share of the key/value heads, or, with
+        more ranks than heads, one head each (vLLM copies each head onto tp / kv_heads ranks)."""
+        return 2 * self.layers * max(1, self.kv_heads // tp) * self.head_dim * dtype_bytes
+
+    def lora_params(self, rank: int, targets: tuple[str, ...] | None = None) -> float:
+        """Adapter parameters of LoRA of `rank` on the linear layers `targets` names (peft's target_modules;
+        None: "all-linear", every linear layer of the blocks): rank x (inputs + outputs) of each, a
+        mixture's experts each (shapes.Linear). A shape without its layers (from a parameter count): a
+        Llama-like block's query, key, value and output projections and the gated MLP's three."""
+        from toolkit.placement.shapes import Linear
+
+        linears = self.linears
+        if not linears:
+            h, kv, ffn = self.hidden, self.kv_heads * self.head_dim, self.ffn or 4 * self.hidden
+            q = self.heads * self.head_dim if self.heads else h
+            linears = tuple(Linear(path, i, o, self.layers) for path, i, o in (
+                ("self_attn.q_proj", h, q), ("self_attn.k_proj", h, kv), ("self_attn.v_proj", h, kv),
+                ("self_attn.o_proj", q, h), ("mlp.gate_proj", h, ffn), ("mlp.up_proj", h, ffn),
+                ("mlp.down_proj", ffn, h)))
+        return float(sum(m.adapters(rank) for m in linears
+                         if targets is None or any(m.named_by(t) for t in targets)))
 
 
 @dataclass(frozen=True)
@@ -126,6 +164,7 @@ class Switches:
     offload_optimizer: bool = False     # Adam states and master weights in host memory
     offload_params: bool = False        # ZeRO-3: the parameters too
     lora_rank: int | None = None        # only adapters train
+    lora_targets: tuple[str, ...] | None = None  # the layers they adapt (trainer.lora.target_modules; None: all)
 
     def config(self) -> list[str]:
         """The config settings that turn these switches on."""
@@ -138,7 +177,8 @@ class Switches:
 @dataclass(frozen=True)
 class Workload:
     actor: ModelShape
-    reference: ModelShape
+    reference: ModelShape | None       # None: the run has none (trainer.lora: the actor without its adapters,
+                                       # whose forward the trainer runs); other systems' LoRA runs may have one
     critic: ModelShape | None          # PPO only
     reward_models: tuple[ModelShape, ...]
     samples: int                       # per step
@@ -150,16 +190,20 @@ class Workload:
     updates_per_step: int = 1
     epochs: int = 1
     switches: Switches = Switches()
-    kv_cache_gb: float | None = None   # vLLM's KV-cache budget per device; None: what the weights leave
+    kv_cache_gb: float | None = None   # vLLM's KV-cache budget per device (GiB); None: what the weights leave
     generate_batch: int | None = 0     # transformers: samples generated at once (0: all; None: what fits)
     max_policy_lag: int = 0            # >= 1: generation of the next steps overlaps training (async)
+    micro_batch_tokens: int | None = None  # trainer.micro_batch_tokens: micro-batches of this many tokens at most
+    ptx_tokens: int = 0                # PTX (ptx.coef > 0): tokens of each text row (ptx.max_tokens) an actor
+                                       # micro-batch of mb rows adds mb of
+    old_logprobs_forward: bool = True  # False: the training forward's own (GRPO, one update a step, one epoch)
+    backend: str = "auto"              # rollout.backend: vllm or hf fixes the engine plans generate with
 
     def __post_init__(self):
-        # the critic and reward models end in a value head: one output per token
+        # the critic and reward models end in a value head (no LM head): one output per token
         if self.critic is not None:
-            object.__setattr__(self, "critic", dataclasses.replace(self.critic, value_head=True))
-        object.__setattr__(self, "reward_models", tuple(dataclasses.replace(m, value_head=True)
-                                                        for m in self.reward_models))
+            object.__setattr__(self, "critic", self.critic.value_model())
+        object.__setattr__(self, "reward_models", tuple(m.value_model() for m in self.reward_models))
 
     @property
     def tokens(self) -> float:
@@ -171,7 +215,7 @@ class Estimate:
     memory: dict[str, float] = field(default_factory=dict)    # bytes per device, per group
     phases: dict[str, float] = field(default_factory=dict)    # seconds per step
     short: list[str] = field(default_factory=list)            # why it does not fit
-    kv_cache_gb: float = 0.0                                  # a vLLM engine's KV cache per device
+    kv_cache_gb: float = 0.0                                  # a vLLM engine's KV cache per device (GiB)
     generate_batch: int = 0                                   # transformers: samples generated at once
     overlapped_s: float | None = None                         # async: the busiest group's seconds a step
 
@@ -194,14 +238,20 @@ def trained_models(w: Workload, hosted: tuple[str, ...] = ("actor", "critic")) -
             + ([(w.critic, False)] if w.critic is not None and "critic" in hosted else []))
 
 
+def scoring_models(w: Workload) -> tuple[tuple[str, list[ModelShape]], ...]:
+    """The scoring roles with the models each holds: the reference (none with LoRA, where the trainer runs
+    the actor without its adapters instead) and the reward role's reward models (maybe none: functions)."""
+    return (("reference", [w.reference]),) * (w.reference is not None) + (("reward", list(w.reward_models)),)
+
+
 def switches_of(sw: Switches, lora: bool) -> Switches:
     """The switches as a model with (`lora`) or without LoRA has them."""
-    return sw if lora or sw.lora_rank is None else dataclasses.replace(sw, lora_rank=None)
+    return sw if lora or sw.lora_rank is None else dataclasses.replace(sw, lora_rank=None, lora_targets=None)
 
 
 def trained_params(m: ModelShape, sw: Switches) -> float:
     """Parameters that get gradients and optimizer states: all of them, or with LoRA the adapters'."""
-    return m.lora_params(sw.lora_rank) if sw.lora_rank else m.params
+    return m.lora_params(sw.lora_rank, sw.lora_targets) if sw.lora_rank else m.params
 
 
 def trainer_memory(m: ModelShape, w: Workload, world: int, zero: int, micro_batch: int,
@@ -212,11 +262,31 @@ def trainer_memory(m: ModelShape, w: Workload, world: int, zero: int, micro_batc
     weights = 0.0 if sw.offload_params and zero == 3 else m.params * b / (world if zero == 3 else 1)
     grads = trained * b / (world if zero >= 2 else 1)
     adam = 0.0 if sw.offload_optimizer and zero >= 1 else optimizer_bytes(m, w, world, zero, sw)
-    layer = micro_batch * w.tokens * m.hidden * 17 * b  # what one layer keeps for its backward pass
+    tokens = micro_batch_tokens(w, micro_batch)
+    if not m.value_head:  # the actor: PTX text rows beside each micro-batch, held until their one backward
+        tokens += micro_batch * w.ptx_tokens
+    layer = tokens * m.hidden * 17 * b  # what one layer keeps for its backward pass
     # checkpointing keeps each layer's input, and one layer's activations while it is recomputed
-    activations = micro_batch * w.tokens * m.hidden * b * m.layers + layer if sw.checkpointing else layer * m.layers
-    logits = micro_batch * w.tokens * m.outputs * 4 * 3
+    activations = tokens * m.hidden * b * m.layers + layer if sw.checkpointing else layer * m.layers
+    logits = tokens * m.outputs * 4 * 3
     return weights + grads + adam + activations + logits
+
+
+def micro_batch_tokens(w: Workload, micro_batch: int) -> float:
+    """Tokens of one training micro-batch: `micro_batch` rows of the mean sample, or, by token budget
+    (trainer.micro_batch_tokens), the budget (rows x their longest sample fill it; 0 rows: none)."""
+    if w.micro_batch_tokens is not None:
+        return float(w.micro_batch_tokens) if micro_batch else 0.0
+    return micro_batch * w.tokens
+
+
+def micro_batches_of(w: Workload, samples: float, micro_batch: int) -> int:
+    """Micro-batches a trainer rank runs a step over its `samples`: of `micro_batch` rows, or, by token
+    budget, of as many samples as the budget holds, in each update (the samples' mean length: no padding)."""
+    if w.micro_batch_tokens is None:
+        return math.ceil(samples / micro_batch) * w.epochs
+    per_update = samples / w.updates_per_step
+    return math.ceil(per_update * w.tokens / w.micro_batch_tokens) * w.updates_per_step * w.epochs
 
 
 # Tried in this order on a trainer that does not fit, each with those before it: what to suggest.
@@ -231,7 +301,7 @@ def remedy(models: list[tuple[ModelShape, bool]], w: Workload, world: int, zero:
     on = w.switches
     for r in REMEDIES:
         sw = Switches(r.checkpointing or on.checkpointing, (r.offload_optimizer and zero >= 1) or on.offload_optimizer,
-                      on.offload_params, on.lora_rank or r.lora_rank)
+                      on.offload_params, on.lora_rank or r.lora_rank, on.lora_targets)
         if sw == on:
             continue
         need = others + sum(trainer_memory(m, w, world, zero, micro_batch, switches_of(sw, lora)) for m, lora in models)
@@ -291,18 +361,21 @@ def kv_budget(w: Workload, device_gb: float, tp: int) -> float:
     """Bytes of KV cache a vLLM engine has per device: `rollout.vllm.kv_cache_gb`, or, when the planner
     sets it (None), 90% of the device less the engine's share of the weights."""
     if w.kv_cache_gb is not None:
-        return w.kv_cache_gb * GB
+        return w.kv_cache_gb * GIB
     return max(0.0, 0.9 * device_gb * GB - w.actor.params * w.dtype_bytes / tp)
 
 
 def concurrency(w: Workload, budget: float, tp: int) -> int:
-    """Sequences a vLLM engine generates at once: as many whole sequences as its KV budget holds."""
-    return int(budget * tp // (w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes)))
+    """Sequences a vLLM engine generates at once: as many whole sequences as each rank's KV budget holds."""
+    return int(budget // (w.tokens * w.actor.vllm_kv_bytes_per_token(w.dtype_bytes, tp)))
 
 
 def hf_sample_bytes(w: Workload, tp: int) -> float:
-    """What transformers' generate() holds per sample of a batch: its KV cache and every step's scores."""
-    return w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes) / tp + w.response_tokens * w.actor.vocab * 4
+    """What transformers' generate() holds per sample of a batch: its KV cache, one step's scores (fp32
+    logits and their softmax: the sampler draws from them and keeps the drawn token's log-prob alone) and
+    those log-probs."""
+    return (w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes) / tp + w.actor.vocab * 4 * 2
+            + w.response_tokens * 4)
 
 
 def generation_memory(w: Workload, batch: int, tp: int, own_weights: bool, budget: float | None = None) -> float:
@@ -362,7 +435,7 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
     # (with the trainer under ZeRO-3, sharded over its ranks: the scoring roles' `sharded`; offloading
     # leaves those on the device, and moves the others there for their own phase only)
     scoring = []  # (what each scoring role moved to host memory needs in its phase, the trainer's state then)
-    for role, shapes_of in (("reference", [w.reference]), ("reward", list(w.reward_models))):
+    for role, shapes_of in scoring_models(w):
         if role in models:
             deferred = scored_in_training_step(models, role, workers)  # (in the training step, state back)
             sharded = deferred and s.zero_stage == 3
@@ -383,9 +456,9 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
         beside = need + idle - parked if phased else need
         if s.generation_engine == "vllm":
             budget = kv_budget(w, cluster.device.memory_gb - beside / GB, tp)
-            kv_cache_gb = budget / GB
+            kv_cache_gb = budget / GIB
             if concurrency(w, budget, tp) < 1:
-                short = (f"{name}: vLLM's KV cache of {budget / GB:.1f} GB per device holds no whole "
+                short = (f"{name}: vLLM's KV cache of {budget / GIB:.1f} GiB per device holds no whole "
                          f"sequence of {w.tokens:.0f} tokens; raise rollout.vllm.kv_cache_gb or the TP size")
             batch = 0
         else:  # transformers: rollout.generate_batch_size, or (planned) as many as the device has room for
@@ -459,12 +532,15 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
     P = w.actor.active  # (FLOPs; the weights read per decode step are all of them: w.actor.params)
     if s.generation_engine == "vllm":  # (its own worker's, or in the trainer's process: rollout.backend vllm)
         c_decode, c_sequence = o.decode_step_vllm, o.decode_per_sequence_vllm
-        batch = max(1, min(per, concurrency(w, e.kv_cache_gb * GB, tp)))  # in waves of what its KV cache holds
+        batch = max(1, min(per, concurrency(w, e.kv_cache_gb * GIB, tp)))  # in waves of what its KV cache holds
     else:
         c_decode, c_sequence = o.decode_step_hf, o.decode_per_sequence_hf
         batch = max(1, e.generate_batch)  # (transformers: rollout.generate_batch_size at once)
-    kv = batch * (w.prompt_tokens + w.response_tokens / 2) * w.actor.kv_bytes_per_token(b)
-    decode_step = max(2 * P * batch / (tp * f), (w.actor.params * b + kv) / (tp * bw))
+    # (the KV cache each rank reads a decode step: vLLM's share of the heads, at least one head)
+    per_rank = (w.actor.vllm_kv_bytes_per_token(b, tp) if s.generation_engine == "vllm"
+                else w.actor.kv_bytes_per_token(b) / tp)
+    kv = batch * (w.prompt_tokens + w.response_tokens / 2) * per_rank
+    decode_step = max(2 * P * batch / (tp * f), (w.actor.params * b / tp + kv) / bw)
     e.phases["generate"] = math.ceil(per / batch) * (2 * P * batch * w.prompt_tokens / (tp * f)
                                                      + w.response_tokens * (decode_step + c_decode + c_sequence * batch))
 
@@ -475,7 +551,7 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
 
     busy = {g.name: 0.0 for g in s.groups}  # seconds each group works a step (for the overlap of async mode)
     each = math.ceil(w.samples / g_workers)  # what each generating worker sends on
-    for model, shapes in (("reference", [w.reference]), ("reward", list(w.reward_models))):
+    for model, shapes in scoring_models(w):
         group, sharded = s.group(model), False
         if s.together(model, "generation"):
             n, workers, calls = each, g_workers, 1         # right after generation, on each worker
@@ -502,14 +578,19 @@ def estimate(s: Layout, w: Workload, cluster, memory=group_memory) -> Estimate:
     f = dev.flops * share(t_workers)
     bw = dev.memory_bandwidth * share(t_workers)
     updates = w.updates_per_step * w.epochs
-    micro_batches = math.ceil(n / s.micro_batch) * w.epochs
+    micro_batches = micro_batches_of(w, n, s.micro_batch)
     trains = {}
     for g in s.trainers:
-        train = sum(forward_s(m, math.ceil(n), t_workers) for m, _ in trained_models(w, g.trains))
+        train = sum(forward_s(m, math.ceil(n), t_workers) for m, _ in trained_models(w, g.trains)
+                    if m.value_head or w.old_logprobs_forward)  # (the critic's values; the actor's old log-probs)
+        if w.reference is None and "actor" in g.trains:  # LoRA: the reference's log-probs, adapters disabled
+            train += forward_s(w.actor, math.ceil(n), t_workers)
         for m, lora in trained_models(w, g.trains):
             sw = switches_of(w.switches, lora)
             passes = 2 + 2 + (0 if sw.lora_rank else 2) + (2 if sw.checkpointing else 0)  # FLOPs per parameter and token
             train += passes * m.active * n * w.tokens * w.epochs / f + micro_batches * o.train_micro_batch
+            if not m.value_head:  # PTX: each micro-batch's text rows, forward and backward with it
+                train += passes * m.active * micro_batches * s.micro_batch * w.ptx_tokens / f
             state = trainer_memory(m, w, t_workers, s.zero_stage, 0, sw)
             train += updates * (o.optimizer_step + state / bw)
             train += host_s(m, w, cluster, t_workers, s.zero_stage, updates, micro_batches, sw)

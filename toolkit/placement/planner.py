@@ -49,6 +49,9 @@ class Found:
     estimated: int = 0
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # strategy: layouts not estimated
     strategies: tuple[str, ...] = STRATEGIES  # (those searched)
+    unused: tuple[str, ...] = ()  # presets with a group that would host nothing of this run (LoRA: a reference's)
+    why_not: dict[str, str] = dataclasses.field(default_factory=dict)  # strategy: why none of its layouts can
+    # run this step (more generator workers than prompts, or samples that do not split over the trainer's ranks)
 
 
 def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float | None = None,
@@ -64,17 +67,22 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
         prompt_tokens = mean_prompt_tokens(cfg)
     t = cfg.trainer
     return Workload(
-        actor=shape("actor", cfg.model.actor), reference=shape("reference", cfg.reference_path),
+        actor=shape("actor", cfg.model.actor),
+        reference=shape("reference", cfg.reference_path) if cfg.hosts("reference") else None,  # (LoRA: none)
         critic=shape("critic", cfg.critic_path) if cfg.run.algorithm == "ppo" else None,
         reward_models=tuple(shape("reward", m.path) for m in cfg.reward.models),
         samples=cfg.samples_per_step, prompts=cfg.rollout.prompts_per_step, prompt_tokens=prompt_tokens,
         response_tokens=response_tokens if response_tokens is not None else cfg.rollout.max_new_tokens,
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], forward_batch_size=cfg.model.forward_batch_size,
         kv_cache_gb=cfg.rollout.vllm.kv_cache_gb, generate_batch=cfg.rollout.generate_batch_size or 0,
-        max_policy_lag=cfg.rollout.max_policy_lag,
+        max_policy_lag=cfg.rollout.max_policy_lag, micro_batch_tokens=t.micro_batch_tokens,
+        ptx_tokens=cfg.ptx.max_tokens if cfg.ptx.coef > 0 else 0, old_logprobs_forward=not cfg.old_logprobs_at_update,
+        backend=cfg.rollout.backend,
         updates_per_step=cfg.trainer.updates_per_step, epochs=cfg.algorithm.epochs,
         switches=Switches(t.gradient_checkpointing, t.offload_optimizer, t.offload_params,
-                          t.lora.rank if t.lora is not None else None))
+                          t.lora.rank if t.lora is not None else None,
+                          tuple(t.lora.target_modules) if t.lora is not None and t.lora.target_modules != "all-linear"
+                          else None))
 
 
 def mean_prompt_tokens(cfg, limit: int = 256) -> float:
@@ -111,11 +119,16 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     heap: list = []  # (-step_s, n, Candidate): the `keep` fastest that fit
     closest: list = []  # (-peak, n, Candidate): the `keep` closest to fitting
     of_strategy: dict[str, tuple[float, Candidate]] = {}
-    found = Found([], [], strategies=tuple(strategies))
+    # (LoRA: no reference model; a preset whose group would host nothing else is no layout of this run)
+    layouts_of = {strategy: _preset_layout(strategy, w) for strategy in strategies}
+    unused = tuple(strategy for strategy in strategies if layouts_of[strategy] is None)
+    strategies = [strategy for strategy in strategies if layouts_of[strategy] is not None]
+    found = Found([], [], strategies=tuple(strategies), unused=unused)
     # (vLLM gives each rank as many attention heads and key/value heads: a size that does not split the
     # policy's cannot start; a shape guessed from a parameter count knows neither)
     tps = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node and cluster.gpus_per_node % t == 0
-           and tp_splits(w.actor.heads, w.actor.kv_heads if w.actor.heads else None, t)] or [1]
+           and tp_splits(w.actor.heads, w.actor.kv_heads if w.actor.heads else None, t)
+           and (t == 1 or w.backend != "hf")] or [1]  # (transformers' generate() has no TP of its own)
     usable = cluster.device.memory_gb * GB
     settings: dict = {}  # (trainer ranks, trainer groups): their (ZeRO stage, micro-batch) settings
 
@@ -155,25 +168,33 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
         return not s.offload or offload is True or any(memory(g, s, w, cluster).moves for g in s.groups)
 
     for strategy in strategies:
-        layout = [(name, tuple(m for m in models if m != "critic" or w.critic is not None))  # GRPO: no critic
-                  for name, models in PRESETS[strategy].items()]
+        layout = layouts_of[strategy]
         own_generator = not generation_with_actor(models for _, models in layout)
         # PPO: the critic with the actor, or on ranks of its own (with a generator of its own, as OpenRLHF
         # runs it)
         critics = (None, *CRITIC_APART) if w.critic is not None and own_generator else (None,)
-        layouts = []
+        layouts, generators = [], []  # (generators: the worker count of each arrangement's generator)
         offloads = _offloads(cluster, [models for _, models in layout], offload)  # (a critic apart: the same roles)
         for critic in critics:
             for split, tp, share in _arrangements(cluster, layout, tps if own_generator else [1], own_generator, critic):
                 groups = _groups(cluster, layout, split, tp, share, critic)
                 workers = None if groups is None else next(g.workers for g in groups if "generation" in g.models)
+                generators += [workers] * (workers is not None)
                 if workers is not None and workers <= w.prompts:
                     trainers, options = _trainer_options(w, groups, zero_stage, settings)
                     # the actor's group generates with transformers, or with vLLM in each trainer rank's
-                    # process (rollout.backend vllm): both are plans
-                    for engine in ("vllm",) if own_generator else ("hf", "vllm"):
+                    # process (rollout.backend vllm): both are plans, unless rollout.backend names one
+                    for engine in _engines(w, own_generator):
                         for moves in offloads:
                             layouts.append((groups, tp, engine, moves, trainers, options))
+        if generators and not layouts:
+            found.why_not[strategy] = (f"its generator would have {min(generators)} worker(s) or more, more than "
+                                       f"the step's {w.prompts} prompt(s) (rollout.prompts_per_step)")
+        elif layouts and not any(options for *_, options in layouts):  # (the samples split over none of them)
+            ranks = sorted({trainers[0].workers for *_, trainers, _ in layouts})
+            found.why_not[strategy] = (
+                f"the step's {w.samples} samples do not split evenly over its trainer's "
+                f"{' or '.join(map(str, ranks))} rank(s) x trainer.updates_per_step {w.updates_per_step}")
         if len(layouts) <= keep or cluster.shared:  # (a small search: every setting of every layout)
             for groups, tp, engine, moves, trainers, options in layouts:
                 for zero, mb in options:
@@ -226,6 +247,23 @@ def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: i
     kept = [c for _, _, c in sorted(closest, key=lambda item: (-item[0], item[1]))]
     found.rejected = kept + [c for _, c in of_strategy.values() if c not in kept]
     return found
+
+
+def _engines(w: Workload, own_generator: bool) -> tuple[str, ...]:
+    """The generation engines to weigh: the one rollout.backend names, or (auto) vLLM for a generator of
+    its own and either where the actor's group generates."""
+    if w.backend != "auto":
+        return (w.backend,)
+    return ("vllm",) if own_generator else ("hf", "vllm")
+
+
+def _preset_layout(strategy: str, w: Workload) -> list[tuple[str, tuple[str, ...]]] | None:
+    """The groups ((name, models), ...) of preset `strategy` with the models workload `w` has: no critic
+    but with PPO, no reference with LoRA (the actor without its adapters, run by the trainer); None when a
+    group would then host nothing (colocate_critic_reward's reference group, under LoRA)."""
+    missing = {m for m, shape in (("critic", w.critic), ("reference", w.reference)) if shape is None}
+    layout = [(name, tuple(m for m in models if m not in missing)) for name, models in PRESETS[strategy].items()]
+    return None if any(not models for _, models in layout) else layout
 
 
 def _offloads(cluster, groups_models, only: bool | None = None) -> tuple[bool, ...]:
@@ -368,9 +406,14 @@ def _trainer_options(w: Workload, groups, zero_stage: int, memo: dict) -> tuple[
 
 
 def _micro_batches(w: Workload, trainers: int) -> list[int]:
+    """The micro-batch sizes (rows) a trainer of `trainers` ranks may take: those that split each rank's
+    samples of an update. By token budget (trainer.micro_batch_tokens) the budget sizes micro-batches,
+    and micro_batch_size only has to split them: 1."""
     per_update = w.samples // trainers // w.updates_per_step
     if w.samples % (trainers * w.updates_per_step):
         return []
+    if w.micro_batch_tokens is not None:
+        return [1]
     return [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= per_update and per_update % m == 0]
 
 
@@ -409,7 +452,7 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
             phases = (f"{e.phases[k]:.3f}" for k in ("generate", "score", "train", "sync", "transport"))
             rows.append((str(i), s.strategy, s.describe(), s.generation_engine, "yes" if s.offload else "-",
                          str(s.tensor_parallel),
-                         str(s.zero_stage), str(s.micro_batch), f"{e.step_s:.3f}", *phases,
+                         str(s.zero_stage), mb_of(w, s), f"{e.step_s:.3f}", *phases,
                          f"{max(e.memory.values()) / GB:.2f}"))
         lines.append(text_table(rows))
         skipped = sum(found.skipped.values())
@@ -426,15 +469,26 @@ def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
             closest = min((c for c in rejected if c.setting.strategy == strategy),
                           key=lambda c: max(c.estimate.memory.values()))
             lines.append(f"  {strategy} ({closest.setting.describe()}, ZeRO-{closest.setting.zero_stage}, "
-                         f"mb {closest.setting.micro_batch}{', offload' * closest.setting.offload}): "
+                         f"mb {mb_of(w, closest.setting)}{', offload' * closest.setting.offload}): "
                          f"{'; '.join(closest.estimate.short)}")
     missing = [s for s in found.strategies if s not in {c.setting.strategy for c in [*fit, *rejected]}
-               and s not in found.skipped]
+               and s not in found.skipped and s not in found.why_not]
+    for strategy, why in found.why_not.items():
+        lines.append(f"not possible with this step: {strategy} ({why}; change rollout.prompts_per_step or "
+                     "group_size)")
+    if found.unused:
+        lines.append("not weighed, as a group of theirs would host nothing (with trainer.lora the reference is "
+                     "the actor without its adapters, run by the trainer): " + ", ".join(found.unused))
     if missing and not cluster.shared:
         lines.append(f"not possible on {cluster.nodes} node(s) (a node group owns whole nodes, except a "
                      f"generator on the trainer's): " + ", ".join(
             f"{s} ({len(PRESETS[s])} groups)" for s in missing))
     return "\n".join(lines)
+
+
+def mb_of(w: Workload, s: Layout) -> str:
+    """The table's micro-batch: rows, or by token budget (trainer.micro_batch_tokens) its tokens."""
+    return str(s.micro_batch) if w.micro_batch_tokens is None else f"{w.micro_batch_tokens}t"
 
 
 def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
@@ -466,7 +520,7 @@ def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
 
 
 def kv_cache_gb(c: Candidate) -> float:
-    """The KV cache per device a plan gives a vLLM engine, as `rollout.vllm.kv_cache_gb` (0.1 GB steps)."""
+    """The KV cache per device a plan gives a vLLM engine, as `rollout.vllm.kv_cache_gb` (GiB, 0.1 steps)."""
     return max(0.1, math.floor(c.estimate.kv_cache_gb * 10) / 10)
 
 
@@ -500,7 +554,7 @@ def rollout_of(c: Candidate, rollout: dict) -> None:
     """Put plan `c`'s generation settings into a config's `rollout` mapping: the engine it was estimated
     with (`backend`), vLLM's TP size and KV cache, or the transformers batch."""
     s = c.setting
-    rollout["backend"] = s.generation_engine
+    rollout["backend"] = s.generation_engine  # (the run's own where it names one: the search weighed only it)
     vllm = rollout.setdefault("vllm", {})
     vllm["tensor_parallel_size"] = s.tensor_parallel
     if s.generation_engine == "vllm":

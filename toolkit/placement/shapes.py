@@ -18,6 +18,30 @@ from toolkit.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class Linear:
+    """Weight matrices LoRA may adapt (peft's `all-linear`: every linear layer but the output head): `copies`
+    of an `inputs` x `outputs` matrix at `path` in a block. A mixture's experts are one parameter per layer
+    in transformers 5 (each expert's gate and up projections fused, then the down projections), which peft
+    0.21 adapts as one: an A of `ranks` x r rows (r per expert and per matrix fused) and one B over all
+    outputs. `fused`: the projections' own names, which a target_modules list names (peft needs all of them)."""
+
+    path: str
+    inputs: int
+    outputs: int
+    copies: int
+    ranks: int = 1
+    fused: tuple[str, ...] = ()
+
+    def named_by(self, target: str) -> bool:
+        """Whether peft's `target_modules` entry `target` (a layer's name or the end of its path) names it."""
+        names = [self.path] + [f"{self.path.rpartition('.')[0]}.{name}" for name in self.fused]
+        return any(f".{name}".endswith(f".{target}") for name in names)
+
+    def adapters(self, rank: int) -> int:
+        return self.copies * rank * self.ranks * (self.inputs + self.outputs)
+
+
+@dataclass(frozen=True)
 class Count:
     total: float
     active: float
@@ -27,6 +51,9 @@ class Count:
     kv_heads: int
     head_dim: int
     ffn: int  # the MLP's inner width (a mixture of experts: one expert's)
+    linears: tuple[Linear, ...] = ()  # what LoRA may adapt
+    lm_head: int = 0  # an output head of its own (untied from the embeddings): vocab x hidden, else 0
+    score_inputs: int = 0  # what a value head (...ForSequenceClassification's score, one output) reads: hidden
 
 
 def _attention(c: dict, h: int, heads: int, kv: int, hd: int, qkv_bias: bool, o_bias: bool) -> int:
@@ -64,29 +91,53 @@ def _decoder(c: dict, family: str) -> Count:
     dense_mlp = 3 * h * c.get("intermediate_size", 4 * h) + (
         2 * c.get("intermediate_size", 4 * h) + h if c.get("mlp_bias") else 0)
     total = active = 0.0
+    linears: dict[tuple, int] = {}  # (path, inputs, outputs, ranks, fused): layers that have it
+
+    def add(*matrices: tuple) -> None:
+        for m in matrices:
+            linears[m] = linears.get(m, 0) + 1
+
+    def mlp(path: str, width: int) -> tuple:
+        return ((f"{path}.gate_proj", h, width, 1, ()), (f"{path}.up_proj", h, width, 1, ()),
+                (f"{path}.down_proj", width, h, 1, ()))
+
     for i in range(layers):
         total += attention + norms
         active += attention + norms
+        add(("self_attn.q_proj", h, heads * hd, 1, ()), ("self_attn.k_proj", h, kv * hd, 1, ()),
+            ("self_attn.v_proj", h, kv * hd, 1, ()), ("self_attn.o_proj", heads * hd, h, 1, ()))
         if family == "mixtral":
             experts, top = c["num_local_experts"], c["num_experts_per_tok"]
             expert = 3 * h * c["intermediate_size"]
             total += h * experts + experts * expert
             active += h * experts + top * expert
+            width = c["intermediate_size"]
+            add(("mlp.gate", h, experts, 1, ()), ("mlp.experts.gate_up_proj", h, 2 * width, 2 * experts, ("w1", "w3")),
+                ("mlp.experts.down_proj", width, h, experts, ("w2",)))
         elif family in ("qwen2_moe", "qwen3_moe") and _moe_layer(c, i):
             experts, top = c["num_experts"], c["num_experts_per_tok"]
             expert = 3 * h * c["moe_intermediate_size"]
             shared = 0
+            width = c["moe_intermediate_size"]
+            if family == "qwen3_moe":  # (peft 0.21 maps no Qwen2-MoE names onto transformers 5's router and
+                add(("mlp.gate", h, experts, 1, ()),  # experts, so it adapts neither there)
+                    ("mlp.experts.gate_up_proj", h, 2 * width, 2 * experts, ("gate_proj", "up_proj")),
+                    ("mlp.experts.down_proj", width, h, experts, ("down_proj",)))
             if family == "qwen2_moe" and c.get("shared_expert_intermediate_size"):
                 shared = 3 * h * c["shared_expert_intermediate_size"] + h  # and its one-output gate
+                add(*mlp("mlp.shared_expert", c["shared_expert_intermediate_size"]),
+                    ("mlp.shared_expert_gate", h, 1, 1, ()))
             total += h * experts + experts * expert + shared
             active += h * experts + top * expert + shared
         else:
             total += dense_mlp
             active += dense_mlp
+            add(*mlp("mlp", c.get("intermediate_size", 4 * h)))
     tied = c.get("tie_word_embeddings", family in ("gemma", "gemma2"))
     rest = vocab * h * (1 if tied else 2) + h  # embeddings (and LM head), final norm
     ffn = c.get("moe_intermediate_size") or c.get("intermediate_size", 4 * h)
-    return Count(total + rest, active + rest, layers, h, vocab, kv, hd, ffn)
+    return Count(total + rest, active + rest, layers, h, vocab, kv, hd, ffn,
+                 tuple(Linear(path, i, o, n, r, f) for (path, i, o, r, f), n in linears.items()), vocab * h * (not tied), h)
 
 
 def _opt(c: dict) -> Count:
@@ -101,7 +152,11 @@ def _opt(c: dict) -> Count:
     tied = c.get("tie_word_embeddings", True)
     total = layers * per_layer + vocab * proj * (1 if tied else 2) + positions + projections + final
     heads = c["num_attention_heads"]
-    return Count(total, total, layers, h, vocab, heads, h // heads, ffn)
+    linears = (*(Linear(f"self_attn.{name}", h, h, layers) for name in ("q_proj", "k_proj", "v_proj", "out_proj")),
+               Linear("fc1", h, ffn, layers), Linear("fc2", ffn, h, layers))
+    if proj != h:
+        linears += (Linear("decoder.project_in", proj, h, 1), Linear("decoder.project_out", h, proj, 1))
+    return Count(total, total, layers, h, vocab, heads, h // heads, ffn, linears, vocab * proj * (not tied), proj)
 
 
 def _gpt2(c: dict) -> Count:
@@ -111,7 +166,9 @@ def _gpt2(c: dict) -> Count:
     tied = c.get("tie_word_embeddings", True)
     total = layers * per_layer + vocab * h * (1 if tied else 2) + c["n_positions"] * h + 2 * h
     heads = c["n_head"]
-    return Count(total, total, layers, h, vocab, heads, h // heads, inner)
+    linears = (Linear("attn.c_attn", h, 3 * h, layers), Linear("attn.c_proj", h, h, layers),
+               Linear("mlp.c_fc", h, inner, layers), Linear("mlp.c_proj", inner, h, layers))
+    return Count(total, total, layers, h, vocab, heads, h // heads, inner, linears, vocab * h * (not tied), h)
 
 
 def _gpt_neox(c: dict) -> Count:
@@ -123,7 +180,9 @@ def _gpt_neox(c: dict) -> Count:
     tied = c.get("tie_word_embeddings", False)
     total = layers * per_layer + vocab * h * (1 if tied else 2) + 2 * h
     heads = c["num_attention_heads"]
-    return Count(total, total, layers, h, vocab, heads, h // heads, ffn)
+    linears = (Linear("attention.query_key_value", h, 3 * h, layers), Linear("attention.dense", h, h, layers),
+               Linear("mlp.dense_h_to_4h", h, ffn, layers), Linear("mlp.dense_4h_to_h", ffn, h, layers))
+    return Count(total, total, layers, h, vocab, heads, h // heads, ffn, linears, vocab * h * (not tied), h)
 
 
 FAMILIES = {"llama": _decoder, "mistral": _decoder, "qwen2": _decoder, "qwen3": _decoder, "gemma": _decoder,
@@ -140,19 +199,45 @@ class NotCounted(ConfigError):
         self.what = what
 
 
+# The sizes the families above read: each, where given (not null), a whole number above 0.
+SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers", "vocab_size",
+         "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "num_local_experts",
+         "num_experts", "num_experts_per_tok", "decoder_sparse_step", "ffn_dim", "word_embed_proj_dim",
+         "max_position_embeddings", "n_embd", "n_layer", "n_inner", "n_positions", "n_head")
+
+
+def _size_problem(config: dict) -> str | None:
+    """What is wrong with a size of `config` (see SIZES), or with how its heads split, if anything."""
+    for key in SIZES:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return f"{key} is {json.dumps(value)}"
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        return f"num_key_value_heads {kv} does not divide num_attention_heads {heads}"
+    return None
+
+
 def count(config: dict, source: str = "config.json") -> Count:
     """The parameter count and attention shape of the model a config.json describes (ConfigError for an
-    architecture this does not know, saying what to pass instead)."""
+    architecture this does not know, saying what to pass instead, and for sizes that are no counts)."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: a config.json is a JSON object of the model's settings (model_type, "
+                          f"hidden_size, ...), not {type(config).__name__}")
     family = config.get("model_type")
     counter = FAMILIES.get(family)
     if counter is None:
         raise NotCounted(f"{source}: model_type {family!r} ({', '.join(config.get('architectures') or ['?'])}) "
                          f"is not one the planner counts ({', '.join(sorted(FAMILIES))})")
+    sizes = {k: v for k, v in config.items() if k.startswith(("num_", "n_")) or k.endswith(("_size", "_dim"))}
+    problem = _size_problem(config)
+    if problem:
+        raise ConfigError(f"{source}: a {family} config whose sizes are not all whole numbers above 0 ({problem}): "
+                          f"{json.dumps(sizes)[:300]}")
     try:
         return counter(config, family) if counter is _decoder else counter(config)
     except KeyError as e:
         raise ConfigError(f"{source}: a {family} config needs {e.args[0]!r}, and this one has none") from None
-    except (TypeError, ValueError, ZeroDivisionError) as e:  # (null, 0, "4096", 32.0 where a count goes)
-        sizes = {k: v for k, v in config.items() if k.startswith(("num_", "n_")) or k.endswith(("_size", "_dim"))}
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # (null where a count goes)
         raise ConfigError(f"{source}: a {family} config whose sizes are not all whole numbers above 0 ({e}): "
                           f"{json.dumps(sizes)[:300]}") from None

@@ -58,8 +58,7 @@ class Experience:
 
 def old_at_update(cfg) -> bool:
     """Whether the old log-probs are the training forward's own (see the module docstring)."""
-    return (cfg.run.algorithm == "grpo" and cfg.algorithm.epochs == 1 and cfg.trainer.updates_per_step == 1
-            and not cfg.behaviour_correction)
+    return cfg.old_logprobs_at_update
 
 
 def make_experience(batch, shard_index: np.ndarray, actor, values_of: Callable[[Padded], torch.Tensor] | None,
