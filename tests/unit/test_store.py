@@ -373,7 +373,8 @@ def test_a_manifest_line_that_is_not_even_utf8_is_skipped_like_a_cut_one(tmp_pat
     m = Manifest(tmp_path)
     m.append({"kind": "experience", "step": 0})
     with open(m.path, "ab") as f:
-        f.write(b'{"kind": "experience", "step": 1\x89PNG\xff\n[1, 2]\n"text"\n{"no kind": 1}\n')  # (what the disk held)
+        # (what the disk held after a crash)
+        f.write(b'{"kind": "experience", "step": 1\x89PNG\xff\n[1, 2]\n"text"\n{"no kind": 1}\n')
     m.append({"kind": "experience", "step": 2})
     assert [r["step"] for r in m.records()] == [0, 2]
 

@@ -110,7 +110,8 @@ class ModelShape:
             raise ConfigError(f"{file}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
         n = count(config, str(file))
         return cls(float(n.total), n.layers, n.hidden, n.vocab, n.kv_heads, n.head_dim, float(n.active), n.ffn,
-                   heads=attention_heads(config), linears=n.linears, lm_head=float(n.lm_head), score_inputs=n.score_inputs)
+                   heads=attention_heads(config), linears=n.linears, lm_head=float(n.lm_head),
+                   score_inputs=n.score_inputs)
 
     @classmethod
     def from_params(cls, params: float, vocab: int = 32000) -> "ModelShape":

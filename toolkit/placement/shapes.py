@@ -137,7 +137,8 @@ def _decoder(c: dict, family: str) -> Count:
     rest = vocab * h * (1 if tied else 2) + h  # embeddings (and LM head), final norm
     ffn = c.get("moe_intermediate_size") or c.get("intermediate_size", 4 * h)
     return Count(total + rest, active + rest, layers, h, vocab, kv, hd, ffn,
-                 tuple(Linear(path, i, o, n, r, f) for (path, i, o, r, f), n in linears.items()), vocab * h * (not tied), h)
+                 tuple(Linear(path, i, o, n, r, f) for (path, i, o, r, f), n in linears.items()),
+                 vocab * h * (not tied), h)
 
 
 def _opt(c: dict) -> Count:

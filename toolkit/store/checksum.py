@@ -1,12 +1,13 @@
 """Checksums of the run's files (experience and checkpoints), as the manifest records them.
 
-A checksum is "xxh3_128:<32 hex digits>", XXH3's 128-bit hash of the file's bytes, read through a
-memory map of the page cache where the run has just written the file (else in blocks, see `checksum_of`). It is there to find a file that a crash, a full disk or a failing disk
-left torn, truncated or corrupted, and it does that as well as a cryptographic hash; it is no defence
-against someone who can write the run directory, since they could rewrite the manifest beside it (run
-files are the user's alone, mode 0600). It reads a 52 MB file from the page cache in 2.5 ms here, 21
-GB/s, against 34-37 ms for SHA-256 (1.4-1.5 GB/s), which had been the largest cost of an experience
-commit after the write itself (see tools/bench_store.py).
+A checksum is "xxh3_128:<32 hex digits>", XXH3's 128-bit hash of the file's bytes, read through a memory
+map of the page cache where the run has just written the file (else in blocks, see `checksum_of`). It is
+there to find a file that a crash, a full disk or a failing disk left torn, truncated or corrupted, and
+it does that as well as a cryptographic hash; it is no defence against someone who can write the run
+directory, since they could rewrite the manifest beside it (run files are the user's alone, mode 0600).
+It reads a 52 MB file from the page cache in 2.5 ms here, 21 GB/s, against 34-37 ms for SHA-256 (1.4-1.5
+GB/s), which had been the largest cost of an experience commit after the write itself (see
+tools/bench_store.py).
 
 Manifests written before it hold bare SHA-256 hex digests (64 digits); `matches` still checks them.
 """
