@@ -8,6 +8,7 @@ are read back from the experience itself.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -91,3 +92,45 @@ def test_asynchronous_run_resumes_after_sigkill_without_losing_or_repeating(tiny
         record = experience.read(run_dir / "experience" / experience.file_name(step))
         assert sorted(np.bincount(record["samples"]["group_index"]).tolist()) == [4] * 16
         assert lags(record).max() <= 2
+
+
+def test_a_generator_lost_while_the_trainer_runs_ahead_rejoins_with_later_weights_and_the_run_goes_on(tiny, tmp_path):
+    """Lag 1: the trainer, held before it sends step 3's weights, already holds step 4's samples (generated
+    and scored); the generator is killed there. The trainer's broadcast leaves it out, it trains step 4 and
+    syncs to no one; the generator, started again, rejoins with the weights of step 4. The driver waited
+    for exactly those of step 3 (and failed at transport.step_timeout_s); now it goes on."""
+    import os
+    import signal
+
+    from tests.conftest import start_held
+    from toolkit.hold import held_file
+    from toolkit.timeline import read_timelines
+
+    data = example("tiny-grpo.yaml", tiny, run={"steps": 6, "seed": 2, "name": "ahead"}, placement=ONE_CPU_EACH,
+                   transport={"step_timeout_s": 120})
+    data["rollout"].update(max_policy_lag=1, backend="hf")
+    run_dir = tmp_path / "run"
+    proc, _ = start_held(write_config(tmp_path, data), run_dir, "syncing@3")
+    try:
+        def done(worker: str, phase: str) -> bool:  # (its phase at step index 3, then idle)
+            rows = read_timelines(run_dir).get(worker, [])
+            at = [i for i, r in enumerate(rows) if r["phase"] == phase and r["step"] == 3]
+            return bool(at) and any(r["phase"] == "idle" for r in rows[at[0]:])
+
+        deadline = time.monotonic() + 120
+        while not (done("generator-0", "generating") and done("scorer-0", "scoring")):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        generator = json.loads((run_dir / "status.json").read_text())["workers"]["generator:0"]["pid"]
+        os.kill(generator, signal.SIGKILL)
+        held_file(run_dir, "syncing@3").unlink()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert "starting it again alone" in out and "is back; the run goes on" in out
+    records = [experience.read(p) for p in sorted((run_dir / "experience").glob("*.h5"))]
+    assert [r["attrs"]["step"] for r in records] == list(range(6))
+    for r in records:
+        assert sorted(np.bincount(r["samples"]["group_index"]).tolist()) == [4] * 16 and lags(r).max() <= 1

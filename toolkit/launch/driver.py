@@ -130,7 +130,9 @@ class Driver(Supervisor):
             self._send_prompts(s, list(range(len(self.in_flight[s]))))
             self.next_dispatch += 1
         version = step + 1
-        self._pump(lambda: step in self.trained and all(self.synced.get(g) == version for g in self.generator_ids),
+        # (at least: asynchronously a generator started again may rejoin with the weights of a later step, the
+        # trainer having gone on without it; waiting for exactly these weights then waited for good)
+        self._pump(lambda: step in self.trained and all(self.synced.get(g, -1) >= version for g in self.generator_ids),
                    cfg.transport.step_timeout_s, f"step {step + 1} to finish")
         self.in_flight.pop(step, None)
         self.last_done = time.monotonic()
