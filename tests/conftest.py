@@ -275,21 +275,22 @@ def metric_lines(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def start_held(config: Path, run_dir: Path, hold: str, stdout=subprocess.PIPE,
-               timeout_s: float = 300) -> tuple[subprocess.Popen, int]:
-    """`slurm-rlhf run CONFIG` in a session of its own, its first process to reach `hold` (a moment of
-    toolkit/hold.py, e.g. `training@3`) held there: (the driver's process, text output to `stdout`; the
-    held process's pid) once it is held. The run is killed with its group if it never is."""
+def start_held(config: Path, run_dir: Path, hold: str, stdout=subprocess.PIPE, timeout_s: float = 300,
+               extra: list[str] = (), held_in: Path | None = None) -> tuple[subprocess.Popen, int]:
+    """`slurm-rlhf run CONFIG` (with `extra` arguments) in a session of its own, its first process to reach
+    `hold` (a moment of toolkit/hold.py, e.g. `training@3`) held there: (the driver's process, text output
+    to `stdout`; the held process's pid) once it is held (in `held_in`, a pipeline's stage, else `run_dir`).
+    The run is killed with its group if it never is."""
     import signal
 
     from toolkit.hold import ENV, held_pid
 
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir), *extra],
                             cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, ENV: hold})
     try:
         deadline = time.monotonic() + timeout_s
-        while not (pid := held_pid(run_dir, hold)):
+        while not (pid := held_pid(held_in or run_dir, hold)):
             assert proc.poll() is None and time.monotonic() < deadline, f"the run ended or stalled before {hold}"
             time.sleep(0.1)
     except BaseException:

@@ -4,6 +4,7 @@ so `--help` is instant."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -275,7 +276,7 @@ def cmd_run(args, stage: str | None = None) -> int:
 
         pd = PipelineDir(args.run_dir or Path("runs") / pipeline.name)
         configs = _pipeline_configs(pipeline, pd.path)
-        return run_pipeline_here(configs, pd.create(pipeline), args.verbose)
+        return run_pipeline_here(configs, pd.create(pipeline, args.overrides), args.verbose)
     run_dir = RunDir(args.run_dir or Path("runs") / cfg.run.name).create(cfg)
     return run_here(cfg, run_dir, args.verbose)
 
@@ -361,14 +362,34 @@ def _accept_data(run_dir, cfg) -> None:
     print(f"{run_dir.path}: going on with the data files and draw settings as they are now", flush=True)
 
 
+@contextlib.contextmanager
+def in_folder(path: str | None):
+    """The current folder is `path` while the block runs (where it is given and still there)."""
+    before = os.getcwd()
+    if path and os.path.isdir(path):
+        os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 def _resume_pipeline(pd, args) -> int:
     """Continue a pipeline from its first stage that did not finish (here, or as chained Slurm jobs)."""
     from toolkit.config import load_config
     from toolkit.config.pipeline import load_pipeline
     from toolkit.launch.jobs import live_job
-    from toolkit.launch.pipeline import finished, follow_pipeline, pipeline_jobs, run_pipeline_here, submit_pipeline
+    from toolkit.launch.pipeline import (check_started, finished, follow_pipeline, pipeline_jobs, run_pipeline_here,
+                                         submit_pipeline)
 
-    configs = _pipeline_configs(load_pipeline(pd.source()), pd.path)
+    overrides, folder = pd.overrides()
+    if overrides:  # (as when it started: a stage not started yet must not run with the file's bare values)
+        print(f"pipeline: with the --set overrides it was started with: {' '.join(map(shlex.quote, overrides))}",
+              flush=True)
+    with in_folder(folder):  # (their relative paths meant what they meant there)
+        pipeline = load_pipeline(pd.source(), overrides)
+    configs = _pipeline_configs(pipeline, pd.path)
+    check_started(configs, pd)
     for stage in pd.stages():
         job = live_job(pd.stage(stage))
         if job:
@@ -482,7 +503,7 @@ def _submit_pipeline(pipeline, args) -> int:
         return 0
     todo = pipeline_jobs(configs, pd)
     given_empty = pd.path.is_dir()
-    pd.create(pipeline)
+    pd.create(pipeline, args.overrides)
     try:
         jobs = submit_pipeline(todo, pd)
     except ToolkitError:  # (all or none: what it had submitted is cancelled)

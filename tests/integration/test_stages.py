@@ -240,3 +240,51 @@ def test_sigusr1_checkpoints_stops_and_resume_finishes_the_same(tiny, sft_run, t
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"resuming after step {stopped}: checkpoint checkpoints/step-{stopped:06d} (step {stopped})" in result.stdout
     assert max_difference(run_dir, sft_run) <= 1e-6
+
+
+def test_a_pipeline_resumed_keeps_the_overrides_it_was_started_with(tiny, tmp_path):
+    """`run PIPELINE --set ...` stopped during its first stage, then `resume PIPELINE_DIR`: the stages that
+    had not started run with the overrides too (before, with the file's values: here another split seed,
+    so RL's prompts were rows that SFT and the reward model had trained on, and 30 steps instead of 2). A
+    resume names the settings a started stage keeps against the pipeline's, and refuses to go on from stages
+    that started from an export written again since."""
+    import signal
+
+    from tests.conftest import REPO, start_held
+
+    pipeline = Path(REPO) / "templates" / "examples" / "tiny-pipeline.yaml"
+    overrides = ["sft.run.epochs=1", "rm.run.epochs=1", "rl.run.steps=2", "data.split.seed=99"]
+    run_dir = tmp_path / "p"
+    command = [str(pipeline), *[a for o in overrides for a in ("--set", o)]]
+    proc, _ = start_held(pipeline, run_dir, "training@3", extra=command[1:], held_in=run_dir / "sft")
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143 and not (run_dir / "rl").exists()
+    result = cli("resume", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "with the --set overrides it was started with: " + " ".join(overrides) in result.stdout
+    for stage in ("sft", "rm", "rl"):
+        config = yaml.safe_load((run_dir / stage / "config.yaml").read_text())
+        assert config["data"]["split"]["seed"] == 99, stage
+    assert len(records(run_dir / "rl")) == 2
+    assert "keeps the settings it started with" not in result.stdout  # (the same settings)
+    # A setting changed in the pipeline (here in the overrides it keeps) is named for each stage that keeps its own.
+    made = json.loads((run_dir / "pipeline.json").read_text())
+    (run_dir / "pipeline.json").write_text(json.dumps({**made, "overrides": [*overrides, "rl.trainer.lr=0.0005"]}))
+    result = cli("resume", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"stage rl keeps the settings it started with ({run_dir / 'rl' / 'config.yaml'}); the pipeline file now " \
+           "says otherwise for trainer.lr" in result.stdout, result.stdout
+    # SFT trained on and exported again: the reward model and RL started from the export before, so the pipeline
+    # does not go on as if they were of this one.
+    config = yaml.safe_load((run_dir / "sft" / "config.yaml").read_text())
+    config["run"]["epochs"] = 2
+    (run_dir / "sft" / "config.yaml").write_text(yaml.safe_dump(config))
+    assert cli("resume", run_dir / "sft").returncode == 0
+    result = cli("resume", run_dir)
+    assert result.returncode == 2 and f"stage rm started from {run_dir / 'sft' / 'export'} before stage sft exported " \
+        "again" in result.stderr, result.stdout + result.stderr

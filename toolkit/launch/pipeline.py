@@ -2,7 +2,7 @@
 with `--dependency=afterok:<previous job>` (a stage starts only once the one before it finished well and
 wrote its export) and `--kill-on-invalid-dep=yes` (a failed stage cancels the ones after it).
 
-    PIPELINE_DIR/pipeline.json      the pipeline's name, file and stages
+    PIPELINE_DIR/pipeline.json      the pipeline's name, file, stages and the --set overrides it was started with
     PIPELINE_DIR/<stage>/           each stage's run directory (config.yaml, job.json, export/, ...)
 """
 
@@ -36,7 +36,13 @@ class PipelineDir:
         """The pipeline file it was made from (resume reads it again)."""
         return json.loads(self.file.read_text())["source"]
 
-    def create(self, pipeline) -> "PipelineDir":
+    def overrides(self) -> tuple[list[str], str | None]:
+        """The `--set` overrides it was started with, and the folder they were given in (their relative
+        paths are relative to it): resume applies them again (none in a directory of an earlier version)."""
+        made = json.loads(self.file.read_text())
+        return made.get("overrides", []), made.get("cwd")
+
+    def create(self, pipeline, overrides: list[str] = ()) -> "PipelineDir":
         if self.file.exists():
             raise ConfigError(f"{self.path} already holds a pipeline; choose another --run-dir, remove it, or "
                               f"continue it with: slurm-rlhf resume {shlex.quote(str(self.path))}")
@@ -45,7 +51,8 @@ class PipelineDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.path.chmod(0o700)
         RunDir.write_atomic(self.file, json.dumps({"name": pipeline.name, "source": str(pipeline.source.resolve()),
-                                                   "stages": list(pipeline.stages)}, indent=1))
+                                                   "stages": list(pipeline.stages), "overrides": list(overrides),
+                                                   "cwd": os.getcwd()}, indent=1))
         return self
 
 
@@ -75,6 +82,46 @@ def refuse_pipeline_dir(path: str | os.PathLike, verb: str) -> None:
 def finished(rd: RunDir) -> bool:
     """The stage ran to its end and wrote its export."""
     return rd.read_json(rd.status).get("state") == "finished" and (rd.path / "export").is_dir()
+
+
+def check_started(configs: list, pd: PipelineDir) -> None:
+    """Before a resume, of each stage that started: the pipeline file's settings that it does not follow
+    (it keeps those of its config.yaml), said; and a ConfigError if an earlier stage's export it started
+    from was written again since (its results come from the model before)."""
+    from toolkit.config import load_config
+    from toolkit.store.manifest import Manifest
+
+    for i, cfg in enumerate(configs):
+        rd = pd.stage(cfg.stage)
+        if not rd.config.exists():
+            continue
+        fields = _differences(_flat(cfg.model_dump(mode="json")), _flat(load_config(rd.config).model_dump(mode="json")))
+        if fields:
+            print(f"pipeline: stage {cfg.stage} keeps the settings it started with ({rd.config}); the pipeline file "
+                  f"now says otherwise for {', '.join(fields[:6])}{' ...' if len(fields) > 6 else ''} (to change "
+                  f"them, edit {rd.config})", flush=True)
+        records = Manifest(rd.path).records()
+        if not records:
+            continue
+        text = rd.config.read_text()
+        for earlier in configs[:i]:
+            export = pd.stage(earlier.stage).path / "export"
+            last = Manifest(export.parent).last("export")
+            if str(export) in text and last is not None and last["time"] > records[0]["time"]:
+                raise ConfigError(f"stage {cfg.stage} started from {export} before stage {earlier.stage} exported "
+                                  f"again (step {last['step']}), so its results come from the model before; move "
+                                  f"{rd.path} and the stages after it aside to run them again from the new export, "
+                                  f"then resume")
+
+
+def _flat(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def _differences(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
 def run_pipeline_here(configs: list, pd: PipelineDir, verbose: bool) -> int:
