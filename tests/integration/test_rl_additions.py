@@ -67,14 +67,15 @@ def test_rloo_advantages_are_leave_one_out(rloo_run):
 
 def test_a_cosine_schedule_spans_the_rl_runs_optimizer_steps(rloo_run):
     """The schedule spans the run's optimizer steps (run.steps x epochs x updates_per_step: 6 here); the
-    RL trainer once built its engines without that length, and a cosine schedule stayed at lr."""
+    RL trainer once built its engines without that length, and a cosine schedule stayed at lr. A step's `lr`
+    is the rate of its first update (it was the rate after its last: one step ahead, the warm-up's not shown)."""
     _, metrics = rloo_run
     lr = yaml.safe_load((EXAMPLES / "tiny-grpo.yaml").read_text())["trainer"]["lr"]
     for step, m in enumerate(metrics):
-        done = 2 * (step + 1)  # optimizer steps after this step; the first was the warm-up's
-        expected = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (done - 1) / 5)))
+        done = 2 * step  # optimizer steps before this step's first update; the first was the warm-up's
+        expected = lr * (1.0 if done < 1 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (done - 1) / 5)))
         assert m["lr"] == pytest.approx(expected, rel=1e-5), (step, m["lr"], expected)
-    assert metrics[-1]["lr"] == pytest.approx(0.1 * lr, rel=1e-5)
+    assert metrics[0]["lr"] == pytest.approx(lr) and metrics[-1]["lr"] < metrics[1]["lr"] < lr
 
 
 def test_reinforce_pp_advantages_are_batch_normalised_returns(tiny, tmp_path):

@@ -148,6 +148,13 @@ def test_the_micro_batch_size_does_not_change_what_sft_trains(tiny, sft_run, tmp
     assert abs(records(run_dir)[-1]["eval_loss"] - records(sft_run)[-1]["eval_loss"]) < 1e-4
 
 
+def test_a_steps_lr_is_the_rate_it_trained_with(tiny, tmp_path):
+    """A warm-up of 4 steps at lr 0.002: steps 1 and 2 train at 0.0005 and 0.001 (it recorded the rate after
+    the step: 0.001 and 0.0015)."""
+    run_dir = run_stage(tiny, tmp_path, "rm", run={"steps": 2}, train={"warmup_steps": 4, "eval_every": 100})
+    assert [r["lr"] for r in records(run_dir)] == pytest.approx([0.0005, 0.001])
+
+
 def test_reward_model_learns_the_hidden_preference(rm_run):
     from toolkit.modeling import ScoreModel
 

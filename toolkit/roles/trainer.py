@@ -540,6 +540,8 @@ class TrainerRole(Role):
                 self.ranks.send(exp.returns, self.partner)
         commit_s = self._commit(batch, exp) if commit else 0.0
         ptx = None if self.ptx is None else (lambda i: self.ptx.batch(batch.step, i))
+        # (the rate this step's first update trains with: after it the scheduler has moved on)
+        lr = float(self.actor.get_lr()[0]) if self.actor is not None else None
         stats = train_on(exp, self.actor, self.critic, cfg, self.shuffle_rng, ptx, self.ranks.max, self.dp.sum,
                          self.dp.world)
         mask = exp.mask
@@ -573,7 +575,7 @@ class TrainerRole(Role):
         metrics.update(kl=kl_sum / tokens, kl_seq=kl_sum / samples, behaviour_logprob_diff=diff_sum / tokens,
                        kl_coef=self.kl.coef, commit_s=commit_s)
         if self.actor is not None:
-            metrics.update(grad_norm=_float(self.actor.get_global_grad_norm()), lr=float(self.actor.get_lr()[0]))
+            metrics.update(grad_norm=_float(self.actor.get_global_grad_norm()), lr=lr)
         self.kl.update(kl_sum / samples, len(batch))
         self.version += 1
         scored = sum(role.deferred_s for role in deferred.values()) - scored  # (this rank's scoring passes)

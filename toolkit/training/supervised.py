@@ -141,6 +141,7 @@ class SupervisedRole(Role):
         # then averages the ranks): the step's loss is the mean over all its targets (SFT: response tokens),
         # whatever the micro-batches. (DeepSpeed's 1 / accumulation steps made it a mean of the micro-batches'
         # means: a response of 3 tokens weighed as much as one of 64, and micro_batch_size changed training.)
+        lr = float(self.engine.get_lr()[0])  # (the rate this step trains with: after it the scheduler moves on)
         everywhere = self._sum({"targets": float(sum(b["targets"] for b in batches))})["targets"] or 1.0
         for batch in batches:
             with inside([self.engine], batch.get("packed")):  # (forward and backward; see toolkit.packing)
@@ -153,7 +154,7 @@ class SupervisedRole(Role):
         seconds = time.monotonic() - started
         grad_norm = self.engine.get_global_grad_norm()
         # tokens: real tokens trained on; positions: what the forward passes computed (padding included)
-        return {**self.task.summary(totals), "lr": float(self.engine.get_lr()[0]),
+        return {**self.task.summary(totals), "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm), "tokens": int(totals["tokens"]),
                 "padding_frac": 1 - totals["tokens"] / max(totals["positions"], 1),
                 "tokens_per_s": totals["tokens"] / max(seconds, 1e-9), "step_s": seconds}
