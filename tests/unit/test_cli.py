@@ -270,6 +270,31 @@ def test_status_says_restarts_of_a_whole_step_as_one_range():
     assert restarts_text({"scorer:0": 3}) == "scorer:0 started again 3 time(s)"
 
 
+def test_status_of_a_run_whose_driver_was_killed_says_so(tmp_path, monkeypatch):
+    """Only a live driver writes status.json: after a SIGKILL it said `running` for good (and the report
+    too). A local run whose lock no one holds, or a Slurm run whose job ended, says no driver runs it."""
+    import fcntl
+
+    from toolkit.launch.jobs import status_text
+    from toolkit.launch.rundir import RunDir
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # (no Slurm here)
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_status({"state": "running", "step": 1, "steps": 6})
+    said = status_text(run)
+    assert ("run state: running, but no driver runs it: its local driver is gone (killed?); "
+            f"`slurm-rlhf resume {run.path}` goes on, steps done: 2/6") in said, said
+    lock = os.open(run.path / "driver.lock", os.O_WRONLY | os.O_CREAT, 0o600)  # (a live driver holds it)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        assert "run state: running, steps done: 2/6" in status_text(run)
+    finally:
+        os.close(lock)
+    run.write_status({"state": "finished", "step": 5, "steps": 6})
+    assert "run state: finished, steps done: 6/6" in status_text(run)
+
+
 def test_a_driver_starting_while_a_follower_looks_at_its_lock_still_takes_it(tmp_path):
     """`eval --follow` sees whether a run goes by taking its driver.lock shared for a moment (`lock_held`);
     a driver starting just then waits that moment out (it was refused as "still running"). Once it holds

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from toolkit.errors import ConfigError, RunError
 from toolkit.launch.env import node_name
+from toolkit.launch.pipeline import resume_target
 from toolkit.launch.rundir import RunDir
 from toolkit.store.manifest import Manifest
 from toolkit.table import text_table
@@ -109,7 +110,7 @@ def status_text(rd: RunDir) -> str:
         lines.append("driver: not started yet")
         return "\n".join(lines)
     step = status.get("step", -1)
-    lines.append(f"run state: {status['state']}, steps done: {max(step + 1, 0)}/{status.get('steps') or '?'}")
+    lines.append(f"run state: {state_text(rd, status)}, steps done: {max(step + 1, 0)}/{status.get('steps') or '?'}")
     resumes = sum(1 for r in Manifest(rd.path).records() if r["kind"] == "resume")
     if resumes or job.get("requeues"):
         lines.append(f"restarts: resumed {resumes} time(s) from its checkpoint and experience"
@@ -217,6 +218,16 @@ def follow(rd: RunDir, job_id: str) -> int:
     print(f"error: slurm job {job_id} ended {state}; run state {status.get('state', 'unknown')}"
           + (f": {status['error']}" if status.get("error") else f" (job output: {out})"), file=sys.stderr)
     return 1
+
+
+def state_text(rd: RunDir, status: dict) -> str:
+    """The run's state as status.json says it, and where it says `starting` or `running` though nothing runs
+    it any more (its driver was killed: only a live driver writes the file), that."""
+    state = str(status.get("state", "unknown"))
+    if state not in ("starting", "running") or run_going(rd.path):
+        return state
+    gone = "its Slurm job has ended" if rd.read_json(rd.job).get("job_id") else "its local driver is gone (killed?)"
+    return f"{state}, but no driver runs it: {gone}; `slurm-rlhf resume {resume_target(rd.path)}` goes on"
 
 
 def live_job(rd: RunDir) -> str | None:

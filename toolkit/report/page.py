@@ -116,8 +116,9 @@ def _figure(name: str, fig, out: Path, alt: str) -> str:
 def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | None = None,
                  last_steps: int = 4) -> Path:
     """Write the report of `run_dir` into `out` (default RUN_DIR/report); the page's path."""
-    from toolkit.launch.jobs import open_run
+    from toolkit.launch.jobs import open_run, state_text
     from toolkit.launch.pipeline import refuse_pipeline_dir
+    from toolkit.launch.rundir import RunDir
     from toolkit.report import plots
     from toolkit.timeline import read_timelines
 
@@ -152,7 +153,7 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
     start = window[0]["time"] if len(window) > last_steps else first_t
     status = json.loads((run / "status.json").read_text()) if (run / "status.json").exists() else {}
     last = metrics[-1]
-    facts = [("run", str(run.resolve())), ("state", str(status.get("state", "unknown"))),
+    facts = [("run", str(run.resolve())), ("state", state_text(RunDir(run), status)),
              ("steps", f"{last['step'] + 1} of {status.get('steps') or '?'}"),
              ("time", f"{(last['time'] - first_t) / 60:.1f} min from the first worker's start to the last step")]
     if "reward_mean" in last:
