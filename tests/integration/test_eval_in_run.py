@@ -180,8 +180,8 @@ def test_evaluations_in_other_placements_sample_n_each_and_train_nothing(tiny, t
 def test_reward_models_on_the_trainer_ranks_score_the_evaluations(tiny, tmp_path):
     """Flattening over two ranks under ZeRO-3, with a reward model beside the actor: the ranks score the
     training steps' samples each its shard, the reward model sharded over them (`deferred`), and so the
-    evaluations' too, at rank 0's word. 9 held-out prompts: shards of 5 and 4, 2 and 1 forward passes of
-    4 (each a ZeRO-3 gather of every layer with the other rank), which the ranks even out. The reward
+    evaluations' too, at rank 0's word. 7 held-out prompt rows: shards of 4 and 3, 2 and 1 forward passes of
+    3 (each a ZeRO-3 gather of every layer with the other rank), which the ranks even out. The reward
     model's scores are those `slurm-rlhf eval` gives the same responses from the checkpoints (one process,
     the whole reward model)."""
     rm = {"path": str(tiny / "reward_model"), "name": "tiny_rm", "weight": 0.5}
@@ -189,11 +189,11 @@ def test_reward_models_on_the_trainer_ranks_score_the_evaluations(tiny, tmp_path
                        eval={"every_steps": 1}, checkpoint={"every_steps": 1, "keep": 2}, data={"eval_fraction": 0.05},
                        placement={"strategy": "flattening", "all": {"workers": 2}}, trainer={"zero_stage": 3},
                        reward={"functions": [{"function": "toolkit.rewards.examples:digit_ratio", "weight": 1.0}],
-                               "models": [rm]}, rollout={"backend": "hf"}, model={"forward_batch_size": 4},
+                               "models": [rm]}, rollout={"backend": "hf"}, model={"forward_batch_size": 3},
                        env={SHARD_ALL_ENV: "1"})  # (every parameter sharded: each pass gathers from both ranks)
     summary = read(run_dir / "eval" / "in-run" / "summary.jsonl")
     assert [(r["step"], r["prompts"], r["policy_version_min"], r["policy_version_max"]) for r in summary] == \
-        [(1, 9, 1, 1), (2, 9, 2, 2)]
+        [(1, 7, 1, 1), (2, 7, 2, 2)]
     assert out.count("\neval step") == 2 and "tiny_rm" in out
     assert [m["reward_ranks"] for m in read(run_dir / "metrics.jsonl")] == [2, 2]  # (the steps' scoring: deferred)
 
@@ -202,7 +202,7 @@ def test_reward_models_on_the_trainer_ranks_score_the_evaluations(tiny, tmp_path
     same = 0
     for step in (1, 2):
         ours, theirs = (read(run_dir / "eval" / name / f"step-{step:06d}.jsonl") for name in ("in-run", "heldout"))
-        assert len(ours) == len(theirs) == 9
+        assert len(ours) == len(theirs) == 7
         assert all(abs(s["reward/tiny_rm"]) > 0 for s in ours)  # (filled in, not the scorer's empty column)
         theirs = {(s["prompt_id"], s["response"]): s for s in theirs}
         for s in ours:
@@ -211,4 +211,4 @@ def test_reward_models_on_the_trainer_ranks_score_the_evaluations(tiny, tmp_path
                 same += 1
                 assert s["reward/tiny_rm"] == pytest.approx(t["reward/tiny_rm"], abs=1e-4), s["prompt_id"]
                 assert s["reward"] == pytest.approx(t["reward"], abs=1e-4)
-    assert same >= 15, same
+    assert same >= 12, same  # (of 14)

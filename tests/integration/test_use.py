@@ -208,10 +208,14 @@ def test_eval_scores_checkpoints_on_the_held_out_prompts_with_the_runs_rewards(h
     from toolkit.store import experience
 
     cfg = load_config(held_out / "config.yaml")
-    held = {e.id for e in StageData(cfg.data, "rl", "prompt", cfg.run.seed).eval}
+    data = StageData(cfg.data, "rl", "prompt", cfg.run.seed)
+    held = {e.id for e in data.eval}
     trained_on = {int(i) for path in (held_out / "experience").glob("step-*.h5")
                   for i in experience.read(path)["samples"]["prompt_ids"]}
     assert len(held) >= 10 and trained_on and not held & trained_on
+    # ... nor any row of the same prompt (the tiny set has 90 prompts in 256 rows): held out by prompt
+    text = {e.id: e.prompt for e in [*data.eval, *(e for part in data.train for e in part)]}
+    assert not {text[i] for i in held} & {text[i] for i in trained_on}
 
     result = cli("eval", held_out, "--steps", "2,3")
     assert result.returncode == 0, result.stderr

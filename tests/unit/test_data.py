@@ -93,6 +93,22 @@ def test_split_is_disjoint_decided_by_content_and_has_eval_parts(tmp_path):
     assert {e.prompt for e in other.train[0]} != {e.prompt for e in parts["sft"].train[0]}
 
 
+def test_every_row_of_a_prompt_goes_to_one_part_and_a_held_out_prompt_to_no_training(tmp_path):
+    """Several rows per prompt (responses, pairs, or a prompt file with repeats): the split and the held-out
+    share are decided by the prompt, so no prompt of RL's held-out rows is trained on by any stage (hashing
+    the whole row put the same prompt in every part and in training beside its held-out rows)."""
+    rows = [{"prompt": f"p{i % 100}", "response": f"r{i}", "chosen": f"c{i}", "rejected": f"x{i}"} for i in range(3000)]
+    path = jsonl(tmp_path / "d.jsonl", rows)
+    section = data(sources=[{"path": path}], split={"sft": 2, "rm": 4, "rl": 4, "seed": 7}, eval_fraction=0.2)
+    parts = {stage: StageData(section, stage, kind, 0) for stage, kind in (("sft", "sft"), ("rm", "pair"),
+                                                                           ("rl", "prompt"))}
+    prompts = {stage: {e.prompt for e in d.train[0]} for stage, d in parts.items()}
+    held = {e.prompt for e in parts["rl"].eval}
+    assert held and not held & set().union(*prompts.values())
+    assert not (prompts["sft"] & prompts["rm"] or prompts["sft"] & prompts["rl"] or prompts["rm"] & prompts["rl"])
+    assert sum(len(d.train[0]) + len(d.eval) for d in parts.values()) == 3000  # (every row in one part)
+
+
 def test_blend_follows_the_weights(tmp_path):
     small = jsonl(tmp_path / "small.jsonl", [{"prompt": f"s{i}"} for i in range(10)])
     large = parquet(tmp_path / "large.parquet", [{"prompt": f"l{i}"} for i in range(500)])

@@ -1,5 +1,5 @@
-"""One stage's rows: every source read, the stage's part of the split, its train and eval examples, and
-the blended training order.
+"""One stage's rows: every source read, the stage's part of the split (by each row's prompt), its train and
+eval examples, and the blended training order.
 
 A row's id is its position over all sources (the rows of earlier sources, then its index in its own),
 so an id names the same row in every stage and in every experience record.
@@ -28,7 +28,7 @@ class StageData:
             rows = read_source(source.path, source.format)
             kept = []
             for row in rows:
-                u_part, u_eval = uniforms(row.data, hash_seed)
+                u_part, u_eval = uniforms(_split_key(row, kind, data), hash_seed)
                 if fractions is not None and part_of(u_part, fractions) != stage:
                     continue
                 example = example_of(row, kind, data, offset + row.index)
@@ -53,6 +53,19 @@ class StageData:
     def skip(self, draws: int) -> None:
         """Go to the cursor after `draws` training examples from the start."""
         self.blend.skip(draws)
+
+
+def _split_key(row, kind: str, data) -> dict:
+    """What decides a row's part of the split and whether it is held out: its prompt, so that every row of a
+    prompt goes to one part (several responses or pairs per prompt are common), and a held-out prompt is
+    trained on by no row (with the whole row hashed, the tiny set's 256 prompt rows, 90 prompts, put held-out
+    prompts in training too); the whole row where it has none (PTX text)."""
+    if kind != "text":
+        try:
+            return {"prompt": example_of(row, "prompt", data, row.index).prompt}
+        except ConfigError:  # (a row this stage cannot read: named when its example is made, if it is kept)
+            pass
+    return row.data
 
 
 KIND = {"sft": "sft", "rm": "pair", "rl": "prompt"}  # the examples each stage trains on

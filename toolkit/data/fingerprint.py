@@ -56,7 +56,8 @@ def draw_settings(cfg) -> dict:
                 else ("train.batch_size", cfg.train.batch_size))
     settings = {"run.seed": cfg.run.seed, "data.shuffle": d.shuffle, "data.eval_fraction": d.eval_fraction,
                 "data.split": d.split.model_dump() if d.split else None,
-                "data.sources.*.weight": [s.weight for s in d.sources], per_step[0]: per_step[1]}
+                "data.sources.*.weight": [s.weight for s in d.sources], per_step[0]: per_step[1],
+                "split and held out by": "prompt"}  # (earlier versions hashed the whole row: others)
     return json.loads(json.dumps(settings))  # (as the manifest gives them back)
 
 
