@@ -262,7 +262,10 @@ def _pipeline_configs(pipeline, directory: Path) -> list:
 
     configs = pipeline.configs(directory)
     for cfg in configs:
-        check_data(cfg)
+        try:
+            check_data(cfg)
+        except ConfigError as e:  # (which stage's rows: several read the same file)
+            raise ConfigError(f"stage {cfg.stage}: {e}") from None
     return configs
 
 

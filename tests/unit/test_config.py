@@ -723,6 +723,7 @@ def test_samples_longer_than_a_model_takes_are_a_config_error(tiny, tmp_path):
     (["rm.model.base=rl"], "rm.model.base: 'rl' names a stage that does not come before rm in this pipeline"),
     (["pipeline.name=../x"], "pipeline.name: got '../x'; the name is the run directory runs/<name>"),
     (["rl.data.split={rl: 1}"], "rl.data.split: a pipeline splits its rows once for every stage"),
+    (["sft.run=null"], "sft.run: expected the stage's run settings (a mapping), got None"),
 ])
 def test_pipeline_file_errors_name_the_section(tmp_path, overrides, expected):
     from tests.conftest import EXAMPLES
@@ -730,6 +731,18 @@ def test_pipeline_file_errors_name_the_section(tmp_path, overrides, expected):
 
     with pytest.raises(ConfigError, match=re.escape(f"tiny-pipeline.yaml: {expected}")):
         load_pipeline(EXAMPLES / "tiny-pipeline.yaml", overrides).configs(tmp_path / "pipeline")
+
+
+def test_a_pipelines_bad_row_names_the_stage_that_reads_it(tiny, tmp_path):
+    """Every stage reads the shared file: a row the rm stage cannot read (no pair) names that stage."""
+    from tests.conftest import EXAMPLES
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"p{i}", "response": "r"}) + "\n" for i in range(200)))
+    result = cli("run", EXAMPLES / "tiny-pipeline.yaml", "--run-dir", tmp_path / "p", "--set",
+                 f"data.sources=[{{path: {rows}}}]")
+    assert result.returncode == 2 and "error: stage rm: " in result.stderr and "'chosen'" in result.stderr, \
+        result.stderr
 
 
 def test_validate_says_what_the_auto_settings_come_to_here(tiny, tmp_path):

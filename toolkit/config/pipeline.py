@@ -103,7 +103,10 @@ def load_pipeline(path: str | Path, overrides: list[str] = ()) -> Pipeline:
         for key, value in shared.items():
             own = section.get(key, {})
             section[key] = {**value, **own} if isinstance(value, dict) and isinstance(own, dict) else own or value
-        section.setdefault("run", {}).setdefault("name", f"{name}-{stage}")
+        if not isinstance(section.setdefault("run", {}), dict):
+            raise ConfigError(f"{path}: {stage}.run: expected the stage's run settings (a mapping), got "
+                              f"{section['run']!r}")
+        section["run"].setdefault("name", f"{name}-{stage}")
     return Pipeline(name, path, text, stages, overridden)
 
 
