@@ -275,19 +275,38 @@ def test_experience_files_read_with_plain_tools(baseline):
 def test_a_long_replay_is_not_taken_for_a_slow_start(tiny, tmp_path):
     """A resume that replays its committed batches for longer than transport.startup_timeout_s, each one
     well within it, goes on: the limit counts from the workers' last progress (each replayed batch is
-    one). Before, the driver gave up "waiting for every worker to load its models"."""
+    one). Before, the driver gave up "waiting for every worker to load its models". Meanwhile `status` has
+    the last step's figures from before, and the trainer's step is the one it replays (it was its place in
+    the replay: 0, 1, ... for steps 2, 3, ...)."""
     from toolkit.roles.trainer import REPLAY_PAUSE_ENV
+    from toolkit.timeline import read_timelines
 
-    data = example("tiny-grpo.yaml", tiny, run={"steps": 6, "name": "long-replay"}, checkpoint={"every_steps": 100},
+    data = example("tiny-grpo.yaml", tiny, run={"steps": 6, "name": "long-replay"}, checkpoint={"every_steps": 2},
                    transport={"startup_timeout_s": 20}, rollout={"backend": "hf"})
     run_dir = tmp_path / "run"
     run_and_kill(write_config(tmp_path, data), run_dir, after_commits=4)
-    replays = commits(run_dir)
-    assert 4 <= replays < 6
-    result = cli("resume", run_dir, env={REPLAY_PAUSE_ENV: "7"})  # 4 or 5 batches x 7 s: over 20 s in all
-    assert result.returncode == 0, result.stdout + result.stderr
+    replays = commits(run_dir) - 2  # (after the checkpoint of step 2)
+    assert 2 <= replays < 4
+    resume = subprocess.Popen([sys.executable, "-m", "toolkit", "resume", str(run_dir)], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, REPLAY_PAUSE_ENV: "12"})  # 2 or 3 batches x 12 s: over 20 s
+    try:
+        deadline = time.monotonic() + 120
+        while (status := json.loads((run_dir / "status.json").read_text()))["workers"].get(
+                "trainer:0", {}).get("phase") != "replaying":
+            assert resume.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        kept = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert status["last_metrics"] == kept[-1] and kept[-1]["step"] >= 1, (status["last_metrics"], kept)
+        out, _ = resume.communicate(timeout=300)
+    finally:
+        if resume.poll() is None:
+            os.killpg(resume.pid, signal.SIGKILL)
+    assert resume.returncode == 0, out
     log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert log.count("trained again on") == replays
+    replayed = [r["step"] for r in read_timelines(run_dir)["trainer-0"] if r["phase"] == "replaying"]
+    assert replayed == list(range(2, 2 + replays)), replayed
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(6))
 

@@ -272,6 +272,8 @@ class Supervisor:
             except (json.JSONDecodeError, KeyError):
                 pass
         self.run_dir.write_atomic(path, "".join(kept))
+        if self.history:  # (what `status` shows as the last step while the resume starts and replays)
+            self.last_metrics = self.history[-1]
 
     # ----- stopping -------------------------------------------------------------------------------
 

@@ -189,7 +189,7 @@ class TrainerRole(Role):
         pause_s = float(os.environ.get(REPLAY_PAUSE_ENV, 0))
         for path in plan.get("replay", []):
             # (heartbeats carry this: the driver's start-up timeout counts from the last progress)
-            self.status.update(phase="replaying", step=len(replayed))
+            self.status.update(phase="replaying", step=self.version)  # (step s trains at policy_version s)
             time.sleep(pause_s)
             record = experience.read(Path(path))
             batch = experience.batch_of(record)
