@@ -392,12 +392,12 @@ def _resume_pipeline(pd, args) -> int:
     with in_folder(folder):  # (their relative paths meant what they meant there)
         pipeline = load_pipeline(pd.source(), overrides)
     configs = _pipeline_configs(pipeline, pd.path)
-    check_started(configs, pd)
     for stage in pd.stages():
         job = live_job(pd.stage(stage))
         if job:
             raise ConfigError(f"{pd.path} is still running: stage {stage}'s {job}; let it end, or stop the "
                               f"pipeline with `slurm-rlhf cancel {pd.path}`, then resume")
+    check_started(configs, pd)
     if args.data_changed:  # (each stage that started and did not finish)
         for stage in pd.stages():
             rd = pd.stage(stage)

@@ -93,16 +93,14 @@ def check_started(configs: list, pd: PipelineDir) -> None:
 
     for i, cfg in enumerate(configs):
         rd = pd.stage(cfg.stage)
-        if not rd.config.exists():
+        records = Manifest(rd.path).records() if rd.config.exists() else []
+        if not records:  # (not started: submitted to Slurm, its config.yaml may name an export not written yet)
             continue
         fields = _differences(_flat(cfg.model_dump(mode="json")), _flat(load_config(rd.config).model_dump(mode="json")))
         if fields:
             print(f"pipeline: stage {cfg.stage} keeps the settings it started with ({rd.config}); the pipeline file "
                   f"now says otherwise for {', '.join(fields[:6])}{' ...' if len(fields) > 6 else ''} (to change "
                   f"them, edit {rd.config})", flush=True)
-        records = Manifest(rd.path).records()
-        if not records:
-            continue
         text = rd.config.read_text()
         for earlier in configs[:i]:
             export = pd.stage(earlier.stage).path / "export"

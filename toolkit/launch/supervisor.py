@@ -518,12 +518,13 @@ class Supervisor:
         self.echo(f"{self._describe(worker_id)} {why}; starting it again {how} (restart {self.worker_restarts} "
                   f"of run.max_worker_restarts {self.cfg.run.max_worker_restarts})\n{self._log_hint(worker_id)}")
         ports = {int(w.split(":")[1]): int(self.inboxes[w].rsplit(":", 1)[1]) for w in together if w in self.inboxes}
+        for w in together:  # (before the new processes start: their first phases come after)
+            mark_restart(self.run_dir.path, w)
         with self.coordinator.answering():  # (the scancel of a hung step and its end can take a minute)
             self.launcher.restart(worker_id, E.inbox_ports(ports))
         if isinstance(self.echo, Progress):
             self.echo.restart_clock()  # (the step that waits for it is no measure of the steps left)
         for w in together:
-            mark_restart(self.run_dir.path, w)
             self.generation[w] = self.generation.get(w, 0) + 1
             self.book.pop(w, None)
             self.ready.discard(w)
