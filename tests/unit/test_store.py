@@ -206,6 +206,8 @@ def test_a_write_that_found_no_space_is_explained_and_other_errors_are_not(tmp_p
     assert f"`slurm-rlhf resume {tmp_path}`" in str(error) and "unexpected pos 576 vs 534" in str(error)
     other = ValueError("not about space")  # on a disk with room: left as it is
     assert space.explain("checkpoint", target, other, tmp_path) is other
+    # a write inside this one named it already (a checkpoint's manifest record): not wrapped in a second message
+    assert space.explain("checkpoint", target, error, tmp_path) is error
 
 
 def test_writeback_starts_the_disk_writing_after_each_megabyte(tmp_path, monkeypatch):

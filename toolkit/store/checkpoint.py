@@ -58,7 +58,9 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
             shutil.rmtree(stale, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     barrier()
-    try:
+    # (a full disk, mostly: say so, and leave no half-written checkpoint)
+    with space.named_if_full("checkpoint", final, run_dir,
+                             lambda: rank == 0 and shutil.rmtree(tmp, ignore_errors=True)):
         for name, engine in engines.items():
             engine.save_checkpoint(str(tmp / name), tag=TAG)
         rng = {"torch": rng_state()}
@@ -79,13 +81,6 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
             manifest.append({"kind": "checkpoint", "step": step, "dir": str(final.relative_to(run_dir)),
                              "files": files})
             _remove_old(run_dir, manifest, keep)
-    except Exception as e:  # (a full disk, mostly: say so, and leave no half-written checkpoint)
-        error = space.explain("checkpoint", final, e, run_dir)
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if error is not e:
-            raise error from e
-        raise
     barrier()
     return size_mb
 

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit.store import space
 from toolkit.store.checksum import checksum_of, matches
 from toolkit.store.experience import file_name
 
@@ -41,15 +42,8 @@ class Manifest:
 
     def append(self, record: dict) -> None:
         """Append `record` (with the time), on disk when this returns; a full disk is a DiskFull naming it."""
-        try:
+        with space.named_if_full(f"{record['kind']} record of the manifest", self.path, self.run_dir):
             append_jsonl(self.path, {**record, "time": time.time()}, fsync=True)
-        except OSError as e:
-            from toolkit.store import space
-
-            error = space.explain(f"{record['kind']} record of the manifest", self.path, e, self.run_dir)
-            if error is not e:
-                raise error from e
-            raise
 
     def records(self) -> list[dict]:
         return [r for r in read_jsonl(self.path) if "kind" in r]

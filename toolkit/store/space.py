@@ -7,9 +7,11 @@ write was undone, and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import shutil
 from pathlib import Path
+from typing import Callable
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 NEARLY_FULL_BYTES = 1 << 20  # less free than this when a write failed: it failed for lack of room
@@ -51,6 +53,8 @@ def explain(what: str, path: Path, error: BaseException, run_dir: Path) -> BaseE
     full, else `error` itself."""
     from toolkit.launch.pipeline import resume_target
 
+    if isinstance(error, DiskFull):  # (a write inside this one said so already: the manifest record of a checkpoint)
+        return error
     free = free_bytes(path)
     if not says_no_space(error) and (free is None or free >= NEARLY_FULL_BYTES):
         return error
@@ -60,3 +64,17 @@ def explain(what: str, path: Path, error: BaseException, run_dir: Path) -> BaseE
                                   "committed before is untouched: free space (or move the run directory to a "
                                   f"larger file system), then `slurm-rlhf resume {resume_target(run_dir)}` goes on "
                                   "from the last checkpoint")
+
+
+@contextlib.contextmanager
+def named_if_full(what: str, path: Path, run_dir: Path, undo: Callable[[], object] = lambda: None):
+    """The block writes `what` into `path` (of the run in `run_dir`): an Exception out of it is `explain`ed
+    (measured before `undo` removes what was written of it), then raised."""
+    try:
+        yield
+    except Exception as e:
+        error = explain(what, path, e, run_dir)
+        undo()
+        if error is not e:
+            raise error from e
+        raise

@@ -64,14 +64,8 @@ def publish(run_dir: Path, source: Path, name: str = "export") -> Path:
     final = Path(run_dir) / name
     tmp = final.parent / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with space.named_if_full(name, final, run_dir, lambda: shutil.rmtree(tmp, ignore_errors=True)):
         shutil.copytree(source, tmp)
         settle(tmp)
         put_in_place(tmp, final)
-    except Exception as e:
-        error = space.explain(name, final, e, run_dir)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if error is not e:
-            raise error from e
-        raise
     return final
