@@ -17,12 +17,20 @@ def timeline_file(run_dir: Path, worker_id: str) -> Path:
     return Path(run_dir) / "timeline" / f"{worker_id.replace(':', '-')}.jsonl"
 
 
+def _open(path: Path):
+    """The timeline file for appending, line-buffered (each line written at once), the owner's alone."""
+    path.parent.mkdir(exist_ok=True)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", buffering=1)
+
+
+def _line(phase, step) -> str:
+    return json.dumps({"t": round(time.time(), 4), "phase": phase, "step": step}) + "\n"
+
+
 class PhaseLog(dict):
     def __init__(self, path: Path):
         super().__init__()
-        path.parent.mkdir(exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self._file = os.fdopen(fd, "a", buffering=1)  # (line-buffered: each change is written at once)
+        self._file = _open(path)
         self._last: tuple | None = None
 
     def __setitem__(self, key, value) -> None:
@@ -39,7 +47,7 @@ class PhaseLog(dict):
         now = (self.get("phase"), self.get("step"))
         if now != self._last and not self._file.closed:
             self._last = now
-            self._file.write(json.dumps({"t": round(time.time(), 4), "phase": now[0], "step": now[1]}) + "\n")
+            self._file.write(_line(*now))
 
     def close(self) -> None:
         self._file.close()
@@ -48,11 +56,8 @@ class PhaseLog(dict):
 def mark_restart(run_dir: Path, worker_id: str) -> None:
     """The driver's line in a worker's timeline when it starts the worker again: from then until the new
     process registers, the worker is down (without it the phase it died in would be drawn up to then)."""
-    path = timeline_file(run_dir, worker_id)
-    path.parent.mkdir(exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    with os.fdopen(fd, "a") as f:
-        f.write(json.dumps({"t": round(time.time(), 4), "phase": "restarting", "step": None}) + "\n")
+    with _open(timeline_file(run_dir, worker_id)) as f:
+        f.write(_line("restarting", None))
 
 
 def read_timelines(run_dir: Path) -> dict[str, list[dict]]:
