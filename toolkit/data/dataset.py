@@ -28,10 +28,11 @@ class StageData:
             rows = read_source(source.path, source.format)
             kept = []
             for row in rows:
-                u_part, u_eval = uniforms(_split_key(row, kind, data), hash_seed)
+                prompt = _prompt_example(row, kind, data, offset + row.index)
+                u_part, u_eval = uniforms({"prompt": prompt.prompt} if prompt else row.data, hash_seed)
                 if fractions is not None and part_of(u_part, fractions) != stage:
                     continue
-                example = example_of(row, kind, data, offset + row.index)
+                example = prompt if kind == "prompt" and prompt else example_of(row, kind, data, offset + row.index)
                 (self.eval if u_eval < data.eval_fraction else kept).append(example)
             offset += rows[-1].index + 1
             if not kept:
@@ -55,17 +56,18 @@ class StageData:
         self.blend.skip(draws)
 
 
-def _split_key(row, kind: str, data) -> dict:
-    """What decides a row's part of the split and whether it is held out: its prompt, so that every row of a
-    prompt goes to one part (several responses or pairs per prompt are common), and a held-out prompt is
-    trained on by no row (with the whole row hashed, the tiny set's 256 prompt rows, 90 prompts, put held-out
-    prompts in training too); the whole row where it has none (PTX text)."""
-    if kind != "text":
-        try:
-            return {"prompt": example_of(row, "prompt", data, row.index).prompt}
-        except ConfigError:  # (a row this stage cannot read: named when its example is made, if it is kept)
-            pass
-    return row.data
+def _prompt_example(row, kind: str, data, id: int):
+    """The row's prompt example, which decides its part of the split and whether it is held out (its prompt
+    hashed: every row of a prompt goes to one part, as several responses or pairs per prompt are common,
+    and a held-out prompt is trained on by no row; with the whole row hashed, the tiny set's 256 prompt rows,
+    90 prompts, put held-out prompts in training too); None where the row has none (PTX text), and then
+    the whole row decides. An RL stage's example is this one."""
+    if kind == "text":
+        return None
+    try:
+        return example_of(row, "prompt", data, id)
+    except ConfigError:  # (a row this stage cannot read: named when its example is made, if it is kept)
+        return None
 
 
 KIND = {"sft": "sft", "rm": "pair", "rl": "prompt"}  # the examples each stage trains on
