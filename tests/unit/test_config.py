@@ -733,6 +733,44 @@ def test_pipeline_file_errors_name_the_section(tmp_path, overrides, expected):
         load_pipeline(EXAMPLES / "tiny-pipeline.yaml", overrides).configs(tmp_path / "pipeline")
 
 
+@pytest.mark.parametrize("given", ["rl.data.prompts={path}", "rl.data.sources=[{{path: {path}}}]"])
+def test_a_pipeline_stages_own_prompts_are_all_its_own(tiny, tmp_path, given):
+    """An RL stage with a prompt file of its own: the shared split (rl: 40%) dropped 67 of its 100 prompts,
+    silently, and `prompts:` beside the shared `sources` was an error. Its own file, which no other stage
+    reads, is its whole (part rl); a file another stage reads too stays split."""
+    from tests.conftest import EXAMPLES
+    from toolkit.config.pipeline import load_pipeline
+    from toolkit.data.dataset import StageData
+
+    own = tmp_path / "prompts.jsonl"
+    own.write_text("".join(json.dumps({"prompt": f"my prompt {i}"}) + "\n" for i in range(100)))
+    rl = load_pipeline(EXAMPLES / "tiny-pipeline.yaml", [given.format(path=own)]).configs(tmp_path / "p")[-1]
+    assert [(s.path, s.part) for s in rl.data.sources] == [(str(own), "rl")]
+    data = StageData(rl.data, "rl", "prompt", 1)
+    assert data.train_rows + len(data.eval) == 100 and 0 < len(data.eval) < 20  # (eval_fraction 0.1)
+    shared = tiny / "pipeline.jsonl"
+    both = load_pipeline(EXAMPLES / "tiny-pipeline.yaml", [f"rl.data.sources=[{{path: {own}}}, {{path: {shared}}}]"]
+                         ).configs(tmp_path / "p")[-1]
+    assert [s.part for s in both.data.sources] == ["rl", None]  # (the sft and rm stages read the shared file)
+
+
+def test_an_error_in_a_pipelines_shared_section_names_its_line(tiny, tmp_path):
+    """The shared data section is checked as part of each stage's config: its errors pointed at the stage's
+    first line (`sft:`), not at the shared line that was wrong."""
+    from tests.conftest import EXAMPLES
+    from toolkit.config.pipeline import load_pipeline
+
+    text = (EXAMPLES / "tiny-pipeline.yaml").read_text().replace("../../models", str(tiny.parent))
+    for old, new, wrong in [("eval_fraction: 0.1", "eval_fraction: 2", "eval_fraction: 2"),
+                            ("pipeline.jsonl\n", "pipeline.jsonl\n      weight: -1\n", "weight: -1")]:
+        path = tmp_path / "p.yaml"
+        path.write_text(text.replace(old, new))
+        with pytest.raises(ConfigError) as info:
+            load_pipeline(path).configs(tmp_path / "p")
+        line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if wrong in t)
+        assert f"p.yaml:{line}: sft.data." in str(info.value), (line, str(info.value))
+
+
 def test_a_pipelines_bad_row_names_the_stage_that_reads_it(tiny, tmp_path):
     """Every stage reads the shared file: a row the rm stage cannot read (no pair) names that stage."""
     from tests.conftest import EXAMPLES

@@ -109,6 +109,23 @@ def test_every_row_of_a_prompt_goes_to_one_part_and_a_held_out_prompt_to_no_trai
     assert sum(len(d.train[0]) + len(d.eval) for d in parts.values()) == 3000  # (every row in one part)
 
 
+def test_a_source_that_names_its_part_goes_to_that_stage_whole(tmp_path):
+    """data.sources[].part: every row of the source is that stage's, whatever data.split gives; another
+    stage's own source is left out (its rows keep their ids); a stage with no source of its own is named."""
+    shared = jsonl(tmp_path / "shared.jsonl", ROWS)
+    prompts = jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"mine {i}"} for i in range(50)])
+    section = data(sources=[{"path": shared}, {"path": prompts, "part": "rl"}], split={"sft": 1, "rm": 1, "rl": 1})
+    rl = StageData(section, "rl", "prompt", 0)
+    mine = [e for e in rl.train[1]]
+    assert len(mine) == 50 and {e.id for e in mine} == set(range(40, 90))
+    assert 0 < len(rl.train[0]) < 40  # (the shared rows: split)
+    sft = StageData(section, "sft", "sft", 0)
+    assert len(sft.train) == 1 and not any(e.prompt.startswith("mine") for e in sft.next(200))
+    alone = data(sources=[{"path": prompts, "part": "rl"}], split={"sft": 1, "rl": 1})
+    with pytest.raises(ConfigError, match="every source is another stage's .data.sources...part., none the sft"):
+        StageData(alone, "sft", "sft", 0)
+
+
 def test_blend_follows_the_weights(tmp_path):
     small = jsonl(tmp_path / "small.jsonl", [{"prompt": f"s{i}"} for i in range(10)])
     large = parquet(tmp_path / "large.parquet", [{"prompt": f"l{i}"} for i in range(500)])

@@ -24,6 +24,10 @@ class DataSource(Section):
     source is drawn again from its start when it runs out)."""
     name: str | None = None
     """Name in logs and errors (default: the file name)."""
+    part: Literal["sft", "rm", "rl"] | None = None
+    """The part of data.split that every row of this source goes to, whatever the hash gives (a file that
+    only one stage reads, such as RL's own prompts); none: each row's prompt decides. A pipeline sets it
+    for a stage's own sources that no other stage reads. No effect without data.split."""
 
 
 class SplitSection(Section):
@@ -92,14 +96,8 @@ class DataSection(Section):
         if self.prompts is not None:
             if self.sources:
                 raise ValueError("give prompts or sources, not both")
-            from toolkit.data.sources import format_of
-            from toolkit.errors import ConfigError
-
-            try:
-                fmt = format_of(str(self.prompts))
-            except ConfigError:  # (a name that says nothing: JSON Lines, as before)
-                fmt = "jsonl"
-            self.sources = [DataSource.model_construct(path=self.prompts, format=fmt, weight=1.0, name=None)]
+            self.sources = [DataSource.model_construct(path=self.prompts, format=shorthand_format(self.prompts),
+                                                       weight=1.0, name=None, part=None)]
             self.prompts = None
         if not self.sources:
             raise ValueError("no rows: give sources: [{path: ...}] (or prompts: FILE.jsonl)")
@@ -110,3 +108,14 @@ class DataSection(Section):
             raise ValueError(f"input_key is the prompt's own field ({self.input_key!r}); name the field that "
                              "holds the input (Alpaca: input_key: input, prompt_key: instruction)")
         return self
+
+
+def shorthand_format(path) -> str:
+    """The format of `prompts: FILE`: from its name, and JSON Lines where the name says nothing."""
+    from toolkit.data.sources import format_of
+    from toolkit.errors import ConfigError
+
+    try:
+        return format_of(str(path))
+    except ConfigError:
+        return "jsonl"

@@ -269,20 +269,31 @@ def _where(locs: list[tuple], source, text: str | None, overridden: dict[tuple, 
                 return f"--set {expr}"
     if text is None:
         return str(source)
-    found = next((line for loc in locs[1:] if (line := _line_of(text, loc, whole=True))), None)
+    found = next((line for loc in locs[1:] if (line := _line_in(text, loc, prefix, whole=True))), None)
     if found is None and not locs[0]:  # (the whole config: no one line)
         return str(source)
-    return f"{source}:{found or _line_of(text, locs[0])}"
+    return f"{source}:{found or _line_in(text, locs[0], prefix)}"
 
 
-def _line_of(text: str, loc: tuple, whole: bool = False) -> int | None:
+def _line_in(text: str, loc: tuple, prefix: tuple, whole: bool = False) -> int | None:
+    """_line_of `loc`, or, where the stage section at `prefix` does not give it, of `loc` in the pipeline's
+    shared section of that name (`data`, `slurm`), whichever gives more of it."""
+    if not prefix or loc[: len(prefix)] != prefix:
+        return _line_of(text, loc, whole)
+    if whole:
+        return _line_of(text, loc, whole=True) or _line_of(text, loc[len(prefix):], whole=True)
+    return max(_line_of(text, loc, depth=True), _line_of(text, loc[len(prefix):], depth=True),
+               key=lambda pair: pair[0])[1]
+
+
+def _line_of(text: str, loc: tuple, whole: bool = False, depth: bool = False):
     """Line (1-based) of the deepest part of `loc` that exists in the YAML text (`whole`: of `loc` itself, None
-    if the text does not give it)."""
+    if the text does not give it; `depth`: (parts found, line))."""
     try:
         node = yaml.compose(text)
     except yaml.YAMLError:
-        return None if whole else 1
-    line = node.start_mark.line + 1 if node is not None else 1
+        return None if whole else (0, 1) if depth else 1
+    line, found = node.start_mark.line + 1 if node is not None else 1, 0
     for part in loc:
         child = None
         if isinstance(node, yaml.MappingNode):
@@ -294,9 +305,9 @@ def _line_of(text: str, loc: tuple, whole: bool = False) -> int | None:
             child = node.value[part]
             line = child.start_mark.line + 1
         if child is None:
-            return None if whole else line
-        node = child
-    return line
+            return None if whole else (found, line) if depth else line
+        node, found = child, found + 1
+    return (found, line) if depth else line
 
 
 def _allowed_keys(loc: tuple, schema=RunConfig) -> list[str]:

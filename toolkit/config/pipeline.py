@@ -25,6 +25,7 @@ from toolkit.errors import ConfigError
 
 ORDER = ("sft", "rm", "rl")
 SHARED = ("data", "slurm")
+ROWS = ("sources", "prompts")  # (the keys of data that say where the rows come from)
 # Where a stage's config names models (key paths; `*` walks a list).
 MODEL_FIELDS = {"sft": [("model", "base"), ("model", "tokenizer")], "rm": [("model", "base"), ("model", "tokenizer")],
                 "rl": [("model", "actor"), ("model", "tokenizer"), ("model", "reference"), ("model", "critic"),
@@ -86,6 +87,8 @@ def load_pipeline(path: str | Path, overrides: list[str] = ()) -> Pipeline:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(unknown)}; a pipeline file has pipeline, "
                           f"{', '.join(SHARED)} and the stages {', '.join(ORDER)}")
     stages = {stage: data[stage] or {} for stage in ORDER if stage in data}
+    own = [stage for stage, section in stages.items()
+           if isinstance(section, dict) and isinstance(section.get("data"), dict) and section["data"].keys() & ROWS]
     if not stages:
         raise ConfigError(f"{path}: no stages; give at least one of {', '.join(ORDER)}")
     name = head.get("name") or path.stem
@@ -101,13 +104,41 @@ def load_pipeline(path: str | Path, overrides: list[str] = ()) -> Pipeline:
             raise ConfigError(f"{path}: {stage}.data.split: a pipeline splits its rows once for every stage (so "
                               "that no stage trains on another's rows); give the split in the shared data section")
         for key, value in shared.items():
-            own = section.get(key, {})
-            section[key] = {**value, **own} if isinstance(value, dict) and isinstance(own, dict) else own or value
+            mine = section.get(key, {})
+            if key == "data" and stage in own and isinstance(value, dict):
+                value = {k: v for k, v in value.items() if k not in ROWS}  # (the stage's own rows replace them)
+            section[key] = {**value, **mine} if isinstance(value, dict) and isinstance(mine, dict) else mine or value
         if not isinstance(section.setdefault("run", {}), dict):
             raise ConfigError(f"{path}: {stage}.run: expected the stage's run settings (a mapping), got "
                               f"{section['run']!r}")
         section["run"].setdefault("name", f"{name}-{stage}")
+    _own_parts(stages, own, path.resolve().parent)
     return Pipeline(name, path, text, stages, overridden)
+
+
+def _own_parts(stages: dict[str, dict], own: list[str], base: Path) -> None:
+    """Give the stages in `own` (whose data section names rows of its own, which replace the shared ones)
+    each own source that no other stage reads as a whole (data.sources[].part): the shared split is for rows
+    that several stages read, and would drop most of a file of RL prompts, silently."""
+    def read(section, stage):
+        data = section.get("data")
+        if not isinstance(data, dict):
+            return {}
+        if stage in own and isinstance(data.get("prompts"), str) and "sources" not in data:
+            from toolkit.config.data import shorthand_format
+
+            prompts = data.pop("prompts")  # (the shorthand as a source, which can name its part)
+            data["sources"] = [{"path": prompts, "format": shorthand_format(base / prompts)}]
+        listed = data.get("sources") if isinstance(data.get("sources"), list) else [{"path": data.get("prompts")}]
+        return {str((base / s["path"]).resolve()): s for s in listed
+                if isinstance(s, dict) and isinstance(s.get("path"), str)}
+
+    reads = {stage: read(section, stage) for stage, section in stages.items()}
+    for stage in own:
+        others = set().union(*(paths for other, paths in reads.items() if other != stage))
+        for path, source in reads[stage].items():
+            if path not in others:
+                source.setdefault("part", stage)
 
 
 def _resolve_references(data: dict, pattern: tuple, stage: str, stages: dict, directory: Path, source: Path) -> None:

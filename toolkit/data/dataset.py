@@ -1,5 +1,5 @@
-"""One stage's rows: every source read, the stage's part of the split (by each row's prompt), its train and
-eval examples, and the blended training order.
+"""One stage's rows: every source read, the stage's part of the split (by each row's prompt, or the whole
+source where it names its part), its train and eval examples, and the blended training order.
 
 A row's id is its position over all sources (the rows of earlier sources, then its index in its own),
 so an id names the same row in every stage and in every experience record.
@@ -23,25 +23,33 @@ class StageData:
         self.eval: list[Example] = []
         fractions = data.split.fractions() if data.split else None
         hash_seed = data.split.seed if data.split else seed
-        offset = 0
+        offset, weights = 0, []
         for source in data.sources:
             rows = read_source(source.path, source.format)
+            if fractions is not None and source.part not in (None, stage):  # (another stage's own rows)
+                offset += rows[-1].index + 1
+                continue
             kept = []
             for row in rows:
                 prompt = _prompt_example(row, kind, data, offset + row.index)
                 u_part, u_eval = uniforms({"prompt": prompt.prompt} if prompt else row.data, hash_seed)
-                if fractions is not None and part_of(u_part, fractions) != stage:
+                if fractions is not None and (source.part or part_of(u_part, fractions)) != stage:
                     continue
                 example = prompt if kind == "prompt" and prompt else example_of(row, kind, data, offset + row.index)
                 (self.eval if u_eval < data.eval_fraction else kept).append(example)
             offset += rows[-1].index + 1
             if not kept:
+                given = (f"its part is {stage}" if fractions is not None and source.part else
+                         f"data.split gives it {fractions[stage] if fractions else 1:.0%} of the rows")
                 raise ConfigError(f"{source.path}: none of its {len(rows)} rows is left for training the {stage} "
-                                  f"stage (data.split gives it {fractions[stage] if fractions else 1:.0%} of the "
-                                  f"rows, data.eval_fraction holds out {data.eval_fraction:.0%}); use more rows or "
-                                  "change the split")
+                                  f"stage ({given}, data.eval_fraction holds out {data.eval_fraction:.0%}); use "
+                                  "more rows or change the split")
             self.train.append(kept)
-        self.blend = Blend([len(t) for t in self.train], [s.weight for s in data.sources], data.shuffle, seed)
+            weights.append(source.weight)
+        if not self.train:
+            raise ConfigError(f"data.sources: every source is another stage's (data.sources[].part), none the "
+                              f"{stage} stage's; give it a source whose part is {stage} or none")
+        self.blend = Blend([len(t) for t in self.train], weights, data.shuffle, seed)
 
     @property
     def train_rows(self) -> int:

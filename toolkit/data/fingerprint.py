@@ -49,8 +49,9 @@ def fingerprint(cfg, known: dict | None = None) -> dict:
 
 def draw_settings(cfg) -> dict:
     """The settings that decide which rows each step draws (the cursor of step s is s x the rows a step takes,
-    in an order the seed, the shuffle, the split, the held-out share and the sources' weights give): a change
-    of any between attempts makes the next steps draw rows twice or never, as a change of the files does."""
+    in an order the seed, the shuffle, the split, the held-out share and the sources' weights and parts
+    give): a change of any between attempts makes the next steps draw rows twice or never, as a change of the
+    files does."""
     d = cfg.data
     per_step = (("rollout.prompts_per_step", cfg.rollout.prompts_per_step) if cfg.stage == "rl"
                 else ("train.batch_size", cfg.train.batch_size))
@@ -58,6 +59,8 @@ def draw_settings(cfg) -> dict:
                 "data.split": d.split.model_dump() if d.split else None,
                 "data.sources.*.weight": [s.weight for s in d.sources], per_step[0]: per_step[1],
                 "split and held out by": "prompt"}  # (earlier versions hashed the whole row: others)
+    if any(s.part for s in d.sources):  # (only where given: runs from before it have no such setting)
+        settings["data.sources.*.part"] = [s.part for s in d.sources]
     return json.loads(json.dumps(settings))  # (as the manifest gives them back)
 
 

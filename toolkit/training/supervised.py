@@ -192,11 +192,13 @@ class SupervisedRole(Role):
         split = self.cfg.data.split
         if split is not None and split.rl > 0:
             try:
-                examples, source = StageData(self.cfg.data, "rl", "pair", self.cfg.run.seed).train[0][:1024], "rl part"
+                rl = StageData(self.cfg.data, "rl", "pair", self.cfg.run.seed)
+                examples, source = [e for part in rl.train for e in part][:1024], "rl part"
             except ConfigError:  # the RL part's rows have no responses
                 pass
         if examples is None:
-            examples, source = (self.data.eval, "rm eval rows") if self.data.eval else (self.data.train[0], "rm rows")
+            examples, source = ((self.data.eval, "rm eval rows") if self.data.eval else
+                                ([e for part in self.data.train for e in part], "rm rows"))
             examples = examples[:1024]
         self.engine.eval()
         sums = {"sum": 0.0, "squares": 0.0, "count": 0.0}
