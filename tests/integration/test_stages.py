@@ -71,6 +71,7 @@ def test_sft_learns_and_exports_a_causal_lm(sft_run):
     assert [r["step"] for r in rs] == list(range(12))
     evals = [r for r in rs if "eval_loss" in r]
     assert [r["step"] for r in evals] == [3, 7, 11]
+    assert all(r["eval_s"] > 0 for r in evals) and not any("eval_s" in r for r in rs if r not in evals)
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.05, [r["eval_loss"] for r in evals]
     assert abs(evals[-1]["eval_ppl"] - torch.tensor(evals[-1]["eval_loss"]).exp().item()) < 1e-3
     assert rs[-1]["loss"] < rs[0]["loss"] and rs[0]["tokens"] > 0 and 0 < rs[0]["padding_frac"] < 1

@@ -52,3 +52,29 @@ def test_evaluations_out_at_the_same_time_count_once_in_a_steps_evaluation_time(
     # one was out later (25..27): 10..20 and 25..27
     assert covered([(12.0, 20.0), (5.0, 14.0), (13.0, 18.0), (25.0, 27.0)], 10.0) == 12.0
     assert covered([(1.0, 4.0)], 10.0) == 0.0 and covered([], 10.0) == 0.0
+
+
+def test_a_stages_next_evaluation_counts_toward_its_next_step(tiny, tmp_path):
+    """A supervised stage evaluates after every train.eval_every-th update and after the last, in the same
+    step: its time was left out (step_s is the update alone), so a long evaluation ran into the time limit
+    before the checkpoint."""
+    from toolkit.launch.stage_driver import StageDriver
+
+    stage = {"stage": "sft", "run": {"steps": 10}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
+             "model": {"base": str(tiny / "model")}, "train": {"eval_every": 4, "batch_size": 32},
+             "slurm": {"stop_margin_s": 10}}
+    driver = StageDriver.__new__(StageDriver)
+    driver.cfg, driver.history, driver.steps = load_config(write_config(tmp_path, stage, "sft.yaml")), [], 10
+    driver.trainer_ready = {"eval_rows": 48}
+    driver.end_time = time.time() + 19.0
+    ran = [{"step_s": 2.0}, {"step_s": 2.0, "eval_s": 6.0}, {"step_s": 2.0, "checkpoint_s": 1.0}]
+    driver.step = 5  # (step 6 ran; step 7 has no evaluation): 2 + 1 + 5 + 10 = 18 s
+    assert driver._evaluation_ahead_s(ran) == 0.0 and driver._time_for_a_step(ran)
+    driver.step = 6  # step 8 evaluates: + 6 s, the longest evaluation so far
+    assert driver._evaluation_ahead_s(ran) == 6.0 and not driver._time_for_a_step(ran)
+    driver.step = 8  # step 10, the last, evaluates too
+    assert driver._evaluation_ahead_s(ran) == 6.0
+    # before any evaluation: the update's time scaled to the eval rows, a forward pass a third of an update
+    assert driver._evaluation_ahead_s(ran[:1]) == 2.0 * 48 / 32 / 3
+    driver.trainer_ready = {"eval_rows": 0}
+    assert driver._evaluation_ahead_s(ran) == 0.0

@@ -44,6 +44,20 @@ class StageDriver(Supervisor):
             self.echo(f"checkpoint of step {self.checkpointed['version']} saved in "
                       f"{self.checkpointed['checkpoint_s']:.1f} s")
 
+    def _evaluation_ahead_s(self, ran: list[dict]) -> float:
+        """Seconds the next step takes longer for its evaluation, where it has one (every train.eval_every
+        steps, and after the last): the longest so far; before any, the last steps' update scaled from their
+        rows to the eval rows, a forward pass being about a third of an update. (The time-limit check left
+        it out: a stage whose evaluation outlasted the margin was killed before its checkpoint.)"""
+        following = self.step + 2  # (the next step's number: self.step is the last one reported, from 0)
+        if not self.trainer_ready["eval_rows"] or (following % self.cfg.train.eval_every and following < self.steps):
+            return 0.0
+        walls = [r["eval_s"] for r in ran if r.get("eval_s")]
+        if walls:
+            return max(walls)
+        update = max((r["step_s"] for r in ran[-3:]), default=30.0)
+        return update * self.trainer_ready["eval_rows"] / self.cfg.train.batch_size / 3
+
     def progress_line(self, r: dict) -> str:
         line = f"step {r['step'] + 1:>3}/{self.steps}  loss {r['loss']:.4f}"
         if "accuracy" in r:

@@ -153,7 +153,9 @@ class SupervisedRole(Role):
         totals = self._sum(sums)
         seconds = time.monotonic() - started
         grad_norm = self.engine.get_global_grad_norm()
-        # tokens: real tokens trained on; positions: what the forward passes computed (padding included)
+        # tokens: the real tokens the passes read (SFT: prompt and response, though only the response is a
+        # target); positions: what the forward passes computed (padding included). step_s: the update alone
+        # (an evaluation's eval_s and a checkpoint's checkpoint_s come after it)
         return {**self.task.summary(totals), "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm), "tokens": int(totals["tokens"]),
                 "padding_frac": 1 - totals["tokens"] / max(totals["positions"], 1),
@@ -164,6 +166,7 @@ class SupervisedRole(Role):
         if not self.data.eval:
             return {}
         self.status["phase"] = "evaluating"
+        started = time.monotonic()
         sums: dict[str, float] = {}
         self.engine.eval()
         with torch.no_grad():
@@ -172,7 +175,7 @@ class SupervisedRole(Role):
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + (v if counted else 0.0)
         self.engine.train()
-        return self.task.summary(self._sum(sums), "eval_")
+        return {**self.task.summary(self._sum(sums), "eval_"), "eval_s": time.monotonic() - started}
 
     def _shares(self, examples: list, size: int):
         """This rank's batches of `examples` as (rows, counted): the same number of batches on every rank,
