@@ -88,10 +88,13 @@ def test_asynchronous_run_resumes_after_sigkill_without_losing_or_repeating(tiny
     assert sorted(r["step"] for r in manifest if r["kind"] == "experience") == list(range(6))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(6))
-    for step in range(6):
+    assert any(m.get("replayed") for m in metrics)
+    for step, m in zip(range(6), metrics):
         record = experience.read(run_dir / "experience" / experience.file_name(step))
         assert sorted(np.bincount(record["samples"]["group_index"]).tolist()) == [4] * 16
         assert lags(record).max() <= 2
+        # the lag of a step trained again on a resume too (its metrics had none)
+        assert m["policy_lag_max"] == lags(record).max() and m["policy_lag_mean"] == pytest.approx(lags(record).mean())
 
 
 def test_a_generator_lost_while_the_trainer_runs_ahead_rejoins_with_later_weights_and_the_run_goes_on(tiny, tmp_path):

@@ -200,7 +200,8 @@ class TrainerRole(Role):
             metrics = self._learn(batch, record=record)
             if self.ema is not None:  # (the sync after each update folds it in; a replay has no sync)
                 self._full_weights()
-            metrics.update(_batch_metrics(batch), step=batch.step, policy_version=self.version, replayed=True)
+            metrics.update(_batch_metrics(batch), **_lags(batch, record["attrs"]["policy_version"]), step=batch.step,
+                           policy_version=self.version, replayed=True)
             replayed.append(metrics)
             log.info("trained again on %s (policy_version now %d)", path, self.version)
         # A replay that passed a step due a checkpoint ends with one (of its last policy_version), so that a
@@ -442,9 +443,7 @@ class TrainerRole(Role):
         if self.version != batch.step:
             raise RuntimeError(f"step {batch.step} would train at policy_version {self.version}; they must be equal")
         batch = batch.select(np.lexsort((batch.sample_index, batch.group_index)))
-        lag = self.version - batch.policy_version
-        lags = {"policy_lag_mean": float(lag.mean()), "policy_lag_max": int(lag.max()),
-                "dropped_samples": self.dropped.pop(batch.step, 0),
+        lags = {**_lags(batch, self.version), "dropped_samples": self.dropped.pop(batch.step, 0),
                 "duplicate_samples": self.duplicates.pop(batch.step, 0)}
         self.received.pop(batch.step, None)
         self.ranks.command(TRAIN, batch.step)
@@ -758,6 +757,12 @@ def _stage_seconds(parts: list[SampleBatch], key: str, who: str) -> dict:
     for p in parts:
         per_worker[p.timings.get(who, "?")] += p.timings.get(key, 0.0)
     return {key: max(per_worker.values(), default=0.0)}
+
+
+def _lags(batch: SampleBatch, version: int) -> dict:
+    """How many updates older than `version`, the policy the batch trains, its samples' weights were."""
+    lag = version - batch.policy_version
+    return {"policy_lag_mean": float(lag.mean()), "policy_lag_max": int(lag.max())}
 
 
 def _batch_metrics(batch: SampleBatch) -> dict:
