@@ -126,6 +126,32 @@ def test_a_source_that_names_its_part_goes_to_that_stage_whole(tmp_path):
         StageData(alone, "sft", "sft", 0)
 
 
+def test_a_prompt_rows_fields_reach_the_reward_functions_as_plain_values_or_are_named(tiny, tmp_path):
+    """Fields go to the scorers in msgpack: a Parquet timestamp or decimal column (as real data sets have)
+    and a JSON id beyond 64 bits failed the run at its first step, after start-up, with `TypeError: can not
+    serialize 'datetime.datetime' object` or `OverflowError: Integer value out of range`, naming no row."""
+    import datetime
+    import decimal
+
+    from tests.conftest import cli, example, write_config
+    from toolkit.data.examples import check_fields
+
+    stamp = datetime.datetime(2025, 1, 2, 3, 4, 5)
+    rows = [{"prompt": f"q{i}", "at": stamp, "price": decimal.Decimal("1.50"), "day": stamp.date(),
+             "tags": [{"since": stamp}]} for i in range(4)]
+    rl = StageData(data(sources=[{"path": parquet(tmp_path / "d.parquet", rows)}]), "rl", "prompt", 0)
+    fields = rl.train[0][0].fields
+    assert fields == {"at": "2025-01-02T03:04:05", "price": "1.50", "day": "2025-01-02",
+                      "tags": [{"since": "2025-01-02T03:04:05"}]}, fields
+    check_fields(rl.train[0])  # (they travel)
+    big = jsonl(tmp_path / "big.jsonl", [{"prompt": "q0", "uid": 1}, {"prompt": "q1", "uid": 10 ** 30}])
+    with pytest.raises(ConfigError, match=re.escape(f"{big}:2: field 'uid' (1000000000000000000000000000000) cannot "
+                                                     "be sent to the reward functions (OverflowError")):
+        check_fields(StageData(data(sources=[{"path": big}], shuffle=False), "rl", "prompt", 0).train[0])
+    result = cli("validate", write_config(tmp_path, example("tiny-grpo.yaml", tiny, data={"prompts": big})))
+    assert result.returncode == 2 and f"{big}:2: field 'uid'" in result.stderr, result.stderr
+
+
 def test_blend_follows_the_weights(tmp_path):
     small = jsonl(tmp_path / "small.jsonl", [{"prompt": f"s{i}"} for i in range(10)])
     large = parquet(tmp_path / "large.parquet", [{"prompt": f"l{i}"} for i in range(500)])

@@ -53,6 +53,13 @@ def test_probe_check_names_the_generator_and_the_fix():
     assert "policy_version 4, generator worker generator:0 (vllm)" in msg and "0.2 > " in msg
     assert "rollout.sync_check_tolerance" in msg
     assert probe.probe_tokens(512, 3) == probe.probe_tokens(512, 3) and max(probe.probe_tokens(512, 3)) < 512
+    # the trainer's own log-probs not finite: training diverged, which was reported as a failed sync ("look for
+    # 'Failed to load weights'"); a generator's that are not finite still fail the sync
+    with pytest.raises(probe.TrainingDiverged, match="policy_version 7, the trainer's own log-probs .* training "
+                                                     "diverged .the weight sync is not at fault"):
+        probe.check(torch.full((7,), float("nan")), torch.full((7,), float("nan")), 1e-3, 7, "generator worker g")
+    with pytest.raises(probe.WeightSyncError):
+        probe.check(expected, torch.full((31,), float("nan")), 1e-3, 7, "generator worker g")
 
 
 def test_head_size_vllm_cannot_serve_on_cpu_is_a_config_error(tiny, tmp_path):

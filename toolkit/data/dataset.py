@@ -8,7 +8,7 @@ so an id names the same row in every stage and in every experience record.
 from __future__ import annotations
 
 from toolkit.data.blend import Blend
-from toolkit.data.examples import Example, example_of
+from toolkit.data.examples import Example, check_fields, example_of
 from toolkit.data.sources import read_source
 from toolkit.data.split import part_of, uniforms
 from toolkit.errors import ConfigError
@@ -91,7 +91,9 @@ def check_data(cfg) -> StageData:
 
         if cfg.eval.every_steps:
             _check_held_out(cfg, len(data.eval))
-        check_calls(cfg.reward.functions, [e for part in data.train for e in part] + data.eval)
+        examples = [e for part in data.train for e in part] + data.eval
+        check_fields(examples)
+        check_calls(cfg.reward.functions, examples)
     ptx = getattr(cfg, "ptx", None)
     if ptx is not None and ptx.coef:
         StageData(ptx.data, "ptx", "text", cfg.run.seed)

@@ -79,8 +79,57 @@ def example_of(row: Row, kind: str, keys, id: int) -> Example:
         messages = messages[:-1]
     ex.prompt = implicit[0] if implicit else _prompt(data, keys, where, messages, conversation)
     # (a reward function takes `prompt` and `response` itself: a row's fields of those names are not passed)
-    ex.fields = {k: v for k, v in data.items() if k not in (keys.prompt_key, keys.messages_key, "prompt", "response")}
+    ex.fields = {k: _plain(v) for k, v in data.items()
+                 if k not in (keys.prompt_key, keys.messages_key, "prompt", "response")}
     return ex
+
+
+def _plain(value):
+    """A field's value as the reward functions get it, sent to the scorers in msgpack: a date or time (a
+    Parquet or `datasets` timestamp column) as its ISO text and a decimal as its text, as a JSON export of
+    the table holds them; lists and mappings item by item (what msgpack cannot carry is named by
+    check_fields, before start-up)."""
+    import datetime
+    import decimal
+
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def check_fields(examples: list[Example]) -> None:
+    """Each prompt's fields travel to the scorers (msgpack): a value that cannot (an integer beyond 64 bits, a
+    mapping keyed by other than text, another type) is a ConfigError naming its row and field, before
+    start-up (the run failed at its first step with `OverflowError: Integer value out of range`)."""
+    import msgpack
+
+    for ex in examples:
+        try:
+            msgpack.unpackb(msgpack.packb(ex.fields, use_bin_type=True), raw=False)
+        except (TypeError, ValueError, OverflowError) as e:
+            key = next((k for k, v in ex.fields.items() if not _travels(v)), "?")
+            raise ConfigError(f"{ex.location}: field {key!r} ({ex.fields.get(key)!r:.60}) cannot be sent to the "
+                              f"reward functions ({type(e).__name__}: {e}): the fields of a prompt row travel as "
+                              "strings, numbers within 64 bits, booleans, lists and mappings with text keys; "
+                              "store it as a string, or leave the field out of the data") from None
+
+
+def _travels(value) -> bool:
+    import msgpack
+
+    try:
+        msgpack.unpackb(msgpack.packb({"v": value}, use_bin_type=True), raw=False)
+        return True
+    except (TypeError, ValueError, OverflowError):
+        return False
 
 
 def _prompt(data: dict, keys, where: str, messages: list | None, conversation: list | None = None):

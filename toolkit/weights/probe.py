@@ -21,6 +21,10 @@ class WeightSyncError(RuntimeError):
     """After a weight sync the generator's model differs from the trainer's."""
 
 
+class TrainingDiverged(RuntimeError):
+    """The trainer's weights hold nan or inf: what it sent is not worth generating from."""
+
+
 def probe_tokens(vocab_size: int, seed: int, length: int = PROBE_LENGTH) -> list[int]:
     """A seeded sequence of token ids below `vocab_size` (the same on both sides: it travels at join)."""
     g = torch.Generator().manual_seed(seed)
@@ -44,7 +48,14 @@ def engine_logprobs(engine, tokens: list[int]) -> torch.Tensor:
 
 
 def check(expected: torch.Tensor, actual: torch.Tensor, tolerance: float, version: int, who: str) -> float:
-    """The mean absolute difference; raises WeightSyncError when it is above `tolerance`."""
+    """The mean absolute difference; raises WeightSyncError when it is above `tolerance`, and TrainingDiverged
+    when the trainer's own log-probs are not finite (no sync fault: the weights it sent hold nan or inf)."""
+    if not bool(torch.isfinite(expected).all()):
+        raise TrainingDiverged(
+            f"after the update to policy_version {version}, the trainer's own log-probs on the probe sequence are "
+            f"{expected.tolist()}: its weights hold nan or inf, so training diverged (the weight sync is not at "
+            "fault). Look for inf or nan rewards or losses in metrics.jsonl, and start again with a lower "
+            "trainer.lr (or a larger KL coefficient)")
     diff = float((expected - actual).abs().mean())
     if not diff <= tolerance:
         raise WeightSyncError(
