@@ -225,7 +225,12 @@ class Worker:
         return sum(self.rejected_by_reason().values())
 
     def _coordinator_lost(self, silent_s: float) -> None:
-        log.error("no answer from the coordinator for %.0f s: the driver is gone; exiting", silent_s)
+        if self.heartbeat.refused_by:
+            log.error("the coordinator at %s refused this worker's key: it belongs to another run or to an earlier "
+                      "attempt of this one (a worker started by hand needs this attempt's SLURM_RLHF_ATTEMPT and "
+                      "the run's secret file); exiting", self.heartbeat.refused_by)
+        else:
+            log.error("no answer from the coordinator for %.0f s: the driver is gone; exiting", silent_s)
         _leave()
         logging.shutdown()
         os._exit(3)

@@ -474,6 +474,33 @@ def test_a_heartbeat_to_a_coordinator_that_reads_nothing_still_finds_it_lost():
         ctx.term()
 
 
+def test_a_heartbeat_the_coordinator_refuses_says_so_at_once():
+    """A worker with an earlier attempt's key: the coordinator's gate refuses it at once, but the worker
+    waited out its heartbeat timeout and then said the driver was gone."""
+    import threading
+
+    from toolkit.launch.coordinator import Coordinator
+    from toolkit.transport.control import Heartbeat
+    from toolkit.transport.wire import attempt_secret
+
+    ctx = zmq.Context()
+    coordinator = Coordinator(ctx, attempt_secret(SECRET, "attempt-2"), "127.0.0.1")
+    lost = threading.Event()
+    beat = Heartbeat(ctx, attempt_secret(SECRET, "attempt-1"), coordinator.address, "generator:0", 0.2, 600.0,
+                     lambda s: lost.set())
+    try:
+        beat.start()
+        deadline = time.monotonic() + 60
+        while not lost.is_set() and time.monotonic() < deadline:
+            coordinator.recv(0.2)
+        assert lost.is_set() and beat.refused_by == coordinator.address, "not told of the refusal"
+        assert coordinator.gate.refused["unauthenticated"] >= 1
+    finally:
+        beat.stop()
+        coordinator.close()
+        ctx.term()
+
+
 def test_the_coordinator_answers_heartbeats_while_the_driver_waits_on_slurm_and_keeps_the_rest_in_order():
     """While the driver's main thread waits on something else (here 6 s of sleep, for a scancel of a hung
     step on a busy controller), `answering()` answers the worker's heartbeats (it is not lost, with 2 s of

@@ -54,7 +54,8 @@ STOP_POLL_S = 0.1
 
 
 class Heartbeat(threading.Thread):
-    """Sends a heartbeat every `interval_s`; calls `on_lost` if the coordinator is silent for `timeout_s`.
+    """Sends a heartbeat every `interval_s`; calls `on_lost` if the coordinator is silent for `timeout_s`, or
+    at once if it refuses the connection (`refused_by` is set then).
 
     `status` is a dict the worker's main thread updates (phase, step, policy_version); each heartbeat
     carries a copy, so the driver can show what every worker is doing.
@@ -69,17 +70,25 @@ class Heartbeat(threading.Thread):
         self._interval_s, self._timeout_s, self._on_lost = interval_s, timeout_s, on_lost
         self._stop_event = threading.Event()
         self.status: dict = {}
+        self.refused_by: str | None = None  # the coordinator's address, where it refused this worker's key
 
     def run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self._codec.sender.encode())
         sock.setsockopt(zmq.LINGER, 0)
         enter(sock, self._codec.password)
+        # (a coordinator that refuses this run's key answers nothing: without this the worker waited out
+        # timeout_s and then said the driver was gone, though its gate had refused the worker at once)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         sock.connect(self._address)
         last_pong = time.monotonic()
         rejected = collections.Counter()
         try:
             while not self._stop_event.is_set():
+                if monitor.poll(0):
+                    self.refused_by = self._address
+                    self._on_lost(time.monotonic() - last_pong)
+                    return
                 try:  # (a queue the coordinator does not read is full after 1000: the heartbeat is dropped, and
                     # the silence below decides, where a blocking send would have held this thread for good)
                     sock.send_multipart(self._codec.encode("heartbeat", {"status": dict(self.status)},
@@ -99,6 +108,8 @@ class Heartbeat(threading.Thread):
         except zmq.ContextTerminated:  # the worker is ending and closed the context under us
             return
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close()
 
     def stop(self, timeout_s: float = 2.0) -> None:
