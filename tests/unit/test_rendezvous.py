@@ -162,6 +162,11 @@ def test_a_stranger_can_neither_read_nor_write(store):
     store.set("address", b"rank 0's")
     with pytest.raises(StoreError, match="refused this process's key"):
         connect_store("127.0.0.1", store.port, 1, new_secret())
+    # said as soon as the server refuses, not after the call's whole timeout (a generator's: 1800 s)
+    started = time.monotonic()
+    with pytest.raises(StoreError, match="store at .* refused this process's key: it belongs to another run"):
+        connect_store("127.0.0.1", store.port, 600, new_secret())
+    assert time.monotonic() - started < 60
     assert store.server.gate.refused["unauthenticated"] >= 1
     # torch's own TCPStore client (what a stranger would use against a TCPStore) gets nowhere either.
     with pytest.raises(STRANGER_ERRORS):

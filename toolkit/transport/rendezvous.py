@@ -292,8 +292,16 @@ class RendezvousStore(dist.Store):
         socket = _socket(self._ctx, zmq.DEALER, self.host)
         socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         enter(socket, self._codec.password)
+        # (a server that refuses this key answers nothing: a call waited out its whole timeout, up to the
+        # generators' 1800 s, and then guessed among three causes)
+        self._refusals = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         socket.connect(self._address)
         return socket
+
+    def _close_socket(self) -> None:
+        self._socket.disable_monitor()
+        self._refusals.close(linger=0)
+        self._socket.close(linger=0)
 
     def _call(self, op: str, timeout: datetime.timedelta | None = None, **meta):
         timeout_s = (timeout if timeout is not None else self.timeout).total_seconds()
@@ -317,7 +325,7 @@ class RendezvousStore(dist.Store):
                 msg = self._reply_to(rid, time.monotonic() + timeout_s)
             if msg is None:
                 # A fresh socket: what this one still queues (this request, a late answer) is dropped with it.
-                self._socket.close(linger=0)
+                self._close_socket()
                 self._socket = self._connect()
                 raise StoreError(
                     f"the rendezvous store at {self._address} did not answer {what} within {timeout_s:g} s: a peer "
@@ -334,6 +342,11 @@ class RendezvousStore(dist.Store):
             self._check_open()
             if msg is not None and msg.meta.get("id") == rid:
                 return msg
+            if self._refusals.poll(0):
+                self._close_socket()
+                self._socket = self._connect()
+                raise StoreError(f"the rendezvous store at {self._address} refused this process's key: it belongs "
+                                 "to another run or to an earlier attempt of this one")
         return None
 
     def _check_open(self) -> None:
@@ -384,7 +397,7 @@ class RendezvousStore(dist.Store):
         with self._lock:
             clones, self._clones = self._clones, []
             if not self._ctx.closed:
-                self._socket.close(linger=0)
+                self._close_socket()
                 self._ctx.term()
         for clone in clones:
             clone.close()
