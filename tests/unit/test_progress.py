@@ -48,3 +48,32 @@ def test_a_terminal_gets_one_live_line_below_the_step_lines():
 
 def test_durations_read_as_a_person_writes_them():
     assert [duration(s) for s in (5, 65, 3725)] == ["5s", "1m05s", "1h02m"]
+
+
+def test_the_closing_line_covers_the_steps_of_every_attempt_after_a_trainer_restart():
+    """run_attempts starts every worker again (a new driver) when the trainer is lost; the closing line
+    took the last driver's steps alone, so after a restart from step 2's checkpoint its "first 5 steps
+    run now" began at step 3. The steps of every attempt count, a step trained again once (its last).
+    The drivers here are stand-ins that only hold what a driver's run ran."""
+    from types import SimpleNamespace
+
+    from toolkit.errors import TrainerLost
+    from toolkit.launch.supervisor import run_attempts
+
+    class StandIn:
+        def __init__(self, steps, lost):
+            self.steps, self.lost, self.preempt, self.records = steps, lost, False, []
+
+        def run(self):
+            for step in self.steps:
+                self.records.append({"step": step, "reward_mean": float(step), "attempt": len(made)})
+            if self.lost:
+                raise TrainerLost("trainer lost")
+            return self.records
+
+    attempts = iter([StandIn([0, 1, 2, 3], True), StandIn([3, 4, 5], False)])  # (from step 2's checkpoint)
+    made = []
+    driver, records = run_attempts(SimpleNamespace(run=SimpleNamespace(max_trainer_restarts=2)),
+                                   lambda: made.append(1) or next(attempts), echo=lambda line: None)
+    assert driver.steps == [3, 4, 5]
+    assert [(r["step"], r["attempt"]) for r in records] == [(0, 1), (1, 1), (2, 1), (3, 2), (4, 2), (5, 2)]

@@ -78,6 +78,7 @@ class Supervisor:
         self.requeue: Callable[[], None] | None = None  # on Slurm: put the job back in the queue (batch.py)
         self.attempt: str | None = None  # this start of the workers (its key: transport/wire.py attempt_secret)
         self.coordinator = None  # (made as the run starts, with its context)
+        self.records: list[dict] = []  # the metrics of the steps this driver ran
 
     # ----- the run --------------------------------------------------------------------------------
 
@@ -97,7 +98,7 @@ class Supervisor:
         # Python then installs no KeyboardInterrupt handler of its own.
         previous = {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_usr1)
-        records: list[dict] = []
+        records: list[dict] = self.records  # (kept on the driver: run_attempts reads them after a TrainerLost too)
         try:
             resume = self._plan_resume()
             self.curves.open()  # (W&B's slow start, before there are heartbeats to answer)
@@ -611,16 +612,20 @@ def read_metrics(path: Path) -> list[dict]:
 def run_attempts(cfg, make: Callable[[], Supervisor], echo: Callable = print) -> tuple[Supervisor, list[dict]]:
     """Run the stage with the driver `make()` builds; when a trainer rank dies or hangs, stop every worker
     and go on from the last checkpoint with a new driver, here (in the same allocation), up to
-    run.max_trainer_restarts times. (The last driver, the metrics of the steps it ran.)"""
-    driver, attempt = None, 0
+    run.max_trainer_restarts times. (The last driver, the metrics of the steps the attempts ran, each step's
+    last.)"""
+    driver, attempt, ran = None, 0, {}
     while True:
         preempt = driver is not None and driver.preempt  # (SIGUSR1 came before: the time is still short)
         driver = make()
         driver.preempt = driver.preempt or preempt
         driver.trainer_restarts = attempt  # (the driver raises TrainerLost only while restarts are left)
         try:
-            return driver, driver.run()
+            driver.run()
+            return driver, sorted({**ran, **{r["step"]: r for r in driver.records}}.values(), key=lambda r: r["step"])
         except TrainerLost as e:
+            # (the steps an attempt ran count for the closing line; one trained again after it counts once)
+            ran.update({r["step"]: r for r in driver.records})
             attempt += 1
             echo(f"{e}\nstarting every worker again from the last checkpoint (restart {attempt} of "
                  f"run.max_trainer_restarts {cfg.run.max_trainer_restarts})")
