@@ -48,6 +48,22 @@ def test_wrong_type_and_bad_value(tiny, tmp_path):
     assert "run.algorithm: got 'dpo'" in msg and "'grpo', 'ppo', 'rloo' or 'reinforce_pp'" in msg
 
 
+def test_a_boolean_is_not_a_number(tiny, tmp_path):
+    """true/false where a number goes is refused, naming the field (pydantic's lax mode read true as 1 and false
+    as 0: `--set trainer.lr=true` trained at lr 1.0, `trainer.zero_stage=false` ran ZeRO-0); a number that
+    PyYAML reads as a string (1e-6) still converts, and a boolean field still takes a boolean."""
+    path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    for expr, field in [("trainer.lr=true", "trainer.lr: got True"), ("trainer.zero_stage=false",
+                        "trainer.zero_stage: got False"), ("run.steps=true", "run.steps: got True"),
+                        ("trainer.ema=yes", "trainer.ema: got True")]:
+        msg = error_of(path, [expr])
+        assert f"--set {expr}: {field}: a number goes here, not true or false" in msg, msg
+    cfg = load_config(path, ["trainer.lr=1e-6", "trainer.gradient_checkpointing=true", "run.deterministic=on"])
+    assert cfg.trainer.lr == pytest.approx(1e-6) and cfg.trainer.gradient_checkpointing and cfg.run.deterministic
+    assert cfg.slurm.sbatch == {} and load_config(path, ["slurm.sbatch.exclusive=true"]).slurm.sbatch == {
+        "exclusive": True}  # (a value that may be a boolean stays one)
+
+
 def test_batch_not_divisible(tiny, tmp_path):
     data = example("tiny-grpo.yaml", tiny, rollout={"prompts_per_step": 10, "group_size": 3})
     msg = error_of(write_config(tmp_path, data))

@@ -3,10 +3,13 @@ settings, transport, checkpoints and Slurm. Relative paths resolve against the c
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import ipaddress
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,6 +22,32 @@ from toolkit.placement.layout import MODELS
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True,
                               allow_inf_nan=False)  # (no setting is infinite or not a number)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic's lax mode takes true as 1 and false as 0 where a number goes: `--set trainer.lr=true`
+        trained at lr 1.0, `trainer.zero_stage=false` ran ZeRO-0. Strict mode is no cure: PyYAML reads `1e-6`
+        as a string, which a float field must still take."""
+        if isinstance(value, bool) and _number_not_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError("a number goes here, not true or false (YAML reads true, false, yes, no, on and off as "
+                             "booleans); write the number")
+        return value
+
+
+@functools.cache
+def _number_not_bool(annotation: Any) -> bool:
+    """Whether a field of type `annotation` takes a number (int, float, a Literal of numbers) but no bool."""
+    def leaves(a: Any) -> list:
+        if typing.get_origin(a) in (typing.Union, types.UnionType, typing.Annotated):
+            return [leaf for arg in typing.get_args(a)[: 1 if typing.get_origin(a) is typing.Annotated else None]
+                    for leaf in leaves(arg)]
+        if typing.get_origin(a) is Literal:
+            return [type(arg) for arg in typing.get_args(a)]
+        return [a]
+
+    found = leaves(annotation)
+    return bool({int, float} & set(found)) and not {bool, Any} & set(found)
 
 
 def _resolve(value: str | Path, info: ValidationInfo) -> Path:
