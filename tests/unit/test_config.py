@@ -262,11 +262,14 @@ def test_vllm_splits_the_key_value_heads_too():
     (["data.chosen_key=rejected"], "chosen_key and rejected_key are the same field ('rejected')"),
     (["transport.bind_host=0.0.0.0"], "'0.0.0.0' listens on every interface of the node"),
     (["transport.bind_host=*"], "'*' listens on every interface of the node"),
+    (["algorithm.kl.adaptive=true", "algorithm.kl.coef=0"],
+     "algorithm.kl: adaptive needs a starting coef above 0: the controller multiplies the coefficient"),
 ])
 def test_values_that_could_not_work_are_refused(tiny, tmp_path, overrides, expected):
     """Each of these passed validation and failed later, or silently: NaN and infinite settings, line
     breaks in #SBATCH values, environment names Popen refuses, a time limit shorter than the checkpoint
-    warning, a TP size vLLM refuses, a pair of one field twice."""
+    warning, a TP size vLLM refuses, a pair of one field twice, an adaptive KL coefficient starting at 0 (which
+    it multiplies)."""
     assert expected in error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny)), overrides)
 
 

@@ -256,6 +256,14 @@ class KLSection(Section):
     """Adaptive only: number of samples over which the coefficient moves by at most ±20% (a step of more
     samples moves it by ±20% at most too)."""
 
+    @model_validator(mode="after")
+    def _adaptive_from_zero(self) -> "KLSection":
+        if self.adaptive and self.coef == 0:
+            raise ValueError("adaptive needs a starting coef above 0: the controller multiplies the coefficient "
+                             "by at most 1.2 a step, so from 0 it stays 0 for good; set coef (e.g. 0.01), or "
+                             "adaptive: false for no KL")
+        return self
+
 
 class AlgorithmSection(Section):
     clip_eps: float = Field(default=0.2, gt=0)
