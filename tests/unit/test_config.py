@@ -456,6 +456,24 @@ def test_a_check_across_fields_is_labelled_by_the_field_given(tiny, tmp_path):
     assert "\n  --set data.eval_fraction=7: sft.data.eval_fraction: got 7" in str(info.value)
 
 
+def test_a_seed_is_one_vllm_takes(tiny, tmp_path):
+    """A seed below 0 or from 2**32 validated, and vLLM's set_random_seed (numpy's) refused it only after the
+    workers had started: run.seed of an RL run and of a stage, and data.split.seed, are 0 to 2**32 - 1."""
+    from tests.conftest import EXAMPLES
+    from toolkit.config.pipeline import load_pipeline
+
+    path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    for expr, field in [("run.seed=-1", "run.seed: got -1"), ("run.seed=4294967296", "run.seed: got 4294967296"),
+                        ("data.split={rl: 1, seed: -5}", "data.split.seed: got -5")]:
+        assert f"--set {expr}: {field}: a seed is from 0 to 4294967295" in error_of(path, [expr])
+    assert load_config(path, ["run.seed=4294967295"]).run.seed == 2**32 - 1
+    for expr, field in [("sft.run.seed=-1", "sft.run.seed: got -1"),
+                        ("data.split.seed=4294967296", "sft.data.split.seed: got 4294967296")]:
+        with pytest.raises(ConfigError) as info:
+            load_pipeline(EXAMPLES / "tiny-pipeline.yaml", [expr]).configs(tmp_path / "pipeline")
+        assert f"--set {expr}: {field}: a seed is from 0 to 4294967295" in str(info.value), str(info.value)
+
+
 def test_resolved_config_round_trips(tiny, tmp_path):
     cfg = load_config(write_config(tmp_path, example("tiny-ppo.yaml", tiny)))
     again = write_config(tmp_path / "again", yaml.safe_load(dump_config(cfg)))

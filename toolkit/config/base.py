@@ -188,6 +188,15 @@ def _one_line(value: str) -> str:
     return value
 
 
+def _seed(value: int) -> int:
+    """A seed's bounds are those of vLLM's set_random_seed (numpy's): outside them a run failed only after its
+    workers had started."""
+    if not 0 <= value < 2**32:
+        raise ValueError(f"a seed is from 0 to {2**32 - 1} (2**32 - 1; vLLM and numpy refuse others); give one in "
+                         "that range")
+    return value
+
+
 RunName = Annotated[str, AfterValidator(_run_name), AfterValidator(_one_line)]
 OneLine = Annotated[str, AfterValidator(_one_line)]  # (a value of an #SBATCH line)
 FunctionPath = Annotated[str, AfterValidator(function_path)]
@@ -195,6 +204,7 @@ ModelDir = Annotated[str, AfterValidator(_model_dir)]
 ExistingFile = Annotated[str, AfterValidator(_existing_file)]
 ExistingPath = Annotated[str, AfterValidator(_existing_path)]
 PositiveInt = Annotated[int, Field(ge=1)]
+Seed = Annotated[int, AfterValidator(_seed)]
 Allocator = Literal["auto", "tcmalloc", "jemalloc", "system"]  # (run.allocator; toolkit/launch/allocator.py)
 PATH_CHECKS = {_model_dir, _existing_file, _existing_path}  # (the checks of the fields that take a path)
 

@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from toolkit.config.base import (MODELS, Allocator, Attention, CheckpointSection, EngineSection, FunctionPath,
-                                 GroupSection, ModelDir, PositiveInt, RunName, Section, SlurmSection, TransportSection,
-                                 WandbSection, fp16_problem, load_function, model_files, packing_problem,
-                                 pending_export, split_function)
+                                 GroupSection, ModelDir, PositiveInt, RunName, Section, Seed, SlurmSection,
+                                 TransportSection, WandbSection, fp16_problem, load_function, model_files,
+                                 packing_problem, pending_export, split_function)
 from toolkit.config.data import DataSection
 from toolkit.config.lora_targets import lora_target_problem
 from toolkit.config.model_files import (attention_heads, context_problem, head_problem, kv_cache_problem, kv_heads,
@@ -35,7 +35,7 @@ class RunSection(Section):
     returns normalised over the whole batch, no critic. See algorithms/advantages.py."""
     steps: PositiveInt = 10
     """Number of steps (experience batches, each followed by one policy update and weight sync)."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed for prompt order, sampling and model initialisation."""
     max_worker_restarts: int = Field(default=3, ge=0)
     """A generator or scorer worker that dies or hangs (no heartbeat for transport.heartbeat_timeout_s)
