@@ -456,6 +456,51 @@ def test_a_check_across_fields_is_labelled_by_the_field_given(tiny, tmp_path):
     assert "\n  --set data.eval_fraction=7: sft.data.eval_fraction: got 7" in str(info.value)
 
 
+def test_an_error_a_set_made_names_the_set(tiny, tmp_path):
+    """An error in a section that a --set wrote is blamed on the --set: the file's nearest line was blamed,
+    unrelated (`--set rolout.group_size=8` gave the file's first key's line, `rollout.vlm.kv_cache_gb=1` the
+    line of `rollout:`), as was a check across a section's fields that names the field the --set gave. A
+    section's own error stays on its line when the --set is about another field; a node group's field is named
+    in full (it was `placement: gen.models: ...`)."""
+    data = example("tiny-grpo.yaml", tiny)
+    data["trainer"]["offload_params"] = True
+    path = write_config(tmp_path, data)
+    lines = path.read_text().splitlines()
+    trainer = lines.index("trainer:") + 1
+    for overrides, says in [
+            (["trainer.offload_params=false", "rolout.group_size=8"],
+             "--set rolout.group_size=8: rolout: unknown key 'rolout'"),
+            (["trainer.offload_params=false", "rollout.vlm.kv_cache_gb=1"],
+             "--set rollout.vlm.kv_cache_gb=1: rollout.vlm: unknown key 'vlm'"),
+            (["trainer.offload_params=false", "algorithm.kl.adaptive=true", "algorithm.kl.coef=0"],
+             "--set algorithm.kl.adaptive=true: algorithm.kl: adaptive needs a starting coef above 0"),
+            (["trainer.lr=0.1"], f"{path}:{trainer}: trainer: offload_params needs zero_stage 3")]:
+        assert f"\n  {says}" in error_of(path, overrides), overrides
+    data = example("tiny-ppo.yaml", tiny, placement={"strategy": "custom", "gen": {"workers": 1}})
+    path = write_config(tmp_path, data)
+    placement = path.read_text().splitlines().index("placement:") + 1
+    assert f"\n  {path}:{placement}: placement.gen.models: list the models of this group" in error_of(path)
+
+
+def test_a_set_of_a_stage_the_pipeline_lacks_is_refused(tiny, tmp_path):
+    """`--set rm.train.lr=0.1` on a pipeline without an rm section added an rm stage, which then failed with
+    `rm.model: missing`."""
+    from tests.conftest import EXAMPLES
+    from toolkit.config.pipeline import load_pipeline
+
+    data = yaml.safe_load((EXAMPLES / "tiny-pipeline.yaml").read_text())
+    del data["rm"]
+    data["data"]["sources"][0]["path"] = str(tiny / "pipeline.jsonl")
+    data["sft"]["model"]["base"] = str(tiny / "model")
+    data["rl"]["reward"] = {"functions": [{"function": "toolkit.rewards.examples:digit_ratio"}]}
+    path = write_config(tmp_path, data, "pipeline.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_pipeline(path, ["rm.train.lr=0.1"])
+    assert str(info.value) == (f"--set rm.train.lr=0.1: {path} has no rm stage (its stages: sft, rl); a --set "
+                               "changes a stage the file gives: add an `rm:` section to the file to run it")
+    assert len(load_pipeline(path, ["rl.trainer.lr=0.1"]).configs(tmp_path / "pipeline")) == 2
+
+
 def test_a_seed_is_one_vllm_takes(tiny, tmp_path):
     """A seed below 0 or from 2**32 validated, and vLLM's set_random_seed (numpy's) refused it only after the
     workers had started: run.seed of an RL run and of a stage, and data.split.seed, are 0 to 2**32 - 1."""

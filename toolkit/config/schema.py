@@ -371,7 +371,7 @@ class PlacementSection(Section):
             where: dict[str, list[str]] = {}
             for name, g in groups.items():
                 if not g.models:
-                    raise ValueError(f"{name}.models: list the models of this group (any of "
+                    raise ValueError(f"placement.{name}.models: list the models of this group (any of "
                                      f"{', '.join(MODELS)})")
                 for m in g.models:
                     where.setdefault(m, []).append(name)
@@ -384,7 +384,7 @@ class PlacementSection(Section):
                 raise ValueError(f"no node group hosts {', '.join(missing)}; add it to a group's models")
             critic = where["critic"][0]
             if where["actor"] != where["critic"] and list(groups[critic].models) != ["critic"]:
-                raise ValueError(f"{critic}.models: the critic in a node group apart from the actor's "
+                raise ValueError(f"placement.{critic}.models: the critic in a node group apart from the actor's "
                                  f"({where['actor'][0]}) trains on trainer ranks of its own, so that group hosts "
                                  f"the critic alone; move {', '.join(m for m in groups[critic].models if m != 'critic')}"
                                  " to another group")
@@ -395,7 +395,7 @@ class PlacementSection(Section):
                 raise ValueError(f"unknown node group {name!r}: strategy {self.strategy} has node groups "
                                  f"{', '.join(preset)}; name one of them (or use strategy custom)")
             if g.models is not None:
-                raise ValueError(f"{name}.models is only for strategy custom ({self.strategy} places "
+                raise ValueError(f"placement.{name}.models is only for strategy custom ({self.strategy} places "
                                  f"{', '.join(preset[name])} in {name})")
         return self
 
