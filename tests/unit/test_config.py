@@ -656,6 +656,23 @@ def test_ptx_data_is_one_corpus_named_as_ptx_data(tiny, tmp_path, ptx_data, expe
     assert expected in error_of(write_config(tmp_path, data))
 
 
+def test_a_ptx_row_without_text_names_ptx_data_text_key(tiny, tmp_path):
+    """A PTX row without its text field said `set data.text_key`, a setting of the RL prompts' section that the
+    PTX text does not read; it names ptx.data.text_key."""
+    from toolkit.data.dataset import check_data
+
+    for rows, says in [([{"prompt": "a"}], "no non-empty string field 'text' (fields: ['prompt']); set "
+                         "ptx.data.text_key to the field holding the text"),
+                       ([{"text": 3}], "field 'text' is 3 (int), not non-empty text; fix the row, or set "
+                        "ptx.data.text_key to the field holding the text")]:
+        (tmp_path / "p.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        data = example("tiny-grpo.yaml", tiny, ptx={"coef": 1.0, "data": {"prompts": "p.jsonl"}})
+        cfg = load_config(write_config(tmp_path, data))
+        with pytest.raises(ConfigError) as info:
+            check_data(cfg)
+        assert f"{tmp_path / 'p.jsonl'}:1: {says}" == str(info.value)
+
+
 def test_lora_targets_that_name_no_layer_are_refused(tiny, tmp_path):
     """peft refuses a target list of which no name matches, but skips a typo beside a good name silently:
     the adapters went on fewer layers than asked. The names are looked up in the safetensors headers (one
