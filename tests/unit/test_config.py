@@ -673,6 +673,32 @@ def test_a_ptx_row_without_text_names_ptx_data_text_key(tiny, tmp_path):
         assert f"{tmp_path / 'p.jsonl'}:1: {says}" == str(info.value)
 
 
+def test_lora_targets_that_are_no_layer_say_what_they_are(tiny, tmp_path):
+    """A module without a weight matrix is named by its kind: `self_attn` was refused with "a norm's weight is
+    a vector", but it holds layers; and a value of neither kind of target_modules is one line (it was two, one
+    per kind of pydantic's union: `target_modules.list[str].0` and `target_modules.literal['all-linear']`)."""
+    data = example("tiny-grpo.yaml", tiny, trainer={"lora": {"target_modules": ["q_proj"]}})
+    path = write_config(tmp_path, data)
+    field = "trainer.lora.target_modules"
+    for targets, says in [
+            ("[self_attn]", "self_attn holds layers but is no layer itself (name the layers in it: k_proj, o_proj, "
+                            "q_proj, v_proj), so it would get no adapter"),
+            ("[q_proj, mlp]", "mlp holds layers but is no layer itself (name the layers in it: down_proj, gate_proj, "
+                              "up_proj), so it would get no adapter"),
+            ("[rotary_emb]", "rotary_emb has no weights (LoRA adapts a layer's weight matrix), so it would get no "
+                             "adapter"),
+            ("[input_layernorm]", "input_layernorm has no weight matrix (a norm's weight is a vector, which LoRA "
+                                  "cannot adapt), so it would get no adapter"),
+            ("[0]", "item 0 is 0, not a layer name; give names (e.g. [q_proj, v_proj]), or all-linear"),
+            ("[q_proj, 7]", "item 1 is 7, not a layer name"),
+            ("q_proj", "got 'q_proj': a list of layer names goes here, even for one: [q_proj]; or all-linear"),
+            ("5", "got 5: give a list of layer names (e.g. [q_proj, v_proj]), or all-linear")]:
+        msg = error_of(path, [f"{field}={targets}"])
+        assert msg.startswith(f"invalid config:\n  --set {field}={targets}: {field}: {says}") and \
+            msg.count("\n") == 1, msg
+    assert load_config(path, [f"{field}=all-linear"]).trainer.lora.target_modules == "all-linear"
+
+
 def test_lora_targets_that_name_no_layer_are_refused(tiny, tmp_path):
     """peft refuses a target list of which no name matches, but skips a typo beside a good name silently:
     the adapters went on fewer layers than asked. The names are looked up in the safetensors headers (one

@@ -222,6 +222,21 @@ class LoraSection(Section):
     """Names of the linear layers that get adapters (e.g. [q_proj, v_proj]), or `all-linear` (every linear
     layer but the output head)."""
 
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        """One line for a value of neither kind (pydantic's union gave one per kind: `target_modules.list[str].0`
+        and `target_modules.literal['all-linear']`)."""
+        if value == "all-linear" or isinstance(value, list) and all(isinstance(name, str) for name in value):
+            return value
+        if isinstance(value, str):
+            raise ValueError(f"a list of layer names goes here, even for one: [{value}]; or all-linear")
+        if isinstance(value, list):
+            i, name = next((i, name) for i, name in enumerate(value) if not isinstance(name, str))
+            raise ValueError(f"item {i} is {name!r}, not a layer name; give names (e.g. [q_proj, v_proj]), or "
+                             "all-linear")
+        raise ValueError("give a list of layer names (e.g. [q_proj, v_proj]), or all-linear")
+
 
 ATTENTION = Literal["sdpa", "eager", "flash_attention_2"]
 
