@@ -59,13 +59,23 @@ def main() -> int:
     if args.one:
         print(json.dumps(one(int(args.one[0]), args.one[1])))
         return 0
+    sizes = [n.strip() for n in args.nodes.split(",")]
+    bad = next((n for n in sizes if not (n.isdigit() and int(n) >= 1)), None)
+    if bad is not None:
+        parser.error(f"--nodes {args.nodes}: {bad!r} is not a number of nodes; give whole numbers from 1, "
+                     "comma-separated (e.g. 16,128)")
+    models = [m.strip() for m in args.models.split(",")]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"--models {args.models}: no model {', '.join(unknown)}; the models are {', '.join(MODELS)} "
+                     "(Llama-2's configs in tests/fixtures/model_configs)")
 
     from toolkit.table import text_table
 
     rows = [("model (PPO x4)", "nodes", "GPUs", "plans", "fit", "estimated", "search s", "peak MB", "best plan")]
     slowest, largest = 0.0, 0.0
-    for model in args.models.split(","):
-        for nodes in (int(n) for n in args.nodes.split(",")):
+    for model in models:
+        for nodes in map(int, sizes):
             out = subprocess.run([sys.executable, __file__, "--one", str(nodes), model], capture_output=True,
                                  text=True, check=True).stdout
             r = json.loads(out)

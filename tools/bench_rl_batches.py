@@ -40,6 +40,12 @@ def main() -> int:
     parser.add_argument("--max-response", type=int, default=480)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    from bench_scoring import check_sizes
+
+    check_sizes(parser, args, ("samples", "rows", "prompt", "min_response", "repeats"))
+    if args.samples % 4 or args.samples % args.rows:
+        parser.error(f"--samples {args.samples}: give a multiple of 4 (the GRPO groups' size) and of --rows "
+                     f"{args.rows} (a step's micro-batches), e.g. {4 * args.rows}")
     from toolkit.launch.preload import as_a_worker, describe
 
     as_a_worker()  # (what a worker preloads: tcmalloc, MKL's library on AMD)

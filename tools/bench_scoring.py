@@ -46,6 +46,17 @@ class Samples:
         return self.responses[i]
 
 
+def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, counts: tuple[str, ...]) -> None:
+    """parser.error (the usage, exit 2) for a size that failed later with a traceback: a count in `counts`
+    (argument names) below 1, or a response length range that is empty (numpy's `low >= high`)."""
+    for name in counts:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+    if args.max_response < args.min_response:
+        parser.error(f"--max-response {args.max_response} is below --min-response {args.min_response}: the "
+                     "responses' lengths are drawn between them; give a maximum at least the minimum")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=64)
@@ -55,6 +66,7 @@ def main() -> int:
     parser.add_argument("--max-response", type=int, default=480)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    check_sizes(parser, args, ("samples", "batch", "prompt", "min_response", "repeats"))
     from toolkit.launch.preload import as_a_worker, describe
 
     as_a_worker()  # (what a worker preloads: tcmalloc, MKL's library on AMD)

@@ -32,28 +32,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from toolkit.config.schema import TrainerSection  # noqa: E402
-from toolkit.launch.preload import as_a_worker  # noqa: E402
-from toolkit.transport.rendezvous import connect_store, serve_store  # noqa: E402
-from toolkit.transport.wire import new_secret  # noqa: E402
-from toolkit.weights.hf_format import checkpoint_converter  # noqa: E402
-from toolkit.weights.probe import model_logprobs, probe_tokens  # noqa: E402
-from toolkit.weights.sync import WeightReceiver, WeightSender, form_group, gathered_buckets, plan_layout  # noqa: E402
+# (torch and the toolkit's weight sync are imported where they are used: `--help` does not wait for them,
+# and each spawned rank imports them in rank_main)
 
 # (label, hidden, layers, heads, intermediate, vocab): bench_trl.py's Llama, and a larger one
 MODELS = [("Llama (bench_trl)", 512, 8, 8, 1376, 512), ("Llama, 32k vocab", 768, 12, 12, 2048, 32000)]
-BUCKET_MB = TrainerSection.model_fields["weight_sync_bucket_mb"].default  # (what a run uses)
 TIMEOUT_S = 300
 
 
 def build(hidden: int, layers: int, heads: int, intermediate: int, vocab: int):
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -66,6 +57,8 @@ def build(hidden: int, layers: int, heads: int, intermediate: int, vocab: int):
 def laid_out_as_deepspeed(model):
     """`model` with its weights as views of one flat buffer, in the order of its parameters, as a trainer's
     weights are under DeepSpeed ZeRO-1/2 (which is what lets `WeightSender` send a bucket without a copy)."""
+    import torch
+
     params = list(model.parameters())
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     offset = 0
@@ -76,6 +69,17 @@ def laid_out_as_deepspeed(model):
 
 
 def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int, device: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from toolkit.config.schema import TrainerSection
+    from toolkit.transport.rendezvous import connect_store, serve_store
+    from toolkit.transport.wire import new_secret
+    from toolkit.weights.hf_format import checkpoint_converter
+    from toolkit.weights.probe import model_logprobs, probe_tokens
+    from toolkit.weights.sync import WeightReceiver, WeightSender, form_group, gathered_buckets, plan_layout
+
+    bucket_mb = TrainerSection.model_fields["weight_sync_bucket_mb"].default  # (what a run uses)
     torch.set_num_threads(1)
     if rank == 0:  # (the store's key goes to rank 1 with its port, as a run's workers read theirs from a file)
         key = new_secret()
@@ -91,11 +95,11 @@ def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int, device
     if rank == 0:
         model = laid_out_as_deepspeed(build(*shape).to(device))
         params = list(model.named_parameters())
-        layout = plan_layout(params, BUCKET_MB * 2**20, probe_tokens(shape[-1], 0), checkpoint_converter(model))
+        layout = plan_layout(params, bucket_mb * 2**20, probe_tokens(shape[-1], 0), checkpoint_converter(model))
         receiver = unchecked_receiver = None
         sender = WeightSender(layout, device)
         sender.add("0", group)
-        unchecked = WeightSender(plan_layout(params, BUCKET_MB * 2**20, [], checkpoint_converter(model)), device)
+        unchecked = WeightSender(plan_layout(params, bucket_mb * 2**20, [], checkpoint_converter(model)), device)
         unchecked.add("0", unchecked_group)
         flat = torch.cat([p.detach().reshape(-1) for _, p in params])
     else:
@@ -140,8 +144,10 @@ def rank_main(rank: int, port_queue, results, shape: tuple, repeats: int, device
                      "params": flat.numel()})
 
 
-def _synchronize(device: torch.device) -> None:
+def _synchronize(device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
@@ -151,7 +157,14 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where both processes hold the weights (cuda: the same GPU)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give 1 or more (the figures are medians over the repeats)")
+    from toolkit.launch.preload import as_a_worker
+
     as_a_worker()  # (both ranks with what a trainer and a generator preload: tcmalloc, MKL's library on AMD)
+    import torch
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     where = f"both on {torch.cuda.get_device_name()}, " if args.device == "cuda" else ""
     print(f"Weight sync between two processes over gloo ({where}localhost): slurm-rlhf's bucketed broadcast vs "

@@ -353,3 +353,30 @@ def test_a_second_ctrl_c_while_the_command_exits_changes_nothing():
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130 and err.strip() == "interrupted (SIGINT)", (proc.returncode, err)
+
+
+# A tool's run as a user starts it: what it said, and whether torch was imported by the time it exited.
+TOOL_RUN = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "finally:\n    print('torch imported' if 'torch' in sys.modules else 'no torch')\n")
+
+
+@pytest.mark.parametrize("tool, args, says", [
+    ("bench_sync.py", ["--help"], None),
+    ("bench_sync.py", ["--repeats", "0"], "--repeats 0: give 1 or more"),
+    ("bench_scoring.py", ["--min-response", "10", "--max-response", "5"],
+     "--max-response 5 is below --min-response 10"),
+    ("bench_scoring.py", ["--batch", "0"], "--batch 0: give 1 or more"),
+    ("bench_planner.py", ["--nodes", "abc"], "--nodes abc: 'abc' is not a number of nodes"),
+    ("bench_planner.py", ["--models", "13b"], "--models 13b: no model 13b; the models are 70b, 7b"),
+    ("bench_rl_batches.py", ["--rows", "0"], "--rows 0: give 1 or more"),
+])
+def test_a_tool_refuses_bad_arguments_before_it_imports_torch(tool, args, says):
+    """bench_sync's --help took 2 s (torch at the module's top); bad sizes, node counts and model names gave
+    a traceback after the imports (or a search started): each is now argparse's error, exit 2, at once."""
+    done = subprocess.run([sys.executable, "-c", TOOL_RUN, f"tools/{tool}", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.rstrip().endswith("no torch"), done.stdout[-2000:] + done.stderr[-2000:]
+    if says is None:
+        assert done.returncode == 0 and "usage:" in done.stdout
+    else:
+        assert done.returncode == 2 and f"{tool}: error: {says}" in done.stderr, done.stderr[-2000:]

@@ -48,6 +48,22 @@ def test_wrong_type_and_bad_value(tiny, tmp_path):
     assert "run.algorithm: got 'dpo'" in msg and "'grpo', 'ppo', 'rloo' or 'reinforce_pp'" in msg
 
 
+def test_a_boolean_is_not_a_number(tiny, tmp_path):
+    """true/false where a number goes is refused, naming the field (pydantic's lax mode read true as 1 and false
+    as 0: `--set trainer.lr=true` trained at lr 1.0, `trainer.zero_stage=false` ran ZeRO-0); a number that
+    PyYAML reads as a string (1e-6) still converts, and a boolean field still takes a boolean."""
+    path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    for expr, field in [("trainer.lr=true", "trainer.lr: got True"), ("trainer.zero_stage=false",
+                        "trainer.zero_stage: got False"), ("run.steps=true", "run.steps: got True"),
+                        ("trainer.ema=yes", "trainer.ema: got True")]:
+        msg = error_of(path, [expr])
+        assert f"--set {expr}: {field}: a number goes here, not true or false" in msg, msg
+    cfg = load_config(path, ["trainer.lr=1e-6", "trainer.gradient_checkpointing=true", "run.deterministic=on"])
+    assert cfg.trainer.lr == pytest.approx(1e-6) and cfg.trainer.gradient_checkpointing and cfg.run.deterministic
+    assert cfg.slurm.sbatch == {} and load_config(path, ["slurm.sbatch.exclusive=true"]).slurm.sbatch == {
+        "exclusive": True}  # (a value that may be a boolean stays one)
+
+
 def test_batch_not_divisible(tiny, tmp_path):
     data = example("tiny-grpo.yaml", tiny, rollout={"prompts_per_step": 10, "group_size": 3})
     msg = error_of(write_config(tmp_path, data))
@@ -246,11 +262,14 @@ def test_vllm_splits_the_key_value_heads_too():
     (["data.chosen_key=rejected"], "chosen_key and rejected_key are the same field ('rejected')"),
     (["transport.bind_host=0.0.0.0"], "'0.0.0.0' listens on every interface of the node"),
     (["transport.bind_host=*"], "'*' listens on every interface of the node"),
+    (["algorithm.kl.adaptive=true", "algorithm.kl.coef=0"],
+     "algorithm.kl: adaptive needs a starting coef above 0: the controller multiplies the coefficient"),
 ])
 def test_values_that_could_not_work_are_refused(tiny, tmp_path, overrides, expected):
     """Each of these passed validation and failed later, or silently: NaN and infinite settings, line
     breaks in #SBATCH values, environment names Popen refuses, a time limit shorter than the checkpoint
-    warning, a TP size vLLM refuses, a pair of one field twice."""
+    warning, a TP size vLLM refuses, a pair of one field twice, an adaptive KL coefficient starting at 0 (which
+    it multiplies)."""
     assert expected in error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny)), overrides)
 
 
@@ -437,6 +456,69 @@ def test_a_check_across_fields_is_labelled_by_the_field_given(tiny, tmp_path):
     assert "\n  --set data.eval_fraction=7: sft.data.eval_fraction: got 7" in str(info.value)
 
 
+def test_an_error_a_set_made_names_the_set(tiny, tmp_path):
+    """An error in a section that a --set wrote is blamed on the --set: the file's nearest line was blamed,
+    unrelated (`--set rolout.group_size=8` gave the file's first key's line, `rollout.vlm.kv_cache_gb=1` the
+    line of `rollout:`), as was a check across a section's fields that names the field the --set gave. A
+    section's own error stays on its line when the --set is about another field; a node group's field is named
+    in full (it was `placement: gen.models: ...`)."""
+    data = example("tiny-grpo.yaml", tiny)
+    data["trainer"]["offload_params"] = True
+    path = write_config(tmp_path, data)
+    lines = path.read_text().splitlines()
+    trainer = lines.index("trainer:") + 1
+    for overrides, says in [
+            (["trainer.offload_params=false", "rolout.group_size=8"],
+             "--set rolout.group_size=8: rolout: unknown key 'rolout'"),
+            (["trainer.offload_params=false", "rollout.vlm.kv_cache_gb=1"],
+             "--set rollout.vlm.kv_cache_gb=1: rollout.vlm: unknown key 'vlm'"),
+            (["trainer.offload_params=false", "algorithm.kl.adaptive=true", "algorithm.kl.coef=0"],
+             "--set algorithm.kl.adaptive=true: algorithm.kl: adaptive needs a starting coef above 0"),
+            (["trainer.lr=0.1"], f"{path}:{trainer}: trainer: offload_params needs zero_stage 3")]:
+        assert f"\n  {says}" in error_of(path, overrides), overrides
+    data = example("tiny-ppo.yaml", tiny, placement={"strategy": "custom", "gen": {"workers": 1}})
+    path = write_config(tmp_path, data)
+    placement = path.read_text().splitlines().index("placement:") + 1
+    assert f"\n  {path}:{placement}: placement.gen.models: list the models of this group" in error_of(path)
+
+
+def test_a_set_of_a_stage_the_pipeline_lacks_is_refused(tiny, tmp_path):
+    """`--set rm.train.lr=0.1` on a pipeline without an rm section added an rm stage, which then failed with
+    `rm.model: missing`."""
+    from tests.conftest import EXAMPLES
+    from toolkit.config.pipeline import load_pipeline
+
+    data = yaml.safe_load((EXAMPLES / "tiny-pipeline.yaml").read_text())
+    del data["rm"]
+    data["data"]["sources"][0]["path"] = str(tiny / "pipeline.jsonl")
+    data["sft"]["model"]["base"] = str(tiny / "model")
+    data["rl"]["reward"] = {"functions": [{"function": "toolkit.rewards.examples:digit_ratio"}]}
+    path = write_config(tmp_path, data, "pipeline.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_pipeline(path, ["rm.train.lr=0.1"])
+    assert str(info.value) == (f"--set rm.train.lr=0.1: {path} has no rm stage (its stages: sft, rl); a --set "
+                               "changes a stage the file gives: add an `rm:` section to the file to run it")
+    assert len(load_pipeline(path, ["rl.trainer.lr=0.1"]).configs(tmp_path / "pipeline")) == 2
+
+
+def test_a_seed_is_one_vllm_takes(tiny, tmp_path):
+    """A seed below 0 or from 2**32 validated, and vLLM's set_random_seed (numpy's) refused it only after the
+    workers had started: run.seed of an RL run and of a stage, and data.split.seed, are 0 to 2**32 - 1."""
+    from tests.conftest import EXAMPLES
+    from toolkit.config.pipeline import load_pipeline
+
+    path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    for expr, field in [("run.seed=-1", "run.seed: got -1"), ("run.seed=4294967296", "run.seed: got 4294967296"),
+                        ("data.split={rl: 1, seed: -5}", "data.split.seed: got -5")]:
+        assert f"--set {expr}: {field}: a seed is from 0 to 4294967295" in error_of(path, [expr])
+    assert load_config(path, ["run.seed=4294967295"]).run.seed == 2**32 - 1
+    for expr, field in [("sft.run.seed=-1", "sft.run.seed: got -1"),
+                        ("data.split.seed=4294967296", "sft.data.split.seed: got 4294967296")]:
+        with pytest.raises(ConfigError) as info:
+            load_pipeline(EXAMPLES / "tiny-pipeline.yaml", [expr]).configs(tmp_path / "pipeline")
+        assert f"--set {expr}: {field}: a seed is from 0 to 4294967295" in str(info.value), str(info.value)
+
+
 def test_resolved_config_round_trips(tiny, tmp_path):
     cfg = load_config(write_config(tmp_path, example("tiny-ppo.yaml", tiny)))
     again = write_config(tmp_path / "again", yaml.safe_load(dump_config(cfg)))
@@ -572,6 +654,49 @@ def test_ptx_data_is_one_corpus_named_as_ptx_data(tiny, tmp_path, ptx_data, expe
     ptx_data = {k: (str(tiny / "pipeline.jsonl") if v == "TEXT" else v) for k, v in ptx_data.items()}
     data = example("tiny-grpo.yaml", tiny, ptx={"coef": 1.0, "data": {**text, **ptx_data}})
     assert expected in error_of(write_config(tmp_path, data))
+
+
+def test_a_ptx_row_without_text_names_ptx_data_text_key(tiny, tmp_path):
+    """A PTX row without its text field said `set data.text_key`, a setting of the RL prompts' section that the
+    PTX text does not read; it names ptx.data.text_key."""
+    from toolkit.data.dataset import check_data
+
+    for rows, says in [([{"prompt": "a"}], "no non-empty string field 'text' (fields: ['prompt']); set "
+                         "ptx.data.text_key to the field holding the text"),
+                       ([{"text": 3}], "field 'text' is 3 (int), not non-empty text; fix the row, or set "
+                        "ptx.data.text_key to the field holding the text")]:
+        (tmp_path / "p.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        data = example("tiny-grpo.yaml", tiny, ptx={"coef": 1.0, "data": {"prompts": "p.jsonl"}})
+        cfg = load_config(write_config(tmp_path, data))
+        with pytest.raises(ConfigError) as info:
+            check_data(cfg)
+        assert f"{tmp_path / 'p.jsonl'}:1: {says}" == str(info.value)
+
+
+def test_lora_targets_that_are_no_layer_say_what_they_are(tiny, tmp_path):
+    """A module without a weight matrix is named by its kind: `self_attn` was refused with "a norm's weight is
+    a vector", but it holds layers; and a value of neither kind of target_modules is one line (it was two, one
+    per kind of pydantic's union: `target_modules.list[str].0` and `target_modules.literal['all-linear']`)."""
+    data = example("tiny-grpo.yaml", tiny, trainer={"lora": {"target_modules": ["q_proj"]}})
+    path = write_config(tmp_path, data)
+    field = "trainer.lora.target_modules"
+    for targets, says in [
+            ("[self_attn]", "self_attn holds layers but is no layer itself (name the layers in it: k_proj, o_proj, "
+                            "q_proj, v_proj), so it would get no adapter"),
+            ("[q_proj, mlp]", "mlp holds layers but is no layer itself (name the layers in it: down_proj, gate_proj, "
+                              "up_proj), so it would get no adapter"),
+            ("[rotary_emb]", "rotary_emb has no weights (LoRA adapts a layer's weight matrix), so it would get no "
+                             "adapter"),
+            ("[input_layernorm]", "input_layernorm has no weight matrix (a norm's weight is a vector, which LoRA "
+                                  "cannot adapt), so it would get no adapter"),
+            ("[0]", "item 0 is 0, not a layer name; give names (e.g. [q_proj, v_proj]), or all-linear"),
+            ("[q_proj, 7]", "item 1 is 7, not a layer name"),
+            ("q_proj", "got 'q_proj': a list of layer names goes here, even for one: [q_proj]; or all-linear"),
+            ("5", "got 5: give a list of layer names (e.g. [q_proj, v_proj]), or all-linear")]:
+        msg = error_of(path, [f"{field}={targets}"])
+        assert msg.startswith(f"invalid config:\n  --set {field}={targets}: {field}: {says}") and \
+            msg.count("\n") == 1, msg
+    assert load_config(path, [f"{field}=all-linear"]).trainer.lora.target_modules == "all-linear"
 
 
 def test_lora_targets_that_name_no_layer_are_refused(tiny, tmp_path):

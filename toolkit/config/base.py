@@ -3,10 +3,13 @@ settings, transport, checkpoints and Slurm. Relative paths resolve against the c
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import ipaddress
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,6 +22,32 @@ from toolkit.placement.layout import MODELS
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True,
                               allow_inf_nan=False)  # (no setting is infinite or not a number)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic's lax mode takes true as 1 and false as 0 where a number goes: `--set trainer.lr=true`
+        trained at lr 1.0, `trainer.zero_stage=false` ran ZeRO-0. Strict mode is no cure: PyYAML reads `1e-6`
+        as a string, which a float field must still take."""
+        if isinstance(value, bool) and _number_not_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError("a number goes here, not true or false (YAML reads true, false, yes, no, on and off as "
+                             "booleans); write the number")
+        return value
+
+
+@functools.cache
+def _number_not_bool(annotation: Any) -> bool:
+    """Whether a field of type `annotation` takes a number (int, float, a Literal of numbers) but no bool."""
+    def leaves(a: Any) -> list:
+        if typing.get_origin(a) in (typing.Union, types.UnionType, typing.Annotated):
+            return [leaf for arg in typing.get_args(a)[: 1 if typing.get_origin(a) is typing.Annotated else None]
+                    for leaf in leaves(arg)]
+        if typing.get_origin(a) is Literal:
+            return [type(arg) for arg in typing.get_args(a)]
+        return [a]
+
+    found = leaves(annotation)
+    return bool({int, float} & set(found)) and not {bool, Any} & set(found)
 
 
 def _resolve(value: str | Path, info: ValidationInfo) -> Path:
@@ -159,6 +188,15 @@ def _one_line(value: str) -> str:
     return value
 
 
+def _seed(value: int) -> int:
+    """A seed's bounds are those of vLLM's set_random_seed (numpy's): outside them a run failed only after its
+    workers had started."""
+    if not 0 <= value < 2**32:
+        raise ValueError(f"a seed is from 0 to {2**32 - 1} (2**32 - 1; vLLM and numpy refuse others); give one in "
+                         "that range")
+    return value
+
+
 RunName = Annotated[str, AfterValidator(_run_name), AfterValidator(_one_line)]
 OneLine = Annotated[str, AfterValidator(_one_line)]  # (a value of an #SBATCH line)
 FunctionPath = Annotated[str, AfterValidator(function_path)]
@@ -166,6 +204,7 @@ ModelDir = Annotated[str, AfterValidator(_model_dir)]
 ExistingFile = Annotated[str, AfterValidator(_existing_file)]
 ExistingPath = Annotated[str, AfterValidator(_existing_path)]
 PositiveInt = Annotated[int, Field(ge=1)]
+Seed = Annotated[int, AfterValidator(_seed)]
 Allocator = Literal["auto", "tcmalloc", "jemalloc", "system"]  # (run.allocator; toolkit/launch/allocator.py)
 PATH_CHECKS = {_model_dir, _existing_file, _existing_path}  # (the checks of the fields that take a path)
 
@@ -182,6 +221,21 @@ class LoraSection(Section):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Names of the linear layers that get adapters (e.g. [q_proj, v_proj]), or `all-linear` (every linear
     layer but the output head)."""
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        """One line for a value of neither kind (pydantic's union gave one per kind: `target_modules.list[str].0`
+        and `target_modules.literal['all-linear']`)."""
+        if value == "all-linear" or isinstance(value, list) and all(isinstance(name, str) for name in value):
+            return value
+        if isinstance(value, str):
+            raise ValueError(f"a list of layer names goes here, even for one: [{value}]; or all-linear")
+        if isinstance(value, list):
+            i, name = next((i, name) for i, name in enumerate(value) if not isinstance(name, str))
+            raise ValueError(f"item {i} is {name!r}, not a layer name; give names (e.g. [q_proj, v_proj]), or "
+                             "all-linear")
+        raise ValueError("give a list of layer names (e.g. [q_proj, v_proj]), or all-linear")
 
 
 ATTENTION = Literal["sdpa", "eager", "flash_attention_2"]

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from toolkit.config.base import ExistingFile, ExistingPath, Section
+from toolkit.config.base import ExistingFile, ExistingPath, Section, Seed
 
 STAGES = ("sft", "rm", "rl")
 
@@ -40,7 +40,7 @@ class SplitSection(Section):
     """Relative size of the reward-model part."""
     rl: float = Field(default=0.0, ge=0)
     """Relative size of the RL part."""
-    seed: int = 1234
+    seed: Seed = 1234
     """Seed of the hash that splits the rows (and holds out the eval rows)."""
 
     @model_validator(mode="after")

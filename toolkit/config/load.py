@@ -247,9 +247,11 @@ def _explain(err: dict, source, text: str | None, overridden: dict[tuple, str], 
         msg = f"got {err['input']!r}: {msg[0].lower()}{msg[1:]}"
     # a check across fields (raised for the section that holds them) is labelled by the fields it names
     named = [prefix + path for path in _fields_named(msg)] if isinstance(err.get("input"), dict) else []
-    where = _where([loc, *named], source, text, overridden, prefix)
+    where = _where([loc, *named], source, text, overridden, prefix, msg)
     if not loc:
         return f"{where}: {msg}"
+    if msg.startswith(".".join(map(str, err["loc"])) + "."):  # (it names the field in full, from its section)
+        return f"{where}: {''.join(f'{part}.' for part in prefix)}{msg}"
     return f"{where}: {field}: {msg}"
 
 
@@ -259,20 +261,39 @@ def _fields_named(msg: str) -> list[tuple]:
             for m in re.findall(r"\b[a-z_]+(?:\.[a-z_0-9]+)+\b", msg)]
 
 
-def _where(locs: list[tuple], source, text: str | None, overridden: dict[tuple, str], prefix: tuple) -> str:
+def _where(locs: list[tuple], source, text: str | None, overridden: dict[tuple, str], prefix: tuple,
+           msg: str = "") -> str:
     """Where the error about the fields `locs` (the first: where it was raised) comes from: the first that a
-    `--set` gave, else the first of the others found in the file (by line), else the first's deepest part
-    there. A `--set` of a pipeline's shared section (data, slurm) is matched within each stage too."""
+    `--set` gave, else a `--set` into the section where it was raised (_set_into), else the first of the others
+    found in the file (by line), else the first's deepest part there. A `--set` of a pipeline's shared section
+    (data, slurm) is matched within each stage too."""
     for loc in locs:
         for key, expr in overridden.items():
             if loc[: len(key)] == key or loc[len(prefix):][: len(key)] == key:
                 return f"--set {expr}"
+    for key, expr in overridden.items():
+        if _set_into(locs[0], key, text, prefix, msg):
+            return f"--set {expr}"
     if text is None:
         return str(source)
     found = next((line for loc in locs[1:] if (line := _line_in(text, loc, prefix, whole=True))), None)
     if found is None and not locs[0]:  # (the whole config: no one line)
         return str(source)
     return f"{source}:{found or _line_in(text, locs[0], prefix)}"
+
+
+def _set_into(loc: tuple, key: tuple, text: str | None, prefix: tuple, msg: str) -> bool:
+    """Whether the `--set` of `key` made the error raised at `loc`, a section that holds `key`: the file does
+    not give that section (the --set wrote it: `--set rolout.group_size=8` makes an unknown key `rolout`), or
+    the message names the rest of `key` (a check across the section's fields). The file's nearest line
+    blamed an unrelated line (the file's first key, for `rolout`)."""
+    for mine, floor in ((loc, len(prefix)), (loc[len(prefix):], 0)):  # (the stage's own, the shared section)
+        if floor < len(mine) < len(key) and key[: len(mine)] == mine:
+            rest = ".".join(map(str, key[len(mine):]))
+            if (text is None or not _line_in(text, loc, prefix, whole=True)
+                    or re.search(rf"(?<![\w.]){re.escape(rest)}(?![\w])", msg)):
+                return True
+    return False
 
 
 def _line_in(text: str, loc: tuple, prefix: tuple, whole: bool = False) -> int | None:

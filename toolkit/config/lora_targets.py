@@ -17,8 +17,9 @@ from pathlib import Path
 
 def lora_target_problem(path: str | Path, targets: list[str] | str, field: str) -> str | None:
     """Why LoRA `targets` (peft's target_modules: a layer's name or the end of it, or `all-linear`) would not
-    all get adapters in the causal LM at `path`: a name that matches no layer, or only layers without a
-    weight matrix (a norm's weight is a vector, which peft cannot adapt: it refused them at start-up)."""
+    all get adapters in the causal LM at `path`: a name that matches no layer, or only modules without a
+    weight matrix (a norm's weight is a vector, a container such as self_attn holds layers, a rotary embedding
+    has no weights: peft refused them at start-up)."""
     if targets == "all-linear":
         return None
     if not targets:
@@ -31,19 +32,33 @@ def lora_target_problem(path: str | Path, targets: list[str] | str, field: str) 
     layers = built_layers(path)
     if layers is None:
         return None
-    matching = {t: [matrix for name, matrix in layers.items() if name == t or name.endswith(f".{t}")] for t in targets}
-    missing = [t for t, found in matching.items() if not found]
-    vectors = [t for t, found in matching.items() if found and not any(found)]
-    if not missing and not vectors:
+    kinds = {t: {kind for name, kind in layers.items() if name == t or name.endswith(f".{t}")} for t in targets}
+    missing = [t for t, found in kinds.items() if not found]
+    containers = [t for t, found in kinds.items() if "container" in found and "matrix" not in found]
+    vectors = [t for t, found in kinds.items() if "vector" in found and not found & {"matrix", "container"}]
+    bare = [t for t, found in kinds.items() if found == {"none"}]
+    if not missing and not containers and not vectors and not bare:
         return None
-    ends = sorted({name.rpartition(".")[2] for name, matrix in layers.items()
-                   if matrix and not name.rpartition(".")[2].isdigit()})
     what = [f"{', '.join(missing)} {'is not a layer' if len(missing) == 1 else 'are not layers'} of {path}"] * bool(
         missing) + [f"{', '.join(vectors)} {'has' if len(vectors) == 1 else 'have'} no weight matrix (a norm's "
                     "weight is a vector, which LoRA cannot adapt)"] * bool(vectors)
-    few = len(missing) + len(vectors) == 1
+    for t in containers:  # (e.g. self_attn: peft adapts the layers in it, named themselves)
+        inside = [name for name, kind in layers.items()
+                  if kind == "container" and (name == t or name.endswith(f".{t}"))]
+        what.append(f"{t} holds layers but is no layer itself (name the layers in it: "
+                    f"{', '.join(_ends(layers, inside))})")
+    what += [f"{', '.join(bare)} {'has' if len(bare) == 1 else 'have'} no weights (LoRA adapts a layer's weight "
+             "matrix)"] * bool(bare)
+    few = len(missing) + len(containers) + len(vectors) + len(bare) == 1
     return (f"{field}: {'; '.join(what)}, so {'it' if few else 'they'} would get no adapter; its layers with a "
-            f"weight matrix end in {', '.join(ends)} (or use all-linear)")
+            f"weight matrix end in {', '.join(_ends(layers))} (or use all-linear)")
+
+
+def _ends(layers: dict[str, str], within: list[str] | None = None) -> list[str]:
+    """The last parts of the names of the layers with a weight matrix (inside the modules `within`)."""
+    return sorted({name.rpartition(".")[2] for name, kind in layers.items() if kind == "matrix"
+                   and not name.rpartition(".")[2].isdigit()
+                   and (within is None or any(name.startswith(f"{outer}.") for outer in within))})
 
 
 def stored_layers(path: str | Path) -> dict[str, bool]:
@@ -72,9 +87,11 @@ def stored_layers(path: str | Path) -> dict[str, bool]:
     return layers
 
 
-def built_layers(path: str | Path) -> dict[str, bool] | None:
-    """{module name: whether it holds a weight matrix} of the causal LM at `path` as transformers builds it,
-    on the meta device; None where it cannot build it here (an architecture this version does not know)."""
+def built_layers(path: str | Path) -> dict[str, str] | None:
+    """{module name: `matrix` (its weight is one), `vector` (a weight of another shape: a norm's), `container`
+    (no weight of its own, but modules: self_attn, mlp) or `none` (no weights: rotary_emb, act_fn)} of the
+    causal LM at `path` as transformers builds it, on the meta device; None where it cannot build it here (an
+    architecture this version does not know)."""
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -84,5 +101,12 @@ def built_layers(path: str | Path) -> dict[str, bool] | None:
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # (the trainer then loads it, or names why it cannot)
         return None
-    return {name: getattr(getattr(module, "weight", None), "ndim", 0) == 2 for name, module in model.named_modules()
-            if name}
+    return {name: _kind(module) for name, module in model.named_modules() if name}
+
+
+def _kind(module) -> str:
+    """What `module` is to LoRA (built_layers)."""
+    ndim = getattr(getattr(module, "weight", None), "ndim", None)
+    if ndim is not None:
+        return "matrix" if ndim == 2 else "vector"
+    return "container" if next(module.children(), None) is not None else "none"

@@ -68,7 +68,15 @@ def load_pipeline(path: str | Path, overrides: list[str] = ()) -> Pipeline:
     """Read a pipeline file with `--set stage.key=value` overrides; ConfigError naming what is wrong."""
     path = Path(path)
     data, text = read_yaml(path)
-    overridden = {apply_override(data, expr): expr for expr in overrides}
+    given = [stage for stage in ORDER if stage in data]
+    overridden = {}
+    for expr in overrides:  # (a --set of a stage the file lacks would add it, to fail for its missing fields)
+        key = apply_override(data, expr)
+        if key[0] in ORDER and key[0] not in given:
+            raise ConfigError(f"--set {expr}: {path} has no {key[0]} stage (its stages: {', '.join(given) or 'none'});"
+                              f" a --set changes a stage the file gives: add an `{key[0]}:` section to the file to "
+                              "run it")
+        overridden[key] = expr
     for key in overridden:  # (a path given on the command line is relative to the current folder)
         if key[0] in ORDER:
             anchor_paths(data, key, [CONFIGS[key[0]]], keep=ORDER, skip=1)

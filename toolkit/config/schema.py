@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from toolkit.config.base import (MODELS, Allocator, Attention, CheckpointSection, EngineSection, FunctionPath,
-                                 GroupSection, ModelDir, PositiveInt, RunName, Section, SlurmSection, TransportSection,
-                                 WandbSection, fp16_problem, load_function, model_files, packing_problem,
-                                 pending_export, split_function)
+                                 GroupSection, ModelDir, PositiveInt, RunName, Section, Seed, SlurmSection,
+                                 TransportSection, WandbSection, fp16_problem, load_function, model_files,
+                                 packing_problem, pending_export, split_function)
 from toolkit.config.data import DataSection
 from toolkit.config.lora_targets import lora_target_problem
 from toolkit.config.model_files import (attention_heads, context_problem, head_problem, kv_cache_problem, kv_heads,
@@ -35,7 +35,7 @@ class RunSection(Section):
     returns normalised over the whole batch, no critic. See algorithms/advantages.py."""
     steps: PositiveInt = 10
     """Number of steps (experience batches, each followed by one policy update and weight sync)."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed for prompt order, sampling and model initialisation."""
     max_worker_restarts: int = Field(default=3, ge=0)
     """A generator or scorer worker that dies or hangs (no heartbeat for transport.heartbeat_timeout_s)
@@ -256,6 +256,14 @@ class KLSection(Section):
     """Adaptive only: number of samples over which the coefficient moves by at most ±20% (a step of more
     samples moves it by ±20% at most too)."""
 
+    @model_validator(mode="after")
+    def _adaptive_from_zero(self) -> "KLSection":
+        if self.adaptive and self.coef == 0:
+            raise ValueError("adaptive needs a starting coef above 0: the controller multiplies the coefficient "
+                             "by at most 1.2 a step, so from 0 it stays 0 for good; set coef (e.g. 0.01), or "
+                             "adaptive: false for no KL")
+        return self
+
 
 class AlgorithmSection(Section):
     clip_eps: float = Field(default=0.2, gt=0)
@@ -363,7 +371,7 @@ class PlacementSection(Section):
             where: dict[str, list[str]] = {}
             for name, g in groups.items():
                 if not g.models:
-                    raise ValueError(f"{name}.models: list the models of this group (any of "
+                    raise ValueError(f"placement.{name}.models: list the models of this group (any of "
                                      f"{', '.join(MODELS)})")
                 for m in g.models:
                     where.setdefault(m, []).append(name)
@@ -376,7 +384,7 @@ class PlacementSection(Section):
                 raise ValueError(f"no node group hosts {', '.join(missing)}; add it to a group's models")
             critic = where["critic"][0]
             if where["actor"] != where["critic"] and list(groups[critic].models) != ["critic"]:
-                raise ValueError(f"{critic}.models: the critic in a node group apart from the actor's "
+                raise ValueError(f"placement.{critic}.models: the critic in a node group apart from the actor's "
                                  f"({where['actor'][0]}) trains on trainer ranks of its own, so that group hosts "
                                  f"the critic alone; move {', '.join(m for m in groups[critic].models if m != 'critic')}"
                                  " to another group")
@@ -387,7 +395,7 @@ class PlacementSection(Section):
                 raise ValueError(f"unknown node group {name!r}: strategy {self.strategy} has node groups "
                                  f"{', '.join(preset)}; name one of them (or use strategy custom)")
             if g.models is not None:
-                raise ValueError(f"{name}.models is only for strategy custom ({self.strategy} places "
+                raise ValueError(f"placement.{name}.models is only for strategy custom ({self.strategy} places "
                                  f"{', '.join(preset[name])} in {name})")
         return self
 

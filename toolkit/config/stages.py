@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, model_validator
 
 from toolkit.config.base import (Allocator, Attention, CheckpointSection, EngineSection, GroupSection, ModelDir,
-                                 PositiveInt, RunName, Section, SlurmSection, TransportSection, WandbSection,
+                                 PositiveInt, RunName, Section, Seed, SlurmSection, TransportSection, WandbSection,
                                  fp16_problem, model_files, packing_problem, pending_export)
 from toolkit.config.data import DataSection
 from toolkit.config.lora_targets import lora_target_problem
@@ -24,7 +24,7 @@ class StageRunSection(Section):
     """Optimizer steps; none: `epochs` passes over the stage's training rows."""
     epochs: float = Field(default=1.0, gt=0)
     """Passes over the training rows when `steps` is not given (steps = ceil(epochs x rows / batch_size))."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed for row order, dropout and new weights (a reward model's score head)."""
     allocator: Allocator = "auto"
     """Memory allocator of the workers: `auto` takes tcmalloc, else jemalloc, where the node has it

@@ -41,7 +41,7 @@ def example_of(row: Row, kind: str, keys, id: int) -> Example:
     """The `kind` example of `row`; `keys` is the data section (prompt_key, response_key, ...)."""
     data, where = row.data, row.location
     if kind == "text":
-        return Example(id, where, text=_text(data, keys.text_key, where, "text"))
+        return Example(id, where, text=_text(data, keys.text_key, where, "text", "ptx.data.text_key"))  # (PTX's only)
     messages = _messages(data[keys.messages_key], where, keys.messages_key) if keys.messages_key in data else None
     chosen = data.get(keys.chosen_key)
     conversation = chosen[:-1] if isinstance(chosen, list) else None  # (chosen as a whole conversation)
@@ -193,14 +193,17 @@ def with_input(prompt: str | list, data: dict, key: str | None, where: str, sett
     return f"{prompt}\n\n{value}"
 
 
-def _text(data: dict, key: str, where: str, what: str) -> str:
+def _text(data: dict, key: str, where: str, what: str, setting: str | None = None) -> str:
+    """The text in field `key` of a row; ConfigError naming `setting`, the one that names the field (default
+    `data.<what>_key`; PTX's text is ptx.data.text_key, where data.text_key sent users to the wrong section)."""
+    setting = setting or f"data.{what}_key"
     value = data.get(key)
     if key in data and not (isinstance(value, str) and value.strip()):  # (there, but not text)
         raise ConfigError(f"{where}: field {key!r} is {value!r:.60} ({type(value).__name__}), not non-empty text; "
-                          f"fix the row, or set data.{what}_key to the field holding the {what}")
+                          f"fix the row, or set {setting} to the field holding the {what}")
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where}: no non-empty string field {key!r} (fields: {sorted(data)}); set "
-                          f"data.{what}_key to the field holding the {what}")
+                          f"{setting} to the field holding the {what}")
     return value
 
 
