@@ -196,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", help="a file of prompts (JSON Lines, Parquet or a saved dataset, read with the run's "
                                    "data keys; default: the prompts the run held out)")
     p.add_argument("--steps", metavar="STEP,STEP,...", help="the checkpoints to score (default: every one)")
-    p.add_argument("--name", help="what the results are filed under: RUN_DIR/eval/NAME (default: heldout, or the "
-                                  "--input file's name)")
+    p.add_argument("--name", help="what the results are filed under: RUN_DIR/eval/NAME (default: heldout, or "
+                                  "file-STEM for --input STEM.jsonl); one name is one curve: adding lines of other "
+                                  "prompts or sampling settings to it is refused")
     p.add_argument("--ema", action="store_true", help="the checkpoints' EMA copies (runs with trainer.ema)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")

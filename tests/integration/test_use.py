@@ -199,8 +199,9 @@ def test_eval_scores_checkpoints_on_the_held_out_prompts_with_the_runs_rewards(h
     """`eval` samples each chosen checkpoint greedily on the prompts the run held out (none of which it
     trained on: read back from its experience files) and scores them with the run's reward function; each
     sample's reward is digit_ratio of its response, recomputed here, and the summary's means are theirs. A
-    second call with --n 2 at temperature 1 replaces step 3's line and keeps step 2's; TensorBoard gets the
-    summary's curves in a run of their own. Prompts of a file (--input) are filed under its name."""
+    second call with --n 2 at temperature 1 goes under a name of its own (under the first's it is refused);
+    TensorBoard gets each summary's curves in a run of their own. Prompts of a file (--input) are filed under
+    file-<its name>."""
     from tests.conftest import tensorboard_scalars
     from toolkit.config import load_config
     from toolkit.data.dataset import StageData
@@ -246,22 +247,24 @@ def test_eval_scores_checkpoints_on_the_held_out_prompts_with_the_runs_rewards(h
         assert path.stat().st_mode & 0o777 == 0o600
     assert (out.stat().st_mode & 0o777, out.parent.stat().st_mode & 0o777) == (0o700, 0o700)
 
-    again = cli("eval", held_out, "--steps", "3", "--n", "2", "--temperature", "1")
+    again = cli("eval", held_out, "--steps", "3", "--n", "2", "--temperature", "1", "--name", "sampled")
     assert again.returncode == 0, again.stderr
-    second = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
-    assert second[0] == summary[0] and second[1]["n"] == 2 and second[1]["samples"] == 2 * len(held)
-    assert second[1]["reward_best_of_n_mean"] >= second[1]["reward_mean"]
+    second = [json.loads(line) for line in (held_out / "eval" / "sampled" / "summary.jsonl").read_text().splitlines()]
+    assert second[0]["n"] == 2 and second[0]["samples"] == 2 * len(held)
+    assert second[0]["reward_best_of_n_mean"] >= second[0]["reward_mean"]
+    assert [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()] == summary
     curves = tensorboard_scalars(held_out / "tensorboard" / "eval-heldout")
-    assert curves["eval/reward_mean"] == pytest.approx({2: summary[0]["reward_mean"], 3: second[1]["reward_mean"]})
-    assert set(curves) >= {"eval/reward/digit_ratio", "eval/response_len_mean", "eval/finished_frac",
-                           "eval/reward_best_of_n_mean"}
+    assert curves["eval/reward_mean"] == pytest.approx({2: summary[0]["reward_mean"], 3: summary[1]["reward_mean"]})
+    assert set(curves) >= {"eval/reward/digit_ratio", "eval/response_len_mean", "eval/finished_frac"}
+    sampled = tensorboard_scalars(held_out / "tensorboard" / "eval-sampled")
+    assert sampled["eval/reward_best_of_n_mean"] == pytest.approx({3: second[0]["reward_best_of_n_mean"]})
     assert not list(out.glob(".*"))  # (no temporary file left)
 
     given = tmp_path / "my.prompts.jsonl"  # (--input: rows read with the run's data keys, fields passed on)
     given.write_text('{"prompt": "Numbers and apples:", "topic": "apples"}\n{"prompt": "Count:", "topic": "x"}\n')
     third = cli("eval", held_out, "--steps", "3", "--input", given)
     assert third.returncode == 0, third.stderr
-    written = held_out / "eval" / "my-prompts" / "step-000003.jsonl"
+    written = held_out / "eval" / "file-my-prompts" / "step-000003.jsonl"
     rows = [json.loads(line) for line in written.read_text().splitlines()]
     assert [(r["prompt_id"], r["prompt"]) for r in rows] == [(0, "Numbers and apples:"), (1, "Count:")]
     assert all(abs(r["reward"] - digit_ratio(r["prompt"], r["response"])) < 1e-6 for r in rows)
@@ -271,8 +274,39 @@ def test_eval_scores_checkpoints_on_the_held_out_prompts_with_the_runs_rewards(h
     page = (tmp_path / "report" / "index.html").read_text()
     assert (tmp_path / "report" / "evaluation.png").stat().st_size > 1000
     assert f"<td>heldout</td><td>2</td><td>{summary[0]['reward_mean']:.4f}</td>" in page
-    assert f"<td>heldout</td><td>3</td><td>{second[1]['reward_mean']:.4f}</td>" in page
-    assert "<td>my-prompts</td><td>3</td>" in page
+    assert f"<td>heldout</td><td>3</td><td>{summary[1]['reward_mean']:.4f}</td>" in page
+    assert f"<td>sampled</td><td>3</td><td>{second[0]['reward_mean']:.4f}</td>" in page
+    assert "<td>file-my-prompts</td><td>3</td>" in page
+
+
+def test_eval_files_one_set_of_prompts_and_settings_under_a_name(held_out, tmp_path):
+    """A name's summary is one curve (status, the report, TensorBoard): `eval --name NAME` with other prompts or
+    sampling settings than its lines were made with is refused, naming them, before a model loads (it replaced
+    their lines without a word, two sets drawn as one curve). The same settings again replace a step's line. An
+    --input file is filed under file-<its stem>: one named heldout.jsonl went in with the held-out prompts."""
+    common = ["eval", held_out, "--steps", "3", "--backend", "hf"]
+    assert cli(*common, "--name", "greedy").returncode == 0
+    summary = held_out / "eval" / "greedy" / "summary.jsonl"
+    first = summary.read_text()
+    refused = cli(*common, "--name", "greedy", "--n", "2", "--temperature", "1")
+    assert refused.returncode == 2 and (f"{summary}: step 3 of 'greedy' was evaluated with other settings: n 1 (now "
+                                        "2), temperature 0.0 (now 1.0); a name's lines are one curve") in refused.stderr
+    assert "give this evaluation a name of its own with --name" in refused.stderr
+    given = tmp_path / "heldout.jsonl"
+    given.write_text('{"prompt": "Count:"}\n{"prompt": "Numbers and apples:"}\n')
+    refused = cli(*common, "--name", "greedy", "--input", given)
+    assert refused.returncode == 2, refused.stderr
+    assert f'input "held out (data.eval_fraction)" (now "{given.resolve()}"), prompts ' in refused.stderr
+    assert summary.read_text() == first
+    again = cli(*common, "--name", "greedy")  # (the same settings: step 3 scored again, its line replaced)
+    assert again.returncode == 0, again.stderr
+    lines = [json.loads(line) for line in summary.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [3] and lines[0]["reward_mean"] == json.loads(first)["reward_mean"]
+    filed = cli(*common, "--input", given)
+    assert filed.returncode == 0, filed.stderr
+    filed_under = held_out / "eval" / "file-heldout" / "summary.jsonl"
+    rows = [json.loads(line) for line in filed_under.read_text().splitlines()]
+    assert [(r["step"], r["prompts"], r["input"]) for r in rows] == [(3, 2, str(given.resolve()))]
 
 
 def test_eval_follow_scores_each_checkpoint_as_the_run_writes_it_and_ends_with_the_run(tiny, tmp_path):

@@ -9,7 +9,8 @@ components (reward.functions and reward.models, weighted and clipped) score the 
 scorer's own code.
 
 Written: a table, one row per checkpoint; RUN_DIR/eval/<name>/summary.jsonl (one line per checkpoint,
-with the settings it was sampled with; a checkpoint evaluated again replaces its line) and
+with the settings it was sampled with; a checkpoint evaluated again replaces its line; lines of other
+settings are refused, the name is one curve) and
 step-NNNNNN.jsonl (every sample, its reward and each component); TensorBoard scalars (tags `eval/...`,
 at the checkpoint's step, its policy version) in RUN_DIR/tensorboard/eval-<name>, a run of its own beside
 the training curves, written again from summary.jsonl each time. Every file is written whole under a
@@ -34,6 +35,11 @@ from toolkit.use.sampler import Sampling
 
 IN_RUN = "in-run"
 """The name of the evaluations a run makes itself (eval.every_steps): RUN_DIR/eval/in-run."""
+
+SETTINGS = ("input", "prompts", "n", "temperature", "top_p", "max_new_tokens", "ema")
+"""The settings that make an evaluation's figures another curve: the lines of a name's summary share them
+(status, the report and TensorBoard draw a name as one curve). Not the seed: another seed draws from the
+same distribution."""
 
 
 def in_run_evaluations(run: Path) -> list[dict]:
@@ -74,6 +80,30 @@ def file_prompts(path: str, cfg) -> list[EvalPrompt]:
         raise ConfigError(f"--input {path}: no such file")
     examples = [example_of(row, "prompt", cfg.data, k) for k, row in enumerate(read_source(path))]
     return [EvalPrompt(e.id, e.location, e.prompt, e.fields) for e in examples]
+
+
+def eval_name(name: str | None, input_path: str | None) -> str:
+    """What the results are filed under: `name`, else `heldout` for the held-out prompts and `file-<stem>` for
+    an --input file (a file named heldout.jsonl is not the run's held-out prompts)."""
+    if name is None:
+        name = "file-" + re.sub(r"[^A-Za-z0-9_-]+", "-", Path(input_path).stem) if input_path else "heldout"
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise ConfigError(f"--name {name!r}: use letters, digits, '-' and '_' (it names a directory)")
+    return name
+
+
+def check_settings(summary: Path, name: str, settings: dict) -> None:
+    """ConfigError where `summary` holds a line sampled with other `SETTINGS` than `settings`: added to it,
+    two sets of prompts (or samplings) would be drawn as one curve, a step's line silently replaced."""
+    from toolkit.store.manifest import read_jsonl
+
+    for line in read_jsonl(summary):
+        differ = [k for k in SETTINGS if k in line and line[k] != settings[k]]
+        if differ:
+            said = ", ".join(f"{k} {json.dumps(line[k])} (now {json.dumps(settings[k])})" for k in differ)
+            raise ConfigError(f"{summary}: step {line['step']} of {name!r} was evaluated with other settings: {said}; "
+                              f"a name's lines are one curve (status, report, TensorBoard eval-{name}): give this "
+                              "evaluation a name of its own with --name, or the settings of the others")
 
 
 def reward_scorer(cfg):
@@ -128,9 +158,7 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     if missing or not (steps or follow_s is not None):
         raise ConfigError(f"{run_dir}: no checkpoint at step(s) {', '.join(map(str, missing)) or '(none)'}; it has "
                           f"{', '.join(map(str, found)) or 'none yet (checkpoint.every_steps sets how often)'}")
-    name = name or (re.sub(r"[^A-Za-z0-9_-]+", "-", Path(input_path).stem) if input_path else "heldout")
-    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
-        raise ConfigError(f"--name {name!r}: use letters, digits, '-' and '_' (it names a directory)")
+    name = eval_name(name, input_path)
     prompts = file_prompts(input_path, cfg) if input_path else heldout_prompts(cfg)
     sources = [resolve(str(run), step, ema) for step in steps]  # (every copy checked before any is loaded)
     tokenizer = AutoTokenizer.from_pretrained(str(sources[0].path if sources else cfg.tokenizer_path))
@@ -144,11 +172,12 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     settings = {"prompts": len(prompts), "n": params.n, "temperature": params.temperature, "top_p": params.top_p,
                 "max_new_tokens": params.max_new_tokens, "seed": seed, "ema": ema,
                 "input": str(Path(input_path).resolve()) if input_path else "held out (data.eval_fraction)"}
+    summary = run / "eval" / name / "summary.jsonl"
+    check_settings(summary, name, settings)
     echo(f"evaluating {len(steps)} checkpoint(s) of {run}{' and each one it writes next' * (follow_s is not None)} "
          f"on {len(prompts)} prompt(s) ({settings['input']}), "
          f"{params.n} sample(s) each of at most {params.max_new_tokens} tokens, temperature {params.temperature:g}")
     rewards = reward_scorer(cfg)
-    summary = run / "eval" / name / "summary.jsonl"
     sampler = None  # (one vLLM engine for every checkpoint: each next one's weights are loaded into it)
     done = set(steps)
 
