@@ -283,8 +283,13 @@ def test_eval_files_one_set_of_prompts_and_settings_under_a_name(held_out, tmp_p
     """A name's summary is one curve (status, the report, TensorBoard): `eval --name NAME` with other prompts or
     sampling settings than its lines were made with is refused, naming them, before a model loads (it replaced
     their lines without a word, two sets drawn as one curve). The same settings again replace a step's line. An
-    --input file is filed under file-<its stem>: one named heldout.jsonl went in with the held-out prompts."""
+    --input file is filed under file-<its stem>: one named heldout.jsonl went in with the held-out prompts.
+    The name in-run is the run's own record (status, resume and the W&B catch-up read it): refused."""
     common = ["eval", held_out, "--steps", "3", "--backend", "hf"]
+    refused = cli(*common, "--name", "in-run")
+    assert refused.returncode == 2 and ("--name in-run: that is the run's own evaluations (eval.every_steps, "
+                                        "RUN_DIR/eval/in-run)") in refused.stderr, refused.stderr
+    assert not (held_out / "eval" / "in-run").exists()
     assert cli(*common, "--name", "greedy").returncode == 0
     summary = held_out / "eval" / "greedy" / "summary.jsonl"
     first = summary.read_text()

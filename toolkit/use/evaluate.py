@@ -10,7 +10,7 @@ scorer's own code.
 
 Written: a table, one row per checkpoint; RUN_DIR/eval/<name>/summary.jsonl (one line per checkpoint,
 with the settings it was sampled with; a checkpoint evaluated again replaces its line; lines of other
-settings are refused, the name is one curve) and
+settings are refused, the name is one curve; the name in-run is the run's own record, refused) and
 step-NNNNNN.jsonl (every sample, its reward and each component); TensorBoard scalars (tags `eval/...`,
 at the checkpoint's step, its policy version) in RUN_DIR/tensorboard/eval-<name>, a run of its own beside
 the training curves, written again from summary.jsonl each time. Every file is written whole under a
@@ -89,6 +89,9 @@ def eval_name(name: str | None, input_path: str | None) -> str:
         name = "file-" + re.sub(r"[^A-Za-z0-9_-]+", "-", Path(input_path).stem) if input_path else "heldout"
     if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
         raise ConfigError(f"--name {name!r}: use letters, digits, '-' and '_' (it names a directory)")
+    if name == IN_RUN:  # (status, the driver's resume and the W&B catch-up read it as the run's own record)
+        raise ConfigError(f"--name {IN_RUN}: that is the run's own evaluations (eval.every_steps, RUN_DIR/eval/"
+                          f"{IN_RUN}), which status, resume and W&B read as the run's record; choose another name")
     return name
 
 
