@@ -180,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the field with the prompt (default prompt; a row without it may give messages)")
     p.add_argument("--input-key", metavar="KEY", help="Alpaca's input field (e.g. input), joined to a text "
                                                      "prompt after a blank line where not empty")
-    p.add_argument("--output", default="-", help="JSON Lines to write, one line per sample (default: standard "
-                                                 "output)")
+    p.add_argument("--output", default="-", help="JSON Lines to write, one line per sample: the input row's fields "
+                                                 "and sample, response, response_tokens, finished, logprob (a row "
+                                                 "with a field of those names is refused) (default: standard output)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
     p.add_argument("--chat-template", choices=("auto", "on"), default="auto",
                    help="auto: chat messages through the tokenizer's chat template, text as it is; on: text too, "

@@ -173,6 +173,10 @@ def test_generate_reads_alpaca_rows_by_their_keys(tiny, tmp_path):
     ('{"prompt": "x"', "bad.jsonl:2: not valid JSON"),
     # (no tokens at all: the engine failed inside transformers, after the model loaded, naming no line)
     ('{"prompt": ""}', 'bad.jsonl:2: the prompt "" is no tokens (this tokenizer adds no begin-of-sequence token)'),
+    # (an SFT row's reference response was replaced by the sample without a word)
+    ('{"prompt": "x", "response": "mine"}',
+     'bad.jsonl:2: field "response" is one that generate writes (each output line is the row\'s fields and sample, '
+     'response, response_tokens, finished, logprob), so its value would be replaced; rename it in the input'),
 ])
 def test_generate_names_the_bad_line(trained, tmp_path, line, message):
     bad = tmp_path / "bad.jsonl"
