@@ -702,6 +702,9 @@ def cmd_generate(args) -> int:
     from toolkit.use.source import resolve
 
     params = _sampling(args)
+    if args.output != "-" and Path(args.output).is_dir():  # (--force or not: it failed once every prompt was sampled)
+        raise ConfigError(f"--output {args.output} is a directory; give the file to write, e.g. "
+                          f"{Path(args.output) / 'samples.jsonl'}")
     if args.output != "-" and Path(args.output).exists() and not args.force:
         raise ConfigError(f"--output {args.output} exists; choose another name, or --force to replace it")
     libraries = _as_a_worker()  # (before `resolve`: it reads every file of a checkpoint, once)

@@ -144,6 +144,18 @@ def test_generate_names_a_context_that_does_not_fit(tiny, prompts, tmp_path, len
     assert not list(tmp_path.iterdir())
 
 
+def test_generate_refuses_an_output_that_is_a_directory(tiny, prompts, tmp_path):
+    """`--output DIR --force` sampled every prompt, then ended in IsADirectoryError's traceback."""
+    target = tmp_path / "samples"
+    target.mkdir()
+    result = cli("generate", tiny / "model", "--input", prompts, "--output", target, "--force", "--backend", "hf",
+                 "--max-new-tokens", 4)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert (f"--output {target} is a directory; give the file to write, e.g. {target / 'samples.jsonl'}"
+            in result.stderr), result.stderr
+    assert not list(tmp_path.rglob("*.tmp-*")) and not list(target.iterdir())
+
+
 def test_generate_reads_alpaca_rows_by_their_keys(tiny, tmp_path):
     """A .json array of Alpaca rows: --prompt-key names the instruction, --input-key joins the input after a blank
     line (as data.input_key does in training); greedy, the same samples as the joined text given as "prompt"."""
