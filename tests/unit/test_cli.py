@@ -353,3 +353,22 @@ def test_a_second_ctrl_c_while_the_command_exits_changes_nothing():
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130 and err.strip() == "interrupted (SIGINT)", (proc.returncode, err)
+
+
+@pytest.mark.parametrize("text, what", [("", "empty"), ('{"state": "runn', "not valid JSON (Unterminated string"),
+                                        ("[]", "not a JSON object (a list)")])
+def test_a_damaged_status_file_is_named_by_status_and_report(tmp_path, text, what):
+    """An empty or cut status.json (a full disk, an edit) ended `status` and `report` in a JSONDecodeError's
+    traceback; now both name the file and what is wrong with it, and the report writes nothing."""
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("stage: rl\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": 1.0, "reward_mean": 0.5}) + "\n")
+    (run / "status.json").write_text(text)
+    for command in ("status", "report"):
+        result = cli(command, run, timeout=60)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert f"{run / 'status.json'}: {what}" in result.stderr and "move it aside" in result.stderr, result.stderr
+    assert not (run / "report").exists()

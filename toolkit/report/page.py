@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import os
 from pathlib import Path
 
@@ -125,6 +124,7 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
     run = Path(run_dir)
     refuse_pipeline_dir(run, "report")
     open_run(run)
+    status = RunDir(run).read_json(run / "status.json")  # (a damaged one named before anything is written)
     metrics = _metrics(run)
     if not metrics:
         raise ConfigError(f"{run_dir}: no step has finished yet (metrics.jsonl is empty); nothing to report")
@@ -151,7 +151,6 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
     timelines = read_timelines(run)
     first_t = min((rows[0]["t"] for rows in timelines.values() if rows), default=window[0]["time"])
     start = window[0]["time"] if len(window) > last_steps else first_t
-    status = json.loads((run / "status.json").read_text()) if (run / "status.json").exists() else {}
     last = metrics[-1]
     facts = [("run", str(run.resolve())), ("state", state_text(RunDir(run), status)),
              ("steps", f"{last['step'] + 1} of {status.get('steps') or '?'}"),
