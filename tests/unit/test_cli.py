@@ -372,3 +372,18 @@ def test_a_damaged_status_file_is_named_by_status_and_report(tmp_path, text, wha
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert f"{run / 'status.json'}: {what}" in result.stderr and "move it aside" in result.stderr, result.stderr
     assert not (run / "report").exists()
+
+
+def test_a_run_without_a_checkpoint_names_the_setting_that_writes_them(tiny, tmp_path):
+    """`export`, `generate` and `eval` of a run with no checkpoint: they named `checkpoint.every`, a key that
+    does not exist, and eval said 'no checkpoint at step(s) (none); it has none yet'."""
+    from tests.conftest import example, write_config
+
+    run = tmp_path / "run"
+    write_config(run, example("tiny-grpo.yaml", tiny), name="config.yaml")
+    for command in (["export", run, tmp_path / "out"], ["generate", run, "--input", "x.jsonl"], ["eval", run]):
+        result = cli(*command, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert (f"{run}: the run has no checkpoint yet (checkpoint.every_steps sets how often one is written)"
+                in result.stderr), result.stderr
+        assert "(none)" not in result.stderr

@@ -134,7 +134,7 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     from toolkit.config import load_config
     from toolkit.data.tokens import render_prompt
     from toolkit.use.sampler import Sampler, pick_backend
-    from toolkit.use.source import checkpoints, resolve
+    from toolkit.use.source import NO_CHECKPOINT, checkpoints, resolve
 
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
@@ -155,12 +155,14 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
             raise ConfigError(f"{run_dir}: no checkpoint to score, and the run is not going (its local driver "
                               "does not run it, and it has no Slurm job queued or running); start or resume it, "
                               "then follow it")
+    if not found and follow_s is None:
+        raise ConfigError(f"{run_dir}: {NO_CHECKPOINT}; --follow scores each one as the run writes it")
     if steps is None:
         steps = found
     missing = [s for s in steps if s not in found]
-    if missing or not (steps or follow_s is not None):
-        raise ConfigError(f"{run_dir}: no checkpoint at step(s) {', '.join(map(str, missing)) or '(none)'}; it has "
-                          f"{', '.join(map(str, found)) or 'none yet (checkpoint.every_steps sets how often)'}")
+    if missing:
+        raise ConfigError(f"{run_dir}: no checkpoint at step(s) {', '.join(map(str, missing))}; it has "
+                          f"{', '.join(map(str, found))}")
     name = eval_name(name, input_path)
     prompts = file_prompts(input_path, cfg) if input_path else heldout_prompts(cfg)
     sources = [resolve(str(run), step, ema) for step in steps]  # (every copy checked before any is loaded)

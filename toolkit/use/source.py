@@ -14,6 +14,9 @@ from pathlib import Path
 from toolkit.errors import ConfigError
 
 
+NO_CHECKPOINT = "the run has no checkpoint yet (checkpoint.every_steps sets how often one is written)"
+
+
 @dataclass
 class ModelSource:
     path: Path                  # a Hugging Face model directory (weights, config.json, tokenizer)
@@ -54,7 +57,7 @@ def resolve(name: str, step: int | None = None, ema: bool = False) -> ModelSourc
         return ModelSource(path.resolve())
     found = checkpoints(path)
     if not found:
-        raise ConfigError(f"{name}: the run has no checkpoint yet (checkpoint.every sets how often one is written)")
+        raise ConfigError(f"{name}: {NO_CHECKPOINT}")
     if step is None:
         step = max(found)
     elif step not in found:
