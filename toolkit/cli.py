@@ -226,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps whose samples to show, numbered from 1 as the progress line numbers them "
                         "(default: the first, middle and last committed)")
     p.add_argument("--last-steps", type=int, default=4, help="steps the timeline shows (default 4)")
+    p.add_argument("--force", action="store_true", help="write into an --out folder that holds files report did "
+                                                        "not write (its index.html and PNGs are replaced)")
 
     p = sub.add_parser("init", help="write a commented starter config for a model, sized for a cluster by the "
                                     "planner; it validates as written")
@@ -786,7 +788,7 @@ def cmd_report(args) -> int:
     if args.last_steps < 1:
         raise ConfigError("--last-steps must be at least 1")
     os.umask(0o077)  # (samples and the config: for the run's owner, also in an --out folder that exists)
-    print(f"wrote {write_report(args.run_dir, args.out, steps, args.last_steps)}")
+    print(f"wrote {write_report(args.run_dir, args.out, steps, args.last_steps, args.force)}")
     return 0
 
 

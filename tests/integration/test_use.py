@@ -503,8 +503,27 @@ def test_report_draws_the_run_from_its_files(trained, tmp_path):
     page = (tmp_path / "public" / "index.html").read_text()
     assert f"<h3>step 2</h3><p>{cut} cannot be read (" in page and "<h3>step 4 (mean reward" in page
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "public").iterdir()}
-    assert set(modes) == {"index.html", "curves.png", "step_time.png", "timeline.png"} and set(modes.values()) == {
-        0o600}, modes
+    assert set(modes) == {"index.html", "curves.png", "step_time.png", "timeline.png", ".slurm-rlhf-report"} and set(
+        modes.values()) == {0o600}, modes
+
+
+def test_report_writes_only_into_a_folder_of_its_own(trained, tmp_path):
+    """`report --out DIR` replaced the index.html of a folder it had not written: such a folder (files, and no
+    marker of report's) is refused unless --force. A folder it wrote it writes again, and a figure there that
+    has nothing to draw now goes (it stayed beside a page that no longer showed it)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.html").write_text("my page\n")
+    refused = cli("report", trained, "--out", site)
+    assert refused.returncode == 2 and (f"--out {site} holds files that report did not write (no .slurm-rlhf-report "
+                                        "in it)") in refused.stderr and "--force" in refused.stderr, refused.stderr
+    assert [p.name for p in site.iterdir()] == ["index.html"] and (site / "index.html").read_text() == "my page\n"
+    assert cli("report", trained, "--out", site, "--force").returncode == 0
+    assert "slurm-rlhf report: run" in (site / "index.html").read_text() and (site / ".slurm-rlhf-report").exists()
+    (site / "evaluation.png").write_bytes((site / "curves.png").read_bytes())  # (a previous report's: of a run
+    again = cli("report", trained, "--out", site)  # with evaluations, into the same folder)
+    assert again.returncode == 0, again.stderr
+    assert not (site / "evaluation.png").exists() and (site / "curves.png").exists()
 
 
 def test_the_report_renders_in_a_headless_browser(trained, tmp_path):
