@@ -69,7 +69,7 @@ def test_export_names_a_missing_checkpoint(trained, tmp_path, args, message):
     assert not (tmp_path / "out").exists()
 
 
-def test_export_refuses_a_damaged_copy_and_a_used_target(trained, tmp_path):
+def test_export_refuses_a_damaged_copy_and_a_used_target(trained, prompts, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(trained, copy)
     weights = copy / "checkpoints" / "step-000004" / "hf" / "model.safetensors"
@@ -80,6 +80,9 @@ def test_export_refuses_a_damaged_copy_and_a_used_target(trained, tmp_path):
     assert result.returncode == 2, result.stderr
     assert f"{weights}: checksum mismatch" in result.stderr and "--step" in result.stderr
     assert not (tmp_path / "out").exists()
+    result = cli("eval", copy, "--input", prompts)  # (eval's option is --steps: it said --step)
+    assert result.returncode == 2 and f"{weights}: checksum mismatch" in result.stderr, result.stderr
+    assert "; choose another checkpoint with --steps (this run has 2, 3, 4)" in result.stderr, result.stderr
     assert cli("export", copy, tmp_path / "out", "--step", 3).returncode == 0  # an older one is whole
 
     result = cli("export", trained, tmp_path / "out")
@@ -394,10 +397,21 @@ def test_eval_follow_scores_each_checkpoint_as_the_run_writes_it_and_ends_with_t
     (["--input", "missing.jsonl"], "--input missing.jsonl: no such file"),
     (["--name", "../x"], "--name '../x': use letters, digits"),
     ([], "the run holds out no prompts (data.eval_fraction is 0): give prompts to evaluate on with --input FILE"),
+    # (each hint names what eval has: it said --max-model-len, which eval lacks, and `set data.prompt_key`, which
+    # is the run's; the context is checked before the reward components and the engine load)
+    (["--input", "PROMPTS", "--max-new-tokens", "600"],
+     "--max-new-tokens 600 are more than the model takes: 512 (max_position_embeddings 512 in"),
+    (["--input", "NOKEY"], "nokey.jsonl:1: no non-empty string field 'prompt' (text or chat messages) and no "
+                           "'messages' (fields: ['text']); --input is read with the run's data keys: give every row "
+                           "its prompt in field 'prompt' (the run's data.prompt_key)"),
 ])
-def test_eval_names_what_is_wrong(trained, args, message):
-    result = cli("eval", trained, *args)
-    assert result.returncode != 0 and message in result.stderr, result.stderr
+def test_eval_names_what_is_wrong(trained, prompts, tmp_path, args, message):
+    (tmp_path / "nokey.jsonl").write_text('{"text": "hi"}\n')
+    files = {"PROMPTS": prompts, "NOKEY": tmp_path / "nokey.jsonl"}
+    result = cli("eval", trained, *[files.get(a, a) for a in args])
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "--max-model-len" not in result.stderr and "set data.prompt_key" not in result.stderr
+    assert "Loading" not in result.stderr  # (before any weights load)
 
 
 def test_chat_answers_each_turn_and_starts_over(trained, greedy):

@@ -78,7 +78,10 @@ def file_prompts(path: str, cfg) -> list[EvalPrompt]:
 
     if not Path(path).is_file():
         raise ConfigError(f"--input {path}: no such file")
-    examples = [example_of(row, "prompt", cfg.data, k) for k, row in enumerate(read_source(path))]
+    keys = cfg.data  # (the run's: a row without its prompt is fixed in the file, not by a setting)
+    fix = (f"--input is read with the run's data keys: give every row its prompt in field {keys.prompt_key!r} (the "
+           f"run's data.prompt_key) or chat messages in {keys.messages_key!r} (data.messages_key)")
+    examples = [example_of(row, "prompt", keys, k, fix) for k, row in enumerate(read_source(path))]
     return [EvalPrompt(e.id, e.location, e.prompt, e.fields) for e in examples]
 
 
@@ -133,7 +136,7 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
 
     from toolkit.config import load_config
     from toolkit.data.tokens import render_prompt
-    from toolkit.use.sampler import Sampler, pick_backend
+    from toolkit.use.sampler import Sampler, over_context, pick_backend
     from toolkit.use.source import NO_CHECKPOINT, checkpoints, resolve
 
     run = Path(run_dir)
@@ -165,7 +168,7 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
                           f"{', '.join(map(str, found))}")
     name = eval_name(name, input_path)
     prompts = file_prompts(input_path, cfg) if input_path else heldout_prompts(cfg)
-    sources = [resolve(str(run), step, ema) for step in steps]  # (every copy checked before any is loaded)
+    sources = [resolve(str(run), step, ema, "--steps") for step in steps]  # (every copy checked before any loads)
     tokenizer = AutoTokenizer.from_pretrained(str(sources[0].path if sources else cfg.tokenizer_path))
     limit = cfg.rollout.max_prompt_tokens
     tokens = []
@@ -174,6 +177,11 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
             tokens.append(render_prompt(tokenizer, p.prompt, cfg.data.chat_template)[-limit:])
         except ValueError as e:
             raise ConfigError(f"{p.location}: {e}") from None
+    longest = max(map(len, tokens))
+    if (takes := over_context(sources[0].path if sources else Path(cfg.model.actor), longest + params.max_new_tokens)):
+        raise ConfigError(f"the longest prompt ({longest} tokens; rollout.max_prompt_tokens cuts them) and "
+                          f"--max-new-tokens {params.max_new_tokens} are more than the model takes: {takes}; lower "
+                          f"--max-new-tokens (the run samples {cfg.rollout.max_new_tokens})")
     settings = {"prompts": len(prompts), "n": params.n, "temperature": params.temperature, "top_p": params.top_p,
                 "max_new_tokens": params.max_new_tokens, "seed": seed, "ema": ema,
                 "input": str(Path(input_path).resolve()) if input_path else "held out (data.eval_fraction)"}
@@ -188,7 +196,7 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
 
     def started_with(path: Path, weights: str):
         echo(f"(sampling with {pick_backend(backend)}, started with {weights})")
-        return Sampler(path, backend, max(map(len, tokens)) + params.max_new_tokens, seed, tokenizer=tokenizer)
+        return Sampler(path, backend, longest + params.max_new_tokens, seed, tokenizer=tokenizer)
 
     try:
         if follow_s is not None and pick_backend(backend) == "vllm":  # (started while it waits for checkpoints,
@@ -263,7 +271,7 @@ def _next_checkpoints(run: Path, done: set[int], ema: bool, every_s: float, echo
         for step in sorted(set(checkpoints(run)) - done):
             done.add(step)
             try:
-                sources.append(resolve(str(run), step, ema))
+                sources.append(resolve(str(run), step, ema, "--steps"))
             except ConfigError as e:
                 echo(f"step {step}: passed over, {e}")
         if sources or not going:
