@@ -720,16 +720,18 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from toolkit.use.chat import chat
-    from toolkit.use.sampler import Sampler
+    from toolkit.use.chat import chat, context_of
+    from toolkit.use.sampler import Sampler, check_model
     from toolkit.use.source import resolve
 
     params = _sampling(args)
     libraries = _as_a_worker()
     source = resolve(args.model, args.step, args.ema)
+    check_model(source.path)
+    context = context_of(source.path, params, args.max_model_len)  # (before the engine loads)
     print(f"chatting with {source.describe()} ('clear' starts over, 'quit' or Ctrl-D ends; {libraries})",
           file=sys.stderr, flush=True)
-    sampler = Sampler(source.path, args.backend, args.max_model_len, args.seed)
+    sampler = Sampler(source.path, args.backend, context, args.seed)
     try:
         chat(sampler, params)
     finally:

@@ -426,6 +426,16 @@ def test_chat_answers_each_turn_and_starts_over(trained, greedy):
     assert answers[0] == greedy["vllm"][1]["response"].strip()  # (chat samples with vLLM too: backend auto)
 
 
+def test_chat_refuses_a_response_longer_than_the_context_before_its_engine_loads(tiny):
+    """`chat --max-new-tokens 600` of a model of 512 positions started vLLM, then refused; now it is refused
+    first, as `generate` refuses a context the model does not take."""
+    result = cli("chat", tiny / "model", "--max-new-tokens", 600, input="hello\n")
+    assert result.returncode == 2 and ("--max-new-tokens 600 leaves no room for the conversation in 512 tokens of "
+                                       "context (the model's own, at most 2048); give --max-new-tokens below 512"
+                                       ) in result.stderr, result.stderr
+    assert "Loading safetensors checkpoint shards" not in result.stderr  # (vLLM's engine did not start)
+
+
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
 def test_chat_stopped_by_a_signal_ends_cleanly_and_leaves_no_temporary_files(trained, how):
     """SIGTERM (scancel, a Slurm time limit) or SIGINT while `chat` waits for the next turn: it ends through
