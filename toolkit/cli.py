@@ -180,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the field with the prompt (default prompt; a row without it may give messages)")
     p.add_argument("--input-key", metavar="KEY", help="Alpaca's input field (e.g. input), joined to a text "
                                                      "prompt after a blank line where not empty")
-    p.add_argument("--output", default="-", help="JSON Lines to write, one line per sample (default: standard "
-                                                 "output)")
+    p.add_argument("--output", default="-", help="JSON Lines to write, one line per sample: the input row's fields "
+                                                 "and sample, response, response_tokens, finished, logprob (a row "
+                                                 "with a field of those names is refused) (default: standard output)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
     p.add_argument("--chat-template", choices=("auto", "on"), default="auto",
                    help="auto: chat messages through the tokenizer's chat template, text as it is; on: text too, "
@@ -196,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", help="a file of prompts (JSON Lines, Parquet or a saved dataset, read with the run's "
                                    "data keys; default: the prompts the run held out)")
     p.add_argument("--steps", metavar="STEP,STEP,...", help="the checkpoints to score (default: every one)")
-    p.add_argument("--name", help="what the results are filed under: RUN_DIR/eval/NAME (default: heldout, or the "
-                                  "--input file's name)")
+    p.add_argument("--name", help="what the results are filed under: RUN_DIR/eval/NAME (default: heldout, or "
+                                  "file-STEM for --input STEM.jsonl); one name is one curve: adding lines of other "
+                                  "prompts or sampling settings to it is refused")
     p.add_argument("--ema", action="store_true", help="the checkpoints' EMA copies (runs with trainer.ema)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
@@ -224,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps whose samples to show, numbered from 1 as the progress line numbers them "
                         "(default: the first, middle and last committed)")
     p.add_argument("--last-steps", type=int, default=4, help="steps the timeline shows (default 4)")
+    p.add_argument("--force", action="store_true", help="write into an --out folder that holds files report did "
+                                                        "not write (its index.html and PNGs are replaced)")
 
     p = sub.add_parser("init", help="write a commented starter config for a model, sized for a cluster by the "
                                     "planner; it validates as written")
@@ -700,6 +704,9 @@ def cmd_generate(args) -> int:
     from toolkit.use.source import resolve
 
     params = _sampling(args)
+    if args.output != "-" and Path(args.output).is_dir():  # (--force or not: it failed once every prompt was sampled)
+        raise ConfigError(f"--output {args.output} is a directory; give the file to write, e.g. "
+                          f"{Path(args.output) / 'samples.jsonl'}")
     if args.output != "-" and Path(args.output).exists() and not args.force:
         raise ConfigError(f"--output {args.output} exists; choose another name, or --force to replace it")
     libraries = _as_a_worker()  # (before `resolve`: it reads every file of a checkpoint, once)
@@ -713,16 +720,18 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from toolkit.use.chat import chat
-    from toolkit.use.sampler import Sampler
+    from toolkit.use.chat import chat, context_of
+    from toolkit.use.sampler import Sampler, check_model
     from toolkit.use.source import resolve
 
     params = _sampling(args)
     libraries = _as_a_worker()
     source = resolve(args.model, args.step, args.ema)
+    check_model(source.path)
+    context = context_of(source.path, params, args.max_model_len)  # (before the engine loads)
     print(f"chatting with {source.describe()} ('clear' starts over, 'quit' or Ctrl-D ends; {libraries})",
           file=sys.stderr, flush=True)
-    sampler = Sampler(source.path, args.backend, args.max_model_len, args.seed)
+    sampler = Sampler(source.path, args.backend, context, args.seed)
     try:
         chat(sampler, params)
     finally:
@@ -781,7 +790,7 @@ def cmd_report(args) -> int:
     if args.last_steps < 1:
         raise ConfigError("--last-steps must be at least 1")
     os.umask(0o077)  # (samples and the config: for the run's owner, also in an --out folder that exists)
-    print(f"wrote {write_report(args.run_dir, args.out, steps, args.last_steps)}")
+    print(f"wrote {write_report(args.run_dir, args.out, steps, args.last_steps, args.force)}")
     return 0
 
 

@@ -69,7 +69,7 @@ def test_export_names_a_missing_checkpoint(trained, tmp_path, args, message):
     assert not (tmp_path / "out").exists()
 
 
-def test_export_refuses_a_damaged_copy_and_a_used_target(trained, tmp_path):
+def test_export_refuses_a_damaged_copy_and_a_used_target(trained, prompts, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(trained, copy)
     weights = copy / "checkpoints" / "step-000004" / "hf" / "model.safetensors"
@@ -80,6 +80,9 @@ def test_export_refuses_a_damaged_copy_and_a_used_target(trained, tmp_path):
     assert result.returncode == 2, result.stderr
     assert f"{weights}: checksum mismatch" in result.stderr and "--step" in result.stderr
     assert not (tmp_path / "out").exists()
+    result = cli("eval", copy, "--input", prompts)  # (eval's option is --steps: it said --step)
+    assert result.returncode == 2 and f"{weights}: checksum mismatch" in result.stderr, result.stderr
+    assert "; choose another checkpoint with --steps (this run has 2, 3, 4)" in result.stderr, result.stderr
     assert cli("export", copy, tmp_path / "out", "--step", 3).returncode == 0  # an older one is whole
 
     result = cli("export", trained, tmp_path / "out")
@@ -144,6 +147,18 @@ def test_generate_names_a_context_that_does_not_fit(tiny, prompts, tmp_path, len
     assert not list(tmp_path.iterdir())
 
 
+def test_generate_refuses_an_output_that_is_a_directory(tiny, prompts, tmp_path):
+    """`--output DIR --force` sampled every prompt, then ended in IsADirectoryError's traceback."""
+    target = tmp_path / "samples"
+    target.mkdir()
+    result = cli("generate", tiny / "model", "--input", prompts, "--output", target, "--force", "--backend", "hf",
+                 "--max-new-tokens", 4)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert (f"--output {target} is a directory; give the file to write, e.g. {target / 'samples.jsonl'}"
+            in result.stderr), result.stderr
+    assert not list(tmp_path.rglob("*.tmp-*")) and not list(target.iterdir())
+
+
 def test_generate_reads_alpaca_rows_by_their_keys(tiny, tmp_path):
     """A .json array of Alpaca rows: --prompt-key names the instruction, --input-key joins the input after a blank
     line (as data.input_key does in training); greedy, the same samples as the joined text given as "prompt"."""
@@ -173,6 +188,10 @@ def test_generate_reads_alpaca_rows_by_their_keys(tiny, tmp_path):
     ('{"prompt": "x"', "bad.jsonl:2: not valid JSON"),
     # (no tokens at all: the engine failed inside transformers, after the model loaded, naming no line)
     ('{"prompt": ""}', 'bad.jsonl:2: the prompt "" is no tokens (this tokenizer adds no begin-of-sequence token)'),
+    # (an SFT row's reference response was replaced by the sample without a word)
+    ('{"prompt": "x", "response": "mine"}',
+     'bad.jsonl:2: field "response" is one that generate writes (each output line is the row\'s fields and sample, '
+     'response, response_tokens, finished, logprob), so its value would be replaced; rename it in the input'),
 ])
 def test_generate_names_the_bad_line(trained, tmp_path, line, message):
     bad = tmp_path / "bad.jsonl"
@@ -199,8 +218,9 @@ def test_eval_scores_checkpoints_on_the_held_out_prompts_with_the_runs_rewards(h
     """`eval` samples each chosen checkpoint greedily on the prompts the run held out (none of which it
     trained on: read back from its experience files) and scores them with the run's reward function; each
     sample's reward is digit_ratio of its response, recomputed here, and the summary's means are theirs. A
-    second call with --n 2 at temperature 1 replaces step 3's line and keeps step 2's; TensorBoard gets the
-    summary's curves in a run of their own. Prompts of a file (--input) are filed under its name."""
+    second call with --n 2 at temperature 1 goes under a name of its own (under the first's it is refused);
+    TensorBoard gets each summary's curves in a run of their own. Prompts of a file (--input) are filed under
+    file-<its name>."""
     from tests.conftest import tensorboard_scalars
     from toolkit.config import load_config
     from toolkit.data.dataset import StageData
@@ -246,22 +266,24 @@ def test_eval_scores_checkpoints_on_the_held_out_prompts_with_the_runs_rewards(h
         assert path.stat().st_mode & 0o777 == 0o600
     assert (out.stat().st_mode & 0o777, out.parent.stat().st_mode & 0o777) == (0o700, 0o700)
 
-    again = cli("eval", held_out, "--steps", "3", "--n", "2", "--temperature", "1")
+    again = cli("eval", held_out, "--steps", "3", "--n", "2", "--temperature", "1", "--name", "sampled")
     assert again.returncode == 0, again.stderr
-    second = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
-    assert second[0] == summary[0] and second[1]["n"] == 2 and second[1]["samples"] == 2 * len(held)
-    assert second[1]["reward_best_of_n_mean"] >= second[1]["reward_mean"]
+    second = [json.loads(line) for line in (held_out / "eval" / "sampled" / "summary.jsonl").read_text().splitlines()]
+    assert second[0]["n"] == 2 and second[0]["samples"] == 2 * len(held)
+    assert second[0]["reward_best_of_n_mean"] >= second[0]["reward_mean"]
+    assert [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()] == summary
     curves = tensorboard_scalars(held_out / "tensorboard" / "eval-heldout")
-    assert curves["eval/reward_mean"] == pytest.approx({2: summary[0]["reward_mean"], 3: second[1]["reward_mean"]})
-    assert set(curves) >= {"eval/reward/digit_ratio", "eval/response_len_mean", "eval/finished_frac",
-                           "eval/reward_best_of_n_mean"}
+    assert curves["eval/reward_mean"] == pytest.approx({2: summary[0]["reward_mean"], 3: summary[1]["reward_mean"]})
+    assert set(curves) >= {"eval/reward/digit_ratio", "eval/response_len_mean", "eval/finished_frac"}
+    sampled = tensorboard_scalars(held_out / "tensorboard" / "eval-sampled")
+    assert sampled["eval/reward_best_of_n_mean"] == pytest.approx({3: second[0]["reward_best_of_n_mean"]})
     assert not list(out.glob(".*"))  # (no temporary file left)
 
     given = tmp_path / "my.prompts.jsonl"  # (--input: rows read with the run's data keys, fields passed on)
     given.write_text('{"prompt": "Numbers and apples:", "topic": "apples"}\n{"prompt": "Count:", "topic": "x"}\n')
     third = cli("eval", held_out, "--steps", "3", "--input", given)
     assert third.returncode == 0, third.stderr
-    written = held_out / "eval" / "my-prompts" / "step-000003.jsonl"
+    written = held_out / "eval" / "file-my-prompts" / "step-000003.jsonl"
     rows = [json.loads(line) for line in written.read_text().splitlines()]
     assert [(r["prompt_id"], r["prompt"]) for r in rows] == [(0, "Numbers and apples:"), (1, "Count:")]
     assert all(abs(r["reward"] - digit_ratio(r["prompt"], r["response"])) < 1e-6 for r in rows)
@@ -271,8 +293,44 @@ def test_eval_scores_checkpoints_on_the_held_out_prompts_with_the_runs_rewards(h
     page = (tmp_path / "report" / "index.html").read_text()
     assert (tmp_path / "report" / "evaluation.png").stat().st_size > 1000
     assert f"<td>heldout</td><td>2</td><td>{summary[0]['reward_mean']:.4f}</td>" in page
-    assert f"<td>heldout</td><td>3</td><td>{second[1]['reward_mean']:.4f}</td>" in page
-    assert "<td>my-prompts</td><td>3</td>" in page
+    assert f"<td>heldout</td><td>3</td><td>{summary[1]['reward_mean']:.4f}</td>" in page
+    assert f"<td>sampled</td><td>3</td><td>{second[0]['reward_mean']:.4f}</td>" in page
+    assert "<td>file-my-prompts</td><td>3</td>" in page
+
+
+def test_eval_files_one_set_of_prompts_and_settings_under_a_name(held_out, tmp_path):
+    """A name's summary is one curve (status, the report, TensorBoard): `eval --name NAME` with other prompts or
+    sampling settings than its lines were made with is refused, naming them, before a model loads (it replaced
+    their lines without a word, two sets drawn as one curve). The same settings again replace a step's line. An
+    --input file is filed under file-<its stem>: one named heldout.jsonl went in with the held-out prompts.
+    The name in-run is the run's own record (status, resume and the W&B catch-up read it): refused."""
+    common = ["eval", held_out, "--steps", "3", "--backend", "hf"]
+    refused = cli(*common, "--name", "in-run")
+    assert refused.returncode == 2 and ("--name in-run: that is the run's own evaluations (eval.every_steps, "
+                                        "RUN_DIR/eval/in-run)") in refused.stderr, refused.stderr
+    assert not (held_out / "eval" / "in-run").exists()
+    assert cli(*common, "--name", "greedy").returncode == 0
+    summary = held_out / "eval" / "greedy" / "summary.jsonl"
+    first = summary.read_text()
+    refused = cli(*common, "--name", "greedy", "--n", "2", "--temperature", "1")
+    assert refused.returncode == 2 and (f"{summary}: step 3 of 'greedy' was evaluated with other settings: n 1 (now "
+                                        "2), temperature 0.0 (now 1.0); a name's lines are one curve") in refused.stderr
+    assert "give this evaluation a name of its own with --name" in refused.stderr
+    given = tmp_path / "heldout.jsonl"
+    given.write_text('{"prompt": "Count:"}\n{"prompt": "Numbers and apples:"}\n')
+    refused = cli(*common, "--name", "greedy", "--input", given)
+    assert refused.returncode == 2, refused.stderr
+    assert f'input "held out (data.eval_fraction)" (now "{given.resolve()}"), prompts ' in refused.stderr
+    assert summary.read_text() == first
+    again = cli(*common, "--name", "greedy")  # (the same settings: step 3 scored again, its line replaced)
+    assert again.returncode == 0, again.stderr
+    lines = [json.loads(line) for line in summary.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [3] and lines[0]["reward_mean"] == json.loads(first)["reward_mean"]
+    filed = cli(*common, "--input", given)
+    assert filed.returncode == 0, filed.stderr
+    filed_under = held_out / "eval" / "file-heldout" / "summary.jsonl"
+    rows = [json.loads(line) for line in filed_under.read_text().splitlines()]
+    assert [(r["step"], r["prompts"], r["input"]) for r in rows] == [(3, 2, str(given.resolve()))]
 
 
 def test_eval_follow_scores_each_checkpoint_as_the_run_writes_it_and_ends_with_the_run(tiny, tmp_path):
@@ -339,10 +397,21 @@ def test_eval_follow_scores_each_checkpoint_as_the_run_writes_it_and_ends_with_t
     (["--input", "missing.jsonl"], "--input missing.jsonl: no such file"),
     (["--name", "../x"], "--name '../x': use letters, digits"),
     ([], "the run holds out no prompts (data.eval_fraction is 0): give prompts to evaluate on with --input FILE"),
+    # (each hint names what eval has: it said --max-model-len, which eval lacks, and `set data.prompt_key`, which
+    # is the run's; the context is checked before the reward components and the engine load)
+    (["--input", "PROMPTS", "--max-new-tokens", "600"],
+     "--max-new-tokens 600 are more than the model takes: 512 (max_position_embeddings 512 in"),
+    (["--input", "NOKEY"], "nokey.jsonl:1: no non-empty string field 'prompt' (text or chat messages) and no "
+                           "'messages' (fields: ['text']); --input is read with the run's data keys: give every row "
+                           "its prompt in field 'prompt' (the run's data.prompt_key)"),
 ])
-def test_eval_names_what_is_wrong(trained, args, message):
-    result = cli("eval", trained, *args)
-    assert result.returncode != 0 and message in result.stderr, result.stderr
+def test_eval_names_what_is_wrong(trained, prompts, tmp_path, args, message):
+    (tmp_path / "nokey.jsonl").write_text('{"text": "hi"}\n')
+    files = {"PROMPTS": prompts, "NOKEY": tmp_path / "nokey.jsonl"}
+    result = cli("eval", trained, *[files.get(a, a) for a in args])
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "--max-model-len" not in result.stderr and "set data.prompt_key" not in result.stderr
+    assert "Loading" not in result.stderr  # (before any weights load)
 
 
 def test_chat_answers_each_turn_and_starts_over(trained, greedy):
@@ -355,6 +424,16 @@ def test_chat_answers_each_turn_and_starts_over(trained, greedy):
     assert len(answers) == 3 and "(new conversation)" in result.stdout
     assert answers[0] == answers[2]
     assert answers[0] == greedy["vllm"][1]["response"].strip()  # (chat samples with vLLM too: backend auto)
+
+
+def test_chat_refuses_a_response_longer_than_the_context_before_its_engine_loads(tiny):
+    """`chat --max-new-tokens 600` of a model of 512 positions started vLLM, then refused; now it is refused
+    first, as `generate` refuses a context the model does not take."""
+    result = cli("chat", tiny / "model", "--max-new-tokens", 600, input="hello\n")
+    assert result.returncode == 2 and ("--max-new-tokens 600 leaves no room for the conversation in 512 tokens of "
+                                       "context (the model's own, at most 2048); give --max-new-tokens below 512"
+                                       ) in result.stderr, result.stderr
+    assert "Loading safetensors checkpoint shards" not in result.stderr  # (vLLM's engine did not start)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
@@ -448,8 +527,27 @@ def test_report_draws_the_run_from_its_files(trained, tmp_path):
     page = (tmp_path / "public" / "index.html").read_text()
     assert f"<h3>step 2</h3><p>{cut} cannot be read (" in page and "<h3>step 4 (mean reward" in page
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "public").iterdir()}
-    assert set(modes) == {"index.html", "curves.png", "step_time.png", "timeline.png"} and set(modes.values()) == {
-        0o600}, modes
+    assert set(modes) == {"index.html", "curves.png", "step_time.png", "timeline.png", ".slurm-rlhf-report"} and set(
+        modes.values()) == {0o600}, modes
+
+
+def test_report_writes_only_into_a_folder_of_its_own(trained, tmp_path):
+    """`report --out DIR` replaced the index.html of a folder it had not written: such a folder (files, and no
+    marker of report's) is refused unless --force. A folder it wrote it writes again, and a figure there that
+    has nothing to draw now goes (it stayed beside a page that no longer showed it)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.html").write_text("my page\n")
+    refused = cli("report", trained, "--out", site)
+    assert refused.returncode == 2 and (f"--out {site} holds files that report did not write (no .slurm-rlhf-report "
+                                        "in it)") in refused.stderr and "--force" in refused.stderr, refused.stderr
+    assert [p.name for p in site.iterdir()] == ["index.html"] and (site / "index.html").read_text() == "my page\n"
+    assert cli("report", trained, "--out", site, "--force").returncode == 0
+    assert "slurm-rlhf report: run" in (site / "index.html").read_text() and (site / ".slurm-rlhf-report").exists()
+    (site / "evaluation.png").write_bytes((site / "curves.png").read_bytes())  # (a previous report's: of a run
+    again = cli("report", trained, "--out", site)  # with evaluations, into the same folder)
+    assert again.returncode == 0, again.stderr
+    assert not (site / "evaluation.png").exists() and (site / "curves.png").exists()
 
 
 def test_the_report_renders_in_a_headless_browser(trained, tmp_path):

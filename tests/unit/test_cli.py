@@ -380,3 +380,37 @@ def test_a_tool_refuses_bad_arguments_before_it_imports_torch(tool, args, says):
         assert done.returncode == 0 and "usage:" in done.stdout
     else:
         assert done.returncode == 2 and f"{tool}: error: {says}" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("text, what", [("", "empty"), ('{"state": "runn', "not valid JSON (Unterminated string"),
+                                        ("[]", "not a JSON object (a list)")])
+def test_a_damaged_status_file_is_named_by_status_and_report(tmp_path, text, what):
+    """An empty or cut status.json (a full disk, an edit) ended `status` and `report` in a JSONDecodeError's
+    traceback; now both name the file and what is wrong with it, and the report writes nothing."""
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("stage: rl\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": 1.0, "reward_mean": 0.5}) + "\n")
+    (run / "status.json").write_text(text)
+    for command in ("status", "report"):
+        result = cli(command, run, timeout=60)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert f"{run / 'status.json'}: {what}" in result.stderr and "move it aside" in result.stderr, result.stderr
+    assert not (run / "report").exists()
+
+
+def test_a_run_without_a_checkpoint_names_the_setting_that_writes_them(tiny, tmp_path):
+    """`export`, `generate` and `eval` of a run with no checkpoint: they named `checkpoint.every`, a key that
+    does not exist, and eval said 'no checkpoint at step(s) (none); it has none yet'."""
+    from tests.conftest import example, write_config
+
+    run = tmp_path / "run"
+    write_config(run, example("tiny-grpo.yaml", tiny), name="config.yaml")
+    for command in (["export", run, tmp_path / "out"], ["generate", run, "--input", "x.jsonl"], ["eval", run]):
+        result = cli(*command, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert (f"{run}: the run has no checkpoint yet (checkpoint.every_steps sets how often one is written)"
+                in result.stderr), result.stderr
+        assert "(none)" not in result.stderr

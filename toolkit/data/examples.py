@@ -37,16 +37,20 @@ class Example:
     fields: dict = field(default_factory=dict)
 
 
-def example_of(row: Row, kind: str, keys, id: int) -> Example:
-    """The `kind` example of `row`; `keys` is the data section (prompt_key, response_key, ...)."""
+def example_of(row: Row, kind: str, keys, id: int, fix: str | None = None) -> Example:
+    """The `kind` example of `row`; `keys` is the data section (prompt_key, response_key, ...). `fix`: what to do
+    about a prompt row without its prompt where the keys are not the reader's to set (eval --input: the run's);
+    by default, set data.prompt_key."""
     data, where = row.data, row.location
     if kind == "text":
-        return Example(id, where, text=_text(data, keys.text_key, where, "text", "ptx.data.text_key"))  # (PTX's only)
+        # (PTX's text only: data.text_key sent users to the wrong section)
+        return Example(id, where, text=_text(data, keys.text_key, where, "text",
+                                             "set ptx.data.text_key to the field holding the text"))
     messages = _messages(data[keys.messages_key], where, keys.messages_key) if keys.messages_key in data else None
     chosen = data.get(keys.chosen_key)
     conversation = chosen[:-1] if isinstance(chosen, list) else None  # (chosen as a whole conversation)
     ex = Example(id, where)
-    implicit = _implicit(data, keys, where) if messages is None and keys.prompt_key not in data else None
+    implicit = _implicit(data, keys, where, fix) if messages is None and keys.prompt_key not in data else None
     if implicit and kind == "pair":
         ex.prompt, ex.chosen, ex.rejected = implicit
         return ex
@@ -77,7 +81,7 @@ def example_of(row: Row, kind: str, keys, id: int) -> Example:
         return ex
     if messages and messages[-1]["role"] == "assistant":
         messages = messages[:-1]
-    ex.prompt = implicit[0] if implicit else _prompt(data, keys, where, messages, conversation)
+    ex.prompt = implicit[0] if implicit else _prompt(data, keys, where, messages, conversation, fix)
     # (a reward function takes `prompt` and `response` itself: a row's fields of those names are not passed)
     ex.fields = {k: _plain(v) for k, v in data.items()
                  if k not in (keys.prompt_key, keys.messages_key, "prompt", "response")}
@@ -132,24 +136,24 @@ def _travels(value) -> bool:
         return False
 
 
-def _prompt(data: dict, keys, where: str, messages: list | None, conversation: list | None = None):
+def _prompt(data: dict, keys, where: str, messages: list | None, conversation: list | None = None,
+            fix: str | None = None):
     if keys.prompt_key in data:
         value = data[keys.prompt_key]
         if isinstance(value, list):
             return with_input(_messages(value, where, keys.prompt_key), data, keys.input_key, where)
-        return with_input(_text(data, keys.prompt_key, where, "prompt"), data, keys.input_key, where)
+        return with_input(_text(data, keys.prompt_key, where, "prompt", fix), data, keys.input_key, where)
     for found in (messages, conversation):
         if found:
             return with_input(found, data, keys.input_key, where)
     raise ConfigError(f"{where}: no non-empty string field {keys.prompt_key!r} (text or chat messages) and no "
-                      f"{keys.messages_key!r} (fields: {sorted(data)}); set data.prompt_key to the field holding "
-                      "the prompt")
+                      f"{keys.messages_key!r} (fields: {sorted(data)}); {_point_at('prompt', fix)}")
 
 
 HH_TURN = "\n\nAssistant:"  # (what starts the assistant's turn in HH-RLHF's texts)
 
 
-def _implicit(data: dict, keys, where: str) -> tuple[str, str, str] | None:
+def _implicit(data: dict, keys, where: str, fix: str | None = None) -> tuple[str, str, str] | None:
     """(prompt, chosen, rejected) of a row whose prompt is inside both texts, as Anthropic's HH-RLHF has them
     ({chosen: "\\n\\nHuman: ...\\n\\nAssistant: ...", rejected: ...}): the prompt is the text they share,
     up to the last "\\n\\nAssistant:" in it (so a first word both responses share stays in the responses), or,
@@ -168,8 +172,7 @@ def _implicit(data: dict, keys, where: str) -> tuple[str, str, str] | None:
     cut = turn + len(HH_TURN) if turn >= 0 else max((i for i in range(shared) if chosen[i].isspace()), default=0)
     if cut == 0:
         raise ConfigError(f"{where}: no {keys.prompt_key!r} field, and {keys.chosen_key!r} and {keys.rejected_key!r} "
-                          "share no text before their responses to take as the prompt; set data.prompt_key to the "
-                          "field holding the prompt")
+                          f"share no text before their responses to take as the prompt; {_point_at('prompt', fix)}")
     for key, text in ((keys.chosen_key, chosen), (keys.rejected_key, rejected)):
         if not text[cut:].strip():
             raise ConfigError(f"{where}: {key!r} has no response after the prompt the two texts share "
@@ -193,18 +196,21 @@ def with_input(prompt: str | list, data: dict, key: str | None, where: str, sett
     return f"{prompt}\n\n{value}"
 
 
-def _text(data: dict, key: str, where: str, what: str, setting: str | None = None) -> str:
-    """The text in field `key` of a row; ConfigError naming `setting`, the one that names the field (default
-    `data.<what>_key`; PTX's text is ptx.data.text_key, where data.text_key sent users to the wrong section)."""
-    setting = setting or f"data.{what}_key"
+def _text(data: dict, key: str, where: str, what: str, fix: str | None = None) -> str:
+    """The text in field `key` of a row; ConfigError saying how to fix it (`fix`, default: set data.<what>_key)."""
     value = data.get(key)
     if key in data and not (isinstance(value, str) and value.strip()):  # (there, but not text)
         raise ConfigError(f"{where}: field {key!r} is {value!r:.60} ({type(value).__name__}), not non-empty text; "
-                          f"fix the row, or set {setting} to the field holding the {what}")
+                          f"fix the row, or {_point_at(what, fix)}")
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"{where}: no non-empty string field {key!r} (fields: {sorted(data)}); set "
-                          f"{setting} to the field holding the {what}")
+        raise ConfigError(f"{where}: no non-empty string field {key!r} (fields: {sorted(data)}); "
+                          f"{_point_at(what, fix)}")
     return value
+
+
+def _point_at(what: str, fix: str | None) -> str:
+    """How to fix a row whose `what` field is not found: set data.<what>_key, or `fix` where the reader cannot."""
+    return fix or f"set data.{what}_key to the field holding the {what}"
 
 
 def _reply(value, where: str, key: str, what: str) -> str:

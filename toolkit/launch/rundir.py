@@ -133,11 +133,22 @@ class RunDir:
         self.write_atomic(self.status, json.dumps(status, indent=1))
 
     def read_json(self, path: Path) -> dict:
-        """A JSON file of the run directory ({} if it does not exist yet)."""
+        """A JSON file of the run directory ({} if it does not exist yet); ConfigError naming it where it holds
+        no JSON object (it is written whole and renamed into place: cut or changed since, a full disk, an edit;
+        `status` and `report` ended in a JSONDecodeError's traceback)."""
         try:
-            return json.loads(path.read_text())
+            text = path.read_text()
+            data = json.loads(text)
         except FileNotFoundError:
             return {}
+        except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError)
+            what = "empty" if not path.read_bytes().strip() else f"not valid JSON ({e})"
+        else:
+            if isinstance(data, dict):
+                return data
+            what = f"not a JSON object (a {type(data).__name__})"
+        raise ConfigError(f"{path}: {what}; slurm-rlhf writes it whole, so it was cut or changed since; move it "
+                          "aside (the run's driver writes its state again when it runs: `slurm-rlhf resume`)")
 
     def update_job(self, **fields) -> None:
         self.write_atomic(self.job, json.dumps({**self.read_json(self.job), **fields}, indent=1))

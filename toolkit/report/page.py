@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import os
 from pathlib import Path
 
 from toolkit.errors import ConfigError
 
 SAMPLES_SHOWN = 2  # the best and the worst this many samples of each chosen step
+MARKER = ".slurm-rlhf-report"
+"""In a folder report wrote: it writes there again; a folder with other files and no marker is refused
+(unless --force), since its index.html and PNGs would be replaced."""
 
 STYLE = """body{font-family:sans-serif;max-width:1100px;margin:1em auto;color:#222}
 img{max-width:100%}pre{background:#f6f6f6;padding:.6em;overflow-x:auto;font-size:85%}
@@ -76,6 +78,7 @@ def _evaluation_section(summaries: dict[str, list[dict]], target: Path) -> str:
     """The evaluation figure and a table of every checkpoint's figures, or a line saying how to get them."""
     from toolkit.report import plots
 
+    figure = _figure("evaluation", plots.evaluations(summaries), target, "reward on evaluation prompts")
     if not any(summaries.values()):
         return "<p>None yet: <code>slurm-rlhf eval RUN_DIR</code> scores the checkpoints on held-out prompts.</p>"
     rows = ["<tr><th>prompts</th><th>checkpoint</th><th>reward</th><th>best of n</th><th>response length</th>"
@@ -86,7 +89,6 @@ def _evaluation_section(summaries: dict[str, list[dict]], target: Path) -> str:
             rows.append(f"<tr><td>{html.escape(name)}</td><td>{r['step']}</td><td>{r['reward_mean']:.4f}</td>"
                         f"<td>{best}</td><td>{r['response_len_mean']:.1f}</td><td>{r['finished_frac']:.2f}</td>"
                         f"<td>{r['samples']}</td><td>{r['temperature']:g}</td></tr>")
-    figure = _figure("evaluation", plots.evaluations(summaries), target, "reward on evaluation prompts")
     return f"{figure}<table>{''.join(rows)}</table>"
 
 
@@ -106,7 +108,8 @@ def _placement(run_dir: Path) -> str:
 def _figure(name: str, fig, out: Path, alt: str) -> str:
     from toolkit.report.plots import save
 
-    if fig is None:
+    if fig is None:  # (a previous report's figure goes: the page no longer shows it)
+        (out / f"{name}.png").unlink(missing_ok=True)
         return f"<p>{html.escape(alt)}: nothing to draw.</p>"
     save(fig, out / f"{name}.png")
     data = base64.b64encode((out / f"{name}.png").read_bytes()).decode()
@@ -114,8 +117,9 @@ def _figure(name: str, fig, out: Path, alt: str) -> str:
 
 
 def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | None = None,
-                 last_steps: int = 4) -> Path:
-    """Write the report of `run_dir` into `out` (default RUN_DIR/report); the page's path."""
+                 last_steps: int = 4, force: bool = False) -> Path:
+    """Write the report of `run_dir` into `out` (default RUN_DIR/report, the report's own); the page's path.
+    `force`: also into a folder that holds other files and that report did not write (no MARKER)."""
     from toolkit.launch.jobs import open_run, state_text
     from toolkit.launch.pipeline import refuse_pipeline_dir
     from toolkit.launch.rundir import RunDir
@@ -125,15 +129,22 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
     run = Path(run_dir)
     refuse_pipeline_dir(run, "report")
     open_run(run)
+    status = RunDir(run).read_json(run / "status.json")  # (a damaged one named before anything is written)
     metrics = _metrics(run)
     if not metrics:
         raise ConfigError(f"{run_dir}: no step has finished yet (metrics.jsonl is empty); nothing to report")
     target = Path(out) if out else run / "report"
     if target.exists() and not target.is_dir():
         raise ConfigError(f"--out {target} is a file; give a directory to write the report into")
+    theirs = out is not None and target.is_dir() and not (target / MARKER).exists() and any(target.iterdir())
+    if theirs and not force:
+        raise ConfigError(f"--out {target} holds files that report did not write (no {MARKER} in it), and its "
+                          "index.html and PNGs would be replaced; give a new or empty folder, or --force to write "
+                          "there anyway")
     if not target.exists():
         target.mkdir(parents=True)
         os.chmod(target, 0o700)  # (samples and config: for the run's owner, as the run directory is)
+    (target / MARKER).write_text(f"written by `slurm-rlhf report {run.resolve()}`, which writes this folder again\n")
 
     committed = _experience_steps(run)  # (from 0, as the experience files are named; samples_at from 1)
     if samples_at is None:
@@ -151,7 +162,6 @@ def write_report(run_dir: str, out: str | None = None, samples_at: list[int] | N
     timelines = read_timelines(run)
     first_t = min((rows[0]["t"] for rows in timelines.values() if rows), default=window[0]["time"])
     start = window[0]["time"] if len(window) > last_steps else first_t
-    status = json.loads((run / "status.json").read_text()) if (run / "status.json").exists() else {}
     last = metrics[-1]
     facts = [("run", str(run.resolve())), ("state", state_text(RunDir(run), status)),
              ("steps", f"{last['step'] + 1} of {status.get('steps') or '?'}"),

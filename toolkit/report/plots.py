@@ -7,6 +7,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 # What a step's seconds are spent on, as the driver records them (RL); a supervised stage has its update's
 # step_s, and evaluation and checkpoint seconds.
@@ -21,13 +22,14 @@ IDLE = ("idle", "done", "ready", "collecting")  # drawn as gaps: the worker wait
 
 
 def curves(metrics: list[dict]):
-    """Reward (total and each component), KL and response length for RL; losses and accuracy for a stage;
-    against the steps trained (the progress line's step number, metrics.jsonl's `step` + 1)."""
+    """Reward (total and each component, as it scored: before its weight and the clip of the total), KL and
+    response length for RL; losses and accuracy for a stage; against the steps trained (the progress line's
+    step number, metrics.jsonl's `step` + 1)."""
     steps = [m["step"] + 1 for m in metrics]
     panels = []
     if any("reward_mean" in m for m in metrics):
         series = {"reward (total)": "reward_mean"}
-        series.update({f"reward {k.split('/', 1)[1]}": k for k in sorted({k for m in metrics for k in m})
+        series.update({f"reward {k.split('/', 1)[1]} (unweighted)": k for k in sorted({k for m in metrics for k in m})
                        if k.startswith("reward/")})
         panels += [("reward", series), ("KL to the reference", {"kl": "kl"}),
                    ("response length (tokens)", {"mean": "response_len_mean"})]
@@ -43,6 +45,7 @@ def curves(metrics: list[dict]):
                 ax.plot(*zip(*points), marker="." if len(points) < 40 else None, label=label)
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlim(min(steps) - 0.5, max(steps) + 0.5)
         if len(series) > 1:
             ax.legend(fontsize=8)
@@ -66,6 +69,7 @@ def step_time(metrics: list[dict]):
         points = [(m["step"] + 1, m["step_s"]) for m in metrics if "step_s" in m]
         ax.plot(*zip(*points), color="black", marker=".", linewidth=1, label="step (wall)")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("seconds")
     ax.set_title("step time by phase" + (" (phases of different workers overlap)" if phases else ""))
     ax.legend(fontsize=8, ncol=4)
@@ -75,19 +79,26 @@ def step_time(metrics: list[dict]):
 
 
 def evaluations(summaries: dict[str, list[dict]]):
-    """`slurm-rlhf eval`'s mean reward (and best of n, where sampled) at each checkpoint, one line per set of
-    prompts (RUN_DIR/eval/<name>/summary.jsonl), at the checkpoint's policy version."""
+    """The mean reward (and best of n, where sampled) at each evaluated checkpoint, one line per set of prompts
+    (RUN_DIR/eval/<name>/summary.jsonl: `slurm-rlhf eval`'s, and in-run, the run's own), at the checkpoint's
+    policy version."""
+    from toolkit.use.evaluate import IN_RUN
+
     if not any(summaries.values()):
         return None
     fig, ax = plt.subplots(figsize=(10, 3.4))
     for name, records in summaries.items():
+        what = f"{name} (the run's own)" if name == IN_RUN else f"{name} (slurm-rlhf eval)"
         points = [(r["step"], r["reward_mean"]) for r in records]
-        line, = ax.plot(*zip(*points), marker=".", label=f"{name}: mean")
+        if not points:
+            continue
+        line, = ax.plot(*zip(*points), marker=".", label=f"{what}: mean")
         best = [(r["step"], r["reward_best_of_n_mean"]) for r in records if "reward_best_of_n_mean" in r]
         if best:
-            ax.plot(*zip(*best), marker="^", linestyle=":", color=line.get_color(), label=f"{name}: best of n")
+            ax.plot(*zip(*best), marker="^", linestyle=":", color=line.get_color(), label=f"{what}: best of n")
     ax.set_xlabel("checkpoint (policy version)")
-    ax.set_title("reward on evaluation prompts (slurm-rlhf eval)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title("reward on evaluation prompts at each checkpoint")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -9,6 +9,7 @@ turns are dropped.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from toolkit.errors import ConfigError
 from toolkit.use.sampler import Sampler, Sampling
@@ -23,14 +24,28 @@ def render(tokenizer, turns: list[dict]) -> list[int]:
     return list(tokenizer(text + "Assistant:")["input_ids"])
 
 
+def context_of(model: Path, params: Sampling, max_model_len: int | None) -> int:
+    """The context `chat` starts its engine with (--max-model-len, else the model's own, at most 2048); ConfigError
+    where it leaves --max-new-tokens no room for the conversation, before the engine loads (it was refused only
+    after vLLM had started)."""
+    from toolkit.use.sampler import default_context, over_context
+
+    if max_model_len is not None and (takes := over_context(model, max_model_len)):
+        raise ConfigError(f"--max-model-len {max_model_len} is more than the model takes: {takes}; give less, or "
+                          "leave it out (the model's own, at most 2048)")
+    context = max_model_len or default_context(model)
+    if context - params.max_new_tokens < 1:
+        given = "--max-model-len" if max_model_len else "the model's own, at most 2048"
+        raise ConfigError(f"--max-new-tokens {params.max_new_tokens} leaves no room for the conversation in "
+                          f"{context} tokens of context ({given}); give --max-new-tokens below {context}")
+    return context
+
+
 def chat(sampler: Sampler, params: Sampling, lines=sys.stdin, out=sys.stdout) -> int:
-    """Answer each line of `lines`; the number of answers."""
+    """Answer each line of `lines` (the context checked by `context_of`); the number of answers."""
     turns: list[dict] = []
     answers = 0
     budget = sampler.max_model_len - params.max_new_tokens
-    if budget < 1:
-        raise ConfigError(f"--max-new-tokens {params.max_new_tokens} leaves no room for the conversation in "
-                          f"{sampler.max_model_len} tokens of context")
     interactive = out.isatty() and lines is sys.stdin
     while True:
         if interactive:

@@ -9,7 +9,8 @@ components (reward.functions and reward.models, weighted and clipped) score the 
 scorer's own code.
 
 Written: a table, one row per checkpoint; RUN_DIR/eval/<name>/summary.jsonl (one line per checkpoint,
-with the settings it was sampled with; a checkpoint evaluated again replaces its line) and
+with the settings it was sampled with; a checkpoint evaluated again replaces its line; lines of other
+settings are refused, the name is one curve; the name in-run is the run's own record, refused) and
 step-NNNNNN.jsonl (every sample, its reward and each component); TensorBoard scalars (tags `eval/...`,
 at the checkpoint's step, its policy version) in RUN_DIR/tensorboard/eval-<name>, a run of its own beside
 the training curves, written again from summary.jsonl each time. Every file is written whole under a
@@ -34,6 +35,11 @@ from toolkit.use.sampler import Sampling
 
 IN_RUN = "in-run"
 """The name of the evaluations a run makes itself (eval.every_steps): RUN_DIR/eval/in-run."""
+
+SETTINGS = ("input", "prompts", "n", "temperature", "top_p", "max_new_tokens", "ema")
+"""The settings that make an evaluation's figures another curve: the lines of a name's summary share them
+(status, the report and TensorBoard draw a name as one curve). Not the seed: another seed draws from the
+same distribution."""
 
 
 def in_run_evaluations(run: Path) -> list[dict]:
@@ -72,8 +78,38 @@ def file_prompts(path: str, cfg) -> list[EvalPrompt]:
 
     if not Path(path).is_file():
         raise ConfigError(f"--input {path}: no such file")
-    examples = [example_of(row, "prompt", cfg.data, k) for k, row in enumerate(read_source(path))]
+    keys = cfg.data  # (the run's: a row without its prompt is fixed in the file, not by a setting)
+    fix = (f"--input is read with the run's data keys: give every row its prompt in field {keys.prompt_key!r} (the "
+           f"run's data.prompt_key) or chat messages in {keys.messages_key!r} (data.messages_key)")
+    examples = [example_of(row, "prompt", keys, k, fix) for k, row in enumerate(read_source(path))]
     return [EvalPrompt(e.id, e.location, e.prompt, e.fields) for e in examples]
+
+
+def eval_name(name: str | None, input_path: str | None) -> str:
+    """What the results are filed under: `name`, else `heldout` for the held-out prompts and `file-<stem>` for
+    an --input file (a file named heldout.jsonl is not the run's held-out prompts)."""
+    if name is None:
+        name = "file-" + re.sub(r"[^A-Za-z0-9_-]+", "-", Path(input_path).stem) if input_path else "heldout"
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise ConfigError(f"--name {name!r}: use letters, digits, '-' and '_' (it names a directory)")
+    if name == IN_RUN:  # (status, the driver's resume and the W&B catch-up read it as the run's own record)
+        raise ConfigError(f"--name {IN_RUN}: that is the run's own evaluations (eval.every_steps, RUN_DIR/eval/"
+                          f"{IN_RUN}), which status, resume and W&B read as the run's record; choose another name")
+    return name
+
+
+def check_settings(summary: Path, name: str, settings: dict) -> None:
+    """ConfigError where `summary` holds a line sampled with other `SETTINGS` than `settings`: added to it,
+    two sets of prompts (or samplings) would be drawn as one curve, a step's line silently replaced."""
+    from toolkit.store.manifest import read_jsonl
+
+    for line in read_jsonl(summary):
+        differ = [k for k in SETTINGS if k in line and line[k] != settings[k]]
+        if differ:
+            said = ", ".join(f"{k} {json.dumps(line[k])} (now {json.dumps(settings[k])})" for k in differ)
+            raise ConfigError(f"{summary}: step {line['step']} of {name!r} was evaluated with other settings: {said}; "
+                              f"a name's lines are one curve (status, report, TensorBoard eval-{name}): give this "
+                              "evaluation a name of its own with --name, or the settings of the others")
 
 
 def reward_scorer(cfg):
@@ -100,8 +136,8 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
 
     from toolkit.config import load_config
     from toolkit.data.tokens import render_prompt
-    from toolkit.use.sampler import Sampler, pick_backend
-    from toolkit.use.source import checkpoints, resolve
+    from toolkit.use.sampler import Sampler, over_context, pick_backend
+    from toolkit.use.source import NO_CHECKPOINT, checkpoints, resolve
 
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
@@ -122,17 +158,17 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
             raise ConfigError(f"{run_dir}: no checkpoint to score, and the run is not going (its local driver "
                               "does not run it, and it has no Slurm job queued or running); start or resume it, "
                               "then follow it")
+    if not found and follow_s is None:
+        raise ConfigError(f"{run_dir}: {NO_CHECKPOINT}; --follow scores each one as the run writes it")
     if steps is None:
         steps = found
     missing = [s for s in steps if s not in found]
-    if missing or not (steps or follow_s is not None):
-        raise ConfigError(f"{run_dir}: no checkpoint at step(s) {', '.join(map(str, missing)) or '(none)'}; it has "
-                          f"{', '.join(map(str, found)) or 'none yet (checkpoint.every_steps sets how often)'}")
-    name = name or (re.sub(r"[^A-Za-z0-9_-]+", "-", Path(input_path).stem) if input_path else "heldout")
-    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
-        raise ConfigError(f"--name {name!r}: use letters, digits, '-' and '_' (it names a directory)")
+    if missing:
+        raise ConfigError(f"{run_dir}: no checkpoint at step(s) {', '.join(map(str, missing))}; it has "
+                          f"{', '.join(map(str, found))}")
+    name = eval_name(name, input_path)
     prompts = file_prompts(input_path, cfg) if input_path else heldout_prompts(cfg)
-    sources = [resolve(str(run), step, ema) for step in steps]  # (every copy checked before any is loaded)
+    sources = [resolve(str(run), step, ema, "--steps") for step in steps]  # (every copy checked before any loads)
     tokenizer = AutoTokenizer.from_pretrained(str(sources[0].path if sources else cfg.tokenizer_path))
     limit = cfg.rollout.max_prompt_tokens
     tokens = []
@@ -141,20 +177,26 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
             tokens.append(render_prompt(tokenizer, p.prompt, cfg.data.chat_template)[-limit:])
         except ValueError as e:
             raise ConfigError(f"{p.location}: {e}") from None
+    longest = max(map(len, tokens))
+    if (takes := over_context(sources[0].path if sources else Path(cfg.model.actor), longest + params.max_new_tokens)):
+        raise ConfigError(f"the longest prompt ({longest} tokens; rollout.max_prompt_tokens cuts them) and "
+                          f"--max-new-tokens {params.max_new_tokens} are more than the model takes: {takes}; lower "
+                          f"--max-new-tokens (the run samples {cfg.rollout.max_new_tokens})")
     settings = {"prompts": len(prompts), "n": params.n, "temperature": params.temperature, "top_p": params.top_p,
                 "max_new_tokens": params.max_new_tokens, "seed": seed, "ema": ema,
                 "input": str(Path(input_path).resolve()) if input_path else "held out (data.eval_fraction)"}
+    summary = run / "eval" / name / "summary.jsonl"
+    check_settings(summary, name, settings)
     echo(f"evaluating {len(steps)} checkpoint(s) of {run}{' and each one it writes next' * (follow_s is not None)} "
          f"on {len(prompts)} prompt(s) ({settings['input']}), "
          f"{params.n} sample(s) each of at most {params.max_new_tokens} tokens, temperature {params.temperature:g}")
     rewards = reward_scorer(cfg)
-    summary = run / "eval" / name / "summary.jsonl"
     sampler = None  # (one vLLM engine for every checkpoint: each next one's weights are loaded into it)
     done = set(steps)
 
     def started_with(path: Path, weights: str):
         echo(f"(sampling with {pick_backend(backend)}, started with {weights})")
-        return Sampler(path, backend, max(map(len, tokens)) + params.max_new_tokens, seed, tokenizer=tokenizer)
+        return Sampler(path, backend, longest + params.max_new_tokens, seed, tokenizer=tokenizer)
 
     try:
         if follow_s is not None and pick_backend(backend) == "vllm":  # (started while it waits for checkpoints,
@@ -229,7 +271,7 @@ def _next_checkpoints(run: Path, done: set[int], ema: bool, every_s: float, echo
         for step in sorted(set(checkpoints(run)) - done):
             done.add(step)
             try:
-                sources.append(resolve(str(run), step, ema))
+                sources.append(resolve(str(run), step, ema, "--steps"))
             except ConfigError as e:
                 echo(f"step {step}: passed over, {e}")
         if sources or not going:

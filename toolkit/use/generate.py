@@ -4,7 +4,9 @@ Input: JSON Lines, one prompt per line: {"prompt": "text"} or {"prompt": [{"role
 "messages" for the latter), with any other fields (or a .json array of such rows); `--prompt-key` names
 another field, `--input-key` Alpaca's input, joined to a text prompt as `data.input_key` joins it.
 Output: one line per sample, the input row's fields plus `sample` (0..n-1), `response`, `response_tokens`,
-`finished` and `logprob`. The output file is written under a temporary name and renamed when complete.
+`finished` and `logprob`; an input row with a field of those names is refused (its value would be replaced
+without a word: an SFT row's reference `response`, say). The output file is written under a temporary name
+and renamed when complete.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from toolkit.errors import ConfigError
 from toolkit.use.sampler import Sampler, Sampling, check_model
 
 BATCH = 64  # prompts per engine call (vLLM schedules within it)
+OUTPUT_FIELDS = ("sample", "response", "response_tokens", "finished", "logprob")  # added to each row's fields
 
 
 def read_rows(path: str, prompt_key: str = "prompt", input_key: str | None = None
@@ -39,6 +42,10 @@ def read_rows(path: str, prompt_key: str = "prompt", input_key: str | None = Non
             got = json.dumps(prompt)[:80] if prompt is not None else f"no such field (fields: {sorted(row.data)})"
             raise ConfigError(f"{row.location}: expected {json.dumps(prompt_key)}: a string or a list of "
                               f"{{\"role\", \"content\"}} messages, got {got}; --prompt-key names the prompt's field")
+        if (clash := next((k for k in OUTPUT_FIELDS if k in row.data), None)) is not None:
+            raise ConfigError(f"{row.location}: field {json.dumps(clash)} is one that generate writes (each output "
+                              f"line is the row's fields and {', '.join(OUTPUT_FIELDS)}), so its value would be "
+                              f"replaced; rename it in the input (e.g. to \"reference_{clash}\"), or leave it out")
         found.append((row.location, row.data, with_input(prompt, row.data, input_key, row.location, "--input-key")))
     if not found:
         raise ConfigError(f"--input {path}: no prompts in it")

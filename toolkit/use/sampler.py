@@ -58,6 +58,19 @@ def check_model(model: Path) -> None:
         raise ConfigError(problem)
 
 
+def default_context(model: Path) -> int:
+    """The context an engine gets where none is given: the model's own, at most 2048 tokens."""
+    limit = context_limit(model)
+    return min(limit[0] if limit else 2048, 2048)
+
+
+def over_context(model: Path, tokens: int) -> str | None:
+    """Where a context of `tokens` is more than `model` takes: what it takes, in words ("512
+    (max_position_embeddings 512 in ...)"); None where it fits. Each command says what of its own to change."""
+    limit = context_limit(model)
+    return f"{limit[0]} ({limit[1]})" if limit is not None and tokens > limit[0] else None
+
+
 class Sampler:
     def __init__(self, model: Path, backend: str = "auto", max_model_len: int | None = None, seed: int = 0,
                  dtype: str = "auto", kv_cache_gb: float = 1.0, tokenizer=None):
@@ -71,13 +84,12 @@ class Sampler:
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(self.model_dir)
         self.seed = seed
         self.config = config = json.loads((Path(model) / "config.json").read_text())
-        limit = context_limit(model)
         if max_model_len is None:
-            max_model_len = min(limit[0] if limit else 2048, 2048)
-        elif limit is not None and max_model_len > limit[0]:
+            max_model_len = default_context(model)
+        elif (takes := over_context(model, max_model_len)):
             raise ConfigError(f"a context of {max_model_len} tokens (--max-model-len, else the longest prompt and "
-                              f"--max-new-tokens) is more than the model takes: {limit[0]} ({limit[1]}); shorten the "
-                              "prompts, or lower --max-new-tokens or --max-model-len")
+                              f"--max-new-tokens) is more than the model takes: {takes}; shorten the prompts, or "
+                              "lower --max-new-tokens or --max-model-len")
         self.max_model_len = max_model_len
         if dtype == "auto":  # (the model's own dtype: vLLM's "auto" would turn float32 into bfloat16 on CPU)
             dtype = config.get("dtype") or config.get("torch_dtype") or "auto"

@@ -14,6 +14,9 @@ from pathlib import Path
 from toolkit.errors import ConfigError
 
 
+NO_CHECKPOINT = "the run has no checkpoint yet (checkpoint.every_steps sets how often one is written)"
+
+
 @dataclass
 class ModelSource:
     path: Path                  # a Hugging Face model directory (weights, config.json, tokenizer)
@@ -34,8 +37,9 @@ def checkpoints(run_dir: Path) -> dict[int, dict]:
     return live_checkpoints(Manifest(run_dir).records())
 
 
-def resolve(name: str, step: int | None = None, ema: bool = False) -> ModelSource:
-    """The model that `name` (a run directory or a model directory) means; ConfigError if there is none."""
+def resolve(name: str, step: int | None = None, ema: bool = False, step_flag: str = "--step") -> ModelSource:
+    """The model that `name` (a run directory or a model directory) means; ConfigError if there is none.
+    `step_flag`: the command's option that picks checkpoints (eval's is --steps), named where one is damaged."""
     from toolkit.launch.pipeline import refuse_pipeline_dir
     from toolkit.store.manifest import verify
 
@@ -54,7 +58,7 @@ def resolve(name: str, step: int | None = None, ema: bool = False) -> ModelSourc
         return ModelSource(path.resolve())
     found = checkpoints(path)
     if not found:
-        raise ConfigError(f"{name}: the run has no checkpoint yet (checkpoint.every sets how often one is written)")
+        raise ConfigError(f"{name}: {NO_CHECKPOINT}")
     if step is None:
         step = max(found)
     elif step not in found:
@@ -67,6 +71,6 @@ def resolve(name: str, step: int | None = None, ema: bool = False) -> ModelSourc
         raise ConfigError(f"{name}: checkpoint {record['dir']} has no {copy}/: {why}")
     for rel, (digest, size) in files.items():
         if (problem := verify(path / record["dir"] / rel, digest, size)):
-            raise ConfigError(f"{path / record['dir'] / rel}: {problem}; choose another checkpoint with --step "
+            raise ConfigError(f"{path / record['dir'] / rel}: {problem}; choose another checkpoint with {step_flag} "
                               f"(this run has {', '.join(map(str, sorted(found)))})")
     return ModelSource((path / record["dir"] / copy).resolve(), path.resolve(), step, ema)
