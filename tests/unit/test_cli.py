@@ -353,3 +353,83 @@ def test_a_second_ctrl_c_while_the_command_exits_changes_nothing():
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130 and err.strip() == "interrupted (SIGINT)", (proc.returncode, err)
+
+
+def _fake_slurm(tmp_path, monkeypatch, **scripts):
+    """Slurm commands as scripts on PATH (a fake: the unit tests run without a cluster), each a shell body."""
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    for name, body in scripts.items():
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o700)
+
+
+def test_a_second_job_of_a_run_directory_starts_no_second_driver(monkeypatch, tmp_path, capsys):
+    """`sbatch job.sbatch` twice put two drivers on one run directory: one crashed on the other's temporary
+    status file, job.json named the dead one, and `status`/`cancel` acted on the wrong job. The second job's
+    driver now stops at once (exit 2) and writes nothing: while job.json names another live job, and while
+    another driver holds job.lock. squeue here is a script that says job 7 runs."""
+    from toolkit.launch.batch import main
+    from toolkit.launch.rundir import RunDir
+
+    _fake_slurm(tmp_path, monkeypatch, squeue="echo 'RUNNING|n1|1:00|None'")
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    rd.update_job(job_id=7, driver_pid=1234)
+    monkeypatch.setenv("SLURM_JOB_ID", "8")
+    assert main([str(rd.path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{rd.path} is run by slurm job 7 (RUNNING) already: job 8 starts no second driver" in err
+    assert rd.read_json(rd.job) == {"job_id": 7, "driver_pid": 1234} and not rd.status.exists()
+    holds = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+             "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
+    driver = subprocess.Popen([sys.executable, "-c", holds, str(rd.path / "job.lock")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert driver.stdout.readline() == "held\n"
+        rd.update_job(job_id=8)  # (both started at once: job.json names this job, the other driver runs)
+        assert main([str(rd.path)]) == 2
+        assert "is run by another slurm job, whose driver holds job.lock," in capsys.readouterr().err
+    finally:
+        driver.kill()
+        driver.wait()
+
+
+def test_status_writes_at_once_never_crash_on_each_others_temporary_file(tmp_path):
+    """Two processes writing status.json at once (two drivers, once) shared one temporary name: one's
+    os.replace found the file gone (FileNotFoundError) and its driver crashed."""
+    import multiprocessing
+
+    from toolkit.launch.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    writers = [ctx.Process(target=_write_status_often, args=(str(tmp_path), n)) for n in range(3)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+    assert [w.exitcode for w in writers] == [0, 0, 0]
+    assert rd.read_json(rd.status)["writer"] in (0, 1, 2)
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # (no temporary file left)
+
+
+def _write_status_often(path: str, n: int) -> None:
+    from toolkit.launch.rundir import RunDir
+
+    rd = RunDir(path)
+    for i in range(300):
+        rd.write_status({"writer": n, "i": i})
+
+
+def test_a_requeue_puts_back_this_job_not_the_one_job_json_names(monkeypatch, tmp_path):
+    from toolkit.launch.batch import requeue
+    from toolkit.launch.rundir import RunDir
+
+    _fake_slurm(tmp_path, monkeypatch, scontrol=f'echo "$@" > {tmp_path / "asked"}')
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    rd.update_job(job_id=7)
+    monkeypatch.setenv("SLURM_JOB_ID", "8")
+    requeue(rd, 3)
+    assert (tmp_path / "asked").read_text() == "requeue 8\n"
+    assert rd.read_json(rd.job) == {"job_id": 7, "requeues": 1}
