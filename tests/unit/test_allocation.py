@@ -268,3 +268,21 @@ def test_a_scancel_that_does_not_answer_in_time_is_logged_not_raised(monkeypatch
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert (warned == [f"scancel --signal=KILL 7.2: Command '['scancel', '--signal=KILL', '7.2']' {said}; "
                            "killing its srun instead"]) if said else warned == [], warned
+
+
+def test_a_worker_lives_through_sigusr1_meant_for_the_driver(tmp_path):
+    """`scancel --signal=USR1 JOB` (without -b) reaches the job steps: every worker died of it (exit 138)
+    and a trainer restart was used up. A worker ignores it from its first line. Here the worker's start
+    stops where it reads its environment: it sends itself SIGUSR1 there, and must live on to say so."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = tmp_path / "start.py"
+    script.write_text("import os, signal, sys\nimport toolkit.launch.env as E\nimport toolkit.worker as w\n"
+                      "def read_env(*args):\n    os.kill(os.getpid(), signal.SIGUSR1)\n    print('alive')\n"
+                      "    sys.exit(0)\nE.WorkerEnv.from_environ = read_env\nw.main()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (out.returncode, out.stdout) == (0, "alive\n"), out.stderr[-2000:]
