@@ -127,8 +127,9 @@ def test_srun_command(tiny, tmp_path):
     cmd = srun_command(trainer, ["n3", "n4"], 2, "/venv/bin/python", "/runs/x/logs")
     assert cmd[:2] == ["srun", "--het-group=2"]
     for flag in ("--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--nodelist=n3,n4", "--cpus-per-task=3",
-                 "--gpus-per-task=1", "--kill-on-bad-exit=1", "--output=/runs/x/logs/trainer-%t.log"):
-        assert flag in cmd
+                 "--gpus-per-task=1", "--kill-on-bad-exit=1", "--output=/runs/x/logs/trainer-%t.log",
+                 "--export=ALL"):  # (before: none, and a job submitted with --export=NONE gave its workers no env)
+        assert flag in cmd, flag
     assert cmd[-3:] == ["/venv/bin/python", "-m", "toolkit.worker"]
     assert not any(a.startswith("--het-group") for a in srun_command(groups[0], ["n1"], None, "py", "/l"))
 
