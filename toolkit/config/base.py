@@ -357,7 +357,10 @@ class SlurmSection(Section):
     setup: list[str] = []
     """Shell lines the batch script runs before the driver (e.g. `module load cuda`)."""
     sbatch: dict[str, str | int | float | bool] = {}
-    """More sbatch options, e.g. `{mail-type: END, exclusive: true}` -> `#SBATCH --mail-type=END`."""
+    """More sbatch options, e.g. `{mail-type: END, exclusive: true}` -> `#SBATCH --mail-type=END`. In a
+    heterogeneous job, options of the job as a whole (mail-type, mail-user, dependency, begin, comment, ...:
+    `toolkit.launch.sbatch.JOB_WIDE`) go in its first component, all others (exclusive, reservation, gres,
+    ...) in every component."""
     python: str | None = None
     """Python on the compute nodes (default: the interpreter running `slurm-rlhf submit`)."""
     signal_lead_s: PositiveInt = 120
