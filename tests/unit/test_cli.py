@@ -433,3 +433,22 @@ def test_a_requeue_puts_back_this_job_not_the_one_job_json_names(monkeypatch, tm
     requeue(rd, 3)
     assert (tmp_path / "asked").read_text() == "requeue 8\n"
     assert rd.read_json(rd.job) == {"job_id": 7, "requeues": 1}
+
+
+def test_cancel_of_a_job_that_has_ended_says_so_and_cancels_nothing(monkeypatch, tmp_path):
+    """`cancel` said "cancelled slurm job 7" of a job that had completed long before (or that Slurm no longer
+    knew). squeue lists nothing here, scontrol says how the job ended, and scancel says it was called."""
+    from toolkit.launch.jobs import cancel
+    from toolkit.launch.rundir import RunDir
+
+    _fake_slurm(tmp_path, monkeypatch, squeue="exit 0", scontrol="echo 'JobId=7 JobState=COMPLETED NodeList=n1'",
+                scancel=f"touch {tmp_path / 'scancelled'}")
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    rd.update_job(job_id=7)
+    assert cancel(rd, timeout_s=5) == "slurm job 7 had already ended (COMPLETED); nothing to cancel"
+    (tmp_path / "scontrol").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\n"
+                                       "exit 1\n")
+    assert cancel(rd, timeout_s=5) == ("slurm job 7 had already ended (UNKNOWN (no longer known to slurmctld)); "
+                                       "nothing to cancel")
+    assert not (tmp_path / "scancelled").exists()

@@ -258,6 +258,9 @@ def cancel(rd: RunDir, timeout_s: float = 60) -> str:
         job_id = str(job["job_id"])
         if shutil.which("scancel") is None:
             raise RunError("scancel not found: run `cancel` where Slurm's commands are installed")
+        state = slurm_job(job_id)["state"]
+        if ended(state):  # (before: "cancelled" of a job that had finished long ago, or that Slurm forgot)
+            return f"slurm job {job_id} had already ended ({state}); nothing to cancel"
         answer = _ask(["scancel", job_id])
         if answer.returncode:
             raise RunError(f"scancel {job_id} failed: {answer.stderr.strip() or f'exit status {answer.returncode}'}; "
