@@ -452,3 +452,29 @@ def test_cancel_of_a_job_that_has_ended_says_so_and_cancels_nothing(monkeypatch,
     assert cancel(rd, timeout_s=5) == ("slurm job 7 had already ended (UNKNOWN (no longer known to slurmctld)); "
                                        "nothing to cancel")
     assert not (tmp_path / "scancelled").exists()
+
+
+def test_status_of_a_heterogeneous_job_and_of_a_requeued_one(monkeypatch, tmp_path):
+    """A pending heterogeneous job showed `PENDING on ,,` (a row per component, none with nodes); one that
+    had ended showed the last component's nodes only (scontrol's lines read into one dict); a run requeued
+    once and not yet resumed read `resumed 0 time(s) ..., 1 of them after a Slurm requeue`. The Slurm
+    commands are scripts on PATH here."""
+    from toolkit.launch.jobs import slurm_job, status_text
+    from toolkit.launch.rundir import RunDir
+
+    _fake_slurm(tmp_path, monkeypatch, squeue="for i in 1 2 3; do echo 'PENDING||0:00|Resources'; done")
+    assert slurm_job("7") == {"state": "PENDING", "nodes": "", "elapsed": "0:00", "reason": "Resources"}
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    (rd.path / "config.yaml").write_text("")
+    rd.update_job(job_id=7, requeues=1)
+    rd.write_status({"state": "running", "step": 3, "steps": 10})
+    text = status_text(rd)
+    assert "slurm job 7: PENDING, elapsed 0:00 (Resources)\n" in text
+    assert ("restarts: slurm job requeued 1 time(s) by its driver at its time limit (the requeued job has not "
+            "resumed yet)") in text
+    lines = [f"JobId={7 + k} HetJobId=7 HetJobOffset={k} JobState=COMPLETED RunTime=00:01:0{k} Reason=None "
+             f"NodeList={nodes}" for k, nodes in enumerate(["n1", "(null)", "n[3-4]"])]
+    (tmp_path / "scontrol.out").write_text("\n".join(lines) + "\n")
+    _fake_slurm(tmp_path, monkeypatch, squeue="exit 0", scontrol=f"cat {tmp_path / 'scontrol.out'}")
+    assert slurm_job("7") == {"state": "COMPLETED", "nodes": "n1,n[3-4]", "elapsed": "00:01:00", "reason": "None"}

@@ -58,16 +58,18 @@ def slurm_job(job_id: str) -> dict:
     id` of a job it no longer knows (UNKNOWN), and a job of a busy controller may well be running."""
     out = _ask(["squeue", "-h", "-j", job_id, "-o", "%T|%N|%M|%r"])
     rows = [r.split("|") for r in out.stdout.splitlines() if r.strip()]
-    if rows:
-        state, nodes, elapsed, reason = rows[0]
-        if len(rows) > 1:  # a heterogeneous job has one row per component
-            nodes = ",".join(r[1] for r in rows)
-        return {"state": state, "nodes": nodes, "elapsed": elapsed, "reason": reason}
+    if rows:  # (a heterogeneous job has one row per component: their nodes together, a pending one's none)
+        state, _, elapsed, reason = rows[0]
+        return {"state": state, "nodes": ",".join(r[1] for r in rows if r[1]), "elapsed": elapsed, "reason": reason}
     info = _ask(["scontrol", "show", "job", "-o", job_id])
-    fields = dict(f.split("=", 1) for f in info.stdout.split() if "=" in f)
-    if fields:
-        return {"state": fields.get("JobState", "?"), "nodes": fields.get("NodeList", ""),
-                "elapsed": fields.get("RunTime", ""), "reason": fields.get("Reason", "")}
+    # (one line per component of a heterogeneous job: the first one's state, every component's nodes)
+    components = [fields for fields in (dict(f.split("=", 1) for f in line.split() if "=" in f)
+                                        for line in info.stdout.splitlines()) if fields]
+    if components:
+        first = components[0]
+        nodes = ",".join(c["NodeList"] for c in components if c.get("NodeList") not in (None, "", "(null)"))
+        return {"state": first.get("JobState", "?"), "nodes": nodes, "elapsed": first.get("RunTime", ""),
+                "reason": first.get("Reason", "")}
     said = (info.stderr.strip() or out.stderr.strip() or "no answer").splitlines()[-1]
     if info.returncode and "Invalid job id" not in said:
         return {"state": f"UNREACHABLE (Slurm did not answer: {said})", "nodes": "", "elapsed": "", "reason": ""}
@@ -112,9 +114,12 @@ def status_text(rd: RunDir) -> str:
     step = status.get("step", -1)
     lines.append(f"run state: {state_text(rd, status)}, steps done: {max(step + 1, 0)}/{status.get('steps') or '?'}")
     resumes = sum(1 for r in Manifest(rd.path).records() if r["kind"] == "resume")
-    if resumes or job.get("requeues"):
-        lines.append(f"restarts: resumed {resumes} time(s) from its checkpoint and experience"
-                     + (f", {job['requeues']} of them after a Slurm requeue" if job.get("requeues") else ""))
+    requeues = job.get("requeues", 0)
+    if resumes or requeues:  # (a job requeued and still waiting to start again has not resumed yet)
+        lines.append("restarts: " + "; ".join(filter(None, [
+            f"resumed {resumes} time(s) from its checkpoint and experience" if resumes else "",
+            f"slurm job requeued {requeues} time(s) by its driver at its time limit"
+            + (" (the requeued job has not resumed yet)" if requeues > resumes else "") if requeues else ""])))
     if status.get("worker_restarts"):
         lines.append("restarts: " + restarts_text(status["worker_restarts"]))
     if status.get("error"):
