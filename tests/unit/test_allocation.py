@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -287,3 +288,24 @@ def test_a_worker_lives_through_sigusr1_meant_for_the_driver(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert (out.returncode, out.stdout) == (0, "alive\n"), out.stderr[-2000:]
+
+
+def test_a_partition_that_does_not_exist_is_named_before_the_submit(tiny, tmp_path, monkeypatch):
+    """A misspelt partition went to sbatch, which refused it after the run directory was made. sinfo here is
+    a script on PATH (a fake: no cluster in the unit tests) listing the partitions debug (default) and gpu."""
+    from toolkit.launch.submit import check_partitions
+
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    (tmp_path / "sinfo").write_text("#!/bin/sh\nprintf 'debug* 0/4/0/4\\ngpu 0/2/0/2\\n'\n")
+    (tmp_path / "sinfo").chmod(0o700)
+    _, groups = groups_for(tiny, tmp_path / "a", trainer={"partition": "gpus"})
+    with pytest.raises(ConfigError) as e:
+        check_partitions(plan_allocation(groups))
+    assert e.value.exit_code == 2
+    assert str(e.value) == ("placement.trainer.partition: there is no partition 'gpus' on this cluster (sinfo lists "
+                            "debug (default), gpu); name one of those")
+    _, groups = groups_for(tiny, tmp_path / "b", trainer={"partition": "gpu"})  # (the rest: slurm.partition cpu)
+    groups = [g if g.partition else dataclasses.replace(g, partition="cpu") for g in groups]
+    with pytest.raises(ConfigError, match=r"^slurm.partition: there is no partition 'cpu' on this cluster"):
+        check_partitions(plan_allocation(groups), "cpu")
+    check_partitions(plan_allocation(groups_for(tiny, tmp_path / "c", trainer={"partition": "gpu"})[1]))
