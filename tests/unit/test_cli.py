@@ -478,3 +478,31 @@ def test_status_of_a_heterogeneous_job_and_of_a_requeued_one(monkeypatch, tmp_pa
     (tmp_path / "scontrol.out").write_text("\n".join(lines) + "\n")
     _fake_slurm(tmp_path, monkeypatch, squeue="exit 0", scontrol=f"cat {tmp_path / 'scontrol.out'}")
     assert slurm_job("7") == {"state": "COMPLETED", "nodes": "n1,n[3-4]", "elapsed": "00:01:00", "reason": "None"}
+
+
+def test_ctrl_c_while_following_a_job_says_the_job_keeps_running(monkeypatch, tmp_path):
+    """Ctrl-C on `submit --wait` printed `interrupted (SIGINT)`, as if the run had stopped; the job ran on.
+    squeue here is a script that says the job runs; the Ctrl-C comes as the CLI's handler raises it."""
+    import signal
+
+    from toolkit.errors import Interrupted
+    from toolkit.launch import jobs
+    from toolkit.launch.rundir import RunDir
+
+    _fake_slurm(tmp_path, monkeypatch, squeue="echo 'RUNNING|n1|0:05|None'")
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt(signal.SIGINT)
+
+    monkeypatch.setattr(jobs.time, "sleep", ctrl_c)
+    try:
+        jobs.follow(rd, "7")
+    except Interrupted as e:
+        said = e
+    except KeyboardInterrupt:  # (the CLI then said `interrupted (SIGINT)`)
+        pytest.fail("follow let the Ctrl-C through: nothing says that the job keeps running")
+    assert said.exit_code == 130
+    assert str(said) == (f"stopped following (SIGINT); slurm job 7 keeps running: `slurm-rlhf status {rd.path}` "
+                            f"shows it, `slurm-rlhf cancel {rd.path}` stops it")

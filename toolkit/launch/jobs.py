@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from toolkit.errors import ConfigError, RunError
+from toolkit.errors import ConfigError, Interrupted, RunError
 from toolkit.launch.env import node_name
 from toolkit.launch.pipeline import resume_target
 from toolkit.launch.rundir import RunDir
@@ -181,7 +181,8 @@ def restarts_text(restarts: dict[str, int]) -> str:
 
 
 def follow(rd: RunDir, job_id: str) -> int:
-    """Print the job's output as it grows until the job ends; 0 if the run finished."""
+    """Print the job's output as it grows until the job ends; 0 if the run finished. Interrupted (Ctrl-C), it
+    says that the job goes on and how to reach it (before: `interrupted (SIGINT)`, as if the run had stopped)."""
     from toolkit.progress import Progress
 
     out = rd.path / "slurm" / f"{job_id}_0_log.out"
@@ -215,6 +216,11 @@ def follow(rd: RunDir, job_id: str) -> int:
                 key = "reward_mean" if "reward_mean" in last else "loss"
                 progress.advance(last["step"] + 1, status["steps"], f"{key.split('_')[0]} {last.get(key, 0):.3f}")
             time.sleep(1)
+    except KeyboardInterrupt as e:  # (Ctrl-C, SIGTERM: this process stops following; the job is not touched)
+        signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+        raise Interrupted(f"stopped following ({signal.Signals(signum).name}); slurm job {job_id} keeps running: "
+                          f"`slurm-rlhf status {rd.path}` shows it, `slurm-rlhf cancel {rd.path}` stops it",
+                          128 + signum) from None
     finally:
         progress.close()
     status = rd.read_json(rd.status)
