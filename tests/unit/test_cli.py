@@ -506,3 +506,23 @@ def test_ctrl_c_while_following_a_job_says_the_job_keeps_running(monkeypatch, tm
     assert said.exit_code == 130
     assert str(said) == (f"stopped following (SIGINT); slurm job 7 keeps running: `slurm-rlhf status {rd.path}` "
                             f"shows it, `slurm-rlhf cancel {rd.path}` stops it")
+
+
+def test_the_driver_makes_slurms_output_files_private(monkeypatch, tmp_path):
+    """slurmstepd creates the job's output files with the umask `sbatch` was run with: after a hand-run sbatch
+    under umask 022 the driver's output (tracebacks, config values) was readable by all. The driver makes
+    them 600 at its start; here its start stops at once after that (the run's config is missing)."""
+    from toolkit.launch.batch import main
+    from toolkit.launch.rundir import RunDir
+
+    rd = RunDir(tmp_path / "run")
+    (rd.path / "slurm").mkdir(parents=True)
+    rd.logs.mkdir()
+    logs = [rd.path / "slurm" / f"9_0_log.{suffix}" for suffix in ("out", "err")]
+    for log in logs:
+        log.write_text("")
+        log.chmod(0o644)
+    rd.update_job(job_id=9)
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    assert main([str(rd.path)]) != 0
+    assert [oct(log.stat().st_mode & 0o777) for log in logs] == ["0o600", "0o600"]

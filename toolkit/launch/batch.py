@@ -35,6 +35,7 @@ def run_in_allocation(run_dir: str) -> None:
                        "`slurm-rlhf render` wrote with sbatch, or use `slurm-rlhf submit`")
     rd = RunDir(run_dir)
     refuse_second_driver(rd, os.environ["SLURM_JOB_ID"])  # (before anything is written)
+    private_slurm_files(rd)
     setup_logging("driver", level=logging.WARNING, stream=sys.stdout, file=str(rd.logs / "driver.log"))
     try:
         cfg = load_config(rd.config)
@@ -61,6 +62,19 @@ def run_in_allocation(run_dir: str) -> None:
     driver, _ = run_attempts(cfg, make, echo)
     if driver.state != "preempted":
         print(f"done: {driver.steps} steps; metrics in {rd.metrics}", flush=True)
+
+
+def private_slurm_files(rd) -> None:
+    """Make the files in RUN_DIR/slurm this user's alone (mode 600). slurmstepd creates the job's output
+    files (`%j_0_log.out/err`: the driver's output, tracebacks, config values) before the batch script
+    runs, with the umask sbatch was called with: world-readable after a hand-run `sbatch` under umask 022."""
+    for path in (rd.path / "slurm").glob("*"):
+        try:
+            mode = path.stat().st_mode
+            if path.is_file() and path.stat().st_uid == os.getuid() and mode & 0o077:
+                path.chmod(mode & 0o700)
+        except OSError:  # (a file removed meanwhile; one this user may not change is left as it is)
+            continue
 
 
 def refuse_second_driver(rd, job_id: str) -> None:
