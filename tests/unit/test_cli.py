@@ -378,7 +378,7 @@ def test_a_second_job_of_a_run_directory_starts_no_second_driver(monkeypatch, tm
     monkeypatch.setenv("SLURM_JOB_ID", "8")
     assert main([str(rd.path)]) == 2
     err = capsys.readouterr().err
-    assert f"{rd.path} is run by slurm job 7 (RUNNING) already: job 8 starts no second driver" in err
+    assert f"{rd.path} is already run by slurm job 7 (RUNNING): job 8 starts no second driver" in err
     assert rd.read_json(rd.job) == {"job_id": 7, "driver_pid": 1234} and not rd.status.exists()
     holds = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
              "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
@@ -388,7 +388,7 @@ def test_a_second_job_of_a_run_directory_starts_no_second_driver(monkeypatch, tm
         assert driver.stdout.readline() == "held\n"
         rd.update_job(job_id=8)  # (both started at once: job.json names this job, the other driver runs)
         assert main([str(rd.path)]) == 2
-        assert "is run by another slurm job, whose driver holds job.lock," in capsys.readouterr().err
+        assert "is already run by another slurm job, whose driver holds job.lock: job 8" in capsys.readouterr().err
     finally:
         driver.kill()
         driver.wait()

@@ -34,8 +34,8 @@ def run_in_allocation(run_dir: str) -> None:
         raise RunError("not inside a Slurm allocation (SLURM_JOB_ID is unset): submit the script that "
                        "`slurm-rlhf render` wrote with sbatch, or use `slurm-rlhf submit`")
     rd = RunDir(run_dir)
+    private_slurm_files(rd)  # (a job refused below too: its own output files are among them)
     refuse_second_driver(rd, os.environ["SLURM_JOB_ID"])  # (before anything is written)
-    private_slurm_files(rd)
     setup_logging("driver", level=logging.WARNING, stream=sys.stdout, file=str(rd.logs / "driver.log"))
     try:
         cfg = load_config(rd.config)
@@ -92,8 +92,8 @@ def refuse_second_driver(rd, job_id: str) -> None:
     if not held and (not state or ended(state)):
         return
     runs = (f"slurm job {other} ({state})" if state else "another slurm job") + (
-        ", whose driver holds job.lock," if held else "")
-    raise ConfigError(f"{rd.path} is run by {runs} already: job {job_id} starts no second driver beside it. "
+        ", whose driver holds job.lock" if held else "")
+    raise ConfigError(f"{rd.path} is already run by {runs}: job {job_id} starts no second driver beside it. "
                       f"Leave that job be (`slurm-rlhf status {rd.path}`), or stop it with `slurm-rlhf cancel "
                       f"{rd.path}` and go on with `slurm-rlhf resume {resume_target(rd.path)} --submit`")
 
