@@ -303,6 +303,10 @@ def main() -> None:
     from toolkit.launch import allocator, mkl_amd, openmp
     from toolkit.launch.preload import reexec_with_preloads
 
+    # SIGUSR1 is the driver's (the time limit is near): a `scancel --signal=USR1 JOB` without -b reaches the
+    # job steps too, and its default action killed every worker (exit 138) and used up a trainer restart.
+    # Ignored from the start (and across the exec below); the driver decides when workers stop.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     reexec_with_preloads()  # (before anything else: an allocator must be there from the start)
     from toolkit.launch.env import WorkerEnv, interface_of
     from toolkit.log import setup_logging

@@ -78,18 +78,19 @@ def test_pipeline_runs_as_three_chained_jobs(tiny, tmp_path):
 
 
 def test_a_pipeline_is_submitted_whole_or_not_at_all(tiny, tmp_path):
-    """A stage that sbatch refuses (the rl stage's partition does not exist) cancels the stages submitted
+    """A stage that sbatch refuses (the rl stage's reservation does not exist) cancels the stages submitted
     before it, and the pipeline directory goes: none of it runs, and nothing is in the way of the same
     `submit` once the file is fixed. A stage that Slurm would keep waiting (more nodes than the partition has)
-    is named before any job is submitted, and an empty directory made for the pipeline is left as it was."""
+    or whose partition does not exist is named before any job is submitted, and an empty directory made for
+    the pipeline is left as it was."""
     from tests.slurm.conftest import jobs_of_this_checkout
     from toolkit.launch.jobs import slurm_job
 
     run_dir = tmp_path / "pipeline"
-    refused = cli("submit", EXAMPLES / "tiny-pipeline.yaml", "--run-dir", run_dir, "--set", "rl.slurm.partition=nosuch",
-                  timeout=180)
+    refused = cli("submit", EXAMPLES / "tiny-pipeline.yaml", "--run-dir", run_dir, "--set",
+                  "rl.slurm.sbatch.reservation=nosuch", timeout=180)
     assert refused.returncode == 1, refused.stdout + refused.stderr
-    assert "stage rl: sbatch refused the job" in refused.stderr and "nosuch" in refused.stderr, refused.stderr
+    assert "stage rl: sbatch refused the job" in refused.stderr and "reservation" in refused.stderr, refused.stderr
     cancelled = re.findall(r"\ncancelled the stages submitted before it, so that none of the pipeline runs: "
                            r"sft \(job (\d+)\), rm \(job (\d+)\)\n", refused.stderr + "\n")
     assert len(cancelled) == 1, refused.stderr
@@ -99,6 +100,11 @@ def test_a_pipeline_is_submitted_whole_or_not_at_all(tiny, tmp_path):
 
     run_dir.mkdir()
     before = jobs_of_this_checkout()
+    nowhere = cli("submit", EXAMPLES / "tiny-pipeline.yaml", "--run-dir", run_dir, "--set", "rl.slurm.partition=nosuch",
+                  timeout=180)
+    assert nowhere.returncode == 2, nowhere.stdout + nowhere.stderr
+    assert ("stage rl: slurm.partition: there is no partition 'nosuch' on this cluster (sinfo lists debug (default), "
+            "front, back); name one of those") in nowhere.stderr
     too_big = ["--set", "rl.placement.trainer.workers=3", "--set", "rl.placement.trainer.nodes=3",
                "--set", "rl.trainer.micro_batch_size=4", "--set", "rl.rollout.prompts_per_step=12"]
     waiting = cli("submit", EXAMPLES / "tiny-pipeline.yaml", "--run-dir", run_dir, *too_big, timeout=180)

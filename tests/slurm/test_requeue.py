@@ -159,11 +159,13 @@ def test_a_short_time_limit_is_survived_by_requeueing(tiny, tmp_path):
     assert_nothing_left(run_dir, job_id)
 
 
-def test_a_requeue_past_its_limit_or_refused_by_slurm_is_a_named_error(tmp_path):
+def test_a_requeue_past_its_limit_or_refused_by_slurm_is_a_named_error(tmp_path, monkeypatch):
     """No requeue beyond slurm.max_requeues; a requeue that Slurm refuses (here: a job that does not exist)
-    names the command and what Slurm said; both say how to go on."""
+    names the command and what Slurm said; both say how to go on. The job requeued is the driver's own
+    ($SLURM_JOB_ID), whatever job.json names."""
     rd = RunDir(tmp_path)
-    rd.update_job(job_id=999999, requeues=2)
+    rd.update_job(job_id=5, requeues=2)
+    monkeypatch.setenv("SLURM_JOB_ID", "999999")
     with pytest.raises(RunError, match=r"already requeued 2 times \(slurm.max_requeues\); continue with: "
                                        r"slurm-rlhf resume .* --submit"):
         requeue(rd, max_requeues=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -127,8 +128,9 @@ def test_srun_command(tiny, tmp_path):
     cmd = srun_command(trainer, ["n3", "n4"], 2, "/venv/bin/python", "/runs/x/logs")
     assert cmd[:2] == ["srun", "--het-group=2"]
     for flag in ("--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--nodelist=n3,n4", "--cpus-per-task=3",
-                 "--gpus-per-task=1", "--kill-on-bad-exit=1", "--output=/runs/x/logs/trainer-%t.log"):
-        assert flag in cmd
+                 "--gpus-per-task=1", "--kill-on-bad-exit=1", "--output=/runs/x/logs/trainer-%t.log",
+                 "--export=ALL"):  # (before: none, and a job submitted with --export=NONE gave its workers no env)
+        assert flag in cmd, flag
     assert cmd[-3:] == ["/venv/bin/python", "-m", "toolkit.worker"]
     assert not any(a.startswith("--het-group") for a in srun_command(groups[0], ["n1"], None, "py", "/l"))
 
@@ -268,3 +270,42 @@ def test_a_scancel_that_does_not_answer_in_time_is_logged_not_raised(monkeypatch
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert (warned == [f"scancel --signal=KILL 7.2: Command '['scancel', '--signal=KILL', '7.2']' {said}; "
                            "killing its srun instead"]) if said else warned == [], warned
+
+
+def test_a_worker_lives_through_sigusr1_meant_for_the_driver(tmp_path):
+    """`scancel --signal=USR1 JOB` (without -b) reaches the job steps: every worker died of it (exit 138)
+    and a trainer restart was used up. A worker ignores it from its first line. Here the worker's start
+    stops where it reads its environment: it sends itself SIGUSR1 there, and must live on to say so."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = tmp_path / "start.py"
+    script.write_text("import os, signal, sys\nimport toolkit.launch.env as E\nimport toolkit.worker as w\n"
+                      "def read_env(*args):\n    os.kill(os.getpid(), signal.SIGUSR1)\n    print('alive')\n"
+                      "    sys.exit(0)\nE.WorkerEnv.from_environ = read_env\nw.main()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (out.returncode, out.stdout) == (0, "alive\n"), out.stderr[-2000:]
+
+
+def test_a_partition_that_does_not_exist_is_named_before_the_submit(tiny, tmp_path, monkeypatch):
+    """A misspelt partition went to sbatch, which refused it after the run directory was made. sinfo here is
+    a script on PATH (a fake: no cluster in the unit tests) listing the partitions debug (default) and gpu."""
+    from toolkit.launch.submit import check_partitions
+
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    (tmp_path / "sinfo").write_text("#!/bin/sh\nprintf 'debug* 0/4/0/4\\ngpu 0/2/0/2\\n'\n")
+    (tmp_path / "sinfo").chmod(0o700)
+    _, groups = groups_for(tiny, tmp_path / "a", trainer={"partition": "gpus"})
+    with pytest.raises(ConfigError) as e:
+        check_partitions(plan_allocation(groups))
+    assert e.value.exit_code == 2
+    assert str(e.value) == ("placement.trainer.partition: there is no partition 'gpus' on this cluster (sinfo lists "
+                            "debug (default), gpu); name one of those")
+    _, groups = groups_for(tiny, tmp_path / "b", trainer={"partition": "gpu"})  # (the rest: slurm.partition cpu)
+    groups = [g if g.partition else dataclasses.replace(g, partition="cpu") for g in groups]
+    with pytest.raises(ConfigError, match=r"^slurm.partition: there is no partition 'cpu' on this cluster"):
+        check_partitions(plan_allocation(groups), "cpu")
+    check_partitions(plan_allocation(groups_for(tiny, tmp_path / "c", trainer={"partition": "gpu"})[1]))

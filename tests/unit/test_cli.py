@@ -414,3 +414,176 @@ def test_a_run_without_a_checkpoint_names_the_setting_that_writes_them(tiny, tmp
         assert (f"{run}: the run has no checkpoint yet (checkpoint.every_steps sets how often one is written)"
                 in result.stderr), result.stderr
         assert "(none)" not in result.stderr
+
+
+def _fake_slurm(tmp_path, monkeypatch, **scripts):
+    """Slurm commands as scripts on PATH (a fake: the unit tests run without a cluster), each a shell body."""
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    for name, body in scripts.items():
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o700)
+
+
+def test_a_second_job_of_a_run_directory_starts_no_second_driver(monkeypatch, tmp_path, capsys):
+    """`sbatch job.sbatch` twice put two drivers on one run directory: one crashed on the other's temporary
+    status file, job.json named the dead one, and `status`/`cancel` acted on the wrong job. The second job's
+    driver now stops at once (exit 2) and writes nothing: while job.json names another live job, and while
+    another driver holds job.lock. squeue here is a script that says job 7 runs."""
+    from toolkit.launch.batch import main
+    from toolkit.launch.rundir import RunDir
+
+    _fake_slurm(tmp_path, monkeypatch, squeue="echo 'RUNNING|n1|1:00|None'")
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    rd.update_job(job_id=7, driver_pid=1234)
+    monkeypatch.setenv("SLURM_JOB_ID", "8")
+    assert main([str(rd.path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{rd.path} is already run by slurm job 7 (RUNNING): job 8 starts no second driver" in err
+    assert rd.read_json(rd.job) == {"job_id": 7, "driver_pid": 1234} and not rd.status.exists()
+    holds = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+             "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
+    driver = subprocess.Popen([sys.executable, "-c", holds, str(rd.path / "job.lock")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert driver.stdout.readline() == "held\n"
+        rd.update_job(job_id=8)  # (both started at once: job.json names this job, the other driver runs)
+        assert main([str(rd.path)]) == 2
+        assert "is already run by another slurm job, whose driver holds job.lock: job 8" in capsys.readouterr().err
+    finally:
+        driver.kill()
+        driver.wait()
+
+
+def test_status_writes_at_once_never_crash_on_each_others_temporary_file(tmp_path):
+    """Two processes writing status.json at once (two drivers, once) shared one temporary name: one's
+    os.replace found the file gone (FileNotFoundError) and its driver crashed."""
+    import multiprocessing
+
+    from toolkit.launch.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    writers = [ctx.Process(target=_write_status_often, args=(str(tmp_path), n)) for n in range(3)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+    assert [w.exitcode for w in writers] == [0, 0, 0]
+    assert rd.read_json(rd.status)["writer"] in (0, 1, 2)
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # (no temporary file left)
+
+
+def _write_status_often(path: str, n: int) -> None:
+    from toolkit.launch.rundir import RunDir
+
+    rd = RunDir(path)
+    for i in range(300):
+        rd.write_status({"writer": n, "i": i})
+
+
+def test_a_requeue_puts_back_this_job_not_the_one_job_json_names(monkeypatch, tmp_path):
+    from toolkit.launch.batch import requeue
+    from toolkit.launch.rundir import RunDir
+
+    _fake_slurm(tmp_path, monkeypatch, scontrol=f'echo "$@" > {tmp_path / "asked"}')
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    rd.update_job(job_id=7)
+    monkeypatch.setenv("SLURM_JOB_ID", "8")
+    requeue(rd, 3)
+    assert (tmp_path / "asked").read_text() == "requeue 8\n"
+    assert rd.read_json(rd.job) == {"job_id": 7, "requeues": 1}
+
+
+def test_cancel_of_a_job_that_has_ended_says_so_and_cancels_nothing(monkeypatch, tmp_path):
+    """`cancel` said "cancelled slurm job 7" of a job that had completed long before (or that Slurm no longer
+    knew). squeue lists nothing here, scontrol says how the job ended, and scancel says it was called."""
+    from toolkit.launch.jobs import cancel
+    from toolkit.launch.rundir import RunDir
+
+    _fake_slurm(tmp_path, monkeypatch, squeue="exit 0", scontrol="echo 'JobId=7 JobState=COMPLETED NodeList=n1'",
+                scancel=f"touch {tmp_path / 'scancelled'}")
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    rd.update_job(job_id=7)
+    assert cancel(rd, timeout_s=5) == "slurm job 7 had already ended (COMPLETED); nothing to cancel"
+    (tmp_path / "scontrol").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\n"
+                                       "exit 1\n")
+    assert cancel(rd, timeout_s=5) == ("slurm job 7 had already ended (UNKNOWN (no longer known to slurmctld)); "
+                                       "nothing to cancel")
+    assert not (tmp_path / "scancelled").exists()
+
+
+def test_status_of_a_heterogeneous_job_and_of_a_requeued_one(monkeypatch, tmp_path):
+    """A pending heterogeneous job showed `PENDING on ,,` (a row per component, none with nodes); one that
+    had ended showed the last component's nodes only (scontrol's lines read into one dict); a run requeued
+    once and not yet resumed read `resumed 0 time(s) ..., 1 of them after a Slurm requeue`. The Slurm
+    commands are scripts on PATH here."""
+    from toolkit.launch.jobs import slurm_job, status_text
+    from toolkit.launch.rundir import RunDir
+
+    _fake_slurm(tmp_path, monkeypatch, squeue="for i in 1 2 3; do echo 'PENDING||0:00|Resources'; done")
+    assert slurm_job("7") == {"state": "PENDING", "nodes": "", "elapsed": "0:00", "reason": "Resources"}
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    (rd.path / "config.yaml").write_text("")
+    rd.update_job(job_id=7, requeues=1)
+    rd.write_status({"state": "running", "step": 3, "steps": 10})
+    text = status_text(rd)
+    assert "slurm job 7: PENDING, elapsed 0:00 (Resources)\n" in text
+    assert ("restarts: slurm job requeued 1 time(s) by its driver at its time limit (the requeued job has not "
+            "resumed yet)") in text
+    lines = [f"JobId={7 + k} HetJobId=7 HetJobOffset={k} JobState=COMPLETED RunTime=00:01:0{k} Reason=None "
+             f"NodeList={nodes}" for k, nodes in enumerate(["n1", "(null)", "n[3-4]"])]
+    (tmp_path / "scontrol.out").write_text("\n".join(lines) + "\n")
+    _fake_slurm(tmp_path, monkeypatch, squeue="exit 0", scontrol=f"cat {tmp_path / 'scontrol.out'}")
+    assert slurm_job("7") == {"state": "COMPLETED", "nodes": "n1,n[3-4]", "elapsed": "00:01:00", "reason": "None"}
+
+
+def test_ctrl_c_while_following_a_job_says_the_job_keeps_running(monkeypatch, tmp_path):
+    """Ctrl-C on `submit --wait` printed `interrupted (SIGINT)`, as if the run had stopped; the job ran on.
+    squeue here is a script that says the job runs; the Ctrl-C comes as the CLI's handler raises it."""
+    import signal
+
+    from toolkit.errors import Interrupted
+    from toolkit.launch import jobs
+    from toolkit.launch.rundir import RunDir
+
+    _fake_slurm(tmp_path, monkeypatch, squeue="echo 'RUNNING|n1|0:05|None'")
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt(signal.SIGINT)
+
+    monkeypatch.setattr(jobs.time, "sleep", ctrl_c)
+    try:
+        jobs.follow(rd, "7")
+    except Interrupted as e:
+        said = e
+    except KeyboardInterrupt:  # (the CLI then said `interrupted (SIGINT)`)
+        pytest.fail("follow let the Ctrl-C through: nothing says that the job keeps running")
+    assert said.exit_code == 130
+    assert str(said) == (f"stopped following (SIGINT); slurm job 7 keeps running: `slurm-rlhf status {rd.path}` "
+                            f"shows it, `slurm-rlhf cancel {rd.path}` stops it")
+
+
+def test_the_driver_makes_slurms_output_files_private(monkeypatch, tmp_path):
+    """slurmstepd creates the job's output files with the umask `sbatch` was run with: after a hand-run sbatch
+    under umask 022 the driver's output (tracebacks, config values) was readable by all. The driver makes
+    them 600 at its start; here its start stops at once after that (the run's config is missing)."""
+    from toolkit.launch.batch import main
+    from toolkit.launch.rundir import RunDir
+
+    rd = RunDir(tmp_path / "run")
+    (rd.path / "slurm").mkdir(parents=True)
+    rd.logs.mkdir()
+    logs = [rd.path / "slurm" / f"9_0_log.{suffix}" for suffix in ("out", "err")]
+    for log in logs:
+        log.write_text("")
+        log.chmod(0o644)
+    rd.update_job(job_id=9)
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    assert main([str(rd.path)]) != 0
+    assert [oct(log.stat().st_mode & 0o777) for log in logs] == ["0o600", "0o600"]

@@ -940,3 +940,13 @@ def test_validate_says_what_the_auto_settings_come_to_here(tiny, tmp_path):
                env={"GOMP_SPINCOUNT": "100"})
     assert ours.returncode == 0 and ours.stdout.splitlines()[-1] == (
         "# run.openmp_spin 3000: GOMP_SPINCOUNT=100 in this environment wins (the workers inherit it)"), ours.stdout
+
+
+def test_a_time_limit_in_slurms_formats_is_taken_in_minutes(tiny, tmp_path):
+    """`slurm.time_min: "2:00:00"` was refused as "not a valid integer", which did not say the unit."""
+    for given, minutes in [("2:00:00", 120), ("90:30", 91), ("1-12", 2160), ("1-0:0:1", 1441), ("45", 45), (30, 30)]:
+        cfg = load_config(write_config(tmp_path / str(minutes), example("tiny-grpo.yaml", tiny,
+                                                                        slurm={"time_min": given})))
+        assert cfg.slurm.time_min == minutes, given
+    with pytest.raises(ConfigError, match=r"slurm.time_min: '2h' is not a time limit; write minutes \(e.g. 120\)"):
+        load_config(write_config(tmp_path / "h", example("tiny-grpo.yaml", tiny, slurm={"time_min": "2h"})))

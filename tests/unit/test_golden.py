@@ -88,3 +88,21 @@ def test_render_again_after_a_config_edit_rewrites_the_script_until_the_run_star
     (run_dir / "status.json").write_text("{}")  # the job has started: its directory is never rewritten
     refused = cli("render", config, "--run-dir", run_dir, timeout=60)
     assert refused.returncode == 2 and "already holds a run" in refused.stderr
+
+
+def test_sbatch_extras_ask_every_component_of_a_heterogeneous_job(tiny, tmp_path):
+    """`slurm.sbatch: {exclusive: true}` reached only component 0 of a heterogeneous job: the scorers and
+    trainers shared their nodes all the same. Options of the whole job (mail) stay in the first component."""
+    import yaml
+
+    config = configs(tiny, tmp_path)["het"]
+    data = yaml.safe_load(config.read_text())
+    data["slurm"]["sbatch"] = {"exclusive": True, "reservation": "r1", "mail-type": "END", "mail-user": "me@x"}
+    cfg = load_config(write_config(tmp_path / "extras", data))
+    allocation = plan_allocation(plan(cfg), cfg.slurm.heterogeneous)
+    script = sbatch_script(cfg, allocation, RUN_DIR, ["true"], how="render")
+    blocks = script.split("#SBATCH hetjob")
+    assert len(blocks) == 3
+    for block in blocks:
+        assert "#SBATCH --exclusive\n" in block and "#SBATCH --reservation=r1\n" in block, block
+    assert ["--mail-type=END" in b and "--mail-user=me@x" in b for b in blocks] == [True, False, False]

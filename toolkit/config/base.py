@@ -365,6 +365,26 @@ class GroupSection(Section):
         return self
 
 
+def slurm_minutes(text: str) -> int:
+    """Minutes of a time in one of Slurm's --time formats (a part minute counted whole): minutes,
+    minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds."""
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not match:
+        raise ValueError(f"slurm.time_min: {text!r} is not a time limit; write minutes (e.g. 120) or one of Slurm's "
+                         "--time formats: \"2:00:00\" (hours:minutes:seconds), \"1-12\" (days-hours), \"90:30\" "
+                         "(minutes:seconds)")
+    days, *parts = match.groups()
+    numbers = [int(p) for p in parts if p is not None]
+    if days is not None:  # days-hours[:minutes[:seconds]]
+        numbers += [0] * (3 - len(numbers))
+        seconds = ((int(days) * 24 + numbers[0]) * 60 + numbers[1]) * 60 + numbers[2]
+    elif len(numbers) == 3:  # hours:minutes:seconds
+        seconds = (numbers[0] * 60 + numbers[1]) * 60 + numbers[2]
+    else:  # minutes[:seconds]
+        seconds = numbers[0] * 60 + (numbers[1] if len(numbers) == 2 else 0)
+    return -(-seconds // 60)
+
+
 # sbatch options slurm-rlhf sets from the placement or needs for itself.
 RESERVED_SBATCH = {"nodes", "ntasks", "ntasks-per-node", "cpus-per-task", "gpus", "gpus-per-task", "gpus-per-node",
                    "mem", "partition", "constraint", "account", "qos", "time", "job-name", "output", "error",
@@ -401,7 +421,9 @@ class SlurmSection(Section):
     """Nodes you may use at most (e.g. your share of the cluster, or an allocation you already hold);
     a placement whose node groups need more is refused before anything is submitted."""
     time_min: PositiveInt = 60
-    """Time limit of the allocation, in minutes."""
+    """Time limit of the allocation, in minutes (`120`), or in one of Slurm's --time formats as a quoted
+    string (`"2:00:00"`, `"1-12"`, `"90:30"`: minutes[:seconds], hours:minutes:seconds, days-hours[:minutes
+    [:seconds]]), turned into minutes, a part minute counted whole."""
     job_name: OneLine | None = None
     """Name of the Slurm job (default: `run.name`)."""
     heterogeneous: Literal["auto", "always", "never"] = "auto"
@@ -411,7 +433,10 @@ class SlurmSection(Section):
     setup: list[str] = []
     """Shell lines the batch script runs before the driver (e.g. `module load cuda`)."""
     sbatch: dict[str, str | int | float | bool] = {}
-    """More sbatch options, e.g. `{mail-type: END, exclusive: true}` -> `#SBATCH --mail-type=END`."""
+    """More sbatch options, e.g. `{mail-type: END, exclusive: true}` -> `#SBATCH --mail-type=END`. In a
+    heterogeneous job, options of the job as a whole (mail-type, mail-user, dependency, begin, comment, ...:
+    `toolkit.launch.sbatch.JOB_WIDE`) go in its first component, all others (exclusive, reservation, gres,
+    ...) in every component."""
     python: str | None = None
     """Python on the compute nodes (default: the interpreter running `slurm-rlhf submit`)."""
     signal_lead_s: PositiveInt = 120
@@ -422,6 +447,11 @@ class SlurmSection(Section):
     """Seconds kept free before the time limit after the last step's checkpoint, for the requeue and the
     workers' stop: after SIGUSR1 the driver runs another step only if it, a checkpoint and this margin fit.
     Raise it where stopping takes long (a slow shared file system, many workers)."""
+
+    @field_validator("time_min", mode="before")
+    @classmethod
+    def _slurm_time(cls, value):
+        return slurm_minutes(value) if isinstance(value, str) and not value.strip().isdigit() else value
 
     @model_validator(mode="after")
     def _options(self) -> "SlurmSection":

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from toolkit.errors import ConfigError, RunError
+from toolkit.errors import ConfigError, Interrupted, RunError
 from toolkit.launch.env import node_name
 from toolkit.launch.pipeline import resume_target
 from toolkit.launch.rundir import RunDir
@@ -58,16 +58,18 @@ def slurm_job(job_id: str) -> dict:
     id` of a job it no longer knows (UNKNOWN), and a job of a busy controller may well be running."""
     out = _ask(["squeue", "-h", "-j", job_id, "-o", "%T|%N|%M|%r"])
     rows = [r.split("|") for r in out.stdout.splitlines() if r.strip()]
-    if rows:
-        state, nodes, elapsed, reason = rows[0]
-        if len(rows) > 1:  # a heterogeneous job has one row per component
-            nodes = ",".join(r[1] for r in rows)
-        return {"state": state, "nodes": nodes, "elapsed": elapsed, "reason": reason}
+    if rows:  # (a heterogeneous job has one row per component: their nodes together, a pending one's none)
+        state, _, elapsed, reason = rows[0]
+        return {"state": state, "nodes": ",".join(r[1] for r in rows if r[1]), "elapsed": elapsed, "reason": reason}
     info = _ask(["scontrol", "show", "job", "-o", job_id])
-    fields = dict(f.split("=", 1) for f in info.stdout.split() if "=" in f)
-    if fields:
-        return {"state": fields.get("JobState", "?"), "nodes": fields.get("NodeList", ""),
-                "elapsed": fields.get("RunTime", ""), "reason": fields.get("Reason", "")}
+    # (one line per component of a heterogeneous job: the first one's state, every component's nodes)
+    components = [fields for fields in (dict(f.split("=", 1) for f in line.split() if "=" in f)
+                                        for line in info.stdout.splitlines()) if fields]
+    if components:
+        first = components[0]
+        nodes = ",".join(c["NodeList"] for c in components if c.get("NodeList") not in (None, "", "(null)"))
+        return {"state": first.get("JobState", "?"), "nodes": nodes, "elapsed": first.get("RunTime", ""),
+                "reason": first.get("Reason", "")}
     said = (info.stderr.strip() or out.stderr.strip() or "no answer").splitlines()[-1]
     if info.returncode and "Invalid job id" not in said:
         return {"state": f"UNREACHABLE (Slurm did not answer: {said})", "nodes": "", "elapsed": "", "reason": ""}
@@ -112,9 +114,12 @@ def status_text(rd: RunDir) -> str:
     step = status.get("step", -1)
     lines.append(f"run state: {state_text(rd, status)}, steps done: {max(step + 1, 0)}/{status.get('steps') or '?'}")
     resumes = sum(1 for r in Manifest(rd.path).records() if r["kind"] == "resume")
-    if resumes or job.get("requeues"):
-        lines.append(f"restarts: resumed {resumes} time(s) from its checkpoint and experience"
-                     + (f", {job['requeues']} of them after a Slurm requeue" if job.get("requeues") else ""))
+    requeues = job.get("requeues", 0)
+    if resumes or requeues:  # (a job requeued and still waiting to start again has not resumed yet)
+        lines.append("restarts: " + "; ".join(filter(None, [
+            f"resumed {resumes} time(s) from its checkpoint and experience" if resumes else "",
+            f"slurm job requeued {requeues} time(s) by its driver at its time limit"
+            + (" (the requeued job has not resumed yet)" if requeues > resumes else "") if requeues else ""])))
     if status.get("worker_restarts"):
         lines.append("restarts: " + restarts_text(status["worker_restarts"]))
     if status.get("error"):
@@ -176,7 +181,8 @@ def restarts_text(restarts: dict[str, int]) -> str:
 
 
 def follow(rd: RunDir, job_id: str) -> int:
-    """Print the job's output as it grows until the job ends; 0 if the run finished."""
+    """Print the job's output as it grows until the job ends; 0 if the run finished. Interrupted (Ctrl-C), it
+    says that the job goes on and how to reach it (before: `interrupted (SIGINT)`, as if the run had stopped)."""
     from toolkit.progress import Progress
 
     out = rd.path / "slurm" / f"{job_id}_0_log.out"
@@ -210,6 +216,11 @@ def follow(rd: RunDir, job_id: str) -> int:
                 key = "reward_mean" if "reward_mean" in last else "loss"
                 progress.advance(last["step"] + 1, status["steps"], f"{key.split('_')[0]} {last.get(key, 0):.3f}")
             time.sleep(1)
+    except KeyboardInterrupt as e:  # (Ctrl-C, SIGTERM: this process stops following; the job is not touched)
+        signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+        raise Interrupted(f"stopped following ({signal.Signals(signum).name}); slurm job {job_id} keeps running: "
+                          f"`slurm-rlhf status {rd.path}` shows it, `slurm-rlhf cancel {rd.path}` stops it",
+                          128 + signum) from None
     finally:
         progress.close()
     status = rd.read_json(rd.status)
@@ -258,6 +269,9 @@ def cancel(rd: RunDir, timeout_s: float = 60) -> str:
         job_id = str(job["job_id"])
         if shutil.which("scancel") is None:
             raise RunError("scancel not found: run `cancel` where Slurm's commands are installed")
+        state = slurm_job(job_id)["state"]
+        if ended(state):  # (before: "cancelled" of a job that had finished long ago, or that Slurm forgot)
+            return f"slurm job {job_id} had already ended ({state}); nothing to cancel"
         answer = _ask(["scancel", job_id])
         if answer.returncode:
             raise RunError(f"scancel {job_id} failed: {answer.stderr.strip() or f'exit status {answer.returncode}'}; "

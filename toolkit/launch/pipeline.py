@@ -161,7 +161,7 @@ def pipeline_jobs(configs: list, pd: PipelineDir) -> list[tuple]:
             if not finished(pd.stage(cfg.stage))]
     for cfg, allocation in todo:
         try:
-            check_partitions(allocation)
+            check_partitions(allocation, cfg.slurm.partition)
         except ConfigError as e:
             raise ConfigError(f"stage {cfg.stage}: {e}") from None
     return todo

@@ -7,15 +7,19 @@
     RUN_DIR/status.json     state of the run and of every worker (rewritten atomically)
     RUN_DIR/job.json        the Slurm job (id, batch node, driver pid), for `status` and `cancel`
     RUN_DIR/driver.lock     locked (flock) while a local driver runs the directory: `resume` cannot start
-                            a second one beside it (a Slurm job's driver is one by Slurm's own count)
+                            a second one beside it
+    RUN_DIR/job.lock        locked (flock) while a Slurm job's driver runs the directory: a second job of the
+                            directory (`sbatch job.sbatch` twice) stops at start (`hold_job_lock`)
     RUN_DIR/slurm/          the batch script, Submitit's files and the job's own output
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from toolkit.config import RunConfig, dump_config
@@ -86,6 +90,24 @@ class RunDir:
                               "then resume")
         self._lock = lock
 
+    def hold_job_lock(self) -> bool:
+        """Lock job.lock for this process's lifetime: a Slurm job's driver, so that a second job of the same
+        directory cannot run beside it. Whether it was taken (also where the file system has no locks:
+        then nothing is held, and the job-state check of `batch` stands alone)."""
+        if self._lock is not None:
+            return True
+        lock = os.fdopen(os.open(self.path / "job.lock", os.O_WRONLY | os.O_CREAT, 0o600), "w")
+        try:
+            taken = take(lock.fileno(), LOCK_WAIT_S, 0.05)
+        except OSError:  # (no locks on this file system)
+            lock.close()
+            return True
+        if not taken:
+            lock.close()
+            return False
+        self._lock = lock
+        return True
+
     def lock_held(self) -> bool:
         """Whether a process holds the directory's lock (`hold_lock`: a local driver runs it now). It takes
         the lock shared for a moment to see: a driver starting just then tries again (`LOCK_WAIT_S`)."""
@@ -155,9 +177,17 @@ class RunDir:
 
     @staticmethod
     def write_atomic(path: Path, text: str) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        """Write `path` whole or not at all, through a temporary file of a name of its own in the same
+        directory: two processes writing the file at once (two drivers, a driver and `cancel`) never
+        replace or remove each other's temporary file (a fixed name crashed one of them)."""
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise

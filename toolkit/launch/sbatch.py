@@ -15,6 +15,15 @@ from toolkit.launch.allocation import Allocation, Component, mem_option
 
 TEMPLATE = Path(__file__).with_name("sbatch.sh.tmpl")
 
+JOB_WIDE = frozenset({"array", "begin", "chdir", "comment", "deadline", "dependency", "error", "export",
+                      "export-file", "get-user-env", "hold", "input", "job-name", "kill-on-invalid-dep", "mail-type",
+                      "mail-user", "no-requeue", "open-mode", "output", "parsable", "priority", "propagate",
+                      "requeue", "signal", "test-only", "wait", "wckey"})
+"""sbatch options of the job as a whole (its name, its mail, its dependencies, its batch script's output and
+signal): in a heterogeneous job they go in the first component only, where Slurm reads them. Every other
+`slurm.sbatch` option (exclusive, reservation, gres, mem-per-cpu, exclude, ...) asks for resources of the
+component it is written in, and goes in every component (before, only the first one got them)."""
+
 
 def job_log(run_dir: str, suffix: str = "out") -> str:
     """The batch script's own output file (%j: the job id), in Submitit's naming."""
@@ -29,12 +38,14 @@ def sbatch_script(cfg, allocation: Allocation, run_dir: str, command: list[str] 
     common = {"time": s.time_min, "account": s.account, "qos": s.qos}
     # USR1 to the batch shell (the driver) before the time limit: checkpoint, then requeue and resume.
     head = {"job-name": s.job_name or cfg.run.name, "output": job_log(run_dir), "error": job_log(run_dir, "err"),
-            "open-mode": "append", "signal": f"B:USR1@{s.signal_lead_s}", "requeue": True, **s.sbatch}
+            "open-mode": "append", "signal": f"B:USR1@{s.signal_lead_s}", "requeue": True,
+            **{k: v for k, v in s.sbatch.items() if k in JOB_WIDE}}
+    each = {k: v for k, v in s.sbatch.items() if k not in JOB_WIDE}
     if depends_on:
         head.update({"dependency": f"afterok:{depends_on}", "kill-on-invalid-dep": "yes"})
     blocks = []
     for i, component in enumerate(allocation.components):
-        options = {**(head if i == 0 else {}), **_resources(component), **common}
+        options = {**(head if i == 0 else {}), **each, **_resources(component), **common}
         lines = [f"# component {i}: {', '.join(g.name for g in component.groups)}"] if allocation.heterogeneous else []
         lines += [_flag(k, v) for k, v in options.items() if v is not None and v is not False]
         blocks.append("\n".join(lines))

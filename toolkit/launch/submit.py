@@ -32,10 +32,10 @@ def submit_script(cfg, allocation: Allocation, run_dir: str, depends_on: str | N
 
 
 def partitions() -> tuple[dict[str, int], str | None]:
-    """({partition: nodes}, the default partition) as `sinfo` shows them to this user; ({}, None) where
-    `sinfo` is not here or fails."""
+    """({partition: nodes}, the default partition) as `sinfo` shows them (hidden ones too: -a); ({}, None)
+    where `sinfo` is not here or fails."""
     try:
-        out = subprocess.run(["sinfo", "-h", "-s", "-o", "%P %F"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["sinfo", "-h", "-a", "-s", "-o", "%P %F"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return {}, None
     sizes, default = {}, None
@@ -49,14 +49,22 @@ def partitions() -> tuple[dict[str, int], str | None]:
     return sizes, default
 
 
-def check_partitions(allocation: Allocation) -> None:
-    """A job that asks a partition for more nodes than it has, which Slurm may queue and never start
-    (PartitionNodeLimit), is a ConfigError before it is submitted."""
+def check_partitions(allocation: Allocation, slurm_partition: str | None = None) -> None:
+    """A job that asks for a partition that does not exist (sbatch's "invalid partition name specified",
+    after the run directory is made) or for more nodes than a partition has, which Slurm may queue and never
+    start (PartitionNodeLimit), is a ConfigError before it is submitted. `slurm_partition`: the config's
+    slurm.partition, to name the setting to fix."""
     sizes, default = partitions()
     need: dict[str | None, int] = {}
     for component in allocation.components:
         name = component.partition or default
         need[name] = need.get(name, 0) + component.nodes
+        if sizes and name is not None and name not in sizes:
+            fields = sorted({"slurm.partition" if g.partition == slurm_partition else f"placement.{g.name}.partition"
+                             for g in component.groups})
+            listed = ", ".join(f"{p}{' (default)' if p == default else ''}" for p in sizes)
+            raise ConfigError(f"{' and '.join(fields)}: there is no partition {name!r} on this cluster (sinfo "
+                              f"lists {listed}); name one of those")
     for name, nodes in need.items():
         have = sizes.get(name)
         if have is not None and nodes > have:
@@ -70,7 +78,7 @@ def submit(cfg, allocation: Allocation, run_dir, depends_on: str | None = None) 
     """Submit the run in `run_dir` (already created), after job `depends_on` if given; the Slurm job id."""
     import submitit
 
-    check_partitions(allocation)
+    check_partitions(allocation, cfg.slurm.partition)
     script = submit_script(cfg, allocation, str(run_dir.path), depends_on)
 
     class Executor(submitit.SlurmExecutor):
