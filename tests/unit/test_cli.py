@@ -101,6 +101,13 @@ def test_slurm_commands_missing_on_this_node_are_a_job_state_not_a_traceback(mon
     assert running_steps("7") == set()
 
 
+def holding(path) -> subprocess.Popen:
+    """Another process holding an exclusive flock on `path` (a driver's lock), once it says `held`."""
+    holds = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+             "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
+    return subprocess.Popen([sys.executable, "-c", holds, str(path)], stdout=subprocess.PIPE, text=True)
+
+
 def test_cancel_stops_a_local_driver_before_a_slurm_job_of_the_past(monkeypatch, tmp_path):
     """A run submitted once and then resumed here still names its old job in job.json: `cancel` scancelled
     that job, said so, and left the local driver running. scancel here is a script that says it was called."""
@@ -116,10 +123,7 @@ def test_cancel_stops_a_local_driver_before_a_slurm_job_of_the_past(monkeypatch,
     rd = RunDir(tmp_path / "run")
     rd.path.mkdir()
     rd.update_job(job_id=12345)
-    holds = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
-             "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
-    driver = subprocess.Popen([sys.executable, "-c", holds, str(rd.path / "driver.lock")], stdout=subprocess.PIPE,
-                              text=True)
+    driver = holding(rd.path / "driver.lock")
     try:
         assert driver.stdout.readline() == "held\n"
         rd.write_status({"state": "running", "driver": {"pid": driver.pid, "node": node_name(),
@@ -441,10 +445,7 @@ def test_a_second_job_of_a_run_directory_starts_no_second_driver(monkeypatch, tm
     err = capsys.readouterr().err
     assert f"{rd.path} is already run by slurm job 7 (RUNNING): job 8 starts no second driver" in err
     assert rd.read_json(rd.job) == {"job_id": 7, "driver_pid": 1234} and not rd.status.exists()
-    holds = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
-             "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
-    driver = subprocess.Popen([sys.executable, "-c", holds, str(rd.path / "job.lock")], stdout=subprocess.PIPE,
-                              text=True)
+    driver = holding(rd.path / "job.lock")
     try:
         assert driver.stdout.readline() == "held\n"
         rd.update_job(job_id=8)  # (both started at once: job.json names this job, the other driver runs)
