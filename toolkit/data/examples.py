@@ -14,6 +14,8 @@ Alpaca's {instruction, input, output} (data.input_key joins the input to the ins
 
 from __future__ import annotations
 
+import datetime
+import decimal
 from dataclasses import dataclass, field
 
 from toolkit.data import Row
@@ -93,9 +95,6 @@ def _plain(value):
     Parquet or `datasets` timestamp column) as its ISO text and a decimal as its text, as a JSON export of
     the table holds them; lists and mappings item by item (what msgpack cannot carry is named by
     check_fields, before start-up)."""
-    import datetime
-    import decimal
-
     if isinstance(value, (datetime.date, datetime.time)):
         return value.isoformat()
     if isinstance(value, decimal.Decimal):
@@ -116,24 +115,14 @@ def check_fields(examples: list[Example]) -> None:
     import msgpack
 
     for ex in examples:
-        try:
-            msgpack.unpackb(msgpack.packb(ex.fields, use_bin_type=True), raw=False)
-        except (TypeError, ValueError, OverflowError) as e:
-            key = next((k for k, v in ex.fields.items() if not _travels(v)), "?")
-            raise ConfigError(f"{ex.location}: field {key!r} ({ex.fields.get(key)!r:.60}) cannot be sent to the "
-                              f"reward functions ({type(e).__name__}: {e}): the fields of a prompt row travel as "
-                              "strings, numbers within 64 bits, booleans, lists and mappings with text keys; "
-                              "store it as a string, or leave the field out of the data") from None
-
-
-def _travels(value) -> bool:
-    import msgpack
-
-    try:
-        msgpack.unpackb(msgpack.packb({"v": value}, use_bin_type=True), raw=False)
-        return True
-    except (TypeError, ValueError, OverflowError):
-        return False
+        for key, value in ex.fields.items():
+            try:  # (as the wire packs and unpacks it: toolkit/transport/wire.py)
+                msgpack.unpackb(msgpack.packb(value, use_bin_type=True), raw=False)
+            except (TypeError, ValueError, OverflowError) as e:
+                raise ConfigError(f"{ex.location}: field {key!r} ({value!r:.60}) cannot be sent to the reward "
+                                  f"functions ({type(e).__name__}: {e}): the fields of a prompt row travel as "
+                                  "strings, numbers within 64 bits, booleans, lists and mappings with text keys; "
+                                  "store it as a string, or leave the field out of the data") from None
 
 
 def _prompt(data: dict, keys, where: str, messages: list | None, conversation: list | None = None,

@@ -76,32 +76,27 @@ class RunDir:
         if self._lock is not None:
             return
         self.private()  # (a resume runs with the user's umask, often 022, unless set here)
-        lock = os.fdopen(os.open(self.path / "driver.lock", os.O_WRONLY | os.O_CREAT, 0o600), "w")
-        try:
-            taken = take(lock.fileno(), LOCK_WAIT_S, 0.05)
-        except OSError:  # (no locks on this file system)
-            lock.close()
-            return
-        if not taken:
-            lock.close()
+        if self._take("driver.lock") is False:
             pid = self.read_json(self.status).get("driver", {}).get("pid")
             raise ConfigError(f"{self.path} is still running: its local driver{f' (pid {pid})' if pid else ''} "
                               f"holds driver.lock; let it end, or stop it with `slurm-rlhf cancel {self.path}`, "
                               "then resume")
-        self._lock = lock
 
     def hold_job_lock(self) -> bool:
         """Lock job.lock for this process's lifetime: a Slurm job's driver, so that a second job of the same
         directory cannot run beside it. Whether it was taken (also where the file system has no locks:
         then nothing is held, and the job-state check of `batch` stands alone)."""
-        if self._lock is not None:
-            return True
-        lock = os.fdopen(os.open(self.path / "job.lock", os.O_WRONLY | os.O_CREAT, 0o600), "w")
+        return self._lock is not None or self._take("job.lock") is not False
+
+    def _take(self, name: str) -> bool | None:
+        """Lock RUN_DIR/`name` (flock) and keep it until this process ends or `release_lock`: True when taken,
+        False when another process holds it, None where the file system has no locks (nothing is held)."""
+        lock = os.fdopen(os.open(self.path / name, os.O_WRONLY | os.O_CREAT, 0o600), "w")
         try:
             taken = take(lock.fileno(), LOCK_WAIT_S, 0.05)
         except OSError:  # (no locks on this file system)
             lock.close()
-            return True
+            return None
         if not taken:
             lock.close()
             return False
@@ -159,12 +154,13 @@ class RunDir:
         no JSON object (it is written whole and renamed into place: cut or changed since, a full disk, an edit;
         `status` and `report` ended in a JSONDecodeError's traceback)."""
         try:
-            text = path.read_text()
-            data = json.loads(text)
+            raw = path.read_bytes()
         except FileNotFoundError:
             return {}
+        try:
+            data = json.loads(raw)
         except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError)
-            what = "empty" if not path.read_bytes().strip() else f"not valid JSON ({e})"
+            what = "empty" if not raw.strip() else f"not valid JSON ({e})"
         else:
             if isinstance(data, dict):
                 return data
