@@ -69,7 +69,7 @@ def _add_model_args(p: argparse.ArgumentParser, temperature: float = 1.0) -> Non
     p.add_argument("--temperature", type=float, default=temperature,
                    help=f"sampling temperature; 0 is greedy (default {temperature})")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=_seed, default=0,
                    help="sample j of prompt k is drawn with a seed of its own, a hash of (seed, k, j) (default 0)")
     p.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto",
                    help="vllm, or transformers generate (hf); auto: vllm where installed")
@@ -85,6 +85,18 @@ def _not_empty(value: str) -> str:
     if not value:
         raise argparse.ArgumentTypeError("empty; give a directory, or leave the option out for runs/<run.name>")
     return value
+
+
+def _seed(value: str) -> int:
+    """A seed within the bounds a run's config takes (vLLM and numpy refuse others, vLLM only after start-up)."""
+    try:
+        seed = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number; give a seed from 0 to {2**32 - 1}")
+    if not 0 <= seed < 2**32:
+        raise argparse.ArgumentTypeError(f"{seed} is out of range; give a seed from 0 to {2**32 - 1} (2**32 - 1: "
+                                         "vLLM and numpy refuse others)")
+    return seed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
     p.add_argument("--max-new-tokens", type=int, help="tokens per response at most (default: rollout.max_new_tokens)")
-    p.add_argument("--seed", type=int, default=0, help="sample j of prompt k is drawn with a seed of its own, a hash "
+    p.add_argument("--seed", type=_seed, default=0, help="sample j of prompt k is drawn with a seed of its own, a hash "
                                                        "of (seed, k, j) (default 0)")
     p.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto",
                    help="vllm, or transformers generate (hf); auto: vllm where installed")
@@ -243,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tiny", help="build a tiny Llama, tokenizer, reward model and prompts offline")
     p.add_argument("out_dir", help="directory to write (model/, reward_model/, prompts.jsonl, pipeline.jsonl); "
                                    "one already built with the same seed is kept as it is")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the weights and the data (default 0)")
     return parser
 
 

@@ -588,3 +588,14 @@ def test_the_driver_makes_slurms_output_files_private(monkeypatch, tmp_path):
     monkeypatch.setenv("SLURM_JOB_ID", "9")
     assert main([str(rd.path)]) != 0
     assert [oct(log.stat().st_mode & 0o777) for log in logs] == ["0o600", "0o600"]
+
+
+@pytest.mark.parametrize("command", [("generate", "m", "--input", "p.jsonl", "--output", "o.jsonl"), ("chat", "m"),
+                                     ("eval", "run"), ("tiny", "out")])
+def test_a_seed_out_of_range_is_refused_before_anything_loads(command, tmp_path):
+    command = (command[0], *(str(tmp_path / a) if not a.startswith("-") else a for a in command[1:]))
+    for seed, says in (("-1", "-1 is out of range"), (str(2**32), f"{2**32} is out of range"),
+                       ("1.5", "'1.5' is not a whole number")):
+        result = cli(*command, "--seed", seed, timeout=30)
+        assert result.returncode == 2 and says in result.stderr and "from 0 to 4294967295" in result.stderr, \
+            result.stderr
