@@ -12,6 +12,7 @@ import yaml
 from tests.conftest import REPO, cli, example, write_config
 from toolkit.config import load_config
 from toolkit.placement.cluster import Cluster, load_cluster
+from toolkit.errors import ConfigError
 from toolkit.placement.cost import ModelShape, Switches, Workload, estimate, remedy, trainer_memory
 from toolkit.placement.layout import PRESETS, Group, Layout
 from toolkit.placement.planner import node_counts, search, setting_of, workload_of
@@ -841,3 +842,17 @@ def test_the_planner_puts_the_critic_on_gpus_of_its_own_and_writes_a_config_that
     assert "1 (trainer's)" in dry.stdout  # (the critic's group: on the trainer's node)
     assert ("# component 1: trainer, critic\n#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=8\n"
             "#SBATCH --gpus-per-task=1\n") in dry.stdout, dry.stdout
+
+
+def test_a_cluster_file_refuses_true_or_false_where_a_number_goes(tmp_path):
+    """YAML reads `yes` as true, and pydantic's lax mode took it as 1: `gpus_per_node: yes` planned for one GPU
+    a node, silently. A run config refuses it; a cluster file does too, naming the field."""
+    text = (CLUSTERS / "2x8-h100.yaml").read_text()
+    assert "gpus_per_node: 8\n" in text and load_cluster(CLUSTERS / "2x8-h100.yaml").gpus_per_node == 8
+    path = tmp_path / "c.yaml"
+    path.write_text(text.replace("gpus_per_node: 8\n", "gpus_per_node: yes\n"))
+    with pytest.raises(ConfigError, match=f"{path}: invalid cluster file: gpus_per_node: .*a number goes here, "
+                                          "not true or false"):
+        load_cluster(path)
+    path.write_text(text.replace("gpus_per_node: 8\n", "gpus_per_node: 8\nshared: true\n"))
+    assert load_cluster(path).shared is True  # (a bool where a bool goes)

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
+from toolkit.config.base import Section
 from toolkit.config.load import parse_yaml
 from toolkit.errors import ConfigError
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+class _Section(Section):
+    """What a run config's sections refuse, a cluster file's refuse too: unknown keys, inf and nan, and true
+    or false where a number goes (`gpus_per_node: yes` was 1 GPU)."""
 
 
 class Device(_Section):
