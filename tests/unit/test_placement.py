@@ -84,7 +84,8 @@ def error_of(tiny, tmp_path, data) -> str:
     ({"strategy": "interleaving", "generator": {"workers": 2}},
      "unknown node group 'generator': strategy interleaving has node groups trainer, scorer"),
     ({"strategy": "custom", "a": {"models": ["generation", "actor", "critic"]},
-      "b": {"models": ["reference", "reward", "actor"]}}, "node groups overlap: actor is in a, b"),
+      "b": {"models": ["reference", "reward", "actor"]}},
+     "node groups overlap: actor is in placement.a.models and placement.b.models; put every model in exactly one group"),
     ({"strategy": "custom", "a": {"models": ["generation", "actor", "critic"]}, "b": {"models": ["reward"]}},
      "no node group hosts reference"),
     ({"strategy": "custom", "a": {"models": ["generation", "actor", "reference"]},
@@ -101,6 +102,17 @@ def error_of(tiny, tmp_path, data) -> str:
 ])
 def test_impossible_placements(placement, message, tiny, tmp_path):
     assert message in error_of(tiny, tmp_path, example("tiny-ppo.yaml", tiny, placement=placement))
+
+
+def test_overlapping_groups_point_at_a_models_line_not_the_placement_line(tiny, tmp_path):
+    placement = {"strategy": "custom", "a": {"models": ["generation", "actor", "critic"]},
+                 "b": {"models": ["reference", "reward", "actor"]}}
+    path = write_config(tmp_path, example("tiny-ppo.yaml", tiny, placement=placement))
+    lines = path.read_text().splitlines()
+    placement_line = lines.index("placement:") + 1
+    models_line = next(i for i, line in enumerate(lines, 1) if i > placement_line and "models" in line)
+    with pytest.raises(ConfigError, match=f"{path}:{models_line}: placement: node groups overlap"):
+        load_config(path)
 
 
 def test_placement_against_resources(tiny, tmp_path):

@@ -377,8 +377,9 @@ class PlacementSection(Section):
                     where.setdefault(m, []).append(name)
             twice = {m: sorted(set(names)) for m, names in where.items() if len(names) > 1}
             if twice:
-                raise ValueError("node groups overlap: " + "; ".join(f"{m} is in {', '.join(n)}" for m, n in twice.items())
-                                 + "; put every model in exactly one group")
+                raise ValueError("node groups overlap: " + "; ".join(
+                    f"{m} is in " + " and ".join(f"placement.{g}.models" for g in n) for m, n in twice.items())
+                                 + "; put every model in exactly one group")  # (the fields named: their lines)
             missing = [m for m in MODELS if m not in where]
             if missing:
                 raise ValueError(f"no node group hosts {', '.join(missing)}; add it to a group's models")
