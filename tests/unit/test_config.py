@@ -64,6 +64,17 @@ def test_a_boolean_is_not_a_number(tiny, tmp_path):
         "exclusive": True}  # (a value that may be a boolean stays one)
 
 
+def test_a_yaml_boolean_where_text_goes_says_to_quote_it(tiny, tmp_path):
+    """YAML 1.1 reads `off`, `yes` and `on` as booleans: `run.name: off` was "got False: input should be a valid
+    string", which does not say where the False came from."""
+    path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    for expr, field in [("run.name=off", "run.name: got False: input should be a valid string"),
+                        ("rollout.backend=on", "rollout.backend: got True: input should be 'auto', 'vllm' or 'hf'")]:
+        assert f"--set {expr}: {field}; YAML reads yes, no, on, off, true and false as true or false: quote the " \
+               "word to give it as text ('off', not off)" in error_of(path, [expr])
+    assert load_config(path, ["run.name='off'"]).run.name == "off"
+
+
 def test_batch_not_divisible(tiny, tmp_path):
     data = example("tiny-grpo.yaml", tiny, rollout={"prompts_per_step": 10, "group_size": 3})
     msg = error_of(write_config(tmp_path, data))

@@ -245,6 +245,9 @@ def _explain(err: dict, source, text: str | None, overridden: dict[tuple, str], 
         msg = "missing; this field is required"
     elif "input" in err and not isinstance(err["input"], (dict, list)):
         msg = f"got {err['input']!r}: {msg[0].lower()}{msg[1:]}"
+        if isinstance(err["input"], bool) and kind in ("string_type", "literal_error", "enum"):
+            msg += ("; YAML reads yes, no, on, off, true and false as true or false: quote the word to give it "
+                    "as text ('off', not off)")
     # a check across fields (raised for the section that holds them) is labelled by the fields it names
     named = [prefix + path for path in _fields_named(msg)] if isinstance(err.get("input"), dict) else []
     where = _where([loc, *named], source, text, overridden, prefix, msg)
