@@ -147,3 +147,36 @@ def test_every_family_packing_is_allowed_for_scores_packed_samples_as_padded_one
     for i, n in enumerate(LENGTHS):
         mask[i, : n - 1] = 1
     assert ((packed.put(logprobs, padded.shape[1]) - padded) * mask).abs().max().item() < 1e-5
+
+
+def test_sft_batches_count_the_targets_their_loss_averages_packed_or_padded(tiny):
+    """A row whose response fills train.max_tokens loses its whole prompt, and its first token is no target.
+    Its micro-batch's `targets`, which weigh the micro-batch in its step, counted one there when padded (13
+    here, against the loss's 12): micro-batches of 1 then trained another gradient than one of 2."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.training.sft import SFTTask
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
+    task = SFTTask(SimpleNamespace(data=SimpleNamespace(chat_template=False), train=SimpleNamespace(max_tokens=8)),
+                   tokenizer)
+    rows = [SimpleNamespace(prompt="Question about trains?", response="into 99"),
+            SimpleNamespace(prompt="A short note on bridges:", response="17 403 968 no 93 56 my")]
+    assert [task.tokens(row)[1] for row in rows] == [3, 0]  # (the second: 8 tokens of response, no prompt)
+    model = AutoModelForCausalLM.from_pretrained(tiny / "model").eval()
+
+    def step_gradient(micro_batch_size: int) -> torch.Tensor:  # (as SupervisedRole._train_step weighs them)
+        model.zero_grad()
+        batches = [task.batch(rows[i: i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
+        everywhere = sum(b["targets"] for b in batches)
+        for b in batches:
+            loss, stats = task.loss(model, b, "cpu")
+            assert b["targets"] == stats["target_tokens"]
+            (loss * b["targets"] / everywhere).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    assert [task.batch(rows, packing=packing)["targets"] for packing in (False, True)] == [12, 12]  # 5 + 7
+    one, two = step_gradient(1), step_gradient(2)
+    assert (one - two).norm().item() < 1e-5 * two.norm().item()

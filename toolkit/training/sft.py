@@ -43,13 +43,15 @@ class SFTTask:
         rows = [self.tokens(ex) for ex in examples]
         padded_ids, attention = right_pad([seq for seq, _ in rows], self.pad_id)
         packed, ids, inputs = model_inputs(padded_ids, attention, packing)
+        # (a sample's first token is never a target: nothing in it comes before; packed, it would be predicted
+        # from the sample before. So a row whose prompt is empty, or cut away by train.max_tokens, has one
+        # target fewer than response tokens, and `targets` counts what the loss averages, in either layout)
         if packed is not None:
-            # (a sample's first token is never a target: it would be predicted from the sample before)
-            mask = torch.tensor([[int(i >= n and i > 0) for seq, n in rows for i in range(len(seq))]])
+            mask = torch.tensor([[int(i >= max(n, 1)) for seq, n in rows for i in range(len(seq))]])
         else:
             mask = torch.zeros_like(ids)
             for i, (seq, n) in enumerate(rows):
-                mask[i, n: len(seq)] = 1
+                mask[i, max(n, 1): len(seq)] = 1
         return {"input_ids": ids, "inputs": inputs, "loss_mask": mask, "tokens": int(attention.sum()),
                 "positions": ids.numel(), "packed": packed, "targets": int(mask.sum())}
 
