@@ -261,12 +261,13 @@ class EngineSection(Section):
     lr: float = Field(default=1e-5, gt=0)
     """Learning rate (AdamW)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    """After the warm-up: `constant`, or `cosine` decay to `min_lr_ratio` x lr at the last optimizer step
-    (RL: run.steps x algorithm.epochs x trainer.updates_per_step; sft and rm: the stage's steps)."""
+    """After the warm-up: `constant`, or `cosine` decay toward `min_lr_ratio` x lr, which it reaches just
+    after the last optimizer step (RL: run.steps x algorithm.epochs x trainer.updates_per_step; sft and rm:
+    the stage's steps), so the last step trains a little above it, as in Hugging Face's cosine schedule."""
     warmup_steps: int = Field(default=0, ge=0)
     """Optimizer steps of linear learning-rate warm-up."""
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
-    """Cosine schedule only: the final learning rate as a fraction of `lr`."""
+    """Cosine schedule only: the rate the decay ends at, as a fraction of `lr`."""
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
     grad_clip: float = Field(default=1.0, gt=0)
