@@ -856,3 +856,40 @@ def test_a_cluster_file_refuses_true_or_false_where_a_number_goes(tmp_path):
         load_cluster(path)
     path.write_text(text.replace("gpus_per_node: 8\n", "gpus_per_node: 8\nshared: true\n"))
     assert load_cluster(path).shared is True  # (a bool where a bool goes)
+
+
+def test_memory_is_planned_for_a_batch_of_the_longest_prompts_and_time_for_the_mean():
+    """Prompts of 100 tokens on average but up to 400: a padded micro-batch of 2 holds 2 x (400 + 100) tokens'
+    activations when the two longest meet (the mean's 2 x 200 said it fitted where it did not), scoring and
+    transformers' generate() likewise, and vLLM must hold one sequence of its whole context (it refuses to start
+    otherwise); the step's seconds stay the mean's."""
+    mean, varied = workload(), workload(longest_prompt_tokens=400)
+    per_token = 10 * 1000 * 17 * 4 + 1000 * 4 * 3  # activations of 10 layers x 1000 hidden, and the logits
+    assert trainer_memory(varied.actor, varied, 1, 0, 2) - trainer_memory(varied.actor, varied, 1, 0, 0) == \
+        pytest.approx(2 * 500 * per_token)
+    assert trainer_memory(mean.actor, mean, 1, 0, 2) - trainer_memory(mean.actor, mean, 1, 0, 0) == \
+        pytest.approx(2 * 200 * per_token)
+    separation = Layout("separation", (Group("generator", ("generation",)), Group("scorer", ("reference", "reward")),
+                                       Group("trainer", ("actor",))), 2, 8)
+    a, b = estimate(separation, mean, simple_cluster()), estimate(separation, varied, simple_cluster())
+    assert b.memory["scorer"] - a.memory["scorer"] == pytest.approx(8 * 300 * 1000 * 4 * 2)  # forward batch of 8
+    assert b.phases == pytest.approx(a.phases)  # (time: the mean sample)
+    # vLLM's context of 600 tokens (max_prompt_tokens 500 + 100 new) at 8,000 bytes a token: 4.8 MB, more than a
+    # 0.004 GiB budget (4.29 MB) holds, though 3 mean samples of 200 tokens would fit in it
+    short = estimate(separation, workload(kv_cache_gb=0.004, max_model_len=600), simple_cluster())
+    assert not short.fits and "holds no whole sequence of 600 tokens" in short.short[0]
+    assert estimate(separation, workload(kv_cache_gb=0.004), simple_cluster()).fits
+
+
+def test_the_planned_workload_reads_the_longest_prompt_beside_the_mean(tiny, tmp_path):
+    from toolkit.placement.planner import prompt_lengths
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(["word"] * n)}) + "\n" for n in (2, 2, 2, 40)))
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, data={"prompts": str(prompts)},
+                                                     rollout={"max_prompt_tokens": 30})))
+    lengths = prompt_lengths(cfg)
+    w = workload_of(cfg)
+    assert max(lengths) == 30 and w.longest_prompt_tokens == 30  # (cut at max_prompt_tokens, as the run cuts it)
+    assert w.prompt_tokens == pytest.approx(sum(lengths) / len(lengths)) and w.prompt_tokens < 15
+    assert w.max_model_len == 30 + cfg.rollout.max_new_tokens

@@ -186,6 +186,9 @@ class Workload:
     prompts: int                       # per step (each generator worker needs one)
     prompt_tokens: float               # mean per sample
     response_tokens: float             # mean per sample
+    longest_prompt_tokens: float | None = None  # memory: a batch of the longest prompts must fit (None: the mean)
+    max_model_len: int | None = None   # vLLM's context (rollout.max_prompt_tokens + max_new_tokens), which its
+                                       # KV cache must hold once to start (None: the longest sample)
     dtype_bytes: int = 4
     forward_batch_size: int = 16
     updates_per_step: int = 1
@@ -209,6 +212,13 @@ class Workload:
     @property
     def tokens(self) -> float:
         return self.prompt_tokens + self.response_tokens
+
+    @property
+    def longest_tokens(self) -> float:
+        """A sample of the longest prompt and a response of the mean length (`max_new_tokens` unless given):
+        what a padded batch's rows take, and what the longest batch packs per row."""
+        longest = self.prompt_tokens if self.longest_prompt_tokens is None else self.longest_prompt_tokens
+        return longest + self.response_tokens
 
 
 @dataclass
@@ -274,11 +284,13 @@ def trainer_memory(m: ModelShape, w: Workload, world: int, zero: int, micro_batc
 
 
 def micro_batch_tokens(w: Workload, micro_batch: int) -> float:
-    """Tokens of one training micro-batch: `micro_batch` rows of the mean sample, or, by token budget
-    (trainer.micro_batch_tokens), the budget (rows x their longest sample fill it; 0 rows: none)."""
+    """Tokens of the largest training micro-batch: `micro_batch` rows of the longest sample (padded, each
+    row is as long as the micro-batch's longest; packed, a micro-batch of the longest prompts holds as
+    many), or, by token budget (trainer.micro_batch_tokens), the budget (rows x their longest sample fill
+    it; 0 rows: none)."""
     if w.micro_batch_tokens is not None:
         return float(w.micro_batch_tokens) if micro_batch else 0.0
-    return micro_batch * w.tokens
+    return micro_batch * w.longest_tokens
 
 
 def micro_batches_of(w: Workload, samples: float, micro_batch: int) -> int:
@@ -354,8 +366,9 @@ def offloads(g: Group, s: Layout, cluster) -> bool:
 
 
 def forward_memory(m: ModelShape, w: Workload, shards: int = 1) -> float:
-    """A scoring model's weights (over `shards` ZeRO-3 ranks) and one forward batch's logits."""
-    return m.params * w.dtype_bytes / shards + w.forward_batch_size * w.tokens * m.outputs * 4 * 2
+    """A scoring model's weights (over `shards` ZeRO-3 ranks) and the logits of its largest forward batch
+    (of the longest samples)."""
+    return m.params * w.dtype_bytes / shards + w.forward_batch_size * w.longest_tokens * m.outputs * 4 * 2
 
 
 def kv_budget(w: Workload, device_gb: float, tp: int) -> float:
@@ -372,10 +385,10 @@ def concurrency(w: Workload, budget: float, tp: int) -> int:
 
 
 def hf_sample_bytes(w: Workload, tp: int) -> float:
-    """What transformers' generate() holds per sample of a batch: its KV cache, one step's scores (fp32
-    logits and their softmax: the sampler draws from them and keeps the drawn token's log-prob alone) and
-    those log-probs."""
-    return (w.tokens * w.actor.kv_bytes_per_token(w.dtype_bytes) / tp + w.actor.vocab * 4 * 2
+    """What transformers' generate() holds per sample of a batch: its KV cache (every row as long as the
+    batch's longest prompt: its prompts are padded to it), one step's scores (fp32 logits and their
+    softmax: the sampler draws from them and keeps the drawn token's log-prob alone) and those log-probs."""
+    return (w.longest_tokens * w.actor.kv_bytes_per_token(w.dtype_bytes) / tp + w.actor.vocab * 4 * 2
             + w.response_tokens * 4)
 
 
@@ -458,9 +471,10 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
         if s.generation_engine == "vllm":
             budget = kv_budget(w, cluster.device.memory_gb - beside / GB, tp)
             kv_cache_gb = budget / GIB
-            if concurrency(w, budget, tp) < 1:
+            context = w.max_model_len if w.max_model_len is not None else w.longest_tokens
+            if budget < context * w.actor.vllm_kv_bytes_per_token(w.dtype_bytes, tp):  # (vLLM refuses to start)
                 short = (f"{name}: vLLM's KV cache of {budget / GIB:.1f} GiB per device holds no whole "
-                         f"sequence of {w.tokens:.0f} tokens; raise rollout.vllm.kv_cache_gb or the TP size")
+                         f"sequence of {context:.0f} tokens; raise rollout.vllm.kv_cache_gb or the TP size")
             batch = 0
         else:  # transformers: rollout.generate_batch_size, or (planned) as many as the device has room for
             budget, per = None, math.ceil(w.samples / engines(g, tp))

@@ -63,8 +63,10 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
     def shape(role: str, path) -> ModelShape:
         return ModelShape.from_params(params[role]) if role in params else ModelShape.from_config(path)
 
+    longest = None  # (prompt lengths given: no longest known; each is the mean's)
     if prompt_tokens is None:
-        prompt_tokens = mean_prompt_tokens(cfg)
+        lengths = prompt_lengths(cfg)
+        prompt_tokens, longest = sum(lengths) / max(len(lengths), 1), max(lengths, default=0)
     t = cfg.trainer
     return Workload(
         actor=shape("actor", cfg.model.actor),
@@ -73,6 +75,7 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
         reward_models=tuple(shape("reward", m.path) for m in cfg.reward.models),
         samples=cfg.samples_per_step, prompts=cfg.rollout.prompts_per_step, prompt_tokens=prompt_tokens,
         response_tokens=response_tokens if response_tokens is not None else cfg.rollout.max_new_tokens,
+        longest_prompt_tokens=longest, max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], forward_batch_size=cfg.model.forward_batch_size,
         kv_cache_gb=cfg.rollout.vllm.kv_cache_gb, generate_batch=cfg.rollout.generate_batch_size or 0,
         max_policy_lag=cfg.rollout.max_policy_lag, micro_batch_tokens=t.micro_batch_tokens,
@@ -87,14 +90,20 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
 
 def mean_prompt_tokens(cfg, limit: int = 256) -> float:
     """Mean tokens of the first `limit` prompts the run draws (cut at max_prompt_tokens)."""
+    lengths = prompt_lengths(cfg, limit)
+    return sum(lengths) / max(len(lengths), 1)
+
+
+def prompt_lengths(cfg, limit: int = 256) -> list[int]:
+    """Tokens of each of the first `limit` prompts the run draws (cut at max_prompt_tokens): their mean sets
+    the time of a step, their longest the memory of its largest batches."""
     from toolkit.data.prompts import read_prompts
     from toolkit.data.tokens import counting_tokenizer, render_prompt
 
     tokenizer = counting_tokenizer(cfg.tokenizer_path)
     prompts = read_prompts(cfg.data, cfg.run.seed).next(limit)
-    lengths = [min(len(render_prompt(tokenizer, p.prompt, cfg.data.chat_template)), cfg.rollout.max_prompt_tokens)
-               for p in prompts]
-    return sum(lengths) / max(len(lengths), 1)
+    return [min(len(render_prompt(tokenizer, p.prompt, cfg.data.chat_template)), cfg.rollout.max_prompt_tokens)
+            for p in prompts]
 
 
 def search(cluster, w: Workload, zero_stage: int, strategies=STRATEGIES, keep: int = 200,
@@ -439,11 +448,13 @@ def _fastest_trainer(options, strategy, groups, tp, engine, offload, w, cluster,
 def report(cluster, w: Workload, found: Found, top: int = 10) -> str:
     """The ranked table of the fitting plans (fastest first) and why the closest others do not fit."""
     fit, rejected = found.fit, found.rejected
+    longest = ("" if w.longest_prompt_tokens is None or w.longest_prompt_tokens == w.prompt_tokens
+               else f" (memory for prompts of {w.longest_prompt_tokens:.0f}, the longest read)")
     lines = [f"cluster: {cluster.name} ({cluster.nodes} node(s), "
              + (f"{cluster.gpus_per_node} GPU(s) of {cluster.device.memory_gb:g} GB each" if cluster.gpus_per_node
                 else f"CPU, {cluster.device.memory_gb:g} GB") + ")",
              f"workload: {w.samples} samples/step, {w.prompt_tokens:.0f} prompt + {w.response_tokens:.0f} response "
-             f"tokens, actor {w.actor.params / 1e6:,.1f}M parameters", ""]
+             f"tokens{longest}, actor {w.actor.params / 1e6:,.1f}M parameters", ""]
     if fit:
         rows = [("#", "strategy", "node groups (nodes x workers)", "engine", "offload", "TP", "ZeRO", "mb", "step s",
                  "generate", "score", "train", "sync", "other", "peak GB")]
@@ -512,6 +523,7 @@ def as_json(cluster, w: Workload, found: Found, top: int | None = None) -> dict:
     return {"cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
                         "device_memory_gb": cluster.device.memory_gb, "shared": cluster.shared},
             "workload": {"samples": w.samples, "prompts": w.prompts, "prompt_tokens": w.prompt_tokens,
+                         "longest_prompt_tokens": w.longest_prompt_tokens,
                          "response_tokens": w.response_tokens, "actor_params": w.actor.params,
                          "critic_params": w.critic.params if w.critic else None},
             "fitting": found.fitting, "not_fitting": found.not_fitting, "estimated": found.estimated,
