@@ -188,7 +188,7 @@ class Workload:
     response_tokens: float             # mean per sample
     longest_prompt_tokens: float | None = None  # memory: a batch of the longest prompts must fit (None: the mean)
     max_model_len: int | None = None   # vLLM's context (rollout.max_prompt_tokens + max_new_tokens), which its
-                                       # KV cache must hold once to start (None: the longest sample)
+                                       # KV cache must hold once to start (at least the longest sample)
     dtype_bytes: int = 4
     forward_batch_size: int = 16
     updates_per_step: int = 1
@@ -471,7 +471,7 @@ def group_memory(g: Group, s: Layout, w: Workload, cluster) -> GroupMemory:
         if s.generation_engine == "vllm":
             budget = kv_budget(w, cluster.device.memory_gb - beside / GB, tp)
             kv_cache_gb = budget / GIB
-            context = w.max_model_len if w.max_model_len is not None else w.longest_tokens
+            context = max(w.max_model_len or 0, w.longest_tokens)  # (--prompt-tokens may say longer)
             if budget < context * w.actor.vllm_kv_bytes_per_token(w.dtype_bytes, tp):  # (vLLM refuses to start)
                 short = (f"{name}: vLLM's KV cache of {budget / GIB:.1f} GiB per device holds no whole "
                          f"sequence of {context:.0f} tokens; raise rollout.vllm.kv_cache_gb or the TP size")
