@@ -85,7 +85,8 @@ def error_of(tiny, tmp_path, data) -> str:
      "unknown node group 'generator': strategy interleaving has node groups trainer, scorer"),
     ({"strategy": "custom", "a": {"models": ["generation", "actor", "critic"]},
       "b": {"models": ["reference", "reward", "actor"]}},
-     "node groups overlap: actor is in placement.a.models and placement.b.models; put every model in exactly one group"),
+     "node groups overlap: actor is in placement.a.models and placement.b.models; put every model in exactly one "
+     "group"),
     ({"strategy": "custom", "a": {"models": ["generation", "actor", "critic"]}, "b": {"models": ["reward"]}},
      "no node group hosts reference"),
     ({"strategy": "custom", "a": {"models": ["generation", "actor", "reference"]},
