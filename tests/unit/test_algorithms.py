@@ -173,6 +173,11 @@ def test_kl_controllers():
     restored = AdaptiveKLController(1.0, 6.0, 10000)
     restored.load_state_dict(c.state_dict())
     assert restored.coef == c.coef
+    # a fixed coefficient is the config's at a resume: algorithm.kl.coef raised from 0.01 to 0.2 in the run's
+    # config.yaml went on at 0.01, the checkpoint's, with nothing said
+    edited = FixedKLController(0.2)
+    edited.load_state_dict(FixedKLController(0.01).state_dict())
+    assert edited.coef == 0.2
     # a step of more samples than the horizon moves it by at most 20% (the factor went below 0 past 5 x horizon,
     # and the coefficient then rewarded moving away from the reference); a KL that is not a number leaves it
     c = AdaptiveKLController(0.05, target=6.0, horizon=100)

@@ -173,6 +173,38 @@ def test_a_model_with_the_wrong_head_is_a_config_error(tiny, tmp_path):
         Sampler(tiny / "reward_model", backend="hf")
 
 
+def test_a_classifier_of_several_labels_is_no_reward_model(tiny, tmp_path):
+    """A sequence classifier of 2 labels (a sentiment model, say) passed validation as a reward model, a critic
+    or the rm stage's base, and the scorer or trainer failed as it loaded it, with transformers' "You set
+    `ignore_mismatched_sizes` to `False`" and no field named. The labels are the score head's rows in the
+    checkpoint (transformers writes no id2label for 2 default labels); a config.json that names none does not
+    make a one-label reward model a classifier."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    path = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    for labels in (2, 3):
+        rm = tmp_path / f"rm{labels}"
+        shutil.copytree(tiny / "reward_model", rm)
+        named = {} if labels == 2 else {"id2label": dict(enumerate("abc"))}
+        AutoModelForSequenceClassification.from_pretrained(rm, num_labels=labels, ignore_mismatched_sizes=True,
+                                                           **named).save_pretrained(rm)
+        expected = f"is a classifier with {labels} labels (LlamaForSequenceClassification); a reward model or critic"
+        assert f"reward.models.0.path: {rm} {expected}" in error_of(path, [f"reward.models=[{{path: {rm}}}]"])
+        assert f"model.critic: {rm} {expected}" in error_of(path, ["run.algorithm=ppo", f"model.critic={rm}"])
+        stage = {"stage": "rm", "run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
+                 "model": {"base": str(rm)}}  # (the rm stage trains it: the same load)
+        assert f"model.base: {rm} {expected}" in error_of(write_config(tmp_path, stage, "rm.yaml"))
+    one = tmp_path / "one"
+    shutil.copytree(tiny / "reward_model", one)
+    config = json.loads((one / "config.json").read_text())
+    del config["id2label"], config["label2id"]
+    (one / "config.json").write_text(json.dumps(config))
+    assert load_config(path, [f"reward.models=[{{path: {one}}}]"]).reward.models[0].path == str(one)
+
+
 def test_a_model_without_a_tokenizer_is_a_config_error(tiny, tmp_path):
     """A checkpoint saved without its tokenizer failed in the worker that loaded it, with transformers' advice
     to install sentencepiece; validation names the field and the way out."""

@@ -18,7 +18,8 @@ class FixedKLController:
         return {"coef": self.coef}
 
     def load_state_dict(self, state: dict) -> None:
-        self.coef = state["coef"]
+        """Nothing to restore: a fixed coefficient is the config's as it is at the resume (an edit of
+        algorithm.kl.coef in RUN_DIR/config.yaml was silently undone by the checkpoint's)."""
 
 
 class AdaptiveKLController(FixedKLController):
@@ -30,6 +31,10 @@ class AdaptiveKLController(FixedKLController):
     def __init__(self, coef: float, target: float, horizon: int):
         super().__init__(coef)
         self.target, self.horizon = target, horizon
+
+    def load_state_dict(self, state: dict) -> None:
+        """The coefficient where the controller had moved it (the config's is the initial one)."""
+        self.coef = state["coef"]
 
     def update(self, current_kl: float, n_samples: int) -> None:
         if not math.isfinite(current_kl):

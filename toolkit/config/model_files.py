@@ -95,10 +95,35 @@ LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 SCORE_HEADS = ("ForSequenceClassification",)
 
 
-def head_problem(path: str | Path, field: str, wants: str) -> str | None:
-    """Why the model at `path` has the wrong head for `field` (`wants`: "lm" or "score"), if its config.json
-    says which head it has: an actor with a score head, or a reward model without one, would each run with a
-    new random head (transformers warns at most). A config.json that is not a model's is a problem too."""
+def score_labels(path: str | Path) -> int:
+    """How many labels the score head of the sequence-classification model at `path` has: the rows of its
+    `score.weight` in the safetensors checkpoint (what loading it checks), else what config.json says: its
+    `id2label`'s, else its `num_labels`, else transformers' default, 2 (transformers writes neither then)."""
+    directory = Path(path)
+    try:
+        index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+        files = {index[name] for name in index if name.endswith("score.weight")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        files = {"model.safetensors"}
+    for name in files:
+        try:
+            with open(directory / name, "rb") as f:  # (the header: its length, then JSON of every tensor's shape)
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            return next(int(t["shape"][0]) for k, t in header.items() if k.endswith("score.weight"))
+        except (OSError, ValueError, KeyError, TypeError, IndexError, StopIteration):
+            pass
+    config = model_config(path)
+    if isinstance(config.get("id2label"), dict) and config["id2label"]:
+        return len(config["id2label"])
+    return config["num_labels"] if isinstance(config.get("num_labels"), int) else 2
+
+
+def head_problem(path: str | Path, field: str, wants: str | None) -> str | None:
+    """Why the model at `path` has the wrong head for `field` (`wants`: "lm", "score", or None for either), if
+    its config.json says which head it has: an actor with a score head, or a reward model without one, would
+    each run with a new random head (transformers warns at most). A score head of more than one label (a
+    classifier's) cannot load as a score of one (transformers refused it in the worker, naming no field). A
+    config.json that is not a model's is a problem too."""
     problem = config_json_problem(path)
     if problem:
         return f"{field}: {problem}"
@@ -112,6 +137,11 @@ def head_problem(path: str | Path, field: str, wants: str) -> str | None:
         return (f"{field}: {path} is a causal LM ({lm}) without a score head, so its rewards would come from a new "
                 "random head; give a reward model (e.g. LlamaForSequenceClassification, one label), such as the "
                 "export of an rm stage (`slurm-rlhf rm`)")
+    labels = score_labels(path) if score and not lm else 1
+    if wants != "lm" and labels != 1:
+        return (f"{field}: {path} is a classifier with {labels} labels ({score}); a reward model or critic reads "
+                "one score per sequence (one label): give a reward model with one label, such as the export of an "
+                "rm stage (`slurm-rlhf rm`)" + ("" if wants else ", or a causal LM (it gets a new score head)"))
     return None
 
 

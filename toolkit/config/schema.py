@@ -483,7 +483,7 @@ class RunConfig(Section):
         for field, path in self.sequence_models():
             wants = {"model.actor": "lm", "model.reference": "lm", "model.critic": None}.get(field, "score")
             pending = pending_export(path, info)
-            problem = head_problem(path, field, wants) if wants and not pending else None
+            problem = head_problem(path, field, wants) if not pending else None
             if wants == "score" and not pending:  # (a reward model reads the texts with its own tokenizer)
                 problem = problem or tokenizer_problem(path, field)
             if field in ("model.reference", "model.critic"):  # (they read the actor's token ids)

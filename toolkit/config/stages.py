@@ -144,10 +144,10 @@ class StageConfig(Section):
                                   "train.max_tokens")
         if problem:
             raise ValueError(problem)
-        if self.stage == "sft":
-            problem = head_problem(self.model.base, "model.base", "lm")
-            if problem:
-                raise ValueError(problem)
+        # (sft: a causal LM; rm: either, a score head of one label)
+        problem = head_problem(self.model.base, "model.base", "lm" if self.stage == "sft" else None)
+        if problem:
+            raise ValueError(problem)
         if not pending_export(self.tokenizer_path, info):
             problem = main_tokenizer_problem(self.tokenizer_path, "model.base", bool(self.model.tokenizer))
             if problem:
