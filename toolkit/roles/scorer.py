@@ -180,12 +180,8 @@ class RewardRole(_Scoring):
         for rm in cfg.reward.models:
             tokenizer = AutoTokenizer.from_pretrained(rm.path)
 
-            def load(device, path=rm.path):
-                model = ScoreModel(path, dtype, attention=cfg.model.attn_implementation)
-                if model.model.config.num_labels != 1:
-                    raise ValueError(f"reward model {path} has {model.model.config.num_labels} labels; a reward "
-                                     "model needs 1")
-                return model.to(device).eval()
+            def load(device, path=rm.path):  # (one label: ScoreModel loads one; validation refuses classifiers)
+                return ScoreModel(path, dtype, attention=cfg.model.attn_implementation).to(device).eval()
 
             stats = json.loads((Path(rm.path) / "reward_stats.json").read_text()) if rm.normalize else None
             # The same vocabulary: score the generated tokens themselves, not a new tokenization of the text.
