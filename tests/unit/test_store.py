@@ -412,3 +412,54 @@ def test_an_export_is_on_disk_before_it_is_named(tmp_path, monkeypatch):
     assert {p.removeprefix(tmp) for p in synced if p.startswith(tmp)} == {
         "/model.safetensors", "/config.json", "/adapter/adapter_model.safetensors", "/adapter", ""}
     assert synced[-1] == str(tmp_path / "run")  # (and the rename, in its folder)
+
+
+def test_a_save_after_a_resume_that_skipped_a_damaged_newer_checkpoint_keeps_the_new_one(tmp_path):
+    """keep=1: the newest checkpoint was damaged, so the resume went back before it. Counted among the newest,
+    it had every checkpoint the resumed run saved removed at once, and a crash then went back to the start."""
+    from toolkit.store import checkpoint
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    def save(step):
+        checkpoint.save(run_dir, step, {}, {"step": step}, rank=0, barrier=lambda: None, keep=1)
+
+    for step in (2, 4, 6):
+        save(step)
+    (checkpoint.directory_of(run_dir, 6) / "trainer_state.json").write_text("{}")  # damaged after its save
+    plan = plan_resume(run_dir)
+    assert plan.checkpoint is None and "checkpoint checkpoints/step-000006 is damaged" in plan.problems[0]
+    save(2)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002"]
+    save(4)
+    plan = plan_resume(run_dir)
+    assert plan.checkpoint["dir"] == "checkpoints/step-000004" and plan.problems == []
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004"]
+
+
+def test_checkpoint_folders_a_kill_left_outside_the_manifest_are_removed_by_the_next_save(tmp_path):
+    """A kill -9 while an old checkpoint was removed (its record says removed, half its folder is there), or
+    after a save's rename but before its record (a resume goes back before it, and a replay saves a later
+    step): each stayed on disk for good, a full copy of the model and its optimizer state each."""
+    import shutil
+
+    from toolkit.store import checkpoint
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+
+    def save(step):
+        checkpoint.save(run_dir, step, {}, {"step": step}, rank=0, barrier=lambda: None, keep=1)
+
+    save(2)
+    half_removed = run_dir / "checkpoints" / "step-000002"
+    shutil.copytree(half_removed, tmp_path / "copy")
+    save(4)
+    shutil.copytree(tmp_path / "copy", half_removed)  # (the removal killed midway)
+    (half_removed / "trainer_state.json").unlink()
+    unrecorded = run_dir / "checkpoints" / "step-000006"  # (renamed in place, killed before its record)
+    shutil.copytree(tmp_path / "copy", unrecorded)
+    assert plan_resume(run_dir).checkpoint["dir"] == "checkpoints/step-000004"
+    save(8)  # (the resumed run replayed steps 4..7)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000008"]
+    assert plan_resume(run_dir).checkpoint["dir"] == "checkpoints/step-000008"

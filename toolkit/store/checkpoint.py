@@ -80,7 +80,7 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
             manifest = Manifest(run_dir)
             manifest.append({"kind": "checkpoint", "step": step, "dir": str(final.relative_to(run_dir)),
                              "files": files})
-            _remove_old(run_dir, manifest, keep)
+            _remove_old(run_dir, manifest, keep, step)
     barrier()
     return size_mb
 
@@ -104,9 +104,18 @@ def load(directory: Path, engines: dict, rank: int) -> dict:
     return json.loads((directory / "trainer_state.json").read_text())
 
 
-def _remove_old(run_dir: Path, manifest: Manifest, keep: int) -> None:
-    """Keep the newest `keep` checkpoints (experience is never removed)."""
-    live = live_checkpoints(manifest.records())
-    for _, record in sorted(live.items())[:-keep]:
-        manifest.append({"kind": "removed", "dir": record["dir"]})  # (first: a crash between the two then leaves
-        shutil.rmtree(Path(run_dir) / record["dir"], ignore_errors=True)  # a folder, not a record of a missing one)
+def _remove_old(run_dir: Path, manifest: Manifest, keep: int, step: int) -> None:
+    """Keep the newest `keep` checkpoints up to `step`, the one just saved (experience is never removed).
+    Those of later steps are what a resume found damaged and went back before (it named them): the run
+    saves those steps again, and counted among the newest they had every new checkpoint removed at once.
+    Folders the manifest does not name as kept go too: what a removal killed midway left, and a save killed
+    after its rename but before its record (a resume never loads either; a replay saves a later step)."""
+    live = sorted(live_checkpoints(manifest.records()).items())
+    kept = [record for s, record in live if s <= step][-keep:]
+    for record in [record for _, record in live if record not in kept]:
+        manifest.append({"kind": "removed", "dir": record["dir"]})  # (first: a crash between the two leaves a
+        shutil.rmtree(Path(run_dir) / record["dir"], ignore_errors=True)  # folder, not a record of a missing one)
+    names = {Path(record["dir"]).name for record in kept}
+    for folder in directory_of(run_dir, step).parent.glob("step-*"):
+        if folder.name not in names:
+            shutil.rmtree(folder, ignore_errors=True)
