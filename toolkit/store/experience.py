@@ -169,7 +169,8 @@ def read(path: Path) -> dict:
     with h5py.File(path, "r") as f:
         version = int(f.attrs.get("schema_version", -1))
         if version != SCHEMA_VERSION:
-            raise ValueError(f"{path}: experience schema {version}, this version reads {SCHEMA_VERSION}")
+            raise ValueError(f"{path}: experience schema {version}, this version reads {SCHEMA_VERSION}; resume the "
+                             "run with the slurm-rlhf version that wrote it, or start a new run from its config")
         out = {"attrs": {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}}
         raw = f["meta"][()]
         out["meta"] = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
