@@ -112,6 +112,12 @@ def load_config(path: str | Path, overrides: list[str] = (), stage: str | None =
                               f"only RL runs have); this command runs {stage!r} configs: run this one with "
                               f"`slurm-rlhf run`, or give an {stage} config (`stage: {stage}`)")
         data["stage"] = stage
+    elif stage is None and "stage" not in data:
+        staged = [key for key in data if key not in RunConfig.model_fields and key in CONFIGS["sft"].model_fields]
+        if staged:  # (`run` of an sft or rm config without its `stage:` key)
+            raise ConfigError(f"{path}: no `stage:` key, so this is an 'rl' config, but it has {', '.join(staged)}, "
+                              "which only sft and rm stages have; add `stage: sft` or `stage: rm` to it (or run it "
+                              "with `slurm-rlhf sft` or `slurm-rlhf rm`)")
     kind = data.get("stage", "rl")
     for key in overridden:  # (where the stage is wrong, validate says so)
         anchor_paths(data, key, [CONFIGS[kind]] if isinstance(kind, str) and kind in CONFIGS else [])
