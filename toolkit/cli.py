@@ -50,10 +50,11 @@ PRELOADS = ("It samples in its own process as a run's workers do, with the same 
             "turn them off.")
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+def _add_config_args(p: argparse.ArgumentParser, example: str = "rollout.group_size=8") -> None:
+    """`example`: a --set that the command's configs take (an sft or rm config has no `rollout`)."""
     p.add_argument("config", help="run config (YAML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set rollout.group_size=8 (repeatable; a relative "
+                   help=f"override a config value, e.g. --set {example} (repeatable; a relative "
                         "path is taken from the current folder, not the config's)")
 
 
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     for stage, what in (("sft", "supervised fine-tuning: the loss on the response tokens"),
                         ("rm", "reward-model training on preference pairs")):
         p = sub.add_parser(stage, help=f"run an {stage} stage on this machine ({what})")
-        _add_config_args(p)
+        _add_config_args(p, example="train.lr=2e-5")
         _add_run_dir_arg(p)
         p.add_argument("--verbose", "-v", action="store_true", help="show worker registration and debug records")
 

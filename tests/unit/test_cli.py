@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, cli
+from tests.conftest import EXAMPLES, REPO, cli
 
 
 def test_help_is_fast_and_light():
@@ -599,3 +599,26 @@ def test_a_seed_out_of_range_is_refused_before_anything_loads(command, tmp_path)
         result = cli(*command, "--seed", seed, timeout=30)
         assert result.returncode == 2 and says in result.stderr and "from 0 to 4294967295" in result.stderr, \
             result.stderr
+
+
+@pytest.mark.parametrize("command, stage", [("run", "rl"), ("sft", "sft"), ("rm", "rm"), ("validate", "rl")])
+def test_the_set_example_of_each_command_is_a_key_its_configs_take(tiny, tmp_path, command, stage):
+    """`sft --help` and `rm --help` showed `--set rollout.group_size=8`, which every sft or rm config refuses
+    (`unknown key 'rollout'`)."""
+    import re
+
+    from toolkit.cli import build_parser
+    from toolkit.config.load import load_config
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    example = re.search(r"e\.g\. --set (\S+)", " ".join(sub.format_help().split())).group(1)
+    config = tmp_path / f"{stage}.yaml"
+    if stage == "rl":
+        config.write_text((EXAMPLES / "tiny-grpo.yaml").read_text().replace("../../models/tiny", str(tiny)))
+    else:
+        config.write_text(f"stage: {stage}\nrun: {{steps: 2}}\ndata: {{sources: [{{path: {tiny}/pipeline.jsonl}}]}}\n"
+                          f"model: {{base: {tiny}/model}}\n")
+    key, _, value = example.partition("=")
+    loaded = load_config(config, [example])
+    section, field = key.split(".")
+    assert getattr(getattr(loaded, section), field) == pytest.approx(float(value))

@@ -826,6 +826,26 @@ def test_stage_config_errors(tiny, tmp_path):
     assert load_config(write_config(tmp_path, on_gpus, "g.yaml")).model.dtype == "float16"
 
 
+@pytest.mark.parametrize("stage", ["sft", "rm"])
+def test_an_rl_config_given_to_a_stage_command_is_named_as_one(tiny, tmp_path, stage):
+    """`slurm-rlhf sft run.yaml` of an RL config (no `stage:` key) validated it as an sft config: seven errors, each
+    saying to remove one of its sections (`rollout: unknown key 'rollout'`), none that it was the wrong command."""
+    rl = write_config(tmp_path, example("tiny-grpo.yaml", tiny))
+    result = cli(stage, rl, "--run-dir", tmp_path / "run", timeout=60)
+    assert result.returncode == 2 and not (tmp_path / "run").exists(), result.stderr
+    assert result.stderr.count("error") == 1, result.stderr
+    assert (f"this is an 'rl' config (no `stage:` key, and rollout, reward, algorithm, trainer, which only RL runs "
+            f"have); this command runs {stage!r} configs: run this one with `slurm-rlhf run`") in result.stderr
+    # a stage config without its `stage:` key is still the command's stage, and `run` (rl) names the key it lacks
+    base = {"run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
+            "model": {"base": str(tiny / "model")}, "train": {"lr": 1e-3}}
+    unstaged = write_config(tmp_path, base, "s.yaml")
+    assert load_config(unstaged, stage=stage).stage == stage
+    assert error_of(unstaged) == (f"{unstaged}: no `stage:` key, so this is an 'rl' config, but it has train, which "
+                                  "only sft and rm stages have; add `stage: sft` or `stage: rm` to it (or run it "
+                                  "with `slurm-rlhf sft` or `slurm-rlhf rm`)")
+
+
 def _model_with(tmp_path, tiny, name: str, **config) -> str:
     """A copy of the tiny model's config.json with `config` changed, and its tokenizer (enough for validation)."""
     import json
