@@ -99,21 +99,21 @@ def load_config(path: str | Path, overrides: list[str] = (), stage: str | None =
     if "pipeline" in data:
         raise ConfigError(f"{path} is a pipeline file (it has a `pipeline` section); run it with "
                           "`slurm-rlhf run` or `slurm-rlhf submit`")
-    overridden = {}
+    overridden, sections = {}, list(data)  # (the file's own: a wrong --set is named as one, below)
     for expr in overrides:
         key = apply_override(data, expr)
         overridden[key] = expr
     if stage is not None and "stage" not in data:
         # (a file without `stage:` is an RL run's; `sft`/`rm` take such a file as theirs unless it has sections only
         # RL runs have: an RL config was refused field by field, each error saying to remove a section)
-        rl_only = [key for key in data if key in RunConfig.model_fields and key not in CONFIGS[stage].model_fields]
+        rl_only = [key for key in sections if key in RunConfig.model_fields and key not in CONFIGS[stage].model_fields]
         if rl_only:
             raise ConfigError(f"{path}: this is an 'rl' config (no `stage:` key, and {', '.join(rl_only)}, which "
                               f"only RL runs have); this command runs {stage!r} configs: run this one with "
                               f"`slurm-rlhf run`, or give an {stage} config (`stage: {stage}`)")
         data["stage"] = stage
     elif stage is None and "stage" not in data:
-        staged = [key for key in data if key not in RunConfig.model_fields and key in CONFIGS["sft"].model_fields]
+        staged = [key for key in sections if key not in RunConfig.model_fields and key in CONFIGS["sft"].model_fields]
         if staged:  # (`run` of an sft or rm config without its `stage:` key)
             raise ConfigError(f"{path}: no `stage:` key, so this is an 'rl' config, but it has {', '.join(staged)}, "
                               "which only sft and rm stages have; add `stage: sft` or `stage: rm` to it (or run it "
