@@ -629,6 +629,8 @@ def run_attempts(cfg, make: Callable[[], Supervisor], echo: Callable = print) ->
             attempt += 1
             echo(f"{e}\nstarting every worker again from the last checkpoint (restart {attempt} of "
                  f"run.max_trainer_restarts {cfg.run.max_trainer_restarts})")
+            if isinstance(echo, Progress):  # (the workers' new start holds the next step: no measure of the rest)
+                echo.restart_clock()
 
 
 def make_driver(cfg, run_dir: RunDir, launcher, bind_host: str, echo: Callable = print) -> Supervisor:
