@@ -137,3 +137,42 @@ def test_a_generator_lost_while_the_trainer_runs_ahead_rejoins_with_later_weight
     assert [r["attrs"]["step"] for r in records] == list(range(6))
     for r in records:
         assert sorted(np.bincount(r["samples"]["group_index"]).tolist()) == [4] * 16 and lags(r).max() <= 1
+
+
+def test_a_time_limit_stop_before_the_last_step_ends_finished_when_the_trainer_trains_it_anyway(tiny, tmp_path):
+    """Lag 2: SIGUSR1 (the time limit is near) while the trainer trains step 3 of 4. The driver stops stepping
+    after step 3, but the last step's prompts are out and its samples in, so the trainer trains it before it
+    takes the checkpoint command: every step is done and the model exported. The run ended `preempted`
+    anyway ("stopped at step 4/4; continue with: slurm-rlhf resume", and on Slurm it requeued the job, whose
+    new allocation started every worker to do nothing); now it finishes."""
+    import os
+    import signal
+
+    from tests.conftest import start_held
+    from toolkit.hold import held_file
+    from toolkit.timeline import read_timelines
+
+    data = example("tiny-grpo.yaml", tiny, run={"steps": 4, "seed": 2, "name": "usr1"}, placement=ONE_CPU_EACH)
+    data["rollout"].update(max_policy_lag=2, backend="hf")
+    run_dir = tmp_path / "run"
+    proc, _ = start_held(write_config(tmp_path, data), run_dir, "training@3")
+    try:
+        deadline = time.monotonic() + 120
+        while not any(r["phase"] == "scoring" and r["step"] == 3 for r in read_timelines(run_dir).get("scorer-0", [])):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.0)  # (the last step's samples on their way to the trainer)
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        held_file(run_dir, "training@3").unlink()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert "stopping after step 3 (SIGUSR1)" in out, out  # (the case: the stop came before the last step)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    assert "stopped at step" not in out and "done in" in out, out
+    assert (run_dir / "export" / "config.json").exists()

@@ -77,3 +77,36 @@ def test_the_closing_line_covers_the_steps_of_every_attempt_after_a_trainer_rest
                                    lambda: made.append(1) or next(attempts), echo=lambda line: None)
     assert driver.steps == [3, 4, 5]
     assert [(r["step"], r["attempt"]) for r in records] == [(0, 1), (1, 1), (2, 1), (3, 2), (4, 2), (5, 2)]
+
+
+def test_the_time_left_forgets_the_steps_before_a_trainer_restart(monkeypatch):
+    """run_attempts starts every worker again from the last checkpoint when the trainer is lost: the new
+    workers' start-up (here 60 s) held the next step, and it was taken for the pace of the steps left: steps
+    of under a second said eta 3m29s, then 1m52s, 1m03s... after a restart of 70 s (tiny-grpo, 8 steps, lag 2).
+    The time left restarts its clock, as for a generator started again. The drivers are stand-ins that show
+    their steps."""
+    from types import SimpleNamespace
+
+    from toolkit.errors import TrainerLost
+    from toolkit.launch.supervisor import run_attempts
+
+    clock = iter([100.0, 102.0, 104.0, 164.0, 166.0, 168.0])  # (steps 1-3, then 4-6 after the restart)
+    monkeypatch.setattr("toolkit.progress.time.monotonic", lambda: next(clock))
+    out = io.StringIO()
+    progress = Progress(out, live=False)
+
+    class StandIn:
+        def __init__(self, steps, lost):
+            self.steps, self.lost, self.preempt, self.records = steps, lost, False, []
+
+        def run(self):
+            for done in self.steps:
+                progress.step(f"step {done}/9", done, 9, "reward 0.1")
+            if self.lost:
+                raise TrainerLost("trainer lost")
+
+    attempts = iter([StandIn([1, 2, 3], True), StandIn([4, 5, 6], False)])
+    run_attempts(SimpleNamespace(run=SimpleNamespace(max_trainer_restarts=2)), lambda: next(attempts), progress)
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step")]
+    # after the restart: no estimate from one step, then 2 s a step (not (166-100)/4 = 16.5 s a step)
+    assert lines[3:] == ["step 4/9", "step 5/9  eta 8s", "step 6/9  eta 6s"], lines

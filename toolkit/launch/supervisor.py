@@ -108,8 +108,10 @@ class Supervisor:
             stopped_early = self.step + 1 < self.steps
             if stopped_early:
                 self._checkpoint_before_stopping()
-                if self.requeue is not None:
-                    self._requeue()
+                # (the steps the trainer finished meanwhile may be the last: asynchronously those already out)
+                stopped_early = self.step + 1 < self.steps
+            if stopped_early and self.requeue is not None:
+                self._requeue()
             self._shutdown()
             self.state = "preempted" if stopped_early else "finished"
             return records
@@ -286,7 +288,7 @@ class Supervisor:
         self.echo(f"checkpoint of {self.unit} {self.checkpointed['version']} saved in "
                   f"{self.checkpointed['checkpoint_s']:.1f} s")
         for step in sorted(self.trained):  # asynchronous: steps whose samples were in before the stop
-            self._record(step)
+            self.records.append(self._record(step))
 
     def _requeue(self) -> None:
         """Put the job back in the queue as soon as the checkpoint is committed, before the workers are
@@ -629,6 +631,8 @@ def run_attempts(cfg, make: Callable[[], Supervisor], echo: Callable = print) ->
             attempt += 1
             echo(f"{e}\nstarting every worker again from the last checkpoint (restart {attempt} of "
                  f"run.max_trainer_restarts {cfg.run.max_trainer_restarts})")
+            if isinstance(echo, Progress):  # (the workers' new start holds the next step: no measure of the rest)
+                echo.restart_clock()
 
 
 def make_driver(cfg, run_dir: RunDir, launcher, bind_host: str, echo: Callable = print) -> Supervisor:
