@@ -19,6 +19,7 @@ def _driver(tiny, tmp_path, left_s: float) -> Driver:
     driver = Driver.__new__(Driver)
     driver.cfg, driver.history, driver.evaluating, driver.eval_prompts = cfg, [], {}, [None] * 18
     driver.end_time = time.time() + left_s
+    driver.step = 2  # (the last step recorded)
     return driver
 
 
@@ -28,6 +29,23 @@ def test_a_step_that_carried_an_evaluation_is_not_taken_for_a_slow_step(tiny, tm
     # + 10 (the margin) = 18 s
     assert _driver(tiny, tmp_path, 19.0)._time_for_a_step(ran)
     assert not _driver(tiny, tmp_path, 17.0)._time_for_a_step(ran)
+
+
+def test_asynchronous_steps_already_out_count_toward_the_next_step(tiny, tmp_path):
+    """With max_policy_lag 2 the prompts of two steps past the next are out, and the trainer trains those whose
+    samples are in before it takes the checkpoint command: counted as one step (2 s) each, a time limit's
+    checkpoint came too late for them."""
+    ran = [{"step_s": 2.0}, {"step_s": 2.0, "checkpoint_s": 1.0}]
+    driver = _driver(tiny, tmp_path, 19.0)
+    assert driver._steps_out_beyond_the_next() == 0 and driver._time_for_a_step(ran)  # 2 + 1 + 5 + 10 = 18 s
+    driver.cfg.rollout.max_policy_lag = 2
+    assert driver._steps_out_beyond_the_next() == 2 and not driver._time_for_a_step(ran)  # 3 x 2 + 16 = 22 s
+    driver.end_time = time.time() + 23.0
+    assert driver._time_for_a_step(ran)
+    driver.cfg.rollout.stale = "drop"  # (its prompts go out a step earlier)
+    assert driver._steps_out_beyond_the_next() == 3 and not driver._time_for_a_step(ran)
+    driver.step = driver.cfg.run.steps - 3  # (only one step is left past the next)
+    assert driver._steps_out_beyond_the_next() == 1 and driver._time_for_a_step(ran)
 
 
 def test_an_evaluation_out_now_counts_toward_the_next_step(tiny, tmp_path):

@@ -196,6 +196,15 @@ class Driver(Supervisor):
             self.echo(f"evaluating step {version} again: the run stopped before its evaluation was written")
             self._send_evaluation(version)
 
+    def _steps_out_beyond_the_next(self) -> int:
+        """Asynchronously the prompts of up to `max_policy_lag` steps past the next are out (one more with
+        `stale: drop`), and the trainer trains those whose samples are in before it takes the checkpoint
+        command: counted as one step each (a step's time is the pace of the overlapped steps), so that a
+        time limit's checkpoint still comes before the end with lag 2 or more."""
+        lag = self.cfg.rollout.max_policy_lag
+        ahead = lag + (1 if lag and self.cfg.rollout.stale == "drop" else 0)
+        return max(0, min(ahead, self.cfg.run.steps - 2 - self.step))  # (self.step: the last one recorded)
+
     def _evaluation_ahead_s(self, ran: list[dict]) -> float:
         """Seconds the next step may take longer for the evaluation out now (the generators sample it first):
         the longest one run so far; before any, the last steps' generation and scoring, scaled to its

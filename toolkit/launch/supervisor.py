@@ -309,14 +309,15 @@ class Supervisor:
         log.warning("SIGUSR1: the job ends soon; stopping once another step no longer fits")
 
     def _time_for_a_step(self, records: list[dict]) -> bool:
-        """Another step, a checkpoint and the stop fit before the end (estimated from the last steps run,
-        also by earlier attempts of the run)."""
+        """Another step (and those the trainer trains with it before a checkpoint), a checkpoint and the stop
+        fit before the end (estimated from the last steps run, also by earlier attempts of the run)."""
         if self.end_time is None:
             with self.coordinator.answering():
                 self.end_time = self.launcher.end_time() or time.time()
             log.warning("%.0f s are left before the job ends", self.end_time - time.time())
         ran = [r for r in [*self.history, *records] if "step_s" in r]
         step_s = max((r["step_s"] - r.get("eval_wall_s", 0.0) for r in ran[-3:]), default=30.0)
+        step_s *= 1 + self._steps_out_beyond_the_next()
         step_s += self._evaluation_ahead_s(ran)
         checkpoint_s = max((r.get("checkpoint_s") or 0.0 for r in ran), default=0.0) + 5.0
         return time.time() + step_s + checkpoint_s + self.cfg.slurm.stop_margin_s < self.end_time
@@ -324,6 +325,11 @@ class Supervisor:
     def _evaluation_ahead_s(self, ran: list[dict]) -> float:
         """Seconds the next step may take longer for an evaluation (the RL driver's in-run evaluations)."""
         return 0.0
+
+    def _steps_out_beyond_the_next(self) -> int:
+        """Steps past the next that the trainer may train before it takes a checkpoint (the RL driver's
+        asynchronous steps already out)."""
+        return 0
 
     def _shutdown(self) -> None:
         self.stopping = True
