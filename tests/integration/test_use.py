@@ -51,6 +51,8 @@ def test_export_copies_the_newest_checkpoint_or_a_chosen_one(trained, tmp_path):
     same_files(trained / "export", tmp_path / "newest")  # the run's own final export is the same model
     origin = json.loads((tmp_path / "newest" / "slurm_rlhf.json").read_text())
     assert origin == {"run_dir": str(trained.resolve()), "step": 4, "ema": False, "lora_merged": False}
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "newest").rglob("*") if p.is_file()}
+    assert set(modes.values()) == {"0o600"}, modes  # (slurm_rlhf.json was 0o644 beside weights of 0o600)
 
     assert cli("export", trained, tmp_path / "ema", "--step", 3, "--ema").returncode == 0
     same_files(trained / "checkpoints" / "step-000003" / "hf-ema", tmp_path / "ema")

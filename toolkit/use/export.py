@@ -25,8 +25,9 @@ def export(run_dir: str, out: str, step: int | None = None, ema: bool = False) -
 
     def build(tmp: Path) -> None:
         shutil.copytree(source.path, tmp, dirs_exist_ok=True)
-        (tmp / "slurm_rlhf.json").write_text(json.dumps(
-            {"run_dir": str(source.run_dir), "step": source.step, "ema": ema,
-             "lora_merged": (tmp / "adapter").is_dir()}, indent=1) + "\n")
+        origin = tmp / "slurm_rlhf.json"
+        origin.write_text(json.dumps({"run_dir": str(source.run_dir), "step": source.step, "ema": ema,
+                                      "lora_merged": (tmp / "adapter").is_dir()}, indent=1) + "\n")
+        origin.chmod(0o600)  # (as the weights copied beside it: the run's files are their owner's alone)
 
     return build_beside(out, build)
