@@ -2,8 +2,10 @@
 # The demo: install what is missing, build the tiny model set offline, run tiny GRPO into RUN_DIR.
 #   bash tools/demo.sh [RUN_DIR]      (default runs/demo)
 set -euo pipefail
+RUN_DIR=${1:-}
+case "$RUN_DIR" in ""|/*) ;; *) RUN_DIR="$PWD/$RUN_DIR" ;; esac  # (a RUN_DIR given is the caller's folder's)
 cd "$(dirname "$0")/.."
-RUN_DIR=${1:-runs/demo}
+RUN_DIR=${RUN_DIR:-runs/demo}
 bash tools/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/slurm-rlhf tiny models/tiny
