@@ -41,6 +41,22 @@ def run_async(tiny, tmp_path: Path, name: str, steps: int, epochs: int = 1,
     return metrics, records
 
 
+def wait_until_done(proc, run_dir: Path, *phases: tuple[str, str], step: int, limit_s: float = 120) -> None:
+    """Until each (worker, phase) of `phases` ran at step index `step` and went idle after it (its timeline),
+    while the run goes on; bounded."""
+    from toolkit.timeline import read_timelines
+
+    def done(worker: str, phase: str) -> bool:
+        rows = read_timelines(run_dir).get(worker, [])
+        at = [i for i, r in enumerate(rows) if r["phase"] == phase and r["step"] == step]
+        return bool(at) and any(r["phase"] == "idle" for r in rows[at[0]:])
+
+    deadline = time.monotonic() + limit_s
+    while not all(done(worker, phase) for worker, phase in phases):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def lags(record: dict) -> np.ndarray:
     return record["attrs"]["step"] - record["samples"]["policy_version"]
 
@@ -107,7 +123,6 @@ def test_a_generator_lost_while_the_trainer_runs_ahead_rejoins_with_later_weight
 
     from tests.conftest import start_held
     from toolkit.hold import held_file
-    from toolkit.timeline import read_timelines
 
     data = example("tiny-grpo.yaml", tiny, run={"steps": 6, "seed": 2, "name": "ahead"}, placement=ONE_CPU_EACH,
                    transport={"step_timeout_s": 120})
@@ -115,15 +130,7 @@ def test_a_generator_lost_while_the_trainer_runs_ahead_rejoins_with_later_weight
     run_dir = tmp_path / "run"
     proc, _ = start_held(write_config(tmp_path, data), run_dir, "syncing@3")
     try:
-        def done(worker: str, phase: str) -> bool:  # (its phase at step index 3, then idle)
-            rows = read_timelines(run_dir).get(worker, [])
-            at = [i for i, r in enumerate(rows) if r["phase"] == phase and r["step"] == 3]
-            return bool(at) and any(r["phase"] == "idle" for r in rows[at[0]:])
-
-        deadline = time.monotonic() + 120
-        while not (done("generator-0", "generating") and done("scorer-0", "scoring")):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until_done(proc, run_dir, ("generator-0", "generating"), ("scorer-0", "scoring"), step=3)
         generator = json.loads((run_dir / "status.json").read_text())["workers"]["generator:0"]["pid"]
         os.kill(generator, signal.SIGKILL)
         held_file(run_dir, "syncing@3").unlink()
@@ -150,20 +157,18 @@ def test_a_time_limit_stop_before_the_last_step_ends_finished_when_the_trainer_t
 
     from tests.conftest import start_held
     from toolkit.hold import held_file
-    from toolkit.timeline import read_timelines
 
     data = example("tiny-grpo.yaml", tiny, run={"steps": 4, "seed": 2, "name": "usr1"}, placement=ONE_CPU_EACH)
     data["rollout"].update(max_policy_lag=2, backend="hf")
     run_dir = tmp_path / "run"
     proc, _ = start_held(write_config(tmp_path, data), run_dir, "training@3")
     try:
-        deadline = time.monotonic() + 120
-        while not any(r["phase"] == "scoring" and r["step"] == 3 for r in read_timelines(run_dir).get("scorer-0", [])):
+        wait_until_done(proc, run_dir, ("scorer-0", "scoring"), step=3)  # (the last step's samples: sent on)
+        os.kill(proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 60  # (the driver has it: it logs so at once)
+        while "SIGUSR1: the job ends soon" not in (run_dir / "logs" / "driver.log").read_text():
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        time.sleep(1.0)  # (the last step's samples on their way to the trainer)
-        os.kill(proc.pid, signal.SIGUSR1)
-        time.sleep(0.5)
         held_file(run_dir, "training@3").unlink()
         out, _ = proc.communicate(timeout=300)
     finally:
