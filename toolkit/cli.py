@@ -90,13 +90,14 @@ def _not_empty(value: str) -> str:
 
 def _seed(value: str) -> int:
     """A seed within the bounds a run's config takes (vLLM and numpy refuse others, vLLM only after start-up)."""
+    from toolkit.seeds import SEED_LIMIT, seed_problem
     try:
         seed = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number; give a seed from 0 to {2**32 - 1}")
-    if not 0 <= seed < 2**32:
-        raise argparse.ArgumentTypeError(f"{seed} is out of range; give a seed from 0 to {2**32 - 1} (2**32 - 1: "
-                                         "vLLM and numpy refuse others)")
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number; give a seed from 0 to {SEED_LIMIT - 1}")
+    problem = seed_problem(seed)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{seed} is out of range: {problem}")
     return seed
 
 

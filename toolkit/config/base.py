@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 
 from toolkit.config.model_files import config_json_problem
 from toolkit.placement.layout import MODELS
+from toolkit.seeds import seed_problem
 
 
 class Section(BaseModel):
@@ -191,9 +192,9 @@ def _one_line(value: str) -> str:
 def _seed(value: int) -> int:
     """A seed's bounds are those of vLLM's set_random_seed (numpy's): outside them a run failed only after its
     workers had started."""
-    if not 0 <= value < 2**32:
-        raise ValueError(f"a seed is from 0 to {2**32 - 1} (2**32 - 1; vLLM and numpy refuse others); give one in "
-                         "that range")
+    problem = seed_problem(value)
+    if problem:
+        raise ValueError(problem)
     return value
 
 
