@@ -164,7 +164,7 @@ def main() -> int:
 
     from toolkit.config import load_config
     from toolkit.placement.cost import ModelShape
-    from toolkit.placement.planner import mean_prompt_tokens
+    from toolkit.placement.planner import prompt_tokens_of
 
     cfg = load_config(args.config)
     cores = sorted(os.sched_getaffinity(0))  # (before vLLM pins this process's threads)
@@ -185,7 +185,7 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
     real = [render_prompt(tokenizer, p.prompt, cfg.data.chat_template)[-cfg.rollout.max_prompt_tokens:]
             for p in read_prompts(cfg.data, cfg.run.seed).next(64)]
-    lp = mean_prompt_tokens(cfg)
+    lp, _ = prompt_tokens_of(cfg)
     lr = cfg.rollout.max_new_tokens
 
     def prompts_of(n: int) -> list[list[int]]:

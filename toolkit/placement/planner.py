@@ -65,8 +65,7 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
 
     longest = None  # (prompt lengths given: no longest known; each is the mean's)
     if prompt_tokens is None:
-        lengths = prompt_lengths(cfg)
-        prompt_tokens, longest = sum(lengths) / max(len(lengths), 1), max(lengths, default=0)
+        prompt_tokens, longest = prompt_tokens_of(cfg)
     t = cfg.trainer
     return Workload(
         actor=shape("actor", cfg.model.actor),
@@ -88,10 +87,10 @@ def workload_of(cfg, prompt_tokens: float | None = None, response_tokens: float 
                           else None))
 
 
-def mean_prompt_tokens(cfg, limit: int = 256) -> float:
-    """Mean tokens of the first `limit` prompts the run draws (cut at max_prompt_tokens)."""
+def prompt_tokens_of(cfg, limit: int = 256) -> tuple[float, int]:
+    """(mean, longest) tokens of the first `limit` prompts the run draws (cut at max_prompt_tokens)."""
     lengths = prompt_lengths(cfg, limit)
-    return sum(lengths) / max(len(lengths), 1)
+    return sum(lengths) / max(len(lengths), 1), max(lengths, default=0)
 
 
 def prompt_lengths(cfg, limit: int = 256) -> list[int]:
