@@ -275,6 +275,20 @@ def metric_lines(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+@contextlib.contextmanager
+def killed_at_exit(proc: subprocess.Popen):
+    """Ends the block with `proc`'s process group (a run started in a session of its own) killed and reaped
+    if the run still runs: a failed assertion or a timeout inside leaves no run behind."""
+    import signal
+
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def start_held(config: Path, run_dir: Path, hold: str, stdout=subprocess.PIPE, timeout_s: float = 300,
                extra: list[str] = (), held_in: Path | None = None) -> tuple[subprocess.Popen, int]:
     """`slurm-rlhf run CONFIG` (with `extra` arguments) in a session of its own, its first process to reach
@@ -318,7 +332,7 @@ def run_and_kill(config: Path, run_dir: Path, after_commits: int | None = None, 
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env=env)
-    try:
+    with killed_at_exit(proc):
         deadline = time.monotonic() + timeout_s
         while not done():
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the kill"
@@ -330,9 +344,6 @@ def run_and_kill(config: Path, run_dir: Path, after_commits: int | None = None, 
             except ProcessLookupError:
                 pass
         proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import cli, example, experience_commits, run_and_kill, write_config
+from tests.conftest import cli, example, experience_commits, killed_at_exit, run_and_kill, write_config
 from toolkit.store import experience
 
 pytestmark = pytest.mark.integration
@@ -129,15 +129,12 @@ def test_a_generator_lost_while_the_trainer_runs_ahead_rejoins_with_later_weight
     data["rollout"].update(max_policy_lag=1, backend="hf")
     run_dir = tmp_path / "run"
     proc, _ = start_held(write_config(tmp_path, data), run_dir, "syncing@3")
-    try:
+    with killed_at_exit(proc):
         wait_until_done(proc, run_dir, ("generator-0", "generating"), ("scorer-0", "scoring"), step=3)
         generator = json.loads((run_dir / "status.json").read_text())["workers"]["generator:0"]["pid"]
         os.kill(generator, signal.SIGKILL)
         held_file(run_dir, "syncing@3").unlink()
         out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
     assert "starting it again alone" in out and "is back; the run goes on" in out
     records = [experience.read(p) for p in sorted((run_dir / "experience").glob("*.h5"))]
@@ -162,7 +159,7 @@ def test_a_time_limit_stop_before_the_last_step_ends_finished_when_the_trainer_t
     data["rollout"].update(max_policy_lag=2, backend="hf")
     run_dir = tmp_path / "run"
     proc, _ = start_held(write_config(tmp_path, data), run_dir, "training@3")
-    try:
+    with killed_at_exit(proc):
         wait_until_done(proc, run_dir, ("scorer-0", "scoring"), step=3)  # (the last step's samples: sent on)
         os.kill(proc.pid, signal.SIGUSR1)
         deadline = time.monotonic() + 60  # (the driver has it: it logs so at once)
@@ -171,9 +168,6 @@ def test_a_time_limit_stop_before_the_last_step_ends_finished_when_the_trainer_t
             time.sleep(0.1)
         held_file(run_dir, "training@3").unlink()
         out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
     assert "stopping after step 3 (SIGUSR1)" in out, out  # (the case: the stop came before the last step)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

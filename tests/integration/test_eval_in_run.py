@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import alive, cli, example, run_and_kill, start_held, wandb_history, write_config
+from tests.conftest import alive, cli, example, killed_at_exit, run_and_kill, start_held, wandb_history, write_config
 from toolkit.training.engine import SHARD_ALL_ENV
 
 pytestmark = pytest.mark.integration
@@ -114,12 +114,9 @@ def test_an_evaluation_lost_with_its_generator_is_made_again(evaluated, tiny, tm
     starts it again, the trainer says which held-out prompts it misses (all), they go out again ahead of
     step 2's prompts, and the run ends with the evaluations and steps of the run that was not killed."""
     proc, pid = start_held(config(tiny, tmp_path), tmp_path / "run", "evaluating")
-    try:
+    with killed_at_exit(proc):
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
     assert not alive([pid])
     assert "starting it again alone" in out

@@ -27,8 +27,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import (REPO, alive, assert_no_workers_left, cli, exact_grpo, example, left_in, run_and_kill,
-                            start_held, tensorboard_scalars, wandb_history, write_config)
+from tests.conftest import (REPO, alive, assert_no_workers_left, cli, exact_grpo, example, killed_at_exit, left_in,
+                            run_and_kill, start_held, tensorboard_scalars, wandb_history, write_config)
 from tests.conftest import experience_commits as commits
 from toolkit.store import experience
 
@@ -290,7 +290,7 @@ def test_a_long_replay_is_not_taken_for_a_slow_start(tiny, tmp_path):
     resume = subprocess.Popen([sys.executable, "-m", "toolkit", "resume", str(run_dir)], cwd=REPO, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                               env={**os.environ, REPLAY_PAUSE_ENV: "12"})  # 2 or 3 batches x 12 s: over 20 s
-    try:
+    with killed_at_exit(resume):
         deadline = time.monotonic() + 120
         while (status := json.loads((run_dir / "status.json").read_text()))["workers"].get(
                 "trainer:0", {}).get("phase") != "replaying":
@@ -299,9 +299,6 @@ def test_a_long_replay_is_not_taken_for_a_slow_start(tiny, tmp_path):
         kept = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert status["last_metrics"] == kept[-1] and kept[-1]["step"] >= 1, (status["last_metrics"], kept)
         out, _ = resume.communicate(timeout=300)
-    finally:
-        if resume.poll() is None:
-            os.killpg(resume.pid, signal.SIGKILL)
     assert resume.returncode == 0, out
     log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert log.count("trained again on") == replays
@@ -347,7 +344,7 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, ENV: ",".join(m for m, _ in faults), "TMPDIR": str(tmp)})
     victims, offspring, pids, left = [], [], {}, dict(faults)
-    try:
+    with killed_at_exit(proc):
         deadline = time.monotonic() + 300
         while left:
             held = {m: pid for m in left if (pid := held_pid(run_dir, m))}
@@ -367,9 +364,6 @@ def run_with_faults(baseline: Path, tiny, tmp_path: Path, faults: list[tuple[str
             os.kill(victim, left.pop(moment))
             victims.append(victim)
         out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
     assert not alive(victims) and not alive(offspring), (victims, offspring)
     assert left_in(tmp) == [], left_in(tmp)
@@ -482,14 +476,11 @@ def test_a_worker_started_again_in_the_last_step_does_not_hold_the_runs_end(base
     run_dir = tmp_path / "run"
     hold = f"training@{STEPS}"
     proc, _ = start_held(exact_grpo(tiny, tmp_path), run_dir, hold)
-    try:
+    with killed_at_exit(proc):
         scorer = json.loads((run_dir / "status.json").read_text())["workers"]["scorer:0"]["pid"]
         os.kill(scorer, signal.SIGKILL)
         held_file(run_dir, hold).unlink()
         out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
     assert f"scorer worker rank 0 (scorer:0, pid {scorer} on node" in out and "starting it again alone" in out
     assert "did not exit within 60 s of shutdown" not in out, out
@@ -507,7 +498,7 @@ def test_a_generator_started_again_has_only_the_samples_the_trainer_misses_gener
                                             transport={"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4}))
     run_dir = tmp_path / "run"
     proc, pid = start_held(config, run_dir, "generating@2")
-    try:
+    with killed_at_exit(proc):
         deadline = time.monotonic() + 300
         while not ((trainer := json.loads((run_dir / "status.json").read_text())["workers"]["trainer:0"]).get("step")
                    == 1 and trainer.get("samples")):  # (the other generator's part of step 1 is in)
@@ -517,9 +508,6 @@ def test_a_generator_started_again_has_only_the_samples_the_trainer_misses_gener
         print(f"the trainer holds {trainer['samples']} samples of step 1 when the generator is killed")
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
     assert "asking the trainer which samples of step(s) 2 it still misses" in out, out
     missing = 16 - trainer["samples"] // 4

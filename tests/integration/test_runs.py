@@ -18,8 +18,8 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import (EXAMPLES, REPO, alive, assert_no_workers_left, cli, example, fork_server_pids, left_in,
-                            short_tmpdir, worker_pids, write_config)
+from tests.conftest import (EXAMPLES, REPO, alive, assert_no_workers_left, cli, example, fork_server_pids,
+                            killed_at_exit, left_in, short_tmpdir, worker_pids, write_config)
 from toolkit.config import load_config
 from toolkit.launch import allocator, mkl_amd
 from toolkit.store import experience
@@ -216,12 +216,9 @@ def running(tiny, tmp_path, env: dict | None = None, **sections):
     """A long local run, past its first step; its whole process group is killed on the way out."""
     run_dir = tmp_path / "run"
     proc = start(long_run(tiny, tmp_path, **sections), run_dir, env)
-    try:
+    with killed_at_exit(proc):
         wait_for_step(proc, run_dir)
         yield proc, run_dir
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_killed_generator_stops_the_run_with_a_named_error(tiny, tmp_path):
@@ -399,7 +396,7 @@ def stop_at(config: Path | None, run_dir: Path, moment: str, stop: str, env: dic
     from toolkit.store.manifest import plan_resume
 
     proc = start(config, run_dir, env={**(env or {}), ENV: moment})
-    try:
+    with killed_at_exit(proc):
         deadline = time.monotonic() + 240
         while not (held := held_pid(run_dir, moment)):
             assert proc.poll() is None, f"the run ended before {moment}: {proc.communicate()[1]}"
@@ -423,9 +420,6 @@ def stop_at(config: Path | None, run_dir: Path, moment: str, stop: str, env: dic
                 os.kill(proc.pid, signal.SIGINT)
         code, _, err, _ = finish(proc, timeout=120)
         took = time.monotonic() - stopping
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert code == (130 if stop.startswith("SIGINT") else 143), (moment, err)
     assert "interrupted" in err and took < 20, (moment, took, err)
     if stop == "SIGINT":  # (SIGINT inherited as ignored, as by every run started with `&` from a script)

@@ -14,7 +14,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import assert_clean_logs, cli, metric_lines, run_and_kill, write_config
+from tests.conftest import assert_clean_logs, cli, killed_at_exit, metric_lines, run_and_kill, write_config
 
 pytestmark = pytest.mark.integration
 SPLIT = {"sft": 2, "rm": 4, "rl": 4, "seed": 1234}
@@ -220,7 +220,7 @@ def test_sigusr1_checkpoints_stops_and_resume_finishes_the_same(tiny, sft_run, t
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "sft", str(config), "--run-dir", str(run_dir)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, ENV: "boundary@4"})
-    try:
+    with killed_at_exit(proc):
         deadline = time.monotonic() + 240
         held = held_file(run_dir, "boundary")
         while not held.exists():
@@ -235,9 +235,6 @@ def test_sigusr1_checkpoints_stops_and_resume_finishes_the_same(tiny, sft_run, t
         held.unlink()  # (rank 0 goes on, and finds the driver's request at its next step boundary)
         rest, err = proc.communicate(timeout=120)
         out += rest
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out + err
     assert "stopping at the ranks' next step boundary" in out and "continue with: slurm-rlhf resume" in out
     stopped = metric_lines(run_dir)
@@ -265,12 +262,9 @@ def test_a_pipeline_resumed_keeps_the_overrides_it_was_started_with(tiny, tmp_pa
     run_dir = tmp_path / "p"
     command = [str(pipeline), *[a for o in overrides for a in ("--set", o)]]
     proc, _ = start_held(pipeline, run_dir, "training@3", extra=command[1:], held_in=run_dir / "sft")
-    try:
+    with killed_at_exit(proc):
         os.kill(proc.pid, signal.SIGTERM)
         proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143 and not (run_dir / "rl").exists()
     result = cli("resume", run_dir)
     assert result.returncode == 0, result.stdout + result.stderr
