@@ -596,6 +596,7 @@ def test_bad_prompt_line_is_a_config_error(tiny, tmp_path):
     ({"zero_stage": 2, "offload_params": True}, {}, {}, "offload_params needs zero_stage 3"),
     ({"zero_stage": 3, "lora": {"rank": 4}}, {}, {}, "lora with zero_stage 3 is not supported"),
     ({"lora": {"rank": 0}}, {}, {}, "trainer.lora.rank"),
+    ({"lora": {"dropout": 0.05}}, {}, {}, "trainer.lora.dropout is 0.05, but RL trains with dropout off"),
     ({"lora": {}}, {"reference": "OTHER"}, {}, "model.reference: with trainer.lora the reference model is the actor"),
     ({"lora": {}}, {}, {"strategy": "colocate_critic_reward"}, "node group 'reference' of placement.strategy"),
     ({}, {"attn_implementation": "flash_attention_2"}, {}, "flash_attention_2 needs the flash-attn package"),

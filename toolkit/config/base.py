@@ -218,7 +218,8 @@ class LoraSection(Section):
     alpha: float = Field(default=16.0, gt=0)
     """Scale: an adapter adds (alpha / rank) x B A to its weight."""
     dropout: float = Field(default=0.0, ge=0, lt=1)
-    """Dropout on the adapters' input (keep 0 for RL: the trainer's log-probs must match the generator's)."""
+    """Dropout on the adapters' input, for an sft stage (RL refuses any but 0: the trainer's log-probs must match
+    the generator's)."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Names of the linear layers that get adapters (e.g. [q_proj, v_proj]), or `all-linear` (every linear
     layer but the output head)."""

@@ -513,6 +513,11 @@ class RunConfig(Section):
                              "micro_batch_size rows per micro-batch); remove one of them")
         layout = self.placement.layout()
         if self.trainer.lora is not None:
+            if self.trainer.lora.dropout > 0:
+                raise ValueError(f"trainer.lora.dropout is {self.trainer.lora.dropout}, but RL trains with dropout "
+                                 "off (every dropout of the models is 0): with it, the trainer's log-probs of a sample "
+                                 "differ from the generator's at random; set it to 0 or remove it (an sft stage's "
+                                 "train.lora.dropout may stay)")
             problem = lora_target_problem(model_files(self.model.actor, info), self.trainer.lora.target_modules,
                                           "trainer.lora.target_modules")
             if problem:
