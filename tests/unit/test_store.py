@@ -160,6 +160,23 @@ def test_resume_plan(tmp_path):
     assert all("checkpoints/" not in p for p in plan_resume(tmp_path).problems)
 
 
+def test_two_resumes_in_one_second_set_their_files_aside_in_two_folders(tmp_path, monkeypatch):
+    """Set-aside folders are named by the second: a second resume that set aside the same step's file within it
+    replaced the first one's copy, which the folder is there to keep."""
+    from toolkit.store import manifest
+
+    monkeypatch.setattr(manifest.time, "strftime", lambda _: "20261207-120000")
+    kept = []
+    for content in (b"first", b"second"):
+        (tmp_path / "experience").mkdir(exist_ok=True)
+        (tmp_path / "experience" / "step-000003.h5").write_bytes(content)
+        plan = manifest.ResumePlan(set_aside=[tmp_path / "experience" / "step-000003.h5"])
+        kept += manifest.set_aside(tmp_path, plan)
+    assert [p.relative_to(tmp_path).as_posix() for p in kept] == [
+        "experience/set-aside/20261207-120000/step-000003.h5", "experience/set-aside/20261207-120000-2/step-000003.h5"]
+    assert [p.read_bytes() for p in kept] == [b"first", b"second"]
+
+
 def test_what_a_run_holds_is_each_steps_last_record_less_what_is_gone(tmp_path):
     """The one reading of the manifest that resume, `inspect`, `report` and `generate` share."""
     from toolkit.store.manifest import held_experience, live_checkpoints

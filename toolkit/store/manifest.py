@@ -24,6 +24,7 @@ from the first step that has no good experience. Damaged files are named and set
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -170,14 +171,26 @@ def set_aside(run_dir: Path, plan: ResumePlan) -> list[Path]:
     """Move experience that will be generated again to experience/set-aside/<time>/ (kept for the record)."""
     if not plan.set_aside:
         return []
-    target = Path(run_dir) / "experience" / "set-aside" / time.strftime("%Y%m%d-%H%M%S")
-    target.mkdir(parents=True, exist_ok=True)
+    target = _new_folder(Path(run_dir) / "experience" / "set-aside", time.strftime("%Y%m%d-%H%M%S"))
     moved = []
     for path in plan.set_aside:
         dest = target / path.name
         os.replace(path, dest)
         moved.append(dest)
     return moved
+
+
+def _new_folder(parent: Path, name: str) -> Path:
+    """parent/name, or name-2, name-3, ...: a folder of its own (two resumes in one second set aside the same
+    step's file, and the second replaced the first)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        target = parent / (name if n == 1 else f"{name}-{n}")
+        try:
+            target.mkdir()
+            return target
+        except FileExistsError:
+            continue
 
 
 def experience_checksum(record: dict) -> str:
