@@ -407,8 +407,13 @@ def _resume_pipeline(pd, args) -> int:
     if overrides:  # (as when it started: a stage not started yet must not run with the file's bare values)
         print(f"pipeline: with the --set overrides it was started with: {' '.join(map(shlex.quote, overrides))}",
               flush=True)
+    source = pd.source()
+    if not Path(source).is_file():
+        raise ConfigError(f"{pd.path} was started from the pipeline file {source}, which is gone; resume reads it "
+                          "again (the stages not started yet run as it says, and its paths are relative to its "
+                          "folder): put it, or a copy of it, back at that path, then resume")
     with in_folder(folder):  # (their relative paths meant what they meant there)
-        pipeline = load_pipeline(pd.source(), overrides)
+        pipeline = load_pipeline(source, overrides)
     configs = _pipeline_configs(pipeline, pd.path)
     for stage in pd.stages():
         job = live_job(pd.stage(stage))

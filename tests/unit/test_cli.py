@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -218,6 +219,19 @@ def test_a_pipeline_directory_is_named_with_its_stages(tmp_path, command):
 def test_resume_refuses_flags_it_would_ignore(tmp_path, flags, expected):
     result = cli("resume", tmp_path, *flags, timeout=60)
     assert result.returncode == 2 and expected in result.stderr, result.stderr
+
+
+def test_a_pipeline_whose_file_is_gone_says_that_resume_reads_it(tmp_path):
+    """A pipeline resumes from the file it was started from; moved or removed, resume said only `cannot read
+    config (No such file or directory)`, not why it reads that file or what to do."""
+    source = tmp_path / "moved" / "pipeline.yaml"
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "pipeline.json").write_text(json.dumps({"name": "p", "source": str(source), "stages": ["sft"],
+                                                              "overrides": [], "cwd": str(tmp_path)}))
+    result = cli("resume", tmp_path / "p", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"{tmp_path / 'p'} was started from the pipeline file {source}, which is gone" in result.stderr
+    assert "put it, or a copy of it, back at that path, then resume" in result.stderr
 
 
 @pytest.mark.parametrize("command", ["eval", "generate"])
