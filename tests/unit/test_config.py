@@ -407,6 +407,32 @@ def test_chat_prompts_need_a_tokenizer_with_a_chat_template(tiny, tmp_path):
     assert cli("validate", write_config(tmp_path, data)).returncode == 0
 
 
+def test_chat_prompts_a_template_refuses_are_named_before_start_up(tiny, tmp_path):
+    """A template that refuses some prompts (Gemma's and Mistral's: a system message, turns that do not
+    alternate) passed validate; an sft stage failed at the step that drew such a row (step 5 of 5 here, after
+    start-up) with `TemplateError: System role not supported`, naming no row."""
+    from toolkit.data.dataset import check_data
+
+    model = tmp_path / "gemma-like"
+    shutil.copytree(tiny / "model", model)
+    (model / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    user = [{"role": "user", "content": "count"}]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": user}, {"prompt": user},
+                                                           {"prompt": [{"role": "system", "content": "be brief"}, *user]}]))
+    data = example("tiny-grpo.yaml", tiny, data={"prompts": str(chat)}, rollout={"prompts_per_step": 4})
+    data["model"]["actor"] = str(model)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{chat}:3: the chat template of the tokenizer {model} cannot render this prompt of messages (system, "
+            "user): TemplateError: System role not supported; convert such rows")):
+        check_data(load_config(write_config(tmp_path, data)))
+    chat.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": user}, {"prompt": "text"}]))
+    assert check_data(load_config(write_config(tmp_path, data))).train_rows == 2  # (the template takes these)
+
+
 def test_no_reward(tiny, tmp_path):
     data = example("tiny-grpo.yaml", tiny, reward={"functions": []})
     assert "no reward" in error_of(write_config(tmp_path, data))

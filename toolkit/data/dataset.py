@@ -101,17 +101,42 @@ def check_data(cfg) -> StageData:
 
 
 def _check_chat_template(cfg, data: StageData) -> None:
-    """Prompts of chat messages (or text with data.chat_template) need a tokenizer with a chat template: the
-    workers found out at their first step, after start-up or a wait in the queue."""
+    """Prompts of chat messages (or text with data.chat_template) need a tokenizer with a chat template that
+    renders them: the workers found out at their first step, after start-up or a wait in the queue, and a
+    template that refuses some rows (Gemma's and Mistral's refuse a system message, or turns that do not
+    alternate) failed training at the step that drew such a row, naming none. Each sequence of roles is
+    rendered once here, as the workers render prompts."""
     from toolkit.config.model_files import has_chat_template
 
-    chat = next((e for part in [*data.train, data.eval] for e in part if isinstance(e.prompt, list)), None)
-    if (chat is None and not cfg.data.chat_template) or has_chat_template(cfg.tokenizer_path) is not False:
+    examples = [e for part in [*data.train, data.eval] for e in part]
+    chat = next((e for e in examples if isinstance(e.prompt, list)), None)
+    if chat is None and not cfg.data.chat_template:
         return
-    what = f"{chat.location}: a prompt of chat messages" if chat else "data.chat_template: true"
-    raise ConfigError(f"{what}, and the tokenizer {cfg.tokenizer_path} has no chat template to render it with; "
-                      "give text prompts (and data.chat_template: false), or a tokenizer that has one "
-                      "(model.tokenizer)")
+    found = has_chat_template(cfg.tokenizer_path)
+    if found is None:  # (a model an earlier stage of a pipeline writes)
+        return
+    if found is False:
+        what = f"{chat.location}: a prompt of chat messages" if chat else "data.chat_template: true"
+        raise ConfigError(f"{what}, and the tokenizer {cfg.tokenizer_path} has no chat template to render it with; "
+                          "give text prompts (and data.chat_template: false), or a tokenizer that has one "
+                          "(model.tokenizer)")
+    from toolkit.data.tokens import counting_tokenizer
+
+    tokenizer = counting_tokenizer(cfg.tokenizer_path)
+    shapes = {}  # (one prompt of each sequence of roles: what a template's checks look at)
+    for e in examples:
+        if isinstance(e.prompt, list) or cfg.data.chat_template:
+            shapes.setdefault(tuple(m["role"] for m in e.prompt) if isinstance(e.prompt, list) else ("user",), e)
+    for e in shapes.values():
+        messages = e.prompt if isinstance(e.prompt, list) else [{"role": "user", "content": e.prompt}]
+        try:
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as error:  # (jinja2's TemplateError of the template's raise_exception, or its own bugs)
+            roles = ", ".join(m["role"] for m in messages)
+            raise ConfigError(f"{e.location}: the chat template of the tokenizer {cfg.tokenizer_path} cannot render "
+                              f"this prompt of messages ({roles}): {type(error).__name__}: {error}; convert such "
+                              "rows (e.g. join a system message to the first user message), or give a tokenizer "
+                              "whose template takes them (model.tokenizer)") from None
 
 
 def _check_held_out(cfg, held_out: int) -> None:
