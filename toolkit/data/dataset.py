@@ -108,7 +108,6 @@ def _check_chat_template(cfg, data: StageData) -> None:
     rendered once here, as the workers render prompts. So do the tokenizers of an RL run's reward models whose
     vocabulary is not the actor's (the scorer renders the prompt again with those)."""
     from toolkit.config.model_files import has_chat_template
-    from toolkit.data.tokens import counting_tokenizer
 
     examples = [e for part in [*data.train, data.eval] for e in part]
     chat = next((e for e in examples if isinstance(e.prompt, list)), None)
@@ -123,7 +122,8 @@ def _check_chat_template(cfg, data: StageData) -> None:
                         "tokenizer that has one (model.tokenizer)", "model.tokenizer")
     reward = getattr(cfg, "reward", None)
     for i, rm in enumerate(reward.models if actor is not None and reward is not None else []):
-        if has_chat_template(rm.path) is None or counting_tokenizer(rm.path).get_vocab() == actor.get_vocab():
+        own = _tokenizer(rm.path) if has_chat_template(rm.path) is not None else None
+        if own is None or own.get_vocab() == actor.get_vocab():
             continue  # (the same vocabulary: the scorer reads the generated tokens themselves)
         _render_all(rm.path, shapes, f"{what}, and reward.models.{i} has a vocabulary of its own (it renders "
                     "the prompt itself)", f"give text prompts, or a reward model whose tokenizer has one "
@@ -134,15 +134,14 @@ def _render_all(path, shapes: dict, what: str, fix: str, setting: str):
     """The tokenizer at `path` (None where it is not there yet: a model an earlier stage of a pipeline writes),
     after rendering each prompt of `shapes` with its chat template; ConfigError naming the row it cannot render."""
     from toolkit.config.model_files import has_chat_template
-    from toolkit.data.tokens import counting_tokenizer
 
     found = has_chat_template(path)
     if found is None:
         return None
     if found is False:
         raise ConfigError(f"{what}, and the tokenizer {path} has no chat template to render it with; {fix}")
-    tokenizer = counting_tokenizer(path)
-    for e in shapes.values():
+    tokenizer = _tokenizer(path)
+    for e in shapes.values() if tokenizer is not None else []:
         messages = e.prompt if isinstance(e.prompt, list) else [{"role": "user", "content": e.prompt}]
         try:
             tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -153,6 +152,17 @@ def _render_all(path, shapes: dict, what: str, fix: str, setting: str):
                               f"a system message to the first user message), or give a tokenizer whose template "
                               f"takes them ({setting})") from None
     return tokenizer
+
+
+def _tokenizer(path):
+    """The tokenizer at `path` to render chat templates with; None where it does not load here (the workers
+    load it their own way, and name what is wrong)."""
+    from toolkit.data.tokens import counting_tokenizer
+
+    try:
+        return counting_tokenizer(path)
+    except Exception:
+        return None
 
 
 def _check_held_out(cfg, held_out: int) -> None:
