@@ -422,8 +422,8 @@ def test_chat_prompts_a_template_refuses_are_named_before_start_up(tiny, tmp_pat
         "{% if add_generation_prompt %}<s>assistant: {% endif %}")
     user = [{"role": "user", "content": "count"}]
     chat = tmp_path / "chat.jsonl"
-    chat.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": user}, {"prompt": user},
-                                                           {"prompt": [{"role": "system", "content": "be brief"}, *user]}]))
+    system = [{"role": "system", "content": "be brief"}, *user]
+    chat.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": user}, {"prompt": user}, {"prompt": system}]))
     data = example("tiny-grpo.yaml", tiny, data={"prompts": str(chat)}, rollout={"prompts_per_step": 4})
     data["model"]["actor"] = str(model)
     with pytest.raises(ConfigError, match=re.escape(
