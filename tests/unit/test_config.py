@@ -407,6 +407,51 @@ def test_chat_prompts_need_a_tokenizer_with_a_chat_template(tiny, tmp_path):
     assert cli("validate", write_config(tmp_path, data)).returncode == 0
 
 
+def test_chat_prompts_a_template_refuses_are_named_before_start_up(tiny, tmp_path):
+    """A template that refuses some prompts (Gemma's and Mistral's: a system message, turns that do not
+    alternate) passed validate; an sft stage failed at the step that drew such a row (step 5 of 5 here, after
+    start-up) with `TemplateError: System role not supported`, naming no row. So did a reward model of another
+    vocabulary without a chat template (the scorer renders the prompt with its tokenizer), at the first step."""
+    from toolkit.data.dataset import check_data
+
+    model = tmp_path / "gemma-like"
+    shutil.copytree(tiny / "model", model)
+    (model / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    user = [{"role": "user", "content": "count"}]
+    chat = tmp_path / "chat.jsonl"
+    system = [{"role": "system", "content": "be brief"}, *user]
+    chat.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": user}, {"prompt": user}, {"prompt": system}]))
+    data = example("tiny-grpo.yaml", tiny, data={"prompts": str(chat)}, rollout={"prompts_per_step": 4})
+    data["model"]["actor"] = str(model)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{chat}:3: the chat template of the tokenizer {model} cannot render this prompt of messages (system, "
+            "user): TemplateError: System role not supported; convert such rows")):
+        check_data(load_config(write_config(tmp_path, data)))
+    chat.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": user}, {"prompt": "text"}]))
+    assert check_data(load_config(write_config(tmp_path, data))).train_rows == 2  # (the template takes these)
+    # a reward model of another vocabulary renders the prompt with its own tokenizer: one without a chat
+    # template failed the scorer at the first step (ValueError: ... has no chat template)
+    rm = tmp_path / "other-vocabulary-rm"
+    shutil.copytree(tiny / "reward_model", rm)
+    (rm / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer = json.loads((rm / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": len(tokenizer["model"]["vocab"]) + len(tokenizer["added_tokens"]),
+                                      "content": "<rm_only>", "single_word": False, "lstrip": False, "rstrip": False,
+                                      "normalized": False, "special": True})
+    (rm / "tokenizer.json").write_text(json.dumps(tokenizer))
+    data["model"]["actor"] = str(tiny / "model")
+    data["reward"] = {"models": [{"path": str(rm), "name": "rm"}]}
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{chat}:1: a prompt of chat messages, and reward.models.0 has a vocabulary of its own (it renders the "
+            f"prompt itself), and the tokenizer {rm} has no chat template")):
+        check_data(load_config(write_config(tmp_path, data)))
+    data["reward"]["models"][0]["path"] = str(tiny / "reward_model")  # (the actor's vocabulary: no rendering)
+    assert check_data(load_config(write_config(tmp_path, data))).train_rows == 2
+
+
 def test_no_reward(tiny, tmp_path):
     data = example("tiny-grpo.yaml", tiny, reward={"functions": []})
     assert "no reward" in error_of(write_config(tmp_path, data))

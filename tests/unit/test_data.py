@@ -238,6 +238,12 @@ def test_fit_cuts_the_prompt_from_the_left():
      ":1: prompt[0] has role 'human'; chat templates know 'user'"),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "Assistant", "content": "a"}]}\n', "sft",
      ":1: messages[1] has role 'Assistant'; chat templates know 'assistant'"),
+    # half of an emoji (a lone surrogate escape): JSON reads it, UTF-8 cannot hold it (a UnicodeEncodeError in
+    # the split's hash); an escaped pair is one character
+    ('{"prompt": "a \\ud83d\\ude00"}\n{"prompt": "cut \\ud83d"}\n', "prompt",
+     ":2: field 'prompt' holds a lone surrogate ('\\ud83d' at character 5"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\\udc00"}]}\n', "sft",
+     ":1: field 'messages[1].content' holds a lone surrogate"),
 ])
 def test_bad_rows_are_named_by_file_and_line(tmp_path, text, kind, expected):
     path = tmp_path / "p.jsonl"
@@ -267,7 +273,9 @@ def test_a_json_file_may_hold_one_array_of_objects(tmp_path):
     assert sorted(e.response for e in StageData(section, "sft", "sft", 0).train[0]) == ["x", "y"]
     for text, expected in [('[{"prompt": "a"},\n 3]', f"{path}: item 2 of the array: expected a JSON object"),
                            ('[{"prompt": "a"},\n {"prompt": "b",}]', f"{path}:2: not valid JSON"),
-                           ('[{"prompt": "a"}]\n{"prompt": "b"}\n', f"{path}:2: not valid JSON (Extra data")]:
+                           ('[{"prompt": "a"}]\n{"prompt": "b"}\n', f"{path}:2: not valid JSON (Extra data"),
+                           ('[{"prompt": "a"},\n {"prompt": "b \\udc00"}]', f"{path}: item 2: field 'prompt' holds a "
+                                                                            "lone surrogate")]:
         path.write_text(text)
         with pytest.raises(ConfigError, match=re.escape(expected)):
             read_source(str(path))

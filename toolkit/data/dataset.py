@@ -101,17 +101,68 @@ def check_data(cfg) -> StageData:
 
 
 def _check_chat_template(cfg, data: StageData) -> None:
-    """Prompts of chat messages (or text with data.chat_template) need a tokenizer with a chat template: the
-    workers found out at their first step, after start-up or a wait in the queue."""
+    """Prompts of chat messages (or text with data.chat_template) need a tokenizer with a chat template that
+    renders them: the workers found out at their first step, after start-up or a wait in the queue, and a
+    template that refuses some rows (Gemma's and Mistral's refuse a system message, or turns that do not
+    alternate) failed training at the step that drew such a row, naming none. Each sequence of roles is
+    rendered once here, as the workers render prompts. So do the tokenizers of an RL run's reward models whose
+    vocabulary is not the actor's (the scorer renders the prompt again with those)."""
     from toolkit.config.model_files import has_chat_template
 
-    chat = next((e for part in [*data.train, data.eval] for e in part if isinstance(e.prompt, list)), None)
-    if (chat is None and not cfg.data.chat_template) or has_chat_template(cfg.tokenizer_path) is not False:
+    examples = [e for part in [*data.train, data.eval] for e in part]
+    chat = next((e for e in examples if isinstance(e.prompt, list)), None)
+    if chat is None and not cfg.data.chat_template:
         return
+    shapes = {}  # (one prompt of each sequence of roles: what a template's checks look at)
+    for e in examples:
+        if isinstance(e.prompt, list) or cfg.data.chat_template:
+            shapes.setdefault(tuple(m["role"] for m in e.prompt) if isinstance(e.prompt, list) else ("user",), e)
     what = f"{chat.location}: a prompt of chat messages" if chat else "data.chat_template: true"
-    raise ConfigError(f"{what}, and the tokenizer {cfg.tokenizer_path} has no chat template to render it with; "
-                      "give text prompts (and data.chat_template: false), or a tokenizer that has one "
-                      "(model.tokenizer)")
+    actor = _render_all(cfg.tokenizer_path, shapes, what, "give text prompts (and data.chat_template: false), or a "
+                        "tokenizer that has one (model.tokenizer)", "model.tokenizer")
+    reward = getattr(cfg, "reward", None)
+    for i, rm in enumerate(reward.models if actor is not None and reward is not None else []):
+        own = _tokenizer(rm.path) if has_chat_template(rm.path) is not None else None
+        if own is None or own.get_vocab() == actor.get_vocab():
+            continue  # (the same vocabulary: the scorer reads the generated tokens themselves)
+        _render_all(rm.path, shapes, f"{what}, and reward.models.{i} has a vocabulary of its own (it renders "
+                    "the prompt itself)", f"give text prompts, or a reward model whose tokenizer has one "
+                    f"(reward.models.{i}.path)", f"reward.models.{i}.path")
+
+
+def _render_all(path, shapes: dict, what: str, fix: str, setting: str):
+    """The tokenizer at `path` (None where it is not there yet: a model an earlier stage of a pipeline writes),
+    after rendering each prompt of `shapes` with its chat template; ConfigError naming the row it cannot render."""
+    from toolkit.config.model_files import has_chat_template
+
+    found = has_chat_template(path)
+    if found is None:
+        return None
+    if found is False:
+        raise ConfigError(f"{what}, and the tokenizer {path} has no chat template to render it with; {fix}")
+    tokenizer = _tokenizer(path)
+    for e in shapes.values() if tokenizer is not None else []:
+        messages = e.prompt if isinstance(e.prompt, list) else [{"role": "user", "content": e.prompt}]
+        try:
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as error:  # (jinja2's TemplateError of the template's raise_exception, or its own bugs)
+            roles = ", ".join(m["role"] for m in messages)
+            raise ConfigError(f"{e.location}: the chat template of the tokenizer {path} cannot render this prompt "
+                              f"of messages ({roles}): {type(error).__name__}: {error}; convert such rows (e.g. join "
+                              f"a system message to the first user message), or give a tokenizer whose template "
+                              f"takes them ({setting})") from None
+    return tokenizer
+
+
+def _tokenizer(path):
+    """The tokenizer at `path` to render chat templates with; None where it does not load here (the workers
+    load it their own way, and name what is wrong)."""
+    from toolkit.data.tokens import counting_tokenizer
+
+    try:
+        return counting_tokenizer(path)
+    except Exception:
+        return None
 
 
 def _check_held_out(cfg, held_out: int) -> None:

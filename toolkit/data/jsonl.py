@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import zlib
 from typing import Iterator
 
@@ -13,6 +14,7 @@ from toolkit.data import Row
 from toolkit.errors import ConfigError
 
 BOM = b"\xef\xbb\xbf"  # (a byte-order mark, as some Windows editors write: not part of the first row)
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # (\ud800-\udfff: half of a character beyond U+FFFF)
 
 
 def rows(path: str) -> Iterator[Row]:
@@ -48,20 +50,47 @@ def _line_row(raw: bytes, path: str, number: int) -> Row | None:
                           "each line must be one JSON object (or the file one JSON array of them)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}:{number}: expected a JSON object, got {type(data).__name__}")
+    if SURROGATE_ESCAPE.search(line):
+        _check_surrogates(data, f"{path}:{number}")
     return Row(number - 1, f"{path}:{number}", data)
 
 
 def _array_rows(raw: bytes, path: str) -> Iterator[Row]:
     try:
-        items = json.loads(_decode(raw.removeprefix(BOM), path, 1))
+        text = _decode(raw.removeprefix(BOM), path, 1)
+        items = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno}); the file starts with "
                           "'[', so it must be one JSON array of objects") from None
+    check = SURROGATE_ESCAPE.search(text) is not None
     for index, data in enumerate(items):
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: item {index + 1} of the array: expected a JSON object, got "
                               f"{type(data).__name__}")
+        if check:
+            _check_surrogates(data, f"{path}: item {index + 1}")
         yield Row(index, f"{path}: item {index + 1}", data)
+
+
+def _check_surrogates(value, where: str, field: str = "") -> None:
+    """ConfigError naming the field of `value` whose text holds a lone surrogate: an escape such as \\ud83d
+    without its other half (an emoji cut in two, as JavaScript's substring does), which JSON reads but no
+    UTF-8 text holds (the split's hash, the tokenizer and the wire to the scorers failed on it with a
+    UnicodeEncodeError that named no row)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_surrogates(key, where, f"{field}.(key)" if field else "(key)")
+            _check_surrogates(item, where, f"{field}.{key}" if field else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_surrogates(item, where, f"{field}[{i}]")
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(f"{where}: field {field!r} holds a lone surrogate ({ascii(value[e.start])} at character "
+                              f"{e.start + 1}: half of a character, e.g. an emoji cut in two), which is no text; "
+                              "remove that escape from the file, or give both halves of the pair") from None
 
 
 def _decode(raw: bytes, path: str, first_line: int) -> str:
