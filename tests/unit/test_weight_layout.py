@@ -62,6 +62,34 @@ def test_probe_check_names_the_generator_and_the_fix():
         probe.check(expected, torch.full((31,), float("nan")), 1e-3, 7, "generator worker g")
 
 
+def test_the_probe_is_computed_without_the_adapters_dropout():
+    """peft makes a LoRA adapter's dropout (trainer.lora.dropout) in training mode inside a model loaded in eval
+    mode: the trainer's probe log-probs were drawn with part of each adapter's input dropped, and differed from
+    the merged model's (what vLLM gets) by more than the tolerance, failing exact syncs. Every mode is put back."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.config.base import LoraSection
+    from toolkit.training.lora import add_adapters, merged_state_dict
+
+    path = REPO / "models" / "tiny" / "model"
+    torch.manual_seed(0)
+    model = add_adapters(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                         LoraSection(rank=8, dropout=0.05))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)  # (as after a few updates: B starts at 0)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    plain.load_state_dict(merged_state_dict(model))
+    tokens = probe.probe_tokens(512, 1)
+    modes = {name: m.training for name, m in model.named_modules()}
+    assert any(modes.values()) and not all(modes.values())  # (the adapters' dropout trains, the rest does not)
+    for _ in range(3):
+        diff = float((probe.model_logprobs(model, tokens) - probe.model_logprobs(plain, tokens)).abs().mean())
+        assert diff < 1e-5, diff
+    assert {name: m.training for name, m in model.named_modules()} == modes
+
+
 def test_head_size_vllm_cannot_serve_on_cpu_is_a_config_error(tiny, tmp_path):
     model = tmp_path / "model16"
     model.mkdir()
