@@ -253,6 +253,43 @@ def test_the_receiver_waits_for_nccl_transfers_within_the_timeout_and_raises_whe
         receivers[0].receive()
 
 
+def test_a_receiver_whose_trainer_stalls_says_what_did_not_come_and_why():
+    """A generator whose trainer stalled in a sync failed with gloo's words alone ("Timed out waiting 2000ms for
+    recv operation to complete"): no word of the weight sync, the trainer, or the setting that bounds the wait."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from toolkit.weights.sync import SyncLayout, WeightReceiver, WeightSender
+
+    store = dist.HashStore()
+    groups = {}
+
+    def join(rank):
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=2))
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    layout = SyncLayout(["w"], [[0]], [[["w", "float32", [4]]]], [])
+    sender = WeightSender(layout, torch.device("cpu"))
+    adding = threading.Thread(target=sender.add, args=("g", groups[0]))
+    adding.start()
+    receiver = WeightReceiver(groups[1], torch.device("cpu"), 2)
+    adding.join()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        receiver.receive()  # (the trainer sends nothing more)
+    assert time.monotonic() - started < 30
+    assert str(info.value).startswith("weight sync: the next version's number did not come from trainer rank 0 "
+                                      "within transport.step_timeout_s (2 s): the trainer ended, or stalled, during "
+                                      "the sync (its log says which); "), str(info.value)
+    assert "Timed out waiting 2000ms" in str(info.value)
+
+
 def test_the_probe_thread_hands_back_its_log_probs_or_its_error():
     """The trainer computes the probe in a thread while the buckets travel (`Prober`): its result, or the
     exception it raised, reaches the sending thread."""
