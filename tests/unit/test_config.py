@@ -10,7 +10,7 @@ import shutil
 import pytest
 import yaml
 
-from tests.conftest import cli, example, write_config
+from tests.conftest import REPO, cli, example, write_config
 from toolkit.config import dump_config, load_config
 from toolkit.config.base import load_function
 from toolkit.errors import ConfigError
@@ -833,7 +833,31 @@ def test_lora_targets_that_name_no_layer_are_refused(tiny, tmp_path):
         assert not any(k.startswith("lm_head") for k in f.keys())
     data = example("tiny-grpo.yaml", tiny, trainer={"lora": {"target_modules": ["q_proj", "lm_head"]}})
     data["model"].update(actor=str(tied), tokenizer=str(tiny / "model"))
-    assert load_config(write_config(tmp_path, data)).trainer.lora.target_modules == ["q_proj", "lm_head"]
+    assert "trainer.lora.target_modules: lm_head is the input embedding or output head of" in error_of(
+        write_config(tmp_path, data))  # (found, but tied: test_lora_on_a_tied_embedding_or_head_is_refused)
+
+
+def test_lora_on_a_tied_embedding_or_head_is_refused(tiny, tmp_path):
+    """A model whose embedding and output head share one weight cannot hold an adapter on either once merged,
+    which is what vLLM and the exports get: with one on GPT-2's head the generator's log-probs differed from
+    the trainer's by up to 105 (the update never left the trainer), with one on its embedding by 385 (merged
+    into the head too). Both are refused by name, in RL and SFT; the same names on an untied model are not."""
+    from toolkit.tiny import build_family
+
+    gpt2 = build_family(REPO / "models" / "tiny-gpt2-tied", "gpt2-tied")
+    for targets, hit in [(["c_attn", "lm_head"], "lm_head is"), (["wte"], "wte is"),
+                         (["transformer.wte", "lm_head"], "transformer.wte, lm_head are")]:
+        data = example("tiny-grpo.yaml", tiny, model={"actor": str(gpt2)}, trainer={"lora": {"target_modules": targets}})
+        msg = error_of(write_config(tmp_path, data))
+        assert f"trainer.lora.target_modules: {hit} the input embedding or output head of {gpt2}, which share one " \
+               "weight (tie_word_embeddings): an adapter there unties them" in msg, msg
+    sft = {"stage": "sft", "run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
+           "model": {"base": str(gpt2)}, "train": {"lora": {"target_modules": ["lm_head"]}}}
+    assert "train.lora.target_modules: lm_head is the input embedding" in error_of(write_config(tmp_path, sft, "sft.yaml"))
+    data = example("tiny-grpo.yaml", tiny, model={"actor": str(gpt2)}, trainer={"lora": {"target_modules": ["c_attn"]}})
+    assert load_config(write_config(tmp_path, data)).trainer.lora.target_modules == ["c_attn"]
+    untied = example("tiny-grpo.yaml", tiny, trainer={"lora": {"target_modules": ["q_proj", "lm_head", "embed_tokens"]}})
+    assert load_config(write_config(tmp_path, untied)).trainer.lora.target_modules[1] == "lm_head"
 
 
 def test_lora_moves_the_reference_into_the_trainer(tiny, tmp_path):

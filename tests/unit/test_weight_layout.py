@@ -62,6 +62,34 @@ def test_probe_check_names_the_generator_and_the_fix():
         probe.check(expected, torch.full((31,), float("nan")), 1e-3, 7, "generator worker g")
 
 
+def test_the_probe_is_computed_without_the_adapters_dropout():
+    """peft makes a LoRA adapter's dropout (trainer.lora.dropout) in training mode inside a model loaded in eval
+    mode: the trainer's probe log-probs were drawn with part of each adapter's input dropped, and differed from
+    the merged model's (what vLLM gets) by more than the tolerance, failing exact syncs. Every mode is put back."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.config.base import LoraSection
+    from toolkit.training.lora import add_adapters, merged_state_dict
+
+    path = REPO / "models" / "tiny" / "model"
+    torch.manual_seed(0)
+    model = add_adapters(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                         LoraSection(rank=8, dropout=0.05))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)  # (as after a few updates: B starts at 0)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    plain.load_state_dict(merged_state_dict(model))
+    tokens = probe.probe_tokens(512, 1)
+    modes = {name: m.training for name, m in model.named_modules()}
+    assert any(modes.values()) and not all(modes.values())  # (the adapters' dropout trains, the rest does not)
+    for _ in range(3):
+        diff = float((probe.model_logprobs(model, tokens) - probe.model_logprobs(plain, tokens)).abs().mean())
+        assert diff < 1e-5, diff
+    assert {name: m.training for name, m in model.named_modules()} == modes
+
+
 def test_head_size_vllm_cannot_serve_on_cpu_is_a_config_error(tiny, tmp_path):
     model = tmp_path / "model16"
     model.mkdir()
@@ -223,6 +251,43 @@ def test_the_receiver_waits_for_nccl_transfers_within_the_timeout_and_raises_whe
     timed.dead = True
     with pytest.raises(RuntimeError, match="aborted"):
         receivers[0].receive()
+
+
+def test_a_receiver_whose_trainer_stalls_says_what_did_not_come_and_why():
+    """A generator whose trainer stalled in a sync failed with gloo's words alone ("Timed out waiting 2000ms for
+    recv operation to complete"): no word of the weight sync, the trainer, or the setting that bounds the wait."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from toolkit.weights.sync import SyncLayout, WeightReceiver, WeightSender
+
+    store = dist.HashStore()
+    groups = {}
+
+    def join(rank):
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=2))
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    layout = SyncLayout(["w"], [[0]], [[["w", "float32", [4]]]], [])
+    sender = WeightSender(layout, torch.device("cpu"))
+    adding = threading.Thread(target=sender.add, args=("g", groups[0]))
+    adding.start()
+    receiver = WeightReceiver(groups[1], torch.device("cpu"), 2)
+    adding.join()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        receiver.receive()  # (the trainer sends nothing more)
+    assert time.monotonic() - started < 30
+    assert str(info.value).startswith("weight sync: the next version's number did not come from trainer rank 0 "
+                                      "within transport.step_timeout_s (2 s): the trainer ended, or stalled, during "
+                                      "the sync (its log says which); "), str(info.value)
+    assert "Timed out waiting 2000ms" in str(info.value)
 
 
 def test_the_probe_thread_hands_back_its_log_probs_or_its_error():

@@ -7,6 +7,12 @@ files: instant, no torch). A name not found there is looked up in the model as t
 on the meta device (no weights read or allocated, at any size), which is what peft sees: a tied output
 head that the checkpoint does not store, and layers that transformers renames as it loads a checkpoint,
 are there. Only that second look imports torch and transformers (seconds).
+
+A model whose input embedding and output head share one weight (`tie_word_embeddings`: GPT-2, Qwen2.5-0.5B,
+Llama-3.2-1B, Gemma) cannot take an adapter on either: the generators (vLLM) and the exports get the plain
+model with each adapter merged into its weight, and one weight cannot hold two: an adapter on the head was
+dropped from them (its weight is the embedding's, under the embedding's name), one on the embedding was
+merged into the head as well, so they computed another model than the trainer's.
 """
 
 from __future__ import annotations
@@ -20,10 +26,28 @@ def lora_target_problem(path: str | Path, targets: list[str] | str, field: str) 
     all get adapters in the causal LM at `path`: a name that matches no layer, or only modules without a
     weight matrix (a norm's weight is a vector, a container such as self_attn holds layers, a rotary embedding
     has no weights: peft refused them at start-up)."""
-    if targets == "all-linear":
+    if targets == "all-linear":  # (peft leaves the output head out, and an embedding is no linear layer)
         return None
     if not targets:
         return f"{field}: an empty list gives no layer an adapter; name layers (e.g. [q_proj, v_proj]), or all-linear"
+    return _untargeted_problem(path, targets, field) or _tied_problem(path, targets, field)
+
+
+def _tied_problem(path: str | Path, targets: list[str], field: str) -> str | None:
+    """Why an adapter cannot go on a target that names the tied input embedding or output head of `path`."""
+    tied = tied_layers(path)
+    hit = [t for t in targets if any(name == t or name.endswith(f".{t}") for name in tied)]
+    if not hit:
+        return None
+    return (f"{field}: {', '.join(hit)} {'is' if len(hit) == 1 else 'are'} the input embedding or output head of "
+            f"{path}, which share one weight (tie_word_embeddings): an adapter there unties them, and the merged "
+            "model that the generators (vLLM) and the exports take cannot hold that (an adapter on the head was "
+            "lost from it, one on the embedding went into the head too); leave "
+            f"{'it' if len(hit) == 1 else 'them'} out (all-linear adapts neither)")
+
+
+def _untargeted_problem(path: str | Path, targets: list[str], field: str) -> str | None:
+    """Why a target of `targets` would get no adapter (see lora_target_problem)."""
     stored = stored_layers(path)
     # (a checkpoint may store names without the model's outer prefix, e.g. GPT-2's `transformer.`)
     if stored and all(any(matrix and (f".{layer}".endswith(f".{t}") or f".{t}".endswith(f".{layer}"))
@@ -92,16 +116,40 @@ def built_layers(path: str | Path) -> dict[str, str] | None:
     (no weight of its own, but modules: self_attn, mlp) or `none` (no weights: rotary_emb, act_fn)} of the
     causal LM at `path` as transformers builds it, on the meta device; None where it cannot build it here (an
     architecture this version does not know)."""
+    model = _built(path)
+    return None if model is None else {name: _kind(module) for name, module in model.named_modules() if name}
+
+
+def tied_layers(path: str | Path) -> list[str]:
+    """The names of the input embedding and the output head of the causal LM at `path` where the two share one
+    weight, else []; [] without a look at the model where its config.json says `tie_word_embeddings: false`."""
+    try:
+        if json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("tie_word_embeddings") is False:
+            return []
+    except (OSError, ValueError, AttributeError):
+        pass
+    model = _built(path)
+    if model is None:
+        return []
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embedding is None or head is None or getattr(head, "weight", None) is not getattr(embedding, "weight", 0):
+        return []
+    names = {id(module): name for name, module in model.named_modules()}
+    return [names[id(embedding)], names[id(head)]]
+
+
+def _built(path: str | Path):
+    """The causal LM at `path` as transformers builds it, on the meta device (no weights read or allocated);
+    None where it cannot build it here (an architecture this version does not know)."""
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(path)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config)
     except Exception:  # (the trainer then loads it, or names why it cannot)
         return None
-    return {name: _kind(module) for name, module in model.named_modules() if name}
 
 
 def _kind(module) -> str:

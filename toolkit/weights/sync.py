@@ -362,13 +362,13 @@ class WeightReceiver:
         """`timeout_s`: how long a transfer on an NCCL group may take, as for `WeightSender.add` (NCCL's
         `wait()` holds only the stream: the host would block at the first read of a tensor, with no limit
         until the watchdog aborts the group and leaves the tensor half-written)."""
-        self.group, self.device = group, device
+        self.group, self.device, self.timeout_s = group, device, timeout_s
         nccl = timeout_s is not None and group.name() == "nccl"
         self.limit = datetime.timedelta(seconds=timeout_s) if nccl else None
         length = torch.zeros(1, dtype=torch.int64, device=device)
-        self._broadcast(length)
+        self._broadcast(length, "the layout")
         payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
-        self._broadcast(payload)
+        self._broadcast(payload, "the layout")
         layout = json.loads(bytes(payload.cpu().numpy()).decode())
         self.buckets, self.probe = layout["buckets"], layout["probe"]
 
@@ -380,31 +380,38 @@ class WeightReceiver:
         """(version, iterator of (name, tensor)). Consume the whole iterator (it receives bucket by
         bucket), then call `probe_logprobs`."""
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._broadcast(version)
+        self._broadcast(version, "the next version's number")
         return int(version.item()), self._tensors()
 
     def probe_logprobs(self) -> torch.Tensor:
         """The trainer's log-probs of the probe for the version just received (sent after the weights)."""
         expected = torch.zeros(max(len(self.probe) - 1, 0), dtype=torch.float32, device=self.device)
         if self.probe:  # (an empty probe: the check is off and nothing follows the weights)
-            self._broadcast(expected)
+            self._broadcast(expected, "the probe's log-probs")
         return expected.cpu()
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         # (a new tensor per bucket: a loader may hold views of earlier buckets until a layer is whole)
-        for entries in self.buckets:
+        for index, entries in enumerate(self.buckets):
             flat = torch.empty(sum(_numel(shape) for _, _, shape in entries), dtype=_dtype(entries[0][1]),
                                device=self.device)
-            self._broadcast(flat)
+            self._broadcast(flat, f"weight bucket {index + 1} of {len(self.buckets)} ({entries[0][0]}, ...)")
             offset = 0
             for name, _, shape in entries:
                 n = _numel(shape)
                 yield name, flat[offset: offset + n].view(shape)
                 offset += n
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        work = self.group.broadcast(tensor, 0)
-        work.wait(self.limit) if self.limit is not None else work.wait()
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        """Receive `tensor` from trainer rank 0; a RuntimeError that says what did not come, and why it may not
+        have (the group's own error, e.g. gloo's "Timed out waiting 600000ms for recv operation", said neither)."""
+        try:
+            work = self.group.broadcast(tensor, 0)
+            work.wait(self.limit) if self.limit is not None else work.wait()
+        except RuntimeError as e:
+            within = f" within transport.step_timeout_s ({self.timeout_s:g} s)" if self.timeout_s is not None else ""
+            raise RuntimeError(f"weight sync: {what} did not come from trainer rank 0{within}: the trainer ended, "
+                               f"or stalled, during the sync (its log says which); {first_line(e)}") from e
 
 
 def span(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
