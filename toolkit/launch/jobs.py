@@ -256,7 +256,7 @@ def run_going(path: Path) -> str | None:
     Slurm job is queued or running; None once neither is so."""
     rd = RunDir(path)
     if rd.lock_held():
-        pid = rd.read_json(rd.status).get("driver", {}).get("pid")
+        pid = rd.lock_holder().get("pid")
         return f"its local driver{f' (pid {pid})' if pid else ''} runs"
     return live_job(rd)
 
@@ -284,7 +284,7 @@ def cancel(rd: RunDir, timeout_s: float = 60) -> str:
             time.sleep(0.5)
         raise RunError(f"slurm job {job_id} still not ended {timeout_s:.0f} s after scancel")
     status = rd.read_json(rd.status)
-    driver = status.get("driver", {})
+    driver = rd.lock_holder() if rd.lock_held() else status.get("driver", {})
     pid = driver.get("pid")
     if not pid:
         raise RunError(f"{rd.path}: neither a Slurm job nor a running local driver is recorded")
