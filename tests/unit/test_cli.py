@@ -279,10 +279,11 @@ def test_cancel_stops_a_driver_that_has_not_written_its_status_yet(tmp_path):
     data check, W&B, the fork server's imports: 10.6 s here). Meanwhile status.json is missing (a new run) or
     names the driver before it (a resume), and `cancel` said "neither a Slurm job nor a running local driver
     is recorded" (exit 1) or "the local driver (pid N) had already ended" (exit 0), and the run went on; a
-    second `resume` named the dead driver as the holder. The lock says who holds it."""
+    second `resume` named the dead driver as the holder, and `status` said "driver: not started yet" or the
+state the last start ended in. The lock says who holds it."""
     from toolkit.errors import ConfigError
     from toolkit.launch.env import node_name
-    from toolkit.launch.jobs import cancel
+    from toolkit.launch.jobs import cancel, status_text
     from toolkit.launch.rundir import RunDir
 
     rd = RunDir(tmp_path / "run")
@@ -298,6 +299,9 @@ def test_cancel_stops_a_driver_that_has_not_written_its_status_yet(tmp_path):
                                   env={**os.environ, "PYTHONPATH": str(REPO)})
         try:
             assert driver.stdout.readline() == "held\n"
+            said = status_text(rd)
+            assert (f"driver: starting (pid {driver.pid})" if status is None else
+                    f"run state: starting again (driver pid {driver.pid}; its last start ended interrupted)") in said
             with pytest.raises(ConfigError, match=rf"its local driver \(pid {driver.pid}\) holds driver.lock"):
                 RunDir(rd.path).hold_lock()
             assert cancel(rd, timeout_s=10) == f"stopped the local driver (pid {driver.pid}) and its workers"
