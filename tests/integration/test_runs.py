@@ -253,6 +253,25 @@ def test_hung_worker_is_detected_by_heartbeat(tiny, tmp_path):
     assert_no_workers_left(run_dir)
 
 
+def test_a_worker_stuck_at_start_up_fails_the_run_naming_the_setting_and_each_workers_log(tiny, tmp_path):
+    """The generator held while it loads its model (a large model on a slow file system looks the same): the
+    run fails after transport.startup_timeout_s without progress. The error said only "timed out after 10 s
+    without progress waiting for every worker to load its models" and each worker's phase: not which setting
+    that was, how to go on, or where the logs are."""
+    from toolkit.hold import ENV
+
+    config = write_config(tmp_path, example("tiny-grpo.yaml", tiny, run={"steps": 2, "name": "stuck"},
+                                            transport={"startup_timeout_s": 10}, rollout={"backend": "hf"}))
+    run_dir = tmp_path / "run"
+    result = cli("run", config, "--run-dir", run_dir, env={ENV: "loading"}, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert ("timed out after 10 s without progress waiting for every worker to load its models "
+            "(transport.startup_timeout_s 10: where a worker is slow rather than stuck, raise it in "
+            f"{run_dir / 'config.yaml'} and resume)") in result.stderr, result.stderr
+    assert f"  generator:0: setup (log: {run_dir / 'logs' / 'generator-0.log'})" in result.stderr, result.stderr
+    assert_no_workers_left(run_dir)
+
+
 def test_killed_driver_leaves_no_workers(tiny, tmp_path):
     """If the driver dies without cleaning up (SIGKILL, the OOM killer), its workers end themselves, and so does
     the fork server they were started from (asked for whatever the number of cores; on a machine without GPUs

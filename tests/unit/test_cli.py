@@ -288,6 +288,43 @@ def test_status_says_restarts_of_a_whole_step_as_one_range():
     assert restarts_text({"scorer:0": 3}) == "scorer:0 started again 3 time(s)"
 
 
+def test_cancel_stops_a_driver_that_has_not_written_its_status_yet(tmp_path):
+    """A driver writes status.json once its workers start, seconds to minutes after it took driver.lock (the
+    data check, W&B, the fork server's imports: 10.6 s here). Meanwhile status.json is missing (a new run) or
+    names the driver before it (a resume), and `cancel` said "neither a Slurm job nor a running local driver
+    is recorded" (exit 1) or "the local driver (pid N) had already ended" (exit 0), and the run went on; a
+    second `resume` named the dead driver as the holder, and `status` said "driver: not started yet" or the
+state the last start ended in. The lock says who holds it."""
+    from toolkit.errors import ConfigError
+    from toolkit.launch.env import node_name
+    from toolkit.launch.jobs import cancel, status_text
+    from toolkit.launch.rundir import RunDir
+
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    before = subprocess.Popen(["true"])  # (the driver of the run's last start, ended)
+    before.wait()
+    starts = ("import sys, time; from toolkit.launch.rundir import RunDir; rd = RunDir(sys.argv[1]); rd.hold_lock(); "
+              "print('held', flush=True); time.sleep(60)")
+    for status in (None, {"state": "interrupted", "driver": {"pid": before.pid, "node": node_name(), "started": 0}}):
+        if status is not None:
+            rd.write_status(status)
+        driver = subprocess.Popen([sys.executable, "-c", starts, str(rd.path)], stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+        try:
+            assert driver.stdout.readline() == "held\n"
+            said = status_text(rd)
+            assert (f"driver: starting (pid {driver.pid})" if status is None else
+                    f"run state: starting again (driver pid {driver.pid}; its last start ended interrupted)") in said
+            with pytest.raises(ConfigError, match=rf"its local driver \(pid {driver.pid}\) holds driver.lock"):
+                RunDir(rd.path).hold_lock()
+            assert cancel(rd, timeout_s=10) == f"stopped the local driver (pid {driver.pid}) and its workers"
+            assert driver.wait(timeout=10) == -15
+        finally:
+            driver.kill()
+            driver.wait()
+
+
 def test_status_of_a_run_whose_driver_was_killed_says_so(tmp_path, monkeypatch):
     """Only a live driver writes status.json: after a SIGKILL it said `running` for good (and the report
     too). A local run whose lock no one holds, or a Slurm run whose job ended, says no driver runs it."""

@@ -109,7 +109,9 @@ def status_text(rd: RunDir) -> str:
                      + (f" ({s['reason']})" if s["reason"] and s["reason"] != "None" else ""))
         lines.append(f"job output: {rd.path / 'slurm' / (str(job['job_id']) + '_0_log.out')}")
     if not status:
-        lines.append("driver: not started yet")
+        holder = rd.lock_holder() if rd.lock_held() else {}
+        lines.append(f"driver: starting (pid {holder['pid']}); its workers are not started yet" if holder.get("pid")
+                     else "driver: not started yet")
         return "\n".join(lines)
     step = status.get("step", -1)
     lines.append(f"run state: {state_text(rd, status)}, steps done: {max(step + 1, 0)}/{status.get('steps') or '?'}")
@@ -235,7 +237,12 @@ def state_text(rd: RunDir, status: dict) -> str:
     """The run's state as status.json says it, and where it says `starting` or `running` though nothing runs
     it any more (its driver was killed: only a live driver writes the file), that."""
     state = str(status.get("state", "unknown"))
-    if state not in ("starting", "running") or run_going(rd.path):
+    if state not in ("starting", "running"):
+        holder = rd.lock_holder() if rd.lock_held() else {}
+        if holder.get("pid") and holder["pid"] != status.get("driver", {}).get("pid"):  # (not written by it yet)
+            return f"starting again (driver pid {holder['pid']}; its last start ended {state})"
+        return state
+    if run_going(rd.path):
         return state
     gone = "its Slurm job has ended" if rd.read_json(rd.job).get("job_id") else "its local driver is gone (killed?)"
     return f"{state}, but no driver runs it: {gone}; `slurm-rlhf resume {resume_target(rd.path)}` goes on"
@@ -256,7 +263,7 @@ def run_going(path: Path) -> str | None:
     Slurm job is queued or running; None once neither is so."""
     rd = RunDir(path)
     if rd.lock_held():
-        pid = rd.read_json(rd.status).get("driver", {}).get("pid")
+        pid = rd.lock_holder().get("pid")
         return f"its local driver{f' (pid {pid})' if pid else ''} runs"
     return live_job(rd)
 
@@ -284,7 +291,7 @@ def cancel(rd: RunDir, timeout_s: float = 60) -> str:
             time.sleep(0.5)
         raise RunError(f"slurm job {job_id} still not ended {timeout_s:.0f} s after scancel")
     status = rd.read_json(rd.status)
-    driver = status.get("driver", {})
+    driver = rd.lock_holder() if rd.lock_held() else status.get("driver", {})
     pid = driver.get("pid")
     if not pid:
         raise RunError(f"{rd.path}: neither a Slurm job nor a running local driver is recorded")

@@ -7,7 +7,7 @@
     RUN_DIR/status.json     state of the run and of every worker (rewritten atomically)
     RUN_DIR/job.json        the Slurm job (id, batch node, driver pid), for `status` and `cancel`
     RUN_DIR/driver.lock     locked (flock) while a local driver runs the directory: `resume` cannot start
-                            a second one beside it
+                            a second one beside it; it names that driver (pid, node, start) for `cancel`
     RUN_DIR/job.lock        locked (flock) while a Slurm job's driver runs the directory: a second job of the
                             directory (`sbatch job.sbatch` twice) stops at start (`hold_job_lock`)
     RUN_DIR/slurm/          the batch script, Submitit's files and the job's own output
@@ -77,7 +77,7 @@ class RunDir:
             return
         self.private()  # (a resume runs with the user's umask, often 022, unless set here)
         if self._take("driver.lock") is False:
-            pid = self.read_json(self.status).get("driver", {}).get("pid")
+            pid = self.lock_holder().get("pid")
             raise ConfigError(f"{self.path} is still running: its local driver{f' (pid {pid})' if pid else ''} "
                               f"holds driver.lock; let it end, or stop it with `slurm-rlhf cancel {self.path}`, "
                               "then resume")
@@ -101,7 +101,29 @@ class RunDir:
             lock.close()
             return False
         self._lock = lock
+        if name == "driver.lock":  # (status.json names the driver only once its workers start: `lock_holder`)
+            import psutil
+
+            from toolkit.launch.env import node_name
+
+            lock.truncate(0)
+            lock.write(json.dumps({"pid": os.getpid(), "node": node_name(),
+                                   "started": psutil.Process().create_time()}))
+            lock.flush()
         return True
+
+    def lock_holder(self) -> dict:
+        """The local driver that holds driver.lock now, as it wrote it there as it took it ({pid, node, started}),
+        or as status.json names it ({} if neither says). A driver writes status.json once its workers start,
+        seconds to minutes after it took the lock; until then that file is missing or names the driver before
+        it (`cancel` said there was none, or that it had ended, and the run went on)."""
+        try:
+            holder = json.loads((self.path / "driver.lock").read_text() or "{}")
+        except (OSError, ValueError):
+            holder = {}
+        if isinstance(holder, dict) and holder.get("pid"):
+            return holder
+        return self.read_json(self.status).get("driver", {})
 
     def lock_held(self) -> bool:
         """Whether a process holds the directory's lock (`hold_lock`: a local driver runs it now). It takes

@@ -158,14 +158,16 @@ class Supervisor:
         self.echo(f"started {len(self.worker_ids)} workers ({', '.join(f'{g.name} x{g.workers}' for g in self.groups)})"
                   f"; logs in {self.run_dir.logs}")
         started = time.monotonic()
-        self._pump(lambda: len(self.book) == len(self.worker_ids), t.startup_timeout_s, "every worker to register")
+        self._pump(lambda: len(self.book) == len(self.worker_ids), t.startup_timeout_s, "every worker to register",
+                   setting="transport.startup_timeout_s")
         self.resume = resume
         for worker_id in self.worker_ids:
             self.coordinator.send(worker_id, "start", book=self.book, resume=resume)
         # (a resume replays its committed batches in the trainer's setup, for as long as that takes: what
         # the limit bounds is start-up without progress, seen in the workers' heartbeats)
         self._pump(lambda: len(self.ready) == len(self.worker_ids), t.startup_timeout_s,
-                   "every worker to load its models", progress=self._startup_progress)
+                   "every worker to load its models", progress=self._startup_progress,
+                   setting="transport.startup_timeout_s")
         self.echo(f"all workers ready in {time.monotonic() - started:.1f} s")
 
     # ----- metrics --------------------------------------------------------------------------------
@@ -345,9 +347,9 @@ class Supervisor:
     # ----- events and health ----------------------------------------------------------------------
 
     def _pump(self, done: Callable[[], bool], timeout_s: float, waiting_for: str,
-              progress: Callable[[], object] | None = None) -> None:
-        """Handle events until `done()`; fail after `timeout_s`, counted from the last change of
-        `progress()` when that is given."""
+              progress: Callable[[], object] | None = None, setting: str = "transport.step_timeout_s") -> None:
+        """Handle events until `done()`; fail after `timeout_s` (the config's `setting`), counted from the last
+        change of `progress()` when that is given."""
         deadline = time.monotonic() + timeout_s
         last = progress() if progress else None
         while not done():
@@ -355,8 +357,9 @@ class Supervisor:
                 last, deadline = now, time.monotonic() + timeout_s
             if time.monotonic() > deadline:
                 idle = " without progress" if progress else ""
-                raise RunError(f"timed out after {timeout_s:.0f} s{idle} waiting for {waiting_for}\n"
-                               f"{self._who_is_where()}")
+                raise RunError(f"timed out after {timeout_s:.0f} s{idle} waiting for {waiting_for} ({setting} "
+                               f"{timeout_s:g}: where a worker is slow rather than stuck, raise it in "
+                               f"{self.run_dir.config} and resume)\n{self._who_is_where()}")
             self._pump_once(0.2)
 
     def _startup_progress(self) -> tuple:
@@ -570,7 +573,8 @@ class Supervisor:
         for worker_id in self.worker_ids:
             status = self.coordinator.status.get(worker_id, {})
             rows.append(f"  {worker_id}: {status.get('phase', 'not registered')}"
-                        + (f" step {status['step'] + 1}" if isinstance(status.get("step"), int) else ""))
+                        + (f" step {status['step'] + 1}" if isinstance(status.get("step"), int) else "")
+                        + f" (log: {self.run_dir.log_file(worker_id)})")
         return "worker states:\n" + "\n".join(rows)
 
     def _worker_status(self) -> dict[str, dict]:
