@@ -75,6 +75,7 @@ def test_sft_learns_and_exports_a_causal_lm(sft_run):
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.05, [r["eval_loss"] for r in evals]
     assert abs(evals[-1]["eval_ppl"] - torch.tensor(evals[-1]["eval_loss"]).exp().item()) < 1e-3
     assert rs[-1]["loss"] < rs[0]["loss"] and rs[0]["tokens"] > 0 and 0 < rs[0]["padding_frac"] < 1
+    assert all(0 <= r["cut_rows"] <= 32 for r in rs)  # (of the 32 rows of a step, those train.max_tokens cut)
     status = json.loads((sft_run / "status.json").read_text())
     assert status["state"] == "finished" and status["stage"] == "sft" and status["steps"] == 12
     model = AutoModelForCausalLM.from_pretrained(sft_run / "export")  # what the next stage reads

@@ -180,3 +180,30 @@ def test_sft_batches_count_the_targets_their_loss_averages_packed_or_padded(tiny
     assert [task.batch(rows, packing=packing)["targets"] for packing in (False, True)] == [12, 12]  # 5 + 7
     one, two = step_gradient(1), step_gradient(2)
     assert (one - two).norm().item() < 1e-5 * two.norm().item()
+
+
+def test_supervised_batches_count_the_rows_train_max_tokens_cut(tiny):
+    """SFT and RM cut rows longer than train.max_tokens (the prompt from the left first), as documented, but
+    silently: a stage whose data mostly did not fit trained on cut rows and no metric said so. Each batch now
+    counts them (`cut_rows`, a step metric; RM: the pairs with either side cut)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from toolkit.data.tokens import render_prompt, response_ids
+    from toolkit.training.rm import RMTask
+    from toolkit.training.sft import SFTTask
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
+    cfg = SimpleNamespace(data=SimpleNamespace(chat_template=False), train=SimpleNamespace(max_tokens=8))
+    long, short = ("Question about trains?", "into 99"), ("Hi", "ok")
+    assert [len(render_prompt(tokenizer, p, False)) + len(response_ids(tokenizer, r)) for p, r in (long, short)] \
+        == [14, 5]  # (one over 8 tokens, one within)
+    sft = SFTTask(cfg, tokenizer)
+    rows = [SimpleNamespace(prompt=p, response=r) for p, r in (long, short, long)]
+    assert [sft.batch(rows, packing=packing)["cut_rows"] for packing in (False, True)] == [2, 2]
+    rm = RMTask(cfg, tokenizer)
+    pairs = [SimpleNamespace(prompt="Hi", chosen="ok", rejected="no"),
+             SimpleNamespace(prompt="Hi", chosen="ok", rejected=long[1] * 3),
+             SimpleNamespace(prompt=long[0], chosen=long[1] * 3, rejected=long[1] * 3)]
+    assert rm.batch(pairs)["cut_rows"] == 2

@@ -28,18 +28,24 @@ class RMTask:
 
     def sequence(self, prompt, response: str) -> list[int]:
         """prompt + response + EOS, the prompt cut from the left (then the response's start) to fit."""
+        return self._cut(prompt, response)[0]
+
+    def _cut(self, prompt, response: str) -> tuple[list[int], bool]:
+        """`sequence`, and whether train.max_tokens cut it."""
         prompt_ids = render_prompt(self.tokenizer, prompt, self.cfg.data.chat_template)
-        p, r = fit(prompt_ids, response_ids(self.tokenizer, response), self.cfg.train.max_tokens, keep="end")
-        return p + r
+        ids = response_ids(self.tokenizer, response)
+        p, r = fit(prompt_ids, ids, self.cfg.train.max_tokens, keep="end")
+        return p + r, len(p) + len(r) < len(prompt_ids) + len(ids)
 
     def batch(self, examples, packing: bool = False) -> dict:
         """Chosen sequences first, then rejected, right-padded: one forward pass for both (`targets`: the
-        pairs its loss is a mean over)."""
-        sequences = [self.sequence(ex.prompt, ex.chosen) for ex in examples]
-        sequences += [self.sequence(ex.prompt, ex.rejected) for ex in examples]
-        ids, attention = right_pad(sequences, self.pad_id)
+        pairs its loss is a mean over; `cut_rows`: the pairs train.max_tokens cut)."""
+        chosen = [self._cut(ex.prompt, ex.chosen) for ex in examples]
+        rejected = [self._cut(ex.prompt, ex.rejected) for ex in examples]
+        ids, attention = right_pad([seq for seq, _ in chosen + rejected], self.pad_id)
         return {"input_ids": ids, "attention_mask": attention, "last": attention.sum(1) - 1,
-                "tokens": int(attention.sum()), "positions": ids.numel(), "targets": len(examples)}
+                "tokens": int(attention.sum()), "positions": ids.numel(), "targets": len(examples),
+                "cut_rows": sum(a or b for (_, a), (_, b) in zip(chosen, rejected))}
 
     def loss(self, model, batch: dict, device) -> tuple[torch.Tensor, dict[str, float]]:
         scores = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))

@@ -32,15 +32,23 @@ class SFTTask:
 
     def tokens(self, example) -> tuple[list[int], int]:
         """(prompt + response ids, prompt length) of an example, cut to train.max_tokens."""
+        ids, n, _ = self._cut(example)
+        return ids, n
+
+    def _cut(self, example) -> tuple[list[int], int, bool]:
+        """`tokens`, and whether train.max_tokens cut the example."""
         prompt = render_prompt(self.tokenizer, example.prompt, self.cfg.data.chat_template)
-        prompt, response = fit(prompt, response_ids(self.tokenizer, example.response), self.cfg.train.max_tokens)
-        return prompt + response, len(prompt)
+        response = response_ids(self.tokenizer, example.response)
+        whole = len(prompt) + len(response)
+        prompt, response = fit(prompt, response, self.cfg.train.max_tokens)
+        return prompt + response, len(prompt), len(prompt) + len(response) < whole
 
     def batch(self, examples, packing: bool = False) -> dict:
         """The model inputs of a micro-batch, its loss mask (1 on response tokens) and their count (`targets`:
-        what its loss is a mean over). Packed, the batch's `packed` (a `toolkit.packing.Packed`) is what its
+        what its loss is a mean over) and how many rows train.max_tokens cut (`cut_rows`). Packed, the batch's `packed` (a `toolkit.packing.Packed`) is what its
         forward and backward passes run inside."""
-        rows = [self.tokens(ex) for ex in examples]
+        cuts = [self._cut(ex) for ex in examples]
+        rows = [(seq, n) for seq, n, _ in cuts]
         padded_ids, attention = right_pad([seq for seq, _ in rows], self.pad_id)
         packed, ids, inputs = model_inputs(padded_ids, attention, packing)
         # (a sample's first token is never a target: nothing in it comes before; packed, it would be predicted
@@ -53,7 +61,8 @@ class SFTTask:
             for i, (seq, n) in enumerate(rows):
                 mask[i, max(n, 1): len(seq)] = 1
         return {"input_ids": ids, "inputs": inputs, "loss_mask": mask, "tokens": int(attention.sum()),
-                "positions": ids.numel(), "packed": packed, "targets": int(mask.sum())}
+                "positions": ids.numel(), "packed": packed, "targets": int(mask.sum()),
+                "cut_rows": sum(cut for _, _, cut in cuts)}
 
     def loss(self, model, batch: dict, device) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss to minimise, sums for metrics): the token mean over the micro-batch's response tokens."""

@@ -134,7 +134,7 @@ class SupervisedRole(Role):
         hold("training", self.run_dir)
         started = time.monotonic()
         rows = self.data.next(t.batch_size)[self.ranks.rank * self.per_rank: (self.ranks.rank + 1) * self.per_rank]
-        sums: dict[str, float] = {"tokens": 0.0, "positions": 0.0}
+        sums: dict[str, float] = {"tokens": 0.0, "positions": 0.0, "cut_rows": 0.0}
         batches = [self.task.batch(rows[start: start + t.micro_batch_size], packing=t.packing)
                    for start in range(0, len(rows), t.micro_batch_size)]
         # Each micro-batch's mean loss weighs by its share of the step's targets over every rank (DeepSpeed
@@ -148,16 +148,19 @@ class SupervisedRole(Role):
                 loss, stats = self.task.loss(self.engine, batch, self.device)
                 self.engine.backward(loss * (batch["targets"] * self.ranks.world / everywhere), scale_wrt_gas=False)
             self.engine.step()
-            for k, v in {**stats, "tokens": batch["tokens"], "positions": batch["positions"]}.items():
+            for k, v in {**stats, "tokens": batch["tokens"], "positions": batch["positions"],
+                         "cut_rows": batch["cut_rows"]}.items():
                 sums[k] = sums.get(k, 0.0) + v
         totals = self._sum(sums)
         seconds = time.monotonic() - started
         grad_norm = self.engine.get_global_grad_norm()
         # tokens: the real tokens the passes read (SFT: prompt and response, though only the response is a
-        # target); positions: what the forward passes computed (padding included). step_s: the update alone
-        # (an evaluation's eval_s and a checkpoint's checkpoint_s come after it)
+        # target); positions: what the forward passes computed (padding included); cut_rows: rows (RM: pairs)
+        # that train.max_tokens cut. step_s: the update alone (an evaluation's eval_s and a checkpoint's
+        # checkpoint_s come after it)
         return {**self.task.summary(totals), "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm), "tokens": int(totals["tokens"]),
+                "cut_rows": int(totals["cut_rows"]),
                 "padding_frac": 1 - totals["tokens"] / max(totals["positions"], 1),
                 "tokens_per_s": totals["tokens"] / max(seconds, 1e-9), "step_s": seconds}
 
