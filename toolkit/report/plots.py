@@ -135,8 +135,9 @@ def unseen_ends(timelines: dict[str, list[dict]]) -> dict[str, list[dict]]:
             if after is not None and after["phase"] == "registering" and row["phase"] not in ("restarting", "done"):
                 i = bisect.bisect_right(starts, row["t"])
                 first = min(starts[i], after["t"]) if i < len(starts) else after["t"]
-                last = times[bisect.bisect_left(times, first) - 1]  # (the stopped attempt's last sign of life)
-                marked.append({"t": max(last, row["t"]), "phase": "restarting", "step": None})
+                j = bisect.bisect_left(times, first)  # (the stopped attempt's last sign of life: the change before)
+                last = max(times[j - 1] if j else row["t"], row["t"])
+                marked.append({"t": min(last, after["t"]), "phase": "restarting", "step": None})
         out[worker] = marked
     return out
 
