@@ -85,8 +85,15 @@ def assert_same_as_baseline(run_dir: Path, baseline: Path) -> float:
     return diff
 
 
+def cut_metrics_line(run_dir: Path) -> None:
+    """What a crash may leave at the end of metrics.jsonl: a line cut short, then bytes that are not even UTF-8
+    (the resume ended in a UnicodeDecodeError there, where `status` and `report` skip such a line)."""
+    with open(run_dir / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 99, "loss": 0.\xff\xfe\x00')
+
+
 def test_resume_after_sigkill_ends_with_the_same_weights(baseline, killed, tmp_path):
-    run_dir, result = resumed_copy(killed, tmp_path)
+    run_dir, result = resumed_copy(killed, tmp_path, damage=cut_metrics_line)
     n = commits(killed)
     assert (f"resuming after step {n}: checkpoint checkpoints/step-000002 (policy_version 2), then training again "
             f"on {n - 2} committed experience batch(es)") in result.stdout
@@ -116,6 +123,7 @@ def test_resume_after_sigkill_ends_with_the_same_weights(baseline, killed, tmp_p
     # (c) the TensorBoard curves go on across the resume, every step once, as in metrics.jsonl
     curves = tensorboard_scalars(run_dir / "tensorboard")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(STEPS))  # (the cut line gone, every step once)
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one file per attempt
     for name, tb_tag in (("reward_mean", "reward_mean"), ("loss", "loss"), ("train_s", "time/train_s"),
                          ("reward/digit_ratio", "reward/digit_ratio")):

@@ -350,6 +350,35 @@ def test_status_of_a_run_whose_driver_was_killed_says_so(tmp_path, monkeypatch):
     assert "run state: finished, steps done: 6/6" in status_text(run)
 
 
+def test_pipeline_status_of_a_stage_whose_driver_was_killed_says_so(tmp_path, monkeypatch):
+    """`status PIPELINE_DIR` said `starting` (or `running`) for good of a stage whose driver was killed, with
+    no note, where `status` of the stage itself said no driver runs it; now the table says so too."""
+    import fcntl
+    import json
+
+    from toolkit.launch.pipeline import PipelineDir, pipeline_status
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # (no Slurm here)
+    pd = PipelineDir(tmp_path / "p")
+    pd.path.mkdir()
+    pd.file.write_text(json.dumps({"name": "p", "stages": ["sft", "rl"]}))
+    for stage, status in (("sft", {"state": "finished", "step": 3, "steps": 4}),
+                          ("rl", {"state": "starting", "step": -1, "steps": 6})):
+        pd.stage(stage).path.mkdir()
+        pd.stage(stage).write_status(status)
+    rows = {line.split()[0]: line for line in pipeline_status(pd).splitlines()[2:]}
+    assert rows["rl"].split()[1:5] == ["-", "-", "starting", "0/6"], rows
+    assert rows["rl"].endswith(f"no driver runs it: its local driver is gone (killed?); `slurm-rlhf resume {pd.path}` "
+                               "goes on"), rows
+    assert "no driver" not in rows["sft"], rows
+    lock = os.open(pd.path / "rl" / "driver.lock", os.O_WRONLY | os.O_CREAT, 0o600)  # (a live driver holds it)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        assert "no driver" not in pipeline_status(pd)
+    finally:
+        os.close(lock)
+
+
 def test_a_driver_starting_while_a_follower_looks_at_its_lock_still_takes_it(tmp_path):
     """`eval --follow` sees whether a run goes by taking its driver.lock shared for a moment (`lock_held`);
     a driver starting just then waits that moment out (it was refused as "still running"). Once it holds

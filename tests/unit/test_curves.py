@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 from tests.conftest import REPO, tensorboard_scalars
 
@@ -50,3 +51,32 @@ def test_a_wandb_run_that_does_not_finish_holds_the_driver_a_bounded_time(tmp_pa
         assert time.monotonic() - start < 30
     stalled.set()
     assert "still busy after 0 s" in caplog.text and "ConnectionError('offline')" in caplog.text
+
+
+def test_a_resume_writes_again_the_step_a_killed_driver_had_not_written_to_its_curves(tmp_path):
+    """A driver writes a step's record to metrics.jsonl, then its curves; tensorboardX writes them from a queue
+    in a thread and its flush() does not wait, so a driver killed then (SIGKILL, a lost node) left the step in
+    metrics.jsonl and not in TensorBoard, and the resume's purge started at its own first step: that step's
+    curves were lost for good. The resume now writes again the newest step metrics.jsonl keeps."""
+    from toolkit.launch.curves import Curves
+    from toolkit.launch.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    records = [{"step": s, "time": 1.0e9 + s, "loss": 0.5 - 0.1 * s, "train_s": 1.0 + s} for s in range(4)]
+    first = Curves(tmp_path)
+    for r in records[:2]:
+        run.append_metrics(r)
+        first.add(r)
+    first.close()
+    run.append_metrics(records[2])  # (killed here: in metrics.jsonl, not yet in its curves)
+    time.sleep(1.1)  # (an event file is named by the second it is opened in: a resume's comes seconds later)
+    second = Curves(tmp_path)  # (the resume: from step 3, as metrics.jsonl has steps 0-2)
+    run.append_metrics(records[3])
+    second.add(records[3])
+    second.close()
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert sorted(scalars) == ["loss", "time/train_s"]
+    assert sorted(scalars["loss"]) == [1, 2, 3, 4], scalars
+    for r in records:
+        assert abs(scalars["loss"][r["step"] + 1] - r["loss"]) < 1e-6
+        assert abs(scalars["time/train_s"][r["step"] + 1] - r["train_s"]) < 1e-6

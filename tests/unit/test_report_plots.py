@@ -29,3 +29,42 @@ def test_figures_label_components_unweighted_and_count_steps_in_whole_numbers():
     for fig in (curves, plots.step_time(metrics), evaluations):
         for ticks in whole_ticks(fig):
             assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def drawn(fig) -> dict[str, list[tuple[str, float, float]]]:
+    """{worker: [(phase, from, to)]} of a timeline figure's bars, read back by their colours."""
+    from matplotlib.colors import to_hex
+
+    ax = fig.axes[0]
+    workers = [t.get_text() for t in ax.get_yticklabels()]
+    phase_of = {to_hex(c): p for p, c in plots.COLORS.items()}
+    out = {w: [] for w in workers}
+    for bars in ax.collections:
+        (x0, y0), (x1, _) = bars.get_paths()[0].vertices.min(0), bars.get_paths()[0].vertices.max(0)
+        out[workers[round(y0 + 0.35)]].append((phase_of[to_hex(bars.get_facecolor()[0])], x0, x1))
+    return {w: sorted(bars, key=lambda b: b[1]) for w, bars in out.items()}
+
+
+def test_the_timeline_of_a_run_killed_and_resumed_draws_it_down_between_its_attempts():
+    """The whole run killed (its driver, SIGKILL) in step 1 and resumed 100 s later: each worker's last phase
+    was drawn until its new process registered, the generator `syncing` for the 97.5 s nothing ran. It ends
+    at the last phase change of any worker (2.5 s); from then until the worker registers it is drawn down
+    (`restarting`, as a worker started again alone is)."""
+    def rows(*changes):
+        return [{"t": t, "phase": phase, "step": step} for t, phase, step in changes]
+
+    timelines = {"generator-0": rows((0.0, "registering", None), (0.1, "setup", None), (1.0, "generating", 0),
+                                     (2.0, "syncing", 0), (100.0, "registering", None), (100.1, "setup", None),
+                                     (101.0, "generating", 1)),
+                 "trainer-0": rows((0.0, "registering", None), (0.1, "setup", None), (1.5, "training", 0),
+                                   (2.0, "syncing", 0), (2.5, "idle", 0), (100.05, "registering", None),
+                                   (100.1, "setup", None), (102.0, "training", 1))}
+    bars = drawn(plots.timeline(timelines, 0.0, 103.0))
+    for worker, phases in (("generator-0", ["syncing", "restarting", "registering"]),
+                           ("trainer-0", ["restarting", "registering"])):
+        later = [b for b in bars[worker] if b[0] in phases and 2.0 <= b[1] < 100.1]
+        assert [p for p, *_ in later] == phases, bars[worker]
+    (_, s0, s1), (_, d0, d1) = [b for b in bars["generator-0"] if b[0] in ("syncing", "restarting")]
+    assert abs(s0 - 2.0) < 1e-9 and abs(s1 - 2.5) < 1e-9 and abs(d0 - 2.5) < 1e-9 and abs(d1 - 100.0) < 1e-9
+    (_, t0, t1), = [b for b in bars["trainer-0"] if b[0] == "restarting"]
+    assert abs(t0 - 2.5) < 1e-9 and abs(t1 - 100.05) < 1e-9

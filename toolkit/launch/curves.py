@@ -5,9 +5,10 @@ viewer is not a dependency: `pip install tensorboard` where you look at them). T
 names, phase times (`*_s`) under `time/`, reward components under `reward/`. The x-axis is the number
 of steps trained, the step's number in the progress line (`step 3/40` is at 3; metrics.jsonl's `step`
 counts from 0), so a step's curves stand at the policy version, the checkpoint and the evaluation its
-weights make. A resumed run opens a new event file that starts with a purge at its first step, so
-TensorBoard drops what an earlier attempt wrote from that step on: the curves go on with no step twice,
-as metrics.jsonl does.
+weights make. A resumed run opens a new event file that starts with a purge at the step before its first,
+so TensorBoard drops what an earlier attempt wrote from that step on, and writes that step again from
+metrics.jsonl (the earlier attempt, killed, may have written it in part): the curves go on with every step
+once, as metrics.jsonl has them.
 
 With `wandb.project` set, the same scalars go to Weights & Biases under the same tags: one W&B run per
 run directory (its id kept in RUN_DIR/wandb/run-id), continued by every resume. W&B keeps what it is sent
@@ -123,14 +124,32 @@ class Curves:
 
     def add(self, record: dict) -> None:
         step = int(record["step"]) + 1  # (steps trained: see the module docstring)
-        if self.writer is None:  # (purge: this attempt rewrites the curves from its first step on)
-            self.writer = summary_writer()(str(self.directory), purge_step=step, flush_secs=30)
+        if self.writer is None:
+            self._open_writer(step)
         values = scalars(record)
-        for name, value in values.items():
-            self.writer.add_scalar(name, value, step, walltime=record.get("time"))
-        self.writer.flush()
+        self._write(step, values, record.get("time"))
         if self.wandb is not None:
             self._to_wandb(step, values)
+
+    def _open_writer(self, step: int) -> None:
+        """This attempt's event file, which rewrites the curves from the step before its first (`step`) on
+        (purge): that step's record, the newest metrics.jsonl keeps from an earlier attempt, is written again.
+        tensorboardX writes events from a queue in a thread of its own and its flush() does not wait for them,
+        so a driver killed after a step's record (SIGKILL, a lost node) lost that step's curves, in part or
+        whole, while metrics.jsonl had it; and a kill between the record and its curves did too."""
+        from toolkit.store.manifest import read_jsonl
+
+        before = [r for r in read_jsonl(self.run_dir / "metrics.jsonl") if int(r.get("step", -1)) + 1 < step]
+        again = max(before, key=lambda r: r["step"]) if before else None
+        purge = int(again["step"]) + 1 if again else step
+        self.writer = summary_writer()(str(self.directory), purge_step=purge, flush_secs=30)
+        if again is not None:
+            self._write(purge, scalars(again), again.get("time"))
+
+    def _write(self, step: int, values: dict[str, float], walltime: float | None) -> None:
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step, walltime=walltime)
+        self.writer.flush()
 
     def add_evaluation(self, record: dict) -> None:
         """An in-run evaluation's summary line, to W&B (see the module docstring)."""

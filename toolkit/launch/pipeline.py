@@ -219,8 +219,10 @@ def follow_pipeline(pd: PipelineDir, jobs: list[tuple[str, str]]) -> int:
 
 
 def pipeline_status(pd: PipelineDir) -> str:
-    """A table of the stages: Slurm job and state, run state, steps, and what went wrong."""
-    from toolkit.launch.jobs import slurm_job
+    """A table of the stages: Slurm job and state, run state, steps, and what went wrong. Only a live driver
+    writes a stage's state: a stage that says `starting` or `running` though nothing runs it (its driver was
+    killed, its Slurm job ended) is said to be so, as `status` of the stage says (it stayed `running`)."""
+    from toolkit.launch.jobs import run_going, slurm_job
 
     rows = [("stage", "slurm job", "slurm state", "run state", "steps", "note")]
     failed, errors = None, []
@@ -236,6 +238,9 @@ def pipeline_status(pd: PipelineDir) -> str:
             note = "failed: see below"
             errors.append(f"{stage}: " + "\n    ".join(status["error"].splitlines()[:4]))
             failed = failed or stage
+        elif run_state in ("starting", "running") and not run_going(rd.path):
+            gone = "its Slurm job has ended" if job.get("job_id") else "its local driver is gone (killed?)"
+            note = f"no driver runs it: {gone}; `slurm-rlhf resume {resume_target(rd.path)}` goes on"
         elif state.get("reason") == "DependencyNeverSatisfied" or (failed and run_state == "not started"):
             note = f"not run: {failed or 'an earlier stage'} did not finish"
         elif run_state == "finished" and (rd.path / "export").is_dir():

@@ -263,18 +263,19 @@ class Supervisor:
             manifest.append({"kind": "rewards", "functions": now, "from_step": next_step})
 
     def _keep_metrics_before(self, step: int) -> None:
-        """Drop metrics of steps that will run again (and a line cut short by a crash)."""
+        """Drop metrics of steps that will run again (and a line cut short by a crash, also what the disk held
+        after it that is not even UTF-8: as read_jsonl skips it; the resume ended in a UnicodeDecodeError)."""
         path = self.run_dir.metrics
         if not path.exists():
             return
         kept = []
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().splitlines():
             try:
                 record = json.loads(line)
                 if record["step"] < step:
-                    kept.append(line + "\n")
+                    kept.append(line.decode() + "\n")
                     self.history.append(record)
-            except (json.JSONDecodeError, KeyError):
+            except (ValueError, KeyError, TypeError):  # (JSONDecodeError, UnicodeDecodeError; not a record)
                 pass
         self.run_dir.write_atomic(path, "".join(kept))
         if self.history:  # (what `status` shows as the last step while the resume starts and replays)

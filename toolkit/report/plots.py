@@ -3,6 +3,8 @@ returns a Figure, or None when the run has nothing to draw for it."""
 
 from __future__ import annotations
 
+import bisect
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -17,7 +19,7 @@ PHASES = [("generate_s", "generate"), ("score_s", "score"), ("train_s", "train")
 COLORS = {"generating": "tab:blue", "scoring": "tab:orange", "training": "tab:green", "syncing": "tab:red",
           "checkpointing": "tab:purple", "collecting": "tab:olive", "replaying": "tab:brown",
           "evaluating": "tab:cyan", "setup": "tab:gray", "registering": "lightgray", "ready": "gainsboro",
-          "restarting": "black"}  # (restarting: the worker was lost; from then until it registers again)
+          "restarting": "black"}  # (restarting: the worker was lost; from then until it registers again; unseen_ends)
 IDLE = ("idle", "done", "ready", "collecting")  # drawn as gaps: the worker waits (the trainer for samples)
 
 
@@ -116,8 +118,33 @@ def intervals(rows: list[dict], start: float, end: float) -> list[tuple[str, flo
     return out
 
 
+def unseen_ends(timelines: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """The timelines with a `restarting` row where a worker's process ended without one: the whole run was
+    stopped unseen (its driver killed, a lost node) and resumed later. The phase a worker was in then was
+    drawn until its new process registered, as if it had gone on all the while (a generator `syncing` for
+    the half hour the run was down); it ends at the last phase change any worker made before the resumed
+    attempt's first registration."""
+    starts = sorted(r["t"] for rows in timelines.values() for before, r in zip([None] + rows, rows)
+                    if r["phase"] == "registering" and (before is None or before["phase"] != "restarting"))
+    times = sorted(r["t"] for rows in timelines.values() for r in rows)
+    out = {}
+    for worker, rows in timelines.items():
+        marked = []
+        for row, after in zip(rows, rows[1:] + [None]):
+            marked.append(row)
+            if after is not None and after["phase"] == "registering" and row["phase"] not in ("restarting", "done"):
+                i = bisect.bisect_right(starts, row["t"])
+                first = min(starts[i], after["t"]) if i < len(starts) else after["t"]
+                j = bisect.bisect_left(times, first)  # (the stopped attempt's last sign of life: the change before)
+                last = max(times[j - 1] if j else row["t"], row["t"])
+                marked.append({"t": min(last, after["t"]), "phase": "restarting", "step": None})
+        out[worker] = marked
+    return out
+
+
 def timeline(timelines: dict[str, list[dict]], start: float, end: float):
     """Every worker's phases between `start` and `end` (unix times): who works while whom waits."""
+    timelines = unseen_ends(timelines)
     workers = [w for w, rows in timelines.items() if intervals(rows, start, end)]
     if not workers:
         return None
