@@ -155,6 +155,30 @@ def test_asynchronous_mode_needs_generators_of_their_own(tiny, tmp_path):
     assert not load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny))).behaviour_correction
 
 
+def test_asynchronous_mode_counts_the_parts_a_streaming_generator_sends(tiny, tmp_path):
+    """With rollout.stream_groups a generator sends a step in parts, up to one per `stream_groups` prompt groups
+    of its share. Asynchronously the trainer reads none while it trains and sends the weights on, which wait
+    for the generators: a run of 64 prompts a step in parts of 1 group with max_inflight_messages 3 (allowed
+    before: (1 + 2) x 1 generator) stood still, the generator in its send of step 2's parts, the trainer in
+    the weight sync after step 1, until step_timeout_s."""
+    data = example("tiny-grpo.yaml", tiny, rollout={"max_policy_lag": 1, "backend": "vllm", "stream_groups": 1,
+                                                     "prompts_per_step": 64}, transport={"max_inflight_messages": 3})
+    assert ("transport.max_inflight_messages (3) is less than the messages of the steps in flight with "
+            "rollout.max_policy_lag 1 and 1 generator worker(s): (lag + 2) x workers x 64 parts of a generator's "
+            "step (rollout.stream_groups 1 of its 64 prompt groups) = 192; raise it, or raise rollout.stream_groups "
+            "(0: one message a step)") in error_of(tiny, tmp_path, data)
+    data = example("tiny-grpo.yaml", tiny, placement={"generator": {"workers": 2}},
+                   rollout={"max_policy_lag": 1, "backend": "vllm", "stream_groups": 3},
+                   transport={"max_inflight_messages": 17})  # (8 groups each: parts of at least 3, 3 a step)
+    assert "(lag + 2) x workers x 3 parts of a generator's step (rollout.stream_groups 3 of its 8 prompt " \
+           "groups) = 18" in error_of(tiny, tmp_path, data)
+    data["transport"]["max_inflight_messages"] = 18
+    assert load_config(write_config(tmp_path, data)).transport.max_inflight_messages == 18
+    data["rollout"].update(backend="hf")  # (transformers sends a step in one message)
+    data["transport"]["max_inflight_messages"] = 6
+    assert load_config(write_config(tmp_path, data)).rollout.stream_groups == 3
+
+
 def test_tensor_parallel_ranks_on_cpus_get_cpus_of_their_own():
     """vLLM on CPU binds each tensor-parallel rank's threads to one NUMA node each unless told which CPUs
     to take: a generator worker shares its CPUs among its ranks, and one left over stays unbound."""

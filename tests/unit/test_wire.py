@@ -311,6 +311,38 @@ def test_an_outbox_that_never_connects_leaves_no_open_socket(interrupt, monkeypa
     assert ended.wait(10), "ctx.term() blocked: the outbox left its socket open"
 
 
+def test_an_outbox_waits_for_every_consumer_by_address_and_names_the_one_missing():
+    """A consumer whose connection comes up twice (started again on its port) is one consumer: before, the
+    handshakes were counted, and the outbox took the second for the consumer that never came; its timeout
+    said "1 of 2 consumers (A, B)", not which one was missing."""
+    import threading
+
+    ctx = zmq.Context()
+    inbox = Inbox(ctx, Codec(SECRET, "scorer:0"), "127.0.0.1", hwm=2)
+    port = int(inbox.address.rsplit(":", 1)[1])
+    nobody = "tcp://127.0.0.1:9"  # (discard port: nothing accepts there)
+    again = []
+
+    def start_again():
+        time.sleep(0.5)
+        inbox.close()
+        time.sleep(0.3)
+        again.append(Inbox(ctx, Codec(SECRET, "scorer:0"), "127.0.0.1", hwm=2, port=port))
+
+    thread = threading.Thread(target=start_again)
+    thread.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=f"connected to 1 of 2 consumers in 3 s; none answered at {nobody}$"):
+            Outbox(ctx, Codec(SECRET, "generator:0"), [inbox.address, nobody], hwm=2, connect_timeout_s=3, to="scorer")
+        assert time.monotonic() - started == pytest.approx(3, abs=1)
+    finally:
+        thread.join()
+        for box in again:
+            box.close()
+        ctx.term()
+
+
 def test_the_coordinator_takes_a_workers_identity_from_the_authenticated_sender():
     """ZeroMQ's routing identity is whatever the peer says; the MAC covers the sender. A message whose
     connection claims one worker and whose sender is another is dropped and counted. A peer without the

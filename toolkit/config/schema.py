@@ -6,6 +6,7 @@ and data.py. Relative paths are resolved against the directory of the config fil
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -607,11 +608,22 @@ class RunConfig(Section):
         if self.rollout.stale == "drop" and not lag:
             raise ValueError("rollout.stale is 'drop', which acts only in asynchronous mode, but "
                              "rollout.max_policy_lag is 0; set max_policy_lag > 0 or remove rollout.stale")
-        ahead = (lag + 2) * generators.workers
+        # A generator that sends its samples on in parts (rollout.stream_groups) sends up to one message per
+        # `stream_groups` prompt groups of its share of a step. The trainer reads none while it trains and
+        # sends the weights on, and the weights wait for the generators: when the next step's parts fill
+        # the queues, the generator waits in its send, the trainer in the sync (until step_timeout_s).
+        groups = math.ceil(self.rollout.prompts_per_step / generators.workers)
+        streams = self.rollout.stream_groups and self.generation_backend == "vllm"
+        parts = math.ceil(groups / self.rollout.stream_groups) if streams else 1
+        ahead = (lag + 2) * generators.workers * parts
         if lag and self.transport.max_inflight_messages < ahead:
+            per_step = (f" x {parts} parts of a generator's step (rollout.stream_groups {self.rollout.stream_groups}"
+                        f" of its {groups} prompt groups)") if parts > 1 else ""
             raise ValueError(f"transport.max_inflight_messages ({self.transport.max_inflight_messages}) is less than "
                              f"the messages of the steps in flight with rollout.max_policy_lag {lag} and "
-                             f"{generators.workers} generator worker(s): (lag + 2) x workers = {ahead}; raise it")
+                             f"{generators.workers} generator worker(s): (lag + 2) x workers{per_step} = {ahead}; "
+                             "raise it" + (", or raise rollout.stream_groups (0: one message a step)" if parts > 1
+                                           else ""))
         if self.rollout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.backend is 'vllm' but vLLM is not installed; install it or use backend: hf")
         if self.eval.every_steps and not self.data.eval_fraction:

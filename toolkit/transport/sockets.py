@@ -76,18 +76,21 @@ class Outbox:
             for address in addresses:
                 self.socket.connect(address)
             deadline = time.monotonic() + connect_timeout_s
-            connected = 0
-            while connected < len(addresses):
+            # (by address: a consumer that connects twice, started again on its port, is one consumer still)
+            waiting = set(addresses)
+            while waiting:
                 left_ms = int((deadline - time.monotonic()) * 1000)
                 if left_ms <= 0 or not monitor.poll(left_ms):
-                    raise TimeoutError(f"connected to {connected} of {len(addresses)} consumers "
-                                       f"({', '.join(addresses)}) in {connect_timeout_s:.0f} s")
+                    missing = [a for a in addresses if a in waiting]
+                    raise TimeoutError(f"connected to {len(addresses) - len(missing)} of {len(addresses)} consumers "
+                                       f"in {connect_timeout_s:g} s; none answered at {', '.join(missing)}")
                 event = recv_monitor_message(monitor)
+                endpoint = event["endpoint"].decode(errors="replace")  # (the address as given to connect)
                 if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     raise ConnectionRefusedError(
-                        f"the consumer at {event['endpoint'].decode(errors='replace')} refused this run's key: "
+                        f"the consumer at {endpoint} refused this run's key: "
                         "it belongs to another run or to an earlier attempt of this one")
-                connected += 1
+                waiting.discard(endpoint)
         except BaseException:
             # (a timeout or an interrupt here: nobody holds this object to close it, and an open socket
             # makes the context's term() wait forever)
