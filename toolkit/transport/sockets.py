@@ -76,7 +76,8 @@ class Outbox:
             for address in addresses:
                 self.socket.connect(address)
             deadline = time.monotonic() + connect_timeout_s
-            # (by address: a consumer that connects twice, started again on its port, is one consumer still)
+            # (by address: a consumer that connects twice, started again on its port, is one consumer still.
+            # libzmq names the address it connected to, a host name resolved: the addresses here are IPs)
             waiting = set(addresses)
             while waiting:
                 left_ms = int((deadline - time.monotonic()) * 1000)
