@@ -847,16 +847,19 @@ def test_lora_on_a_tied_embedding_or_head_is_refused(tiny, tmp_path):
     gpt2 = build_family(REPO / "models" / "tiny-gpt2-tied", "gpt2-tied")
     for targets, hit in [(["c_attn", "lm_head"], "lm_head is"), (["wte"], "wte is"),
                          (["transformer.wte", "lm_head"], "transformer.wte, lm_head are")]:
-        data = example("tiny-grpo.yaml", tiny, model={"actor": str(gpt2)}, trainer={"lora": {"target_modules": targets}})
+        data = example("tiny-grpo.yaml", tiny, model={"actor": str(gpt2)},
+                       trainer={"lora": {"target_modules": targets}})
         msg = error_of(write_config(tmp_path, data))
         assert f"trainer.lora.target_modules: {hit} the input embedding or output head of {gpt2}, which share one " \
                "weight (tie_word_embeddings): an adapter there unties them" in msg, msg
     sft = {"stage": "sft", "run": {"steps": 2}, "data": {"sources": [{"path": str(tiny / "pipeline.jsonl")}]},
            "model": {"base": str(gpt2)}, "train": {"lora": {"target_modules": ["lm_head"]}}}
-    assert "train.lora.target_modules: lm_head is the input embedding" in error_of(write_config(tmp_path, sft, "sft.yaml"))
+    assert "train.lora.target_modules: lm_head is the input embedding" in error_of(
+        write_config(tmp_path, sft, "sft.yaml"))
     data = example("tiny-grpo.yaml", tiny, model={"actor": str(gpt2)}, trainer={"lora": {"target_modules": ["c_attn"]}})
     assert load_config(write_config(tmp_path, data)).trainer.lora.target_modules == ["c_attn"]
-    untied = example("tiny-grpo.yaml", tiny, trainer={"lora": {"target_modules": ["q_proj", "lm_head", "embed_tokens"]}})
+    untied = example("tiny-grpo.yaml", tiny,
+                     trainer={"lora": {"target_modules": ["q_proj", "lm_head", "embed_tokens"]}})
     assert load_config(write_config(tmp_path, untied)).trainer.lora.target_modules[1] == "lm_head"
 
 

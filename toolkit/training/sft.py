@@ -45,8 +45,8 @@ class SFTTask:
 
     def batch(self, examples, packing: bool = False) -> dict:
         """The model inputs of a micro-batch, its loss mask (1 on response tokens) and their count (`targets`:
-        what its loss is a mean over) and how many rows train.max_tokens cut (`cut_rows`). Packed, the batch's `packed` (a `toolkit.packing.Packed`) is what its
-        forward and backward passes run inside."""
+        what its loss is a mean over) and how many rows train.max_tokens cut (`cut_rows`). Packed, the batch's
+        `packed` (a `toolkit.packing.Packed`) is what its forward and backward passes run inside."""
         cuts = [self._cut(ex) for ex in examples]
         rows = [(seq, n) for seq, n, _ in cuts]
         padded_ids, attention = right_pad([seq for seq, _ in rows], self.pad_id)
