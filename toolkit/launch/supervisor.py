@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from toolkit.errors import Interrupted, RunError, TrainerLost, raise_interrupt
+from toolkit.errors import ConfigError, Interrupted, RunError, TrainerLost, raise_interrupt
 from toolkit.launch import env as E
 from toolkit.launch import openmp
 from toolkit.hold import hold
@@ -207,6 +207,13 @@ class Supervisor:
         self.step = plan.next_step - 1  # (what status.json says if the data check fails)
         if plan.checkpoint:  # (before anything is recorded or set aside, or a worker starts)
             check_ours_alone(self.run_dir.path / plan.checkpoint["dir"])
+            from toolkit.store.checkpoint import layout_problem  # (it imports torch)
+
+            rl = self.cfg.stage == "rl"
+            problem = layout_problem(self.run_dir.path / plan.checkpoint["dir"],
+                                     self.cfg.trainer if rl else self.cfg.train, "trainer" if rl else "train")
+            if problem:
+                raise ConfigError(f"{self.run_dir.config}: {problem}")
         self._check_data()
         self._check_reward_code(plan.next_step)
         for problem in plan.problems:

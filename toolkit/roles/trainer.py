@@ -634,7 +634,8 @@ class TrainerRole(Role):
         started = time.monotonic()
         state = {"policy_version": self.version, "kl": self.kl.state_dict(),
                  "shuffle_rng": checkpoint.rng_state(self.shuffle_rng),
-                 "prompts_drawn": self.version * self.cfg.rollout.prompts_per_step}
+                 "prompts_drawn": self.version * self.cfg.rollout.prompts_per_step,
+                 "layout": checkpoint.layout(self.cfg.trainer)}
         size_mb = checkpoint.save(self.run_dir, self.version, self.engines, state, self.rank, self.ranks.barrier,
                                   self.cfg.checkpoint.keep, self._write_copies)
         self.checkpointed = self.version

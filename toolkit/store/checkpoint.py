@@ -3,7 +3,8 @@ rank's random generators, the stage's own state, and Hugging Face copies for use
 
     checkpoints/step-NNNNNN/<engine>/ds/...       DeepSpeed save_checkpoint (every rank writes its shard)
     checkpoints/step-NNNNNN/rng/rank-K.json       rank K's torch random state (exact resume with dropout)
-    checkpoints/step-NNNNNN/trainer_state.json    the stage's state (step or policy_version, ...)
+    checkpoints/step-NNNNNN/trainer_state.json    the stage's state (step or policy_version, ...) and the
+                                                  engine settings its DeepSpeed files depend on (`layout`)
     checkpoints/step-NNNNNN/hf/ ...               what the stage's `write_copies` adds (the model in
                                                   Hugging Face format with its tokenizer, an EMA copy)
 
@@ -83,6 +84,40 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
             _remove_old(run_dir, manifest, keep, step)
     barrier()
     return size_mb
+
+
+def layout(section) -> dict:
+    """The settings of an EngineSection (`trainer:` of RL, `train:` of a stage) that decide what a
+    checkpoint's DeepSpeed files hold, so that an engine built otherwise cannot load them: the ZeRO stage
+    (ZeRO-0, ZeRO-1/2 and ZeRO-3 write different files) and the LoRA adapters (their names and shapes;
+    alpha scales what they add)."""
+    lora = section.lora
+    return {"zero_stage": section.zero_stage,
+            "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
+                                               "target_modules": lora.target_modules}}
+
+
+def layout_problem(directory: Path, section, field: str) -> str | None:
+    """Why checkpoint `directory` cannot be resumed with `section` (an EngineSection, the config's `field`),
+    or None. A resume with, say, `lora` added or `zero_stage` 2 changed to 3 in the run's config failed in
+    every trainer with DeepSpeed's traceback (`Missing key(s) in state_dict`, a bare `AssertionError`). A
+    checkpoint of an earlier version records no layout: not checked."""
+    saved = json.loads((Path(directory) / "trainer_state.json").read_text()).get("layout")
+    if saved is None:
+        return None
+    now = layout(section)
+    family = {0: 0, 1: 1, 2: 1, 3: 3}  # (ZeRO-1 and ZeRO-2 write the same files)
+    if family[saved["zero_stage"]] != family[now["zero_stage"]]:
+        return (f"{field}.zero_stage is {now['zero_stage']}, but the checkpoint {directory} was saved under "
+                f"zero_stage {saved['zero_stage']}, whose files another stage cannot load; set {field}.zero_stage "
+                f"back to {saved['zero_stage']} to resume (or start a new run from its hf/ copy)")
+    if saved["lora"] != now["lora"]:
+        def said(lora):
+            return "no lora" if lora is None else ", ".join(f"{k} {v}" for k, v in lora.items())
+        return (f"{field}.lora is {said(now['lora'])}, but the checkpoint {directory} was saved with "
+                f"{said(saved['lora'])}; set {field}.lora back to that to resume (or start a new run from its hf/ "
+                "copy)")
+    return None
 
 
 def load(directory: Path, engines: dict, rank: int) -> dict:

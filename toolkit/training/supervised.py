@@ -233,7 +233,8 @@ class SupervisedRole(Role):
             return 0.0, 0.0
         self.status["phase"] = "checkpointing"
         started = time.monotonic()
-        size_mb = checkpoint.save(self.run_dir, self.step, {"model": self.engine}, {"step": self.step},
+        size_mb = checkpoint.save(self.run_dir, self.step, {"model": self.engine},
+                                  {"step": self.step, "layout": checkpoint.layout(self.cfg.train)},
                                   self.ranks.rank, self.ranks.barrier, self.cfg.checkpoint.keep, self._write_copies)
         self.checkpointed = self.step
         return time.monotonic() - started, size_mb
