@@ -173,24 +173,26 @@ def test_lora_sft_killed_and_resumed_equals_an_uninterrupted_run(tiny, lora_sft,
     assert [r["loss"] for r in records(run_dir)] == [r["loss"] for r in records(lora_sft)]
 
 
-@pytest.mark.parametrize("train, expected", [
-    ({"lora": None}, "train.lora is no lora, but the checkpoint"),
-    ({"zero_stage": 0}, "train.zero_stage is 0, but the checkpoint"),
+@pytest.mark.parametrize("section, values, expected", [
+    ("train", {"lora": None}, "train.lora is no lora, but the checkpoint"),
+    ("train", {"zero_stage": 0}, "train.zero_stage is 0, but the checkpoint"),
+    ("placement", {"trainer": {"workers": 2}}, "placement.trainer.workers is 2, but the checkpoint"),
 ])
-def test_a_resume_under_other_adapters_or_zero_stage_is_refused_before_a_worker_starts(lora_sft, tmp_path, train,
-                                                                                       expected):
-    """The run's config edited before a resume (to train longer) with the LoRA adapters removed, or ZeRO-2 made
-    ZeRO-0: DeepSpeed cannot load the checkpoint into such an engine, and every trainer failed with its traceback
-    (`Missing key(s) in state_dict`, an AttributeError). The driver names the field before any worker starts."""
+def test_a_resume_under_other_adapters_zero_stage_or_ranks_is_refused_before_a_worker_starts(lora_sft, tmp_path,
+                                                                                             section, values, expected):
+    """The run's config edited before a resume (to train longer) with the LoRA adapters removed, ZeRO-2 made
+    ZeRO-0, or two trainer workers for one: DeepSpeed cannot load the checkpoint into such engines, and every
+    trainer failed with its traceback (`Missing key(s) in state_dict`, an AttributeError, `ZeRORuntimeException`).
+    The driver names the field before any worker starts."""
     run_dir = tmp_path / "run"
     shutil.copytree(lora_sft, run_dir)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     config["run"]["steps"] += 4
-    config["train"].update(train)
+    config[section].update(values)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     log = run_dir / "logs" / "trainer-0.log"
     before = log.stat().st_size
     result = cli("resume", run_dir, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert expected in result.stderr and "set train." in result.stderr, result.stderr
+    assert expected in result.stderr and f"set {expected.split(' is ')[0]} back to" in result.stderr, result.stderr
     assert log.stat().st_size == before  # (no trainer started)

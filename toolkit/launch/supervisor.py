@@ -210,8 +210,11 @@ class Supervisor:
             from toolkit.store.checkpoint import layout_problem  # (it imports torch)
 
             rl = self.cfg.stage == "rl"
+            group = self.cfg.placement.name_with("actor") if rl else "trainer"
             problem = layout_problem(self.run_dir.path / plan.checkpoint["dir"],
-                                     self.cfg.trainer if rl else self.cfg.train, "trainer" if rl else "train")
+                                     self.cfg.trainer if rl else self.cfg.train,
+                                     self.cfg.placement.group_with("actor").workers, "trainer" if rl else "train",
+                                     f"placement.{group}.workers")
             if problem:
                 raise ConfigError(f"{self.run_dir.config}: {problem}")
         self._check_data()

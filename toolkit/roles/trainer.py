@@ -635,7 +635,7 @@ class TrainerRole(Role):
         state = {"policy_version": self.version, "kl": self.kl.state_dict(),
                  "shuffle_rng": checkpoint.rng_state(self.shuffle_rng),
                  "prompts_drawn": self.version * self.cfg.rollout.prompts_per_step,
-                 "layout": checkpoint.layout(self.cfg.trainer)}
+                 "layout": checkpoint.layout(self.cfg.trainer, self.actor_ranks)}
         size_mb = checkpoint.save(self.run_dir, self.version, self.engines, state, self.rank, self.ranks.barrier,
                                   self.cfg.checkpoint.keep, self._write_copies)
         self.checkpointed = self.version

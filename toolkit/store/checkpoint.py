@@ -86,37 +86,43 @@ def save(run_dir: Path, step: int, engines: dict, state: dict, rank: int, barrie
     return size_mb
 
 
-def layout(section) -> dict:
-    """The settings of an EngineSection (`trainer:` of RL, `train:` of a stage) that decide what a
-    checkpoint's DeepSpeed files hold, so that an engine built otherwise cannot load them: the ZeRO stage
-    (ZeRO-0, ZeRO-1/2 and ZeRO-3 write different files) and the LoRA adapters (their names and shapes;
-    alpha scales what they add)."""
+def layout(section, ranks: int) -> dict:
+    """The settings of an EngineSection (`trainer:` of RL, `train:` of a stage) and the data-parallel `ranks`
+    of its (actor's) engine that decide what a checkpoint's DeepSpeed files hold, so that an engine built
+    otherwise cannot load them: the ZeRO stage (ZeRO-0, ZeRO-1/2 and ZeRO-3 write different files), the
+    ranks (ZeRO-1 to 3 split the optimizer states that many ways) and the LoRA adapters (their names and
+    shapes; alpha scales what they add)."""
     lora = section.lora
-    return {"zero_stage": section.zero_stage,
+    return {"zero_stage": section.zero_stage, "ranks": ranks,
             "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
                                                "target_modules": lora.target_modules}}
 
 
-def layout_problem(directory: Path, section, field: str) -> str | None:
-    """Why checkpoint `directory` cannot be resumed with `section` (an EngineSection, the config's `field`),
-    or None. A resume with, say, `lora` added or `zero_stage` 2 changed to 3 in the run's config failed in
-    every trainer with DeepSpeed's traceback (`Missing key(s) in state_dict`, a bare `AssertionError`). A
-    checkpoint of an earlier version records no layout: not checked."""
+def layout_problem(directory: Path, section, ranks: int, field: str, ranks_field: str) -> str | None:
+    """Why checkpoint `directory` cannot be resumed with `section` (an EngineSection, the config's `field`) on
+    `ranks` data-parallel ranks (`ranks_field`), or None. A resume with, say, `lora` added, `zero_stage` 2
+    changed to 3 or another number of trainer workers in the run's config failed in every trainer with
+    DeepSpeed's traceback (`Missing key(s) in state_dict`, a bare `AssertionError`, `ZeRORuntimeException`).
+    A checkpoint of an earlier version records no layout: not checked."""
     saved = json.loads((Path(directory) / "trainer_state.json").read_text()).get("layout")
     if saved is None:
         return None
-    now = layout(section)
+    now = layout(section, ranks)
     family = {0: 0, 1: 1, 2: 1, 3: 3}  # (ZeRO-1 and ZeRO-2 write the same files)
+    fix = "to resume (or start a new run from its hf/ copy)"
     if family[saved["zero_stage"]] != family[now["zero_stage"]]:
         return (f"{field}.zero_stage is {now['zero_stage']}, but the checkpoint {directory} was saved under "
                 f"zero_stage {saved['zero_stage']}, whose files another stage cannot load; set {field}.zero_stage "
-                f"back to {saved['zero_stage']} to resume (or start a new run from its hf/ copy)")
+                f"back to {saved['zero_stage']} {fix}")
+    if saved["zero_stage"] > 0 and saved["ranks"] != now["ranks"]:
+        return (f"{ranks_field} is {now['ranks']}, but the checkpoint {directory} was saved by {saved['ranks']} "
+                f"trainer ranks under ZeRO-{saved['zero_stage']}, which split the optimizer states that many ways "
+                f"(DeepSpeed cannot split them otherwise); set {ranks_field} back to {saved['ranks']} {fix}")
     if saved["lora"] != now["lora"]:
         def said(lora):
             return "no lora" if lora is None else ", ".join(f"{k} {v}" for k, v in lora.items())
         return (f"{field}.lora is {said(now['lora'])}, but the checkpoint {directory} was saved with "
-                f"{said(saved['lora'])}; set {field}.lora back to that to resume (or start a new run from its hf/ "
-                "copy)")
+                f"{said(saved['lora'])}; set {field}.lora back to that {fix}")
     return None
 
 

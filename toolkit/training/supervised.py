@@ -234,7 +234,7 @@ class SupervisedRole(Role):
         self.status["phase"] = "checkpointing"
         started = time.monotonic()
         size_mb = checkpoint.save(self.run_dir, self.step, {"model": self.engine},
-                                  {"step": self.step, "layout": checkpoint.layout(self.cfg.train)},
+                                  {"step": self.step, "layout": checkpoint.layout(self.cfg.train, self.ranks.world)},
                                   self.ranks.rank, self.ranks.barrier, self.cfg.checkpoint.keep, self._write_copies)
         self.checkpointed = self.step
         return time.monotonic() - started, size_mb
