@@ -36,9 +36,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+def busy_processes(count: int) -> list[subprocess.Popen]:
+    """`count` processes that only burn CPU (`while True: pass`). Each gets SIGTERM when this process ends, however
+    it ends (Linux' PR_SET_PDEATHSIG): killed (a test's or a job's time limit, `kill`), this tool cannot kill them
+    itself, and they spun on, a core each, until someone found them."""
+    from toolkit.launch.forkserver import die_with_parent
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=die_with_parent)
+            for _ in range(count)]
+
+
 def one_run(config: Path, run_dir: Path, policy: str, busy: int) -> tuple[float, float]:
     """(median step seconds, wall seconds) of the run with OMP_WAIT_POLICY=`policy`, beside `busy` hogs."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    hogs = busy_processes(busy)
     try:
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
@@ -70,7 +80,7 @@ def spin_table(counts: list[int], steps: int, busy: int, keep: Path | None) -> N
         build_model(tiny, tmp / "model")
         for beside in sorted({0, busy}):
             for count in (0, *counts):
-                hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(beside)]
+                hogs = busy_processes(beside)
                 try:
                     r = ours(tmp / "model", tiny / "prompts.jsonl", tmp, "flattening", steps,
                              run={"openmp_spin": count}, name=f"-spin{count}-{beside}")

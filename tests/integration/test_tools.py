@@ -114,3 +114,37 @@ def test_bench_mkl_compares_mkl_as_shipped_with_its_intel_kernels():
     rows = rows_of(out, ("F.linear MLP up/gate", "training step of the 26M Llama", "scoring forward pass"))
     assert all(float(cells[-1]) > 0 for cells in rows.values())
     assert ratio_of(out) > 0
+
+
+def test_bench_openmp_busy_processes_end_with_it():
+    """The CPU hogs that bench_openmp starts beside a run end when the tool is killed (SIGKILL: a test's or a
+    job's time limit), which cannot kill them itself: they spun on, a core each."""
+    import os
+    import signal
+    import time
+
+    code = ("import sys, time; sys.path.insert(0, 'tools'); import bench_openmp; "
+            "print(*[p.pid for p in bench_openmp.busy_processes(2)], flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    hogs = [int(pid) for pid in parent.stdout.readline().split()]
+
+    def running(pid: int) -> bool:  # (a zombie that nobody reaps has ended)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except FileNotFoundError:
+            return False
+
+    try:
+        assert len(hogs) == 2 and all(running(pid) for pid in hogs)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while any(running(pid) for pid in hogs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(running(pid) for pid in hogs), hogs
+    finally:
+        parent.kill()
+        for pid in hogs:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
