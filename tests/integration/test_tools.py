@@ -148,3 +148,31 @@ def test_bench_openmp_busy_processes_end_with_it():
         for pid in hogs:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_bench_memory_counts_the_model_flops_that_torch_counts(lora):
+    """The model FLOPs of bench_memory's MFU column are those of a forward and backward pass as torch's
+    FlopCounterMode counts them (eager attention, whose matrix products it sees), LoRA's too: its attention
+    scores were counted at 8 where their backward pass is the baseline's, 12."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_memory import flops_per_token
+    from toolkit.config.base import EngineSection
+    from toolkit.training.lora import add_adapters
+
+    seq, batch = 256, 2
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=4, intermediate_size=688, max_position_embeddings=seq,
+                                         tie_word_embeddings=False, attn_implementation="eager"))
+    if lora:
+        model = add_adapters(model, EngineSection(lora={"rank": 8}).lora)
+    ids = torch.randint(0, 512, (batch, seq))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    # (with LoRA, torch also counts the adapters' own small products, which MFU leaves out: within 2%)
+    assert flops_per_token(model, seq, lora) == pytest.approx(counter.get_total_flops() / (batch * seq), rel=0.02)
