@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -255,6 +256,9 @@ def main() -> int:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from toolkit.errors import raise_interrupt
+
+    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     if args.device is None:
         import torch
 

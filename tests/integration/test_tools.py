@@ -44,6 +44,15 @@ def rows_of(out: str, first_words: tuple[str, ...]) -> dict[str, list[str]]:
     return rows
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie that nobody reaps has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
 def test_calibrate_writes_a_cluster_file_the_planner_reads(tmp_path):
     out = tmp_path / "cluster.yaml"
     done = tool("tools/calibrate.py", "--out", str(out))
@@ -128,13 +137,6 @@ def test_bench_openmp_busy_processes_end_with_it():
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     hogs = [int(pid) for pid in parent.stdout.readline().split()]
 
-    def running(pid: int) -> bool:  # (a zombie that nobody reaps has ended)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except FileNotFoundError:
-            return False
-
     try:
         assert len(hogs) == 2 and all(running(pid) for pid in hogs)
         parent.kill()
@@ -176,3 +178,44 @@ def test_bench_memory_counts_the_model_flops_that_torch_counts(lora):
         model(input_ids=ids, labels=ids).loss.backward()
     # (with LoRA, torch also counts the adapters' own small products, which MFU leaves out: within 2%)
     assert flops_per_token(model, seq, lora) == pytest.approx(counter.get_total_flops() / (batch * seq), rel=0.02)
+
+
+def test_a_benchmark_killed_ends_its_runs_and_removes_its_files(tmp_path):
+    """`kill` (SIGTERM) of a benchmark while its first run is going ends that run and removes the tool's
+    temporary directory: the SFT run went on alone, and the directory stayed, after the tool had gone."""
+    import os
+    import signal
+    import time
+
+    tool_tmp = tmp_path / "tmp"
+    tool_tmp.mkdir()
+    bench = subprocess.Popen([sys.executable, "tools/bench_packing.py", "--steps=3", "--rows=64"], cwd=REPO,
+                             env={**os.environ, "TMPDIR": str(tool_tmp)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+
+    def children() -> list[int]:
+        try:
+            return [int(p) for p in open(f"/proc/{bench.pid}/task/{bench.pid}/children").read().split()]
+        except FileNotFoundError:
+            return []
+
+    runs = []
+    try:
+        deadline = time.monotonic() + 60
+        while not children() and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        runs = children()
+        assert runs and any(tool_tmp.iterdir()), bench.communicate()
+        bench.send_signal(signal.SIGTERM)
+        bench.communicate(timeout=60)
+        assert bench.returncode != 0
+        deadline = time.monotonic() + 10
+        while any(running(pid) for pid in runs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in runs if running(pid)]
+        assert not left and not any(tool_tmp.iterdir()), (left, list(tool_tmp.iterdir()))
+    finally:
+        bench.kill()
+        for pid in runs:
+            if running(pid):
+                os.kill(pid, signal.SIGTERM)  # (the CLI's clean-up ends its workers too)
