@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -38,6 +39,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128, help="of each response (the test's run: fewer)")
     args = parser.parse_args()
+    from toolkit.errors import raise_interrupt
+
+    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     from toolkit.launch.preload import as_a_worker, describe
 
     as_a_worker()  # (what a worker preloads: tcmalloc, MKL's library on AMD)

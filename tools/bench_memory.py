@@ -29,7 +29,8 @@ On a GPU also the peak GPU memory (`torch.cuda.max_memory_allocated`) and the mo
 model FLOPs of a step over its time over `--peak-tflops` (989: an H100's or H200's dense bf16). Model
 FLOPs per token: 6 per weight of every linear layer (the LM head too) plus 12 x layers x sequence x
 attention width for the attention scores, as in PaLM's appendix; a frozen weight (LoRA's base) counts 4,
-since no gradient of it is computed; recomputation (activation checkpointing) is not counted, as MFU
+since no gradient of it is computed (the attention scores count 12 with LoRA too: they have no weights, and the
+gradients of both their inputs flow on to the adapters); recomputation (activation checkpointing) is not counted, as MFU
 does not count it. The ratio of each figure to the baseline's comes last.
 """
 
@@ -39,6 +40,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -89,8 +91,8 @@ def flops_per_token(model, seq: int, lora: bool) -> float:
     config = model.config
     width = config.num_attention_heads * (getattr(config, "head_dim", None)
                                           or config.hidden_size // config.num_attention_heads)
-    per_weight, attention = (4, 8) if lora else (6, 12)
-    return per_weight * linear + attention * config.num_hidden_layers * seq * width
+    per_weight = 4 if lora else 6
+    return per_weight * linear + 12 * config.num_hidden_layers * seq * width
 
 
 def one(name: str, model_dir: str, args) -> dict:
@@ -254,6 +256,9 @@ def main() -> int:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from toolkit.errors import raise_interrupt
+
+    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     if args.device is None:
         import torch
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,9 +37,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+def busy_processes(count: int) -> list[subprocess.Popen]:
+    """`count` processes that only burn CPU (`while True: pass`). Each gets SIGTERM when this process ends, however
+    it ends (Linux' PR_SET_PDEATHSIG): killed (a test's or a job's time limit, `kill`), this tool cannot kill them
+    itself, and they spun on, a core each, until someone found them."""
+    from toolkit.launch.forkserver import die_with_parent
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=die_with_parent)
+            for _ in range(count)]
+
+
 def one_run(config: Path, run_dir: Path, policy: str, busy: int) -> tuple[float, float]:
     """(median step seconds, wall seconds) of the run with OMP_WAIT_POLICY=`policy`, beside `busy` hogs."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    hogs = busy_processes(busy)
     try:
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "toolkit", "run", str(config), "--run-dir", str(run_dir)],
@@ -70,7 +81,7 @@ def spin_table(counts: list[int], steps: int, busy: int, keep: Path | None) -> N
         build_model(tiny, tmp / "model")
         for beside in sorted({0, busy}):
             for count in (0, *counts):
-                hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(beside)]
+                hogs = busy_processes(beside)
                 try:
                     r = ours(tmp / "model", tiny / "prompts.jsonl", tmp, "flattening", steps,
                              run={"openmp_spin": count}, name=f"-spin{count}-{beside}")
@@ -97,6 +108,9 @@ def main() -> None:
     parser.add_argument("--spin", help="spin counts to set run.openmp_spin to, e.g. 3000,30000: compare them "
                         "with 0 on tools/bench_trl.py's workload in Flattening instead")
     args = parser.parse_args()
+    from toolkit.errors import raise_interrupt
+
+    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     if args.steps < 2:
         parser.error("--steps: 2 or more (the first step is left out of the medians)")
     if args.spin:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -40,6 +41,9 @@ def main() -> int:
     parser.add_argument("--max-response", type=int, default=480)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    from toolkit.errors import raise_interrupt
+
+    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     from bench_scoring import check_sizes
 
     check_sizes(parser, args, ("samples", "rows", "prompt", "min_response", "repeats"))

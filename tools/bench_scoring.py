@@ -15,6 +15,7 @@ packed) last.
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 import tempfile
@@ -66,6 +67,9 @@ def main() -> int:
     parser.add_argument("--max-response", type=int, default=480)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    from toolkit.errors import raise_interrupt
+
+    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     check_sizes(parser, args, ("samples", "batch", "prompt", "min_response", "repeats"))
     from toolkit.launch.preload import as_a_worker, describe
 

@@ -14,6 +14,7 @@ exports); the last line is `ratio R`: with cores of their own, the step time all
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +30,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="measured steps of each run (after a first one)")
     parser.add_argument("--groups", type=int, default=4, help="rollout.stream_groups of the runs in parts")
     args = parser.parse_args()
+    from toolkit.errors import raise_interrupt
+
+    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
 
     from toolkit.table import text_table
     from toolkit.tiny import build_tiny

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -175,9 +176,15 @@ def measured(command: list[str], **kwargs) -> PeakMemory:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
     peak = PeakMemory(process.pid)
     peak.start()
-    output, _ = process.communicate()
-    peak.done.set()
-    peak.join()
+    try:
+        output, _ = process.communicate()
+    except BaseException:  # (Ctrl-C, SIGTERM: the run ends with this tool, not after it)
+        process.kill()
+        process.wait()
+        raise
+    finally:
+        peak.done.set()
+        peak.join()
     if process.returncode != 0:
         raise SystemExit(f"bench_trl: {' '.join(command[:4])} ... failed:\n{output[-4000:]}")
     return peak
@@ -243,6 +250,9 @@ def main() -> int:
     parser.add_argument("--variable", action="store_true",
                         help="responses of geometric length (mean about 64, cut at 256), packing and async")
     args = parser.parse_args()
+    from toolkit.errors import raise_interrupt
+
+    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
 
     from toolkit.launch import mkl_amd
     from toolkit.launch.allocator import choice

@@ -44,6 +44,15 @@ def rows_of(out: str, first_words: tuple[str, ...]) -> dict[str, list[str]]:
     return rows
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie that nobody reaps has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
 def test_calibrate_writes_a_cluster_file_the_planner_reads(tmp_path):
     out = tmp_path / "cluster.yaml"
     done = tool("tools/calibrate.py", "--out", str(out))
@@ -114,3 +123,99 @@ def test_bench_mkl_compares_mkl_as_shipped_with_its_intel_kernels():
     rows = rows_of(out, ("F.linear MLP up/gate", "training step of the 26M Llama", "scoring forward pass"))
     assert all(float(cells[-1]) > 0 for cells in rows.values())
     assert ratio_of(out) > 0
+
+
+def test_bench_openmp_busy_processes_end_with_it():
+    """The CPU hogs that bench_openmp starts beside a run end when the tool is killed (SIGKILL: a test's or a
+    job's time limit), which cannot kill them itself: they spun on, a core each."""
+    import os
+    import signal
+    import time
+
+    code = ("import sys, time; sys.path.insert(0, 'tools'); import bench_openmp; "
+            "print(*[p.pid for p in bench_openmp.busy_processes(2)], flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    hogs = [int(pid) for pid in parent.stdout.readline().split()]
+
+    try:
+        assert len(hogs) == 2 and all(running(pid) for pid in hogs)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while any(running(pid) for pid in hogs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(running(pid) for pid in hogs), hogs
+    finally:
+        parent.kill()
+        for pid in hogs:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_bench_memory_counts_the_model_flops_that_torch_counts(lora):
+    """The model FLOPs of bench_memory's MFU column are those of a forward and backward pass as torch's
+    FlopCounterMode counts them (eager attention, whose matrix products it sees), LoRA's too: its attention
+    scores were counted at 8 where their backward pass is the baseline's, 12."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_memory import flops_per_token
+    from toolkit.config.base import EngineSection
+    from toolkit.training.lora import add_adapters
+
+    seq, batch = 256, 2
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=4, intermediate_size=688, max_position_embeddings=seq,
+                                         tie_word_embeddings=False, attn_implementation="eager"))
+    if lora:
+        model = add_adapters(model, EngineSection(lora={"rank": 8}).lora)
+    ids = torch.randint(0, 512, (batch, seq))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    # (with LoRA, torch also counts the adapters' own small products, which MFU leaves out: within 2%)
+    assert flops_per_token(model, seq, lora) == pytest.approx(counter.get_total_flops() / (batch * seq), rel=0.02)
+
+
+def test_a_benchmark_killed_ends_its_runs_and_removes_its_files(tmp_path):
+    """`kill` (SIGTERM) of a benchmark while its first run is going ends that run and removes the tool's
+    temporary directory: the SFT run went on alone, and the directory stayed, after the tool had gone."""
+    import os
+    import signal
+    import time
+
+    tool_tmp = tmp_path / "tmp"
+    tool_tmp.mkdir()
+    bench = subprocess.Popen([sys.executable, "tools/bench_packing.py", "--steps=3", "--rows=64"], cwd=REPO,
+                             env={**os.environ, "TMPDIR": str(tool_tmp)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+
+    def children() -> list[int]:
+        try:
+            return [int(p) for p in open(f"/proc/{bench.pid}/task/{bench.pid}/children").read().split()]
+        except FileNotFoundError:
+            return []
+
+    runs = []
+    try:
+        deadline = time.monotonic() + 60
+        while not children() and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        runs = children()
+        assert runs and any(tool_tmp.iterdir()), bench.communicate()
+        bench.send_signal(signal.SIGTERM)
+        bench.communicate(timeout=60)
+        assert bench.returncode != 0
+        deadline = time.monotonic() + 10
+        while any(running(pid) for pid in runs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in runs if running(pid)]
+        assert not left and not any(tool_tmp.iterdir()), (left, list(tool_tmp.iterdir()))
+    finally:
+        bench.kill()
+        for pid in runs:
+            if running(pid):
+                os.kill(pid, signal.SIGTERM)  # (the CLI's clean-up ends its workers too)
