@@ -127,12 +127,13 @@ def _check_chat_template(cfg, data: StageData) -> None:
             continue  # (the same vocabulary: the scorer reads the generated tokens themselves)
         _render_all(rm.path, shapes, f"{what}, and reward.models.{i} has a vocabulary of its own (it renders "
                     "the prompt itself)", f"give text prompts, or a reward model whose tokenizer has one "
-                    f"(reward.models.{i}.path)", f"reward.models.{i}.path")
+                    f"(reward.models.{i}.path)", f"reward.models.{i}.path", own)
 
 
-def _render_all(path, shapes: dict, what: str, fix: str, setting: str):
+def _render_all(path, shapes: dict, what: str, fix: str, setting: str, tokenizer=None):
     """The tokenizer at `path` (None where it is not there yet: a model an earlier stage of a pipeline writes),
-    after rendering each prompt of `shapes` with its chat template; ConfigError naming the row it cannot render."""
+    after rendering each prompt of `shapes` with its chat template; ConfigError naming the row it cannot render.
+    `tokenizer`: that tokenizer, where the caller has loaded it already (a load takes 1-2 s)."""
     from toolkit.config.model_files import has_chat_template
 
     found = has_chat_template(path)
@@ -140,7 +141,7 @@ def _render_all(path, shapes: dict, what: str, fix: str, setting: str):
         return None
     if found is False:
         raise ConfigError(f"{what}, and the tokenizer {path} has no chat template to render it with; {fix}")
-    tokenizer = _tokenizer(path)
+    tokenizer = tokenizer if tokenizer is not None else _tokenizer(path)
     for e in shapes.values() if tokenizer is not None else []:
         messages = e.prompt if isinstance(e.prompt, list) else [{"role": "user", "content": e.prompt}]
         try:
