@@ -275,6 +275,15 @@ def metric_lines(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie that nobody reaps has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
 @contextlib.contextmanager
 def killed_at_exit(proc: subprocess.Popen):
     """Ends the block with `proc`'s process group (a run started in a session of its own) killed and reaped

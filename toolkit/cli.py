@@ -10,12 +10,12 @@ import math
 import os
 import shlex
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
 
-from toolkit.errors import ConfigError, ToolkitError, raise_interrupt
+from toolkit.command import run_command
+from toolkit.errors import ConfigError, ToolkitError
 from toolkit.launch.openmp import wait_passively
 
 EXAMPLES = """examples:
@@ -838,31 +838,7 @@ def main(argv: list[str] | None = None) -> int:
                "status": cmd_status, "cancel": cmd_cancel, "validate": cmd_validate, "plan": cmd_plan,
                "tiny": cmd_tiny, "export": cmd_export, "generate": cmd_generate, "eval": cmd_eval, "chat": cmd_chat,
                "report": cmd_report, "init": cmd_init}[args.command]
-    # SIGINT and SIGTERM (scancel, a Slurm time limit) end every command through its clean-up: what it was
-    # writing removed, vLLM shut down with its temporary files; also where SIGINT was inherited as ignored
-    # (the background of a script). A run's driver puts its own handlers in place while its workers run.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, raise_interrupt)
-    try:
-        code = handler(args)
-        sys.stdout.flush()  # (here, not at exit: a reader that left is met below)
-        return code
-    except ToolkitError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
-    except KeyboardInterrupt as e:
-        signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
-        print(f"interrupted ({signal.Signals(signum).name})", file=sys.stderr)
-        return 128 + signum
-    except BrokenPipeError:  # (the reader of its output left, as `| head` does: end quietly, as Unix tools do)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error when Python flushes)
-        return 128 + signal.SIGPIPE
-    finally:
-        # The command is over: a second Ctrl-C (or a SIGTERM) from here on would come while Python exits,
-        # after it has put back the default handlers, and kill the process by the signal instead of
-        # letting it end with what it returned (130 after "interrupted"); ignored, it changes nothing.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
+    return run_command(lambda: handler(args))
 
 
 if __name__ == "__main__":

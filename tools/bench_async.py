@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,10 +34,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--cpus-per-worker", type=int, default=1)
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
-
+    if args.steps < 3:
+        parser.error(f"--steps {args.steps}: 3 or more (the first two steps are left out of the medians)")
+    if args.cpus_per_worker < 0:
+        parser.error(f"--cpus-per-worker {args.cpus_per_worker}: 0 (the placement's default) or more")
     from toolkit.table import text_table
 
     rows = [("mode", "step s (median)", "speed-up", "run s", "lag mean", "dropped", "reward first 5", "last 5")]
@@ -73,4 +72,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

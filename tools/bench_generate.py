@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -39,9 +38,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128, help="of each response (the test's run: fewer)")
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     from toolkit.launch.preload import as_a_worker, describe
 
     as_a_worker()  # (what a worker preloads: tcmalloc, MKL's library on AMD)
@@ -130,4 +126,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

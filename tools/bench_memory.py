@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import resource
-import signal
 import statistics
 import subprocess
 import sys
@@ -256,9 +255,6 @@ def main() -> int:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     if args.device is None:
         import torch
 
@@ -285,4 +281,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -79,9 +78,6 @@ def main() -> int:
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches of 16 samples in the measured "
                         "training step and scoring pass (default 4: bench_trl's step of 64 samples)")
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     for name in ("repeats", "micro_batches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
@@ -120,4 +116,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

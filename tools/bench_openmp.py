@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -108,9 +107,6 @@ def main() -> None:
     parser.add_argument("--spin", help="spin counts to set run.openmp_spin to, e.g. 3000,30000: compare them "
                         "with 0 on tools/bench_trl.py's workload in Flattening instead")
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     if args.steps < 2:
         parser.error("--steps: 2 or more (the first step is left out of the medians)")
     if args.spin:
@@ -140,4 +136,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

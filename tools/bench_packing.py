@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,9 +42,6 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--model", default=str(REPO / "models" / "tiny" / "model"))
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     if args.steps < 3:
         parser.error("--steps: 3 or more (the first two steps are left out of the medians)")
 
@@ -83,4 +79,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,9 +35,6 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="a config change for every run (repeatable)")
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     if args.steps < 3:
         parser.error("--steps: 3 or more (the first two steps are left out of the medians)")
 
@@ -86,4 +82,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

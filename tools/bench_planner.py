@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import signal
 import subprocess
 import sys
 import time
@@ -57,9 +56,6 @@ def main() -> int:
     parser.add_argument("--models", default="70b,7b")
     parser.add_argument("--one", nargs=2, metavar=("NODES", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     if args.one:
         print(json.dumps(one(int(args.one[0]), args.one[1])))
         return 0
@@ -92,4 +88,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -41,9 +40,6 @@ def main() -> int:
     parser.add_argument("--max-response", type=int, default=480)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     from bench_scoring import check_sizes
 
     check_sizes(parser, args, ("samples", "rows", "prompt", "min_response", "repeats"))
@@ -139,4 +135,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

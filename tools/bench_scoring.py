@@ -15,7 +15,6 @@ packed) last.
 from __future__ import annotations
 
 import argparse
-import signal
 import statistics
 import sys
 import tempfile
@@ -67,9 +66,6 @@ def main() -> int:
     parser.add_argument("--max-response", type=int, default=480)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     check_sizes(parser, args, ("samples", "batch", "prompt", "min_response", "repeats"))
     from toolkit.launch.preload import as_a_worker, describe
 
@@ -146,4 +142,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -132,9 +131,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="steps of the tiny run (0: skip it)")
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     if args.steps == 1:
         parser.error("--steps: 2 or more (the first step is left out of the share), or 0 to skip the run")
     directory = Path(args.dir).absolute()
@@ -152,4 +148,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

@@ -14,7 +14,6 @@ exports); the last line is `ratio R`: with cores of their own, the step time all
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -30,10 +29,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="measured steps of each run (after a first one)")
     parser.add_argument("--groups", type=int, default=4, help="rollout.stream_groups of the runs in parts")
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
-
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: 1 or more (each run's first step, start-up, is not measured)")
+    if args.groups < 1:
+        parser.error(f"--groups {args.groups}: 1 or more (the runs in parts are set against one all at once)")
     from toolkit.table import text_table
     from toolkit.tiny import build_tiny
 
@@ -64,4 +63,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import signal
 import statistics
 import sys
 import time
@@ -158,9 +157,6 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where both processes hold the weights (cuda: the same GPU)")
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: give 1 or more (the figures are medians over the repeats)")
     from toolkit.launch.preload import as_a_worker
@@ -208,4 +204,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

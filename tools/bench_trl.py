@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -250,10 +249,8 @@ def main() -> int:
     parser.add_argument("--variable", action="store_true",
                         help="responses of geometric length (mean about 64, cut at 256), packing and async")
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
-
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: 1 or more (each system's first step, start-up, is not measured)")
     from toolkit.launch import mkl_amd
     from toolkit.launch.allocator import choice
     from toolkit.table import text_table
@@ -325,4 +322,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import select
-import signal
 import socket
 import statistics
 import subprocess
@@ -149,9 +148,6 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="cluster file to write (default: print it)")
     parser.add_argument("--memory-gb", type=float, help="memory of the machine (default: read from /proc/meminfo)")
     args = parser.parse_args()
-    from toolkit.errors import raise_interrupt
-
-    signal.signal(signal.SIGTERM, raise_interrupt)  # (`kill`: child processes and temporary files go too)
     from toolkit.launch.preload import as_a_worker
 
     # (what a worker preloads by default: tcmalloc, and on an AMD CPU MKL's library, which doubles MKL's
@@ -324,4 +320,6 @@ def _meminfo_gb() -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from toolkit.command import run_command
+
+    sys.exit(run_command(main))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import EXAMPLES, REPO, cli
+from tests.conftest import EXAMPLES, REPO, cli, running
 
 
 def test_help_is_fast_and_light():
@@ -439,6 +439,33 @@ def test_a_second_ctrl_c_while_the_command_exits_changes_nothing():
     assert proc.returncode == 130 and err.strip() == "interrupted (SIGINT)", (proc.returncode, err)
 
 
+def test_a_tool_ended_by_sigterm_says_so_in_one_line_and_exits_143():
+    """`kill` (or a job's time limit) of a benchmark printed a KeyboardInterrupt's traceback and exited 130, as
+    if it had been Ctrl-C; a tool now ends as the CLI does: `interrupted (SIGTERM)`, 143, and its child gone.
+    The signal goes once the tool's first search (a child process) runs, so no timing decides it."""
+    import signal
+
+    tool = subprocess.Popen([sys.executable, "tools/bench_planner.py", "--nodes", "1024", "--models", "70b"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children = f"/proc/{tool.pid}/task/{tool.pid}/children"
+    try:
+        deadline = time.monotonic() + 120
+        while not open(children).read().split() and tool.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        search = [int(p) for p in open(children).read().split()]
+        assert search, tool.communicate()
+        tool.send_signal(signal.SIGTERM)
+        out, err = tool.communicate(timeout=60)
+    finally:
+        if tool.poll() is None:
+            tool.kill()
+    assert tool.returncode == 143 and err.strip() == "interrupted (SIGTERM)" and out == "", (tool.returncode, err)
+    deadline = time.monotonic() + 10  # (killed, it may wait a moment as a zombie for init to reap it)
+    while running(search[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(search[0]), "the tool's search outlived it"
+
+
 # A tool's run as a user starts it: what it said, and whether torch was imported by the time it exited.
 TOOL_RUN = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
             "finally:\n    print('torch imported' if 'torch' in sys.modules else 'no torch')\n")
@@ -453,6 +480,9 @@ TOOL_RUN = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_pat
     ("bench_planner.py", ["--nodes", "abc"], "--nodes abc: 'abc' is not a number of nodes"),
     ("bench_planner.py", ["--models", "13b"], "--models 13b: no model 13b; the models are 70b, 7b"),
     ("bench_rl_batches.py", ["--rows", "0"], "--rows 0: give 1 or more"),
+    ("bench_async.py", ["--steps", "2"], "--steps 2: 3 or more"),
+    ("bench_trl.py", ["--steps", "0"], "--steps 0: 1 or more"),
+    ("bench_stream.py", ["--groups", "0"], "--groups 0: 1 or more"),
 ])
 def test_a_tool_refuses_bad_arguments_before_it_imports_torch(tool, args, says):
     """bench_sync's --help took 2 s (torch at the module's top); bad sizes, node counts and model names gave
