@@ -109,7 +109,7 @@ def status_text(rd: RunDir) -> str:
                      + (f" ({s['reason']})" if s["reason"] and s["reason"] != "None" else ""))
         lines.append(f"job output: {rd.path / 'slurm' / (str(job['job_id']) + '_0_log.out')}")
     if not status:
-        holder = rd.lock_holder() if rd.lock_held() else {}
+        holder = rd.running_driver()
         lines.append(f"driver: starting (pid {holder['pid']}); its workers are not started yet" if holder.get("pid")
                      else "driver: not started yet")
         return "\n".join(lines)
@@ -238,7 +238,7 @@ def state_text(rd: RunDir, status: dict) -> str:
     it any more (its driver was killed: only a live driver writes the file), that."""
     state = str(status.get("state", "unknown"))
     if state not in ("starting", "running"):
-        holder = rd.lock_holder() if rd.lock_held() else {}
+        holder = rd.running_driver()
         if holder.get("pid") and holder["pid"] != status.get("driver", {}).get("pid"):  # (not written by it yet)
             return f"starting again (driver pid {holder['pid']}; its last start ended {state})"
         return state
@@ -291,7 +291,7 @@ def cancel(rd: RunDir, timeout_s: float = 60) -> str:
             time.sleep(0.5)
         raise RunError(f"slurm job {job_id} still not ended {timeout_s:.0f} s after scancel")
     status = rd.read_json(rd.status)
-    driver = rd.lock_holder() if rd.lock_held() else status.get("driver", {})
+    driver = rd.running_driver() or status.get("driver", {})
     pid = driver.get("pid")
     if not pid:
         raise RunError(f"{rd.path}: neither a Slurm job nor a running local driver is recorded")

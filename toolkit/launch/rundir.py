@@ -125,6 +125,10 @@ class RunDir:
             return holder
         return self.read_json(self.status).get("driver", {})
 
+    def running_driver(self) -> dict:
+        """The local driver that runs the directory now, as `lock_holder` gives it; {} while none holds the lock."""
+        return self.lock_holder() if self.lock_held() else {}
+
     def lock_held(self) -> bool:
         """Whether a process holds the directory's lock (`hold_lock`: a local driver runs it now). It takes
         the lock shared for a moment to see: a driver starting just then tries again (`LOCK_WAIT_S`)."""
