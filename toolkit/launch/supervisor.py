@@ -31,7 +31,7 @@ from toolkit.launch.env import node_name
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import group_of, plan
 from toolkit.progress import Progress
-from toolkit.store.manifest import Manifest, plan_resume, set_aside
+from toolkit.store.manifest import Manifest, plan_resume, read_jsonl, set_aside
 from toolkit.store.ownership import check_ours_alone
 from toolkit.timeline import mark_restart
 
@@ -274,20 +274,13 @@ class Supervisor:
 
     def _keep_metrics_before(self, step: int) -> None:
         """Drop metrics of steps that will run again (and a line cut short by a crash, also what the disk held
-        after it that is not even UTF-8: as read_jsonl skips it; the resume ended in a UnicodeDecodeError)."""
+        after it that is not even UTF-8: read_jsonl skips it; the resume ended in a UnicodeDecodeError)."""
         path = self.run_dir.metrics
         if not path.exists():
             return
-        kept = []
-        for line in path.read_bytes().splitlines():
-            try:
-                record = json.loads(line)
-                if record["step"] < step:
-                    kept.append(line.decode() + "\n")
-                    self.history.append(record)
-            except (ValueError, KeyError, TypeError):  # (JSONDecodeError, UnicodeDecodeError; not a record)
-                pass
-        self.run_dir.write_atomic(path, "".join(kept))
+        kept = [r for r in read_jsonl(path) if isinstance(r.get("step"), (int, float)) and r["step"] < step]
+        self.run_dir.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))  # (as append_jsonl writes)
+        self.history.extend(kept)
         if self.history:  # (what `status` shows as the last step while the resume starts and replays)
             self.last_metrics = self.history[-1]
 
