@@ -470,3 +470,27 @@ def test_a_fingerprint_finds_data_that_changed_and_reads_only_what_may_have():
         now = fingerprint(cfg)
         now["data.sources.0.path"]["files"]["."][2] = "xxh3_128:recorded"
         assert fingerprint(cfg, now)["data.sources.0.path"]["files"]["."][2] == "xxh3_128:recorded"
+
+
+def test_a_resume_refuses_another_field_for_the_prompts(tmp_path):
+    """The split and the held-out rows go by a hash of each row's prompt: a resume after `data.prompt_key`
+    (or the other fields a prompt is read from) was changed in config.yaml drew other rows than the run began
+    with, and nothing said so; it is now a change of the draw settings, as a changed file is. A run on the
+    default fields records none of them (runs from before it recorded none)."""
+    from types import SimpleNamespace
+
+    from toolkit.data.fingerprint import draw_changes, draw_settings
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"question": "a", "prompt": "b"}) + "\n")
+
+    def settings(**keys):
+        data = DataSection(prompts=str(rows), eval_fraction=0.1, **keys)
+        return draw_settings(SimpleNamespace(data=data, stage="rl", run=SimpleNamespace(seed=1),
+                                             rollout=SimpleNamespace(prompts_per_step=4)))
+
+    default = settings()
+    assert not [key for key in default if key.endswith("_key")]
+    assert draw_changes(default, settings()) == []
+    assert draw_changes(default, settings(prompt_key="question")) == ["data.prompt_key: 'prompt' then, 'question' now"]
+    assert draw_changes(settings(input_key="x"), settings(input_key="y")) == ["data.input_key: 'x' then, 'y' now"]

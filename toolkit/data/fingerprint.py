@@ -17,6 +17,8 @@ from pathlib import Path
 
 from toolkit.store.checksum import checksum_of
 
+PROMPT_KEYS = ("prompt_key", "input_key", "messages_key", "chosen_key", "rejected_key")
+
 
 def data_files(cfg) -> dict[str, str]:
     """{field: path} of every data source of a config: a stage's rows, or the RL prompts and PTX text."""
@@ -61,13 +63,24 @@ def draw_settings(cfg) -> dict:
                 "split and held out by": "prompt"}  # (earlier versions hashed the whole row: others)
     if any(s.part for s in d.sources):  # (only where given: runs from before it have no such setting)
         settings["data.sources.*.part"] = [s.part for s in d.sources]
+    # The fields a row's prompt is read from: another gives other prompts, and the split and the held-out rows
+    # go by a hash of the prompt, so it moves rows between the parts (recorded where not the default: runs
+    # from before it recorded none).
+    settings.update({f"data.{key}": getattr(d, key) for key in PROMPT_KEYS
+                     if getattr(d, key) != type(d).model_fields[key].default})
     return json.loads(json.dumps(settings))  # (as the manifest gives them back)
 
 
 def draw_changes(then: dict, now: dict) -> list[str]:
     """The draw settings that differ, one line each."""
-    return [f"{key}: {then.get(key)!r} then, {now.get(key)!r} now" for key in sorted(set(then) | set(now))
-            if then.get(key) != now.get(key)]
+    from toolkit.config.data import DataSection
+
+    def value(settings: dict, key: str):  # (a prompt field not recorded is its default)
+        field = key.removeprefix("data.")
+        return settings.get(key, DataSection.model_fields[field].default if field in PROMPT_KEYS else None)
+
+    return [f"{key}: {value(then, key)!r} then, {value(now, key)!r} now" for key in sorted(set(then) | set(now))
+            if value(then, key) != value(now, key)]
 
 
 def changes(then: dict, now: dict) -> list[str]:
