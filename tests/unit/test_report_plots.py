@@ -68,3 +68,26 @@ def test_the_timeline_of_a_run_killed_and_resumed_draws_it_down_between_its_atte
     assert abs(s0 - 2.0) < 1e-9 and abs(s1 - 2.5) < 1e-9 and abs(d0 - 2.5) < 1e-9 and abs(d1 - 100.0) < 1e-9
     (_, t0, t1), = [b for b in bars["trainer-0"] if b[0] == "restarting"]
     assert abs(t0 - 2.5) < 1e-9 and abs(t1 - 100.05) < 1e-9
+
+
+def test_a_figure_stopped_while_it_is_written_leaves_the_last_one_whole(tmp_path, monkeypatch):
+    """`report` stopped while it wrote a PNG (Ctrl-C, a full disk) left a cut file where the last report's
+    whole one was. The figure now goes to a file beside it and takes its place whole; stopped, nothing moves."""
+    import pytest
+    from matplotlib.figure import Figure
+
+    metrics = [{"step": s, "reward_mean": 0.1 * s, "step_s": 1.0} for s in range(3)]
+    path = tmp_path / "curves.png"
+    plots.save(plots.curves(metrics), path)
+    whole = path.read_bytes()
+    assert whole.startswith(b"\x89PNG") and [p.name for p in tmp_path.iterdir()] == ["curves.png"]
+
+    def cut_short(fig, target, **kwargs):
+        with open(target, "wb") as f:
+            f.write(whole[:100])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        plots.save(plots.curves(metrics), path)
+    assert path.read_bytes() == whole and [p.name for p in tmp_path.iterdir()] == ["curves.png"]

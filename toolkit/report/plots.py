@@ -4,6 +4,8 @@ returns a Figure, or None when the run has nothing to draw for it."""
 from __future__ import annotations
 
 import bisect
+import os
+from pathlib import Path
 
 import matplotlib
 
@@ -167,5 +169,13 @@ def timeline(timelines: dict[str, list[dict]], start: float, end: float):
 
 
 def save(fig, path) -> None:
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    """Write `fig` as PNG `path` whole or not at all: a report stopped while it drew (Ctrl-C, a full disk) left
+    a cut PNG in place of the last report's whole one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, dpi=100, format="png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
