@@ -298,7 +298,7 @@ def killed_at_exit(proc: subprocess.Popen):
             proc.wait()
 
 
-def start_held(config: Path, run_dir: Path, hold: str, stdout=subprocess.PIPE, timeout_s: float = 300,
+def start_held(config: Path, run_dir: Path, hold: str, stdout=subprocess.PIPE, timeout_s: float = 900,
                extra: list[str] = (), held_in: Path | None = None) -> tuple[subprocess.Popen, int]:
     """`slurm-rlhf run CONFIG` (with `extra` arguments) in a session of its own, its first process to reach
     `hold` (a moment of toolkit/hold.py, e.g. `training@3`) held there: (the driver's process, text output
@@ -323,12 +323,13 @@ def start_held(config: Path, run_dir: Path, hold: str, stdout=subprocess.PIPE, t
     return proc, pid
 
 
-def run_and_kill(config: Path, run_dir: Path, after_commits: int | None = None, timeout_s: float = 300,
+def run_and_kill(config: Path, run_dir: Path, after_commits: int | None = None, timeout_s: float = 900,
                  until=None, hold: str | None = None) -> None:
     """Start `slurm-rlhf run CONFIG` and SIGKILL it (its process group and every worker's) right after its
     `after_commits`-th experience commit (or once `until()` holds), as a crash would. With `hold` (a
     moment of toolkit/hold.py, e.g. `training@7`) the run waits there until it is killed, so the kill
-    lands at that moment however busy the machine is."""
+    lands at that moment however busy the machine is. `timeout_s` bounds a hang, not a pace: a run of the
+    resume tests' size reached its kill after over 300 s on a machine that ran five other test runs."""
     import signal
 
     from toolkit.hold import ENV, held_file
