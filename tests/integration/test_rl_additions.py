@@ -187,10 +187,12 @@ def test_token_budget_micro_batches_make_the_update_of_the_token_mean(tiny, tmp_
     differently), padded or packed into one sequence each (model.packing, which also packs the reference
     model's scoring), or one rank takes the whole update, and it is the same update (the loss is the token
     mean of the update's samples however they are cut and shared out: before, of each rank's, so one rank
-    and two differed); rows of micro_batch_size (a mean of each micro-batch's token mean) make another."""
+    and two differed); rows of micro_batch_size (a mean of each micro-batch's token mean) make another. By
+    token budget, micro_batch_size (here 48 of 64 samples) need not divide a step's samples."""
     two = {"trainer": {"workers": 2}}
     one_dir, one = run(tiny, tmp_path, "one", run={"steps": 1}, trainer={"micro_batch_tokens": 10**6}, placement=two)
-    alone_dir, _ = run(tiny, tmp_path, "alone", run={"steps": 1}, trainer={"micro_batch_tokens": 10**6})
+    alone_dir, _ = run(tiny, tmp_path, "alone", run={"steps": 1},  # (64 samples: micro_batch_size need not divide them)
+                       trainer={"micro_batch_tokens": 10**6, "micro_batch_size": 48})
     many_dir, many = run(tiny, tmp_path, "many", run={"steps": 1}, trainer={"micro_batch_tokens": 280}, placement=two)
     packed_dir, packed = run(tiny, tmp_path, "packed", run={"steps": 1}, trainer={"micro_batch_tokens": 280},
                              model={"actor": str(tiny / "model"), "packing": True}, placement=two)

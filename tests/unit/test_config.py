@@ -79,6 +79,13 @@ def test_batch_not_divisible(tiny, tmp_path):
     data = example("tiny-grpo.yaml", tiny, rollout={"prompts_per_step": 10, "group_size": 3})
     msg = error_of(write_config(tmp_path, data))
     assert "a step has 30 samples" in msg and "trainer.micro_batch_size 16" in msg
+    # By token budget a rank's samples of an update are cut by their tokens: micro_batch_size need not divide
+    # them (it was asked to), the trainer ranks and updates still must.
+    data["trainer"].update(micro_batch_tokens=10**4, updates_per_step=2)
+    load_config(write_config(tmp_path, data))  # (30 samples, not a multiple of 16)
+    msg = error_of(write_config(tmp_path, {**data, "rollout": {**data["rollout"], "prompts_per_step": 9}}))
+    assert "a step has 27 samples" in msg and "micro_batch_size" not in msg, msg
+    assert "not divisible by trainer workers 1 x trainer.updates_per_step 2 = 2" in msg, msg
 
 
 def test_grpo_needs_groups(tiny, tmp_path):

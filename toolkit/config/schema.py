@@ -313,8 +313,8 @@ class TrainerSection(EngineSection):
     longest first, fill micro-batches of at most this many tokens (rows x the longest sample, prompt
     included; with model.packing, the sum of the samples' tokens), so short samples are not padded to long
     ones and every micro-batch needs about the same memory. The loss is then the token mean over the
-    update's samples. Must hold one whole sample (rollout.max_prompt_tokens + max_new_tokens). None:
-    `micro_batch_size` rows each."""
+    update's samples. Must hold one whole sample (rollout.max_prompt_tokens + max_new_tokens); the samples of
+    a step need not divide by `micro_batch_size` then. None: `micro_batch_size` rows each."""
 
 
 class PtxSection(Section):
@@ -461,13 +461,16 @@ class RunConfig(Section):
                 "per prompt to compare them (or set run.algorithm: ppo or reinforce_pp)"
             )
         trainers = self.placement.group_with("actor").workers
-        per_update = self.trainer.micro_batch_size * trainers * self.trainer.updates_per_step
+        # (by token budget, micro-batches are cut from a rank's samples of an update whatever their number)
+        rows = self.trainer.micro_batch_size if self.trainer.micro_batch_tokens is None else 1
+        per_update = rows * trainers * self.trainer.updates_per_step
         if self.samples_per_step % per_update:
+            by_rows = f"trainer.micro_batch_size {rows} x " if self.trainer.micro_batch_tokens is None else ""
             raise ValueError(
                 f"a step has {self.samples_per_step} samples (rollout.prompts_per_step {self.rollout.prompts_per_step}"
-                f" x rollout.group_size {self.rollout.group_size}), not divisible by trainer.micro_batch_size "
-                f"{self.trainer.micro_batch_size} x trainer workers {trainers} x "
-                f"trainer.updates_per_step {self.trainer.updates_per_step} = {per_update}; change one of them"
+                f" x rollout.group_size {self.rollout.group_size}), not divisible by {by_rows}trainer workers "
+                f"{trainers} x trainer.updates_per_step {self.trainer.updates_per_step} = {per_update}; change one "
+                "of them"
             )
         budget = self.trainer.micro_batch_tokens
         longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens

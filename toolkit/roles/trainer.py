@@ -93,7 +93,9 @@ class TrainerRole(Role):
         dtype = torch_dtype(cfg.model.dtype)
         attention = cfg.model.attn_implementation
         t = cfg.trainer
-        accumulation = cfg.samples_per_step // self.dp.world // (t.micro_batch_size * t.updates_per_step)
+        # (by token budget, the updates' boundaries are set as the micro-batches come: DeepSpeed's count is only
+        # what its batch size is checked against, and the step's samples need not divide by micro_batch_size)
+        accumulation = max(1, cfg.samples_per_step // self.dp.world // (t.micro_batch_size * t.updates_per_step))
         optimizer_steps = cfg.run.steps * cfg.algorithm.epochs * t.updates_per_step  # (a cosine schedule's length)
         hosted = self.worker.group.models
         self.engines = {}
