@@ -206,6 +206,27 @@ def test_chat_rows_render_with_the_chat_template(tiny, tmp_path):
     assert prompt_text(conversation[:2]) == "hi there"  # what a rule-based reward reads
 
 
+def test_a_response_that_ends_with_the_end_of_sequence_text_gets_one_end_of_sequence_token(tiny):
+    """Data written for trainers that do not add it ("...</s>"): SFT trained a second </s> after the first as a
+    target, and a reward model read its reward at that second one, where a generated response has one."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from toolkit.data.examples import Example
+    from toolkit.training.sft import SFTTask
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
+    eos = tokenizer.eos_token_id
+    assert response_ids(tokenizer, "hello 42</s>") == response_ids(tokenizer, "hello 42")
+    assert response_ids(tokenizer, "hello 42").count(eos) == 1
+    task = SFTTask(SimpleNamespace(data=SimpleNamespace(chat_template=False), train=SimpleNamespace(max_tokens=64)),
+                   tokenizer)
+    batch = task.batch([Example(0, "x:1", prompt=[{"role": "user", "content": "hi"}], response="hello 42</s>")])
+    trained = batch["input_ids"][0][batch["loss_mask"][0].bool()]
+    assert tokenizer.decode(trained) == "hello 42</s>" and batch["targets"] == len(trained)
+
+
 def test_fit_cuts_the_prompt_from_the_left():
     assert fit([1, 2, 3, 4], [5, 6], 4) == ([3, 4], [5, 6])
     assert fit([1, 2], [5, 6, 7, 8, 9], 3, keep="end") == ([], [7, 8, 9])  # a reward model reads the end

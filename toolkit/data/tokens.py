@@ -42,9 +42,12 @@ def render_prompt(tokenizer, prompt, chat_template: bool) -> list[int]:
 
 
 def response_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of a response, ending with the end-of-sequence token."""
+    """Token ids of a response, ending with one end-of-sequence token: a text that ends with it already (data
+    written for a trainer that did not add it, e.g. "...</s>" or "...<|im_end|>") gets no second one, which
+    SFT trained as a target and a reward model was trained to read its reward at (a generated response has one)."""
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return ids + [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else ids
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
 
 
 def fit(prompt: list[int], response: list[int], max_tokens: int, keep: str = "start") -> tuple[list[int], list[int]]:
