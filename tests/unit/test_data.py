@@ -254,6 +254,10 @@ def test_fit_cuts_the_prompt_from_the_left():
     ('{"prompt": "q", "chosen": "a", "rejected": "a"}\n', "pair",
      ":1: 'chosen' and 'rejected' are the same response ('a'); a pair needs two different responses"),
     ('{"prompt": " \\n"}\n', "prompt", ":1: field 'prompt' is ' \\n' (str), not non-empty text"),
+    # whole conversations whose earlier turns differ: the rejected reply was paired with the chosen one's prompt
+    ('{"chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}], "rejected": '
+     '[{"role": "user", "content": "a joke?"}, {"role": "assistant", "content": "no"}]}\n', "pair",
+     ":1: 'chosen' and 'rejected' are conversations whose turns before the last message differ (from message 0"),
     # roles a chat template may not know (Qwen's drops such a message from the prompt without a word)
     ('{"prompt": [{"role": "human", "content": "q"}]}\n', "prompt",
      ":1: prompt[0] has role 'human'; chat templates know 'user'"),
