@@ -227,6 +227,28 @@ def test_a_response_that_ends_with_the_end_of_sequence_text_gets_one_end_of_sequ
     assert tokenizer.decode(trained) == "hello 42</s>" and batch["targets"] == len(trained)
 
 
+def test_a_text_prompt_rendered_with_the_chat_template_already_has_one_bos_token(tiny, tmp_path):
+    """A tokenizer that adds BOS to text (Llama-3's, Gemma's, Mistral's) and a prompt column written with the
+    template (which writes BOS itself): the prompt started with two BOS tokens in SFT, RM and RL."""
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from toolkit.tiny import CHAT_TEMPLATE
+
+    tok = Tokenizer.from_file(str(tiny / "model" / "tokenizer.json"))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(tmp_path / "bos")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "bos")
+    messages = [{"role": "user", "content": "hi there"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith("<s>")
+    assert render_prompt(tokenizer, rendered, False) == render_prompt(tokenizer, messages, False)
+    assert render_prompt(tokenizer, rendered, False).count(bos) == rendered.count("<s>")
+    assert render_prompt(tokenizer, "hi there", False).count(bos) == 1  # (text without it takes the tokenizer's)
+
+
 def test_fit_cuts_the_prompt_from_the_left():
     assert fit([1, 2, 3, 4], [5, 6], 4) == ([3, 4], [5, 6])
     assert fit([1, 2], [5, 6, 7, 8, 9], 3, keep="end") == ([], [7, 8, 9])  # a reward model reads the end

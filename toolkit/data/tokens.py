@@ -1,7 +1,8 @@
 """From examples to token ids, the same way in every stage.
 
 A prompt is rendered with the tokenizer's chat template when it is chat messages (or when
-data.chat_template asks for it): the messages and the generation prompt of the assistant's turn. A
+data.chat_template asks for it): the messages and the generation prompt of the assistant's turn; text
+takes the tokenizer's BOS token, unless it starts with it (text the template rendered already). A
 response is its text's tokens plus the end-of-sequence token, which the generator emits when a response
 ends. Too long: the prompt loses its start first (the end is what the response answers); then the
 response loses its end (SFT) or its start (a reward model reads the last token).
@@ -28,7 +29,8 @@ def counting_tokenizer(path):
 
 
 def render_prompt(tokenizer, prompt, chat_template: bool) -> list[int]:
-    """Token ids of a prompt (text, or chat messages [{role, content}, ...])."""
+    """Token ids of a prompt (text, or chat messages [{role, content}, ...]): text with the tokenizer's special
+    tokens (its BOS), unless it starts with the BOS token's text already."""
     if isinstance(prompt, list) or chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if not getattr(tokenizer, "chat_template", None):
@@ -38,6 +40,10 @@ def render_prompt(tokenizer, prompt, chat_template: bool) -> list[int]:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+    if tokenizer.bos_token and prompt.startswith(tokenizer.bos_token):
+        # (text rendered with the chat template already, which writes the BOS token itself: the tokenizer's own
+        # BOS made it two, which Llama-3 and Gemma models are not trained on)
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt)["input_ids"])
 
 
