@@ -56,6 +56,14 @@ def response_ids(tokenizer, text: str) -> list[int]:
     return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
 
 
+def text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of a plain text row (PTX) as a pretraining document: the tokenizer's BOS, as a text prompt has
+    it (`render_prompt`), the text, and one end-of-sequence token."""
+    ids = render_prompt(tokenizer, text, False)
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
+
+
 def fit(prompt: list[int], response: list[int], max_tokens: int, keep: str = "start") -> tuple[list[int], list[int]]:
     """Cut prompt + response to `max_tokens`: the prompt from the left first, then the response (keeping
     its `start` or its `end`)."""
