@@ -272,6 +272,10 @@ def test_fit_cuts_the_prompt_from_the_left():
     assert fit([1, 2], [5, 6, 7, 8, 9], 3, keep="end") == ([], [7, 8, 9])  # a reward model reads the end
     assert fit([1, 2], [5, 6, 7, 8, 9], 3, keep="start") == ([], [5, 6, 7])
     assert fit([1], [2], 5) == ([1], [2])
+    # a BOS token (1 here) stays first where there is room for it and a token after it
+    assert fit([1, 2, 3, 4], [5, 6], 4, bos=1) == ([1, 4], [5, 6])
+    assert fit([1, 2, 3, 4], [5, 6], 3, bos=1) == ([4], [5, 6])
+    assert fit([7, 2, 3, 4], [5, 6], 4, bos=1) == ([3, 4], [5, 6])
 
 
 @pytest.mark.parametrize("text,kind,expected", [

@@ -4,8 +4,8 @@ A prompt is rendered with the tokenizer's chat template when it is chat messages
 data.chat_template asks for it): the messages and the generation prompt of the assistant's turn; text
 takes the tokenizer's BOS token, unless it starts with it (text the template rendered already). A
 response is its text's tokens plus the end-of-sequence token, which the generator emits when a response
-ends. Too long: the prompt loses its start first (the end is what the response answers); then the
-response loses its end (SFT) or its start (a reward model reads the last token).
+ends. Too long: the prompt loses its start first (the end is what the response answers; a BOS token
+stays first); then the response loses its end (SFT) or its start (a reward model reads the last token).
 """
 
 from __future__ import annotations
@@ -64,13 +64,24 @@ def text_ids(tokenizer, text: str) -> list[int]:
     return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
 
 
-def fit(prompt: list[int], response: list[int], max_tokens: int, keep: str = "start") -> tuple[list[int], list[int]]:
-    """Cut prompt + response to `max_tokens`: the prompt from the left first, then the response (keeping
-    its `start` or its `end`)."""
+def cut_left(tokens: list[int], n: int, bos: int | None) -> list[int]:
+    """The last `n` of `tokens`, keeping the first where it is the BOS token `bos` (then it and the last n - 1):
+    a model trained with BOS at position 0 (Llama, Gemma, Mistral) reads a sequence without it badly."""
+    if len(tokens) <= n:
+        return tokens
+    if n > 1 and bos is not None and tokens[0] == bos:
+        return tokens[:1] + tokens[len(tokens) - n + 1:]
+    return tokens[len(tokens) - n:]
+
+
+def fit(prompt: list[int], response: list[int], max_tokens: int, keep: str = "start", bos: int | None = None
+        ) -> tuple[list[int], list[int]]:
+    """Cut prompt + response to `max_tokens`: the prompt from the left first (after its BOS token `bos`, which
+    stays where there is room for it: `cut_left`), then the response (keeping its `start` or its `end`)."""
     if len(prompt) + len(response) <= max_tokens:
         return prompt, response
     room = max_tokens - len(response)
     if room > 0:
-        return prompt[len(prompt) - room:], response
+        return cut_left(prompt, room, bos), response
     response = response[:max_tokens] if keep == "start" else response[len(response) - max_tokens:]
     return [], response
