@@ -206,11 +206,76 @@ def test_chat_rows_render_with_the_chat_template(tiny, tmp_path):
     assert prompt_text(conversation[:2]) == "hi there"  # what a rule-based reward reads
 
 
+def test_a_response_that_ends_with_the_end_of_sequence_text_gets_one_end_of_sequence_token(tiny):
+    """Data written for trainers that do not add it ("...</s>"): SFT trained a second </s> after the first as a
+    target, and a reward model read its reward at that second one, where a generated response has one."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from toolkit.data.examples import Example
+    from toolkit.training.sft import SFTTask
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
+    eos = tokenizer.eos_token_id
+    assert response_ids(tokenizer, "hello 42</s>") == response_ids(tokenizer, "hello 42")
+    assert response_ids(tokenizer, "hello 42").count(eos) == 1
+    task = SFTTask(SimpleNamespace(data=SimpleNamespace(chat_template=False), train=SimpleNamespace(max_tokens=64)),
+                   tokenizer)
+    batch = task.batch([Example(0, "x:1", prompt=[{"role": "user", "content": "hi"}], response="hello 42</s>")])
+    trained = batch["input_ids"][0][batch["loss_mask"][0].bool()]
+    assert tokenizer.decode(trained) == "hello 42</s>" and batch["targets"] == len(trained)
+
+
+def bos_tokenizer(tiny: Path, directory: Path):
+    """The tiny tokenizer adding BOS to text, as Llama-3's, Gemma's and Mistral's do (the tiny one adds none)."""
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from toolkit.tiny import CHAT_TEMPLATE
+
+    tok = Tokenizer.from_file(str(tiny / "model" / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(directory)
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def test_a_text_prompt_rendered_with_the_chat_template_already_has_one_bos_token(tiny, tmp_path):
+    """A tokenizer that adds BOS to text and a prompt column written with the template (which writes BOS
+    itself): the prompt started with two BOS tokens in SFT, RM and RL."""
+    tokenizer = bos_tokenizer(tiny, tmp_path / "bos")
+    bos = tokenizer.bos_token_id
+    messages = [{"role": "user", "content": "hi there"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith("<s>")
+    assert render_prompt(tokenizer, rendered, False) == render_prompt(tokenizer, messages, False)
+    assert render_prompt(tokenizer, rendered, False).count(bos) == rendered.count("<s>")
+    assert render_prompt(tokenizer, "hi there", False).count(bos) == 1  # (text without it takes the tokenizer's)
+
+
+def test_ptx_text_rows_start_with_the_bos_token_a_text_prompt_has(tiny, tmp_path):
+    """PTX text was tokenized as a response (no BOS) where the RL prompts, and pretraining, start with one."""
+    from toolkit.config.schema import PtxSection
+    from toolkit.training.ptx import PtxText
+
+    tokenizer = bos_tokenizer(tiny, tmp_path / "bos")
+    rows = jsonl(tmp_path / "text.jsonl", [{"text": "the rivers run"}, {"text": "stars and maps</s>"}])
+    ptx = PtxSection.model_validate({"coef": 1.0, "max_tokens": 64, "data": {"sources": [{"path": rows}]}})
+    ids, attention, _ = PtxText(ptx, tokenizer, 0, 2, 1, 0, 1).batch(0, 0)
+    texts = sorted(tokenizer.decode(row[mask.bool()]) for row, mask in zip(ids, attention))
+    assert texts == ["<s>stars and maps</s>", "<s>the rivers run</s>"]
+
+
 def test_fit_cuts_the_prompt_from_the_left():
     assert fit([1, 2, 3, 4], [5, 6], 4) == ([3, 4], [5, 6])
     assert fit([1, 2], [5, 6, 7, 8, 9], 3, keep="end") == ([], [7, 8, 9])  # a reward model reads the end
     assert fit([1, 2], [5, 6, 7, 8, 9], 3, keep="start") == ([], [5, 6, 7])
     assert fit([1], [2], 5) == ([1], [2])
+    # a BOS token (1 here) stays first where there is room for it and a token after it
+    assert fit([1, 2, 3, 4], [5, 6], 4, bos=1) == ([1, 4], [5, 6])
+    assert fit([1, 2, 3, 4], [5, 6], 3, bos=1) == ([4], [5, 6])
+    assert fit([7, 2, 3, 4], [5, 6], 4, bos=1) == ([3, 4], [5, 6])
 
 
 @pytest.mark.parametrize("text,kind,expected", [
@@ -233,6 +298,10 @@ def test_fit_cuts_the_prompt_from_the_left():
     ('{"prompt": "q", "chosen": "a", "rejected": "a"}\n', "pair",
      ":1: 'chosen' and 'rejected' are the same response ('a'); a pair needs two different responses"),
     ('{"prompt": " \\n"}\n', "prompt", ":1: field 'prompt' is ' \\n' (str), not non-empty text"),
+    # whole conversations whose earlier turns differ: the rejected reply was paired with the chosen one's prompt
+    ('{"chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}], "rejected": '
+     '[{"role": "user", "content": "a joke?"}, {"role": "assistant", "content": "no"}]}\n', "pair",
+     ":1: 'chosen' and 'rejected' are conversations whose turns before the last message differ (from message 0"),
     # roles a chat template may not know (Qwen's drops such a message from the prompt without a word)
     ('{"prompt": [{"role": "human", "content": "q"}]}\n', "prompt",
      ":1: prompt[0] has role 'human'; chat templates know 'user'"),

@@ -31,3 +31,17 @@ def test_long_prompts_are_cut_from_the_left_with_one_warning_a_message(tiny, tmp
         f"tokens; {n} cut so far)" for s, n in ((3, 2), (4, 4))]
     caplog.clear()
     assert role._tokenize(5, ["hi"]) == [whole[1]] and not caplog.records  # nothing cut, nothing said
+
+
+def test_a_long_prompt_keeps_its_bos_token_first(tiny, tmp_path):
+    """A prompt that starts with BOS (the tiny chat template writes it, as Llama-3's and Gemma's do) lost it
+    when cut from the left: the model sampled from a sequence without the token it always saw first."""
+    cfg = load_config(write_config(tmp_path, example("tiny-grpo.yaml", tiny, rollout={"max_prompt_tokens": 6})))
+    role = GeneratorRole(SimpleNamespace(cfg=cfg, status={}))
+    role.tokenizer, role.truncated = AutoTokenizer.from_pretrained(cfg.tokenizer_path), 0
+    bos = role.tokenizer.bos_token_id
+    messages = [{"role": "user", "content": "the river runs past the mill and on to the sea"}]
+    whole = render_prompt(role.tokenizer, messages, False)
+    assert whole[0] == bos and len(whole) > 6
+    assert role._tokenize(0, [messages]) == [[bos] + whole[-5:]]
+    assert role.tokenizer.decode(role._tokenize(0, [messages])[0]).startswith("<s>")

@@ -65,6 +65,7 @@ def example_of(row: Row, kind: str, keys, id: int, fix: str | None = None) -> Ex
         if ex.chosen == ex.rejected:
             raise ConfigError(f"{where}: {keys.chosen_key!r} and {keys.rejected_key!r} are the same response "
                               f"({ex.chosen!r:.60}); a pair needs two different responses")
+        _same_turns(chosen, data.get(keys.rejected_key), where, keys)
         ex.prompt = _prompt(data, keys, where, messages, conversation)
         return ex
     if kind == "sft":
@@ -88,6 +89,22 @@ def example_of(row: Row, kind: str, keys, id: int, fix: str | None = None) -> Ex
     ex.fields = {k: _plain(v) for k, v in data.items()
                  if k not in (keys.prompt_key, keys.messages_key, "prompt", "response")}
     return ex
+
+
+def _same_turns(chosen, rejected, where: str, keys) -> None:
+    """A pair of whole conversations compares two replies to one conversation: ConfigError where the turns before
+    the two last messages differ (the rejected reply was trained on as the answer to the chosen conversation's
+    turns, which it may never have seen). A reply given alone (one message) takes the other's turns."""
+    if not (isinstance(chosen, list) and isinstance(rejected, list) and len(chosen) > 1 and len(rejected) > 1):
+        return
+    before = [_messages(value, where, key)[:-1] for value, key in ((chosen, keys.chosen_key),
+                                                                   (rejected, keys.rejected_key))]
+    if before[0] != before[1]:
+        i = next((i for i, (a, b) in enumerate(zip(*before)) if a != b), min(map(len, before)))
+        raise ConfigError(f"{where}: {keys.chosen_key!r} and {keys.rejected_key!r} are conversations whose turns "
+                          f"before the last message differ (from message {i}: {len(before[0])} and {len(before[1])} "
+                          "earlier messages); a pair needs two replies to the same conversation: fix the row, or "
+                          "leave it out")
 
 
 def _plain(value):

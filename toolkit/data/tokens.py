@@ -1,10 +1,11 @@
 """From examples to token ids, the same way in every stage.
 
 A prompt is rendered with the tokenizer's chat template when it is chat messages (or when
-data.chat_template asks for it): the messages and the generation prompt of the assistant's turn. A
+data.chat_template asks for it): the messages and the generation prompt of the assistant's turn; text
+takes the tokenizer's BOS token, unless it starts with it (text the template rendered already). A
 response is its text's tokens plus the end-of-sequence token, which the generator emits when a response
-ends. Too long: the prompt loses its start first (the end is what the response answers); then the
-response loses its end (SFT) or its start (a reward model reads the last token).
+ends. Too long: the prompt loses its start first (the end is what the response answers; a BOS token
+stays first); then the response loses its end (SFT) or its start (a reward model reads the last token).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def counting_tokenizer(path):
 
 
 def render_prompt(tokenizer, prompt, chat_template: bool) -> list[int]:
-    """Token ids of a prompt (text, or chat messages [{role, content}, ...])."""
+    """Token ids of a prompt (text, or chat messages [{role, content}, ...]): text with the tokenizer's special
+    tokens (its BOS), unless it starts with the BOS token's text already."""
     if isinstance(prompt, list) or chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if not getattr(tokenizer, "chat_template", None):
@@ -38,22 +40,48 @@ def render_prompt(tokenizer, prompt, chat_template: bool) -> list[int]:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+    if tokenizer.bos_token and prompt.startswith(tokenizer.bos_token):
+        # (text rendered with the chat template already, which writes the BOS token itself: the tokenizer's own
+        # BOS made it two, which Llama-3 and Gemma models are not trained on)
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt)["input_ids"])
 
 
 def response_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of a response, ending with the end-of-sequence token."""
+    """Token ids of a response, ending with one end-of-sequence token: a text that ends with it already (data
+    written for a trainer that did not add it, e.g. "...</s>" or "...<|im_end|>") gets no second one, which
+    SFT trained as a target and a reward model was trained to read its reward at (a generated response has one)."""
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return ids + [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else ids
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
 
 
-def fit(prompt: list[int], response: list[int], max_tokens: int, keep: str = "start") -> tuple[list[int], list[int]]:
-    """Cut prompt + response to `max_tokens`: the prompt from the left first, then the response (keeping
-    its `start` or its `end`)."""
+def text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of a plain text row (PTX) as a pretraining document: the tokenizer's BOS, as a text prompt has
+    it (`render_prompt`), the text, and one end-of-sequence token."""
+    ids = render_prompt(tokenizer, text, False)
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
+
+
+def cut_left(tokens: list[int], n: int, bos: int | None) -> list[int]:
+    """The last `n` of `tokens`, keeping the first where it is the BOS token `bos` (then it and the last n - 1):
+    a model trained with BOS at position 0 (Llama, Gemma, Mistral) reads a sequence without it badly."""
+    if len(tokens) <= n:
+        return tokens
+    if n > 1 and bos is not None and tokens[0] == bos:
+        return tokens[:1] + tokens[len(tokens) - n + 1:]
+    return tokens[len(tokens) - n:]
+
+
+def fit(prompt: list[int], response: list[int], max_tokens: int, keep: str = "start", bos: int | None = None
+        ) -> tuple[list[int], list[int]]:
+    """Cut prompt + response to `max_tokens`: the prompt from the left first (after its BOS token `bos`, which
+    stays where there is room for it: `cut_left`), then the response (keeping its `start` or its `end`)."""
     if len(prompt) + len(response) <= max_tokens:
         return prompt, response
     room = max_tokens - len(response)
     if room > 0:
-        return prompt[len(prompt) - room:], response
+        return cut_left(prompt, room, bos), response
     response = response[:max_tokens] if keep == "start" else response[len(response) - max_tokens:]
     return [], response

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from toolkit.placement.plan import group_of
-from toolkit.data.tokens import render_prompt
+from toolkit.data.tokens import cut_left, render_prompt
 from toolkit.hold import hold
 from toolkit.roles.base import Role
 from toolkit.samples import SampleBatch, ragged
@@ -199,8 +199,9 @@ class GeneratorRole(Role):
                            f"generator worker {self.worker.id} ({self.cfg.generation_backend})")
 
     def _tokenize(self, step: int, texts: list) -> list[list[int]]:
-        """Token ids of each prompt (text or chat messages), cut from the left to rollout.max_prompt_tokens
-        (one warning for the prompts of a message, not one each: a data set of long prompts would fill the log)."""
+        """Token ids of each prompt (text or chat messages), cut from the left to rollout.max_prompt_tokens, a
+        BOS token staying first (`cut_left`), with one warning for the prompts of a message, not one each (a
+        data set of long prompts would fill the log)."""
         limit = self.cfg.rollout.max_prompt_tokens
         rendered = [render_prompt(self.tokenizer, t, self.cfg.data.chat_template) for t in texts]
         cut = [len(tokens) for tokens in rendered if len(tokens) > limit]
@@ -208,7 +209,7 @@ class GeneratorRole(Role):
             self.truncated += len(cut)
             log.warning("step %d: %d of %d prompt(s) cut from the left to rollout.max_prompt_tokens %d (the longest "
                         "had %d tokens; %d cut so far)", step, len(cut), len(texts), limit, max(cut), self.truncated)
-        return [tokens[-limit:] for tokens in rendered]
+        return [cut_left(tokens, limit, self.tokenizer.bos_token_id) for tokens in rendered]
 
     def close(self) -> None:
         self.engine.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.data.dataset import StageData
-from toolkit.data.tokens import response_ids
+from toolkit.data.tokens import text_ids
 from toolkit.modeling import right_pad
 
 
@@ -32,6 +32,6 @@ class PtxText:
             self.data.next(start - self.cursor)
         rows = self.data.next(self.size)
         self.cursor = start + self.size
-        sequences = [response_ids(self.tokenizer, ex.text)[: self.max_tokens] for ex in rows]
+        sequences = [text_ids(self.tokenizer, ex.text)[: self.max_tokens] for ex in rows]
         ids, attention = right_pad(sequences, self.pad_id)
         return ids, attention, attention

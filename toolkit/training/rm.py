@@ -34,7 +34,7 @@ class RMTask:
         """`sequence`, and whether train.max_tokens cut it."""
         prompt_ids = render_prompt(self.tokenizer, prompt, self.cfg.data.chat_template)
         ids = response_ids(self.tokenizer, response)
-        p, r = fit(prompt_ids, ids, self.cfg.train.max_tokens, keep="end")
+        p, r = fit(prompt_ids, ids, self.cfg.train.max_tokens, keep="end", bos=self.tokenizer.bos_token_id)
         return p + r, len(p) + len(r) < len(prompt_ids) + len(ids)
 
     def batch(self, examples, packing: bool = False) -> dict:

@@ -40,7 +40,7 @@ class SFTTask:
         prompt = render_prompt(self.tokenizer, example.prompt, self.cfg.data.chat_template)
         response = response_ids(self.tokenizer, example.response)
         whole = len(prompt) + len(response)
-        prompt, response = fit(prompt, response, self.cfg.train.max_tokens)
+        prompt, response = fit(prompt, response, self.cfg.train.max_tokens, bos=self.tokenizer.bos_token_id)
         return prompt + response, len(prompt), len(prompt) + len(response) < whole
 
     def batch(self, examples, packing: bool = False) -> dict:
