@@ -135,7 +135,7 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     from transformers import AutoTokenizer
 
     from toolkit.config import load_config
-    from toolkit.data.tokens import render_prompt
+    from toolkit.data.tokens import cut_left, render_prompt
     from toolkit.use.sampler import Sampler, over_context, pick_backend
     from toolkit.use.source import NO_CHECKPOINT, checkpoints, resolve
 
@@ -174,7 +174,8 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     tokens = []
     for p in prompts:
         try:
-            tokens.append(render_prompt(tokenizer, p.prompt, cfg.data.chat_template)[-limit:])
+            tokens.append(cut_left(render_prompt(tokenizer, p.prompt, cfg.data.chat_template), limit,
+                                   tokenizer.bos_token_id))  # (as the run's generator cuts them)
         except ValueError as e:
             raise ConfigError(f"{p.location}: {e}") from None
     longest = max(map(len, tokens))
