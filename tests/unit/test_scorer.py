@@ -103,7 +103,8 @@ def test_a_reward_function_that_cannot_be_called_so_is_a_config_error(tiny, tmp_
 
 def test_a_reward_is_a_finite_number_and_nothing_else():
     """float() read the text "0.5" as a reward, silently; None (a function without a return) and a list
-    were named only by float's own TypeError."""
+    were named only by float's own TypeError. The error names the sample too (a group's samples share the
+    prompt id)."""
     from toolkit.roles.scorer import RewardFunctionError
 
     b = make_batch()
@@ -112,7 +113,7 @@ def test_a_reward_is_a_finite_number_and_nothing_else():
         assert out.tolist() == [expected, expected], given
     for given in ("0.5", None, [1.0], float("inf"), 10**400, torch.ones(2)):
         with pytest.raises(RewardFunctionError, match=re.escape(f"reward function 'f' (m:f) returned {given!r} for "
-                                                                "prompt id 10; rewards must be finite numbers")):
+                                                                "prompt id 10, sample 0; rewards must be finite")):
             RewardRole._call_function(("f", lambda **kw: given, {}, "m:f"), b)
 
 
