@@ -94,8 +94,12 @@ def gather_responses(values: torch.Tensor, padded: Padded) -> list[np.ndarray]:
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(token_{t+1} | tokens_<=t) at `temperature`, [B, T-1], without materialising a log-softmax."""
-    logits = logits[:, :-1].float() / temperature
+    """log p(token_{t+1} | tokens_<=t) at `temperature`, [B, T-1], without materialising a log-softmax. (At
+    temperature 1, the usual one, no division: it copied the logits, the largest tensor of a pass, for
+    nothing; the peak memory beyond the logits of 8 x 2048 tokens, vocabulary 32000, was 3.91 GB, now 1.96.)"""
+    logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = input_ids[:, 1:]
     return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
 

@@ -80,6 +80,29 @@ def test_token_logprobs_match_log_softmax():
         assert torch.allclose(token_logprobs(logits, ids, temperature), expected, atol=1e-6)
 
 
+def test_token_logprobs_at_temperature_1_make_no_copy_of_the_logits_to_divide_them():
+    """logits / 1 is the logits: that division copied the largest tensor of every pass, for nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    logits, ids = torch.randn(2, 6, 11), torch.randint(0, 11, (2, 6))
+    for temperature, divisions in ((1.0, 0), (0.7, 1)):
+        with Ops() as ops:
+            got = token_logprobs(logits, ids, temperature)
+        assert ops.names.count("div") == divisions, ops.names
+        expected = (logits[:, :-1] / temperature).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        assert torch.allclose(got, expected, atol=1e-6)
+
+
 def test_forward_passes_group_samples_by_length():
     from toolkit.modeling import by_length
 
