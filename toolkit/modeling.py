@@ -94,8 +94,12 @@ def gather_responses(values: torch.Tensor, padded: Padded) -> list[np.ndarray]:
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(token_{t+1} | tokens_<=t) at `temperature`, [B, T-1], without materialising a log-softmax."""
-    logits = logits[:, :-1].float() / temperature
+    """log p(token_{t+1} | tokens_<=t) at `temperature`, [B, T-1], without materialising a log-softmax. (At
+    temperature 1, the usual one, no division: it copied the logits, the largest tensor of a pass, for
+    nothing; the peak memory beyond the logits of 8 x 2048 tokens, vocabulary 32000, was 3.91 GB, now 1.96.)"""
+    logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = input_ids[:, 1:]
     return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
 
@@ -136,9 +140,11 @@ def per_position(model: nn.Module, padded: Padded, batch_size: int, fn, packing:
 
 def sequence_logprobs(model: nn.Module, padded: Padded, temperature: float, batch_size: int,
                       packing: bool = False) -> torch.Tensor:
-    """`token_logprobs` of a causal LM for every sample."""
+    """`token_logprobs` of a causal LM for every sample. (`use_cache=False`: a config's `use_cache: true`, as
+    most ship, made each pass build a KV cache of every layer, held to the pass's end for nothing: the peak
+    memory of a pass over 8 x 2048 tokens of an 8-layer model went from +400 MB to +862 MB.)"""
     return per_position(model, padded, batch_size, lambda m, ids, inputs: token_logprobs(
-        m(input_ids=ids, **inputs).logits, ids, temperature), packing)
+        m(input_ids=ids, use_cache=False, **inputs).logits, ids, temperature), packing)
 
 
 def critic_values(critic: nn.Module, padded: Padded, batch_size: int, packing: bool = False) -> torch.Tensor:
@@ -176,8 +182,8 @@ class ScoreModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=position_ids).last_hidden_state
+        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       use_cache=False).last_hidden_state  # (no KV cache: see sequence_logprobs)
         return self.model.score(hidden).squeeze(-1).float()
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:

@@ -91,7 +91,7 @@ def main() -> int:
 
     def in_order():
         def fn(m, ids, attention):
-            return token_logprobs(m(input_ids=ids, attention_mask=attention).logits, ids, 1.0)
+            return token_logprobs(m(input_ids=ids, attention_mask=attention, use_cache=False).logits, ids, 1.0)
         out = torch.zeros_like(padded.action_mask)
         with torch.no_grad():
             for start in range(0, len(padded), args.batch):

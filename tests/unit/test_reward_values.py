@@ -17,6 +17,7 @@ def test_a_reward_float32_cannot_hold_is_refused():
     of its group NaN (with PPO's or REINFORCE++'s whitening, the whole batch's)."""
     assert reward_of(3e38).tolist() == [3e38, 3e38] and reward_of(True).tolist() == [1.0, 1.0]
     for bad in (1e39, -1e39, float("nan"), None, "0.5"):
-        with pytest.raises(RewardFunctionError, match=r"reward function 'big' \(m:big\) returned .* for prompt id 10; "
-                                                      r"rewards must be finite numbers .* within float32's range"):
+        with pytest.raises(RewardFunctionError, match=r"reward function 'big' \(m:big\) returned .* for prompt id 10, "
+                                                      r"sample 0; rewards must be finite numbers .* within float32's "
+                                                      r"range"):
             reward_of(bad)

@@ -80,6 +80,29 @@ def test_token_logprobs_match_log_softmax():
         assert torch.allclose(token_logprobs(logits, ids, temperature), expected, atol=1e-6)
 
 
+def test_token_logprobs_at_temperature_1_make_no_copy_of_the_logits_to_divide_them():
+    """logits / 1 is the logits: that division copied the largest tensor of every pass, for nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    logits, ids = torch.randn(2, 6, 11), torch.randint(0, 11, (2, 6))
+    for temperature, divisions in ((1.0, 0), (0.7, 1)):
+        with Ops() as ops:
+            got = token_logprobs(logits, ids, temperature)
+        assert ops.names.count("div") == divisions, ops.names
+        expected = (logits[:, :-1] / temperature).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        assert torch.allclose(got, expected, atol=1e-6)
+
+
 def test_forward_passes_group_samples_by_length():
     from toolkit.modeling import by_length
 
@@ -97,7 +120,7 @@ def test_scores_come_back_in_sample_order_whatever_the_passes():
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(1))
 
-        def forward(self, input_ids, attention_mask):
+        def forward(self, input_ids, attention_mask, use_cache=None):
             position = torch.arange(input_ids.shape[1], dtype=torch.float32)
             logits = torch.nn.functional.one_hot(input_ids, 16).float() * position[None, :, None]
             return type("Out", (), {"logits": logits})()
@@ -109,6 +132,27 @@ def test_scores_come_back_in_sample_order_whatever_the_passes():
     for size in (1, 2, 3):
         assert torch.equal(sequence_logprobs(Echo(), padded, 1.0, size), one_pass)
     assert (one_pass * (1 - padded.action_mask)).abs().sum() == 0 and (one_pass * padded.action_mask).abs().sum() > 0
+
+
+def test_scoring_passes_build_no_kv_cache(tiny):
+    """No-gradient passes (reference and old log-probs, reward-model scores, values) need no KV cache: built
+    because the models' configs say use_cache, it held the keys and values of every layer to the end of
+    each pass (the peak memory of a pass over 8 x 2048 tokens of an 8-layer model: +862 MB against +400)."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.modeling import ScoreModel, last_token_scores, sequence_logprobs
+
+    actor = AutoModelForCausalLM.from_pretrained(tiny / "model").eval()
+    rm = ScoreModel(str(tiny / "reward_model"), torch.float32).eval()
+    assert actor.config.use_cache and rm.model.config.use_cache  # (as the models ship)
+    caches = []
+    for model in (actor.model, rm.model.base_model):
+        model.register_forward_hook(lambda module, args, out: caches.append(out.past_key_values))
+    padded = pad_samples(batch(prompts=([1, 5, 9], [4]), responses=([7, 8], [6, 6, 6])), 0)
+    for packing in (False, True):
+        assert sequence_logprobs(actor, padded, 1.0, 2, packing).abs().sum() > 0
+        assert last_token_scores(rm, [[1, 5, 9, 7], [4, 6]], 0, 2, torch.device("cpu"), packing).abs().sum() > 0
+    assert len(caches) == 4 and all(c is None for c in caches), caches
 
 
 def test_token_budget_micro_batches_hold_at_most_the_budget_longest_first():

@@ -103,7 +103,8 @@ def test_a_reward_function_that_cannot_be_called_so_is_a_config_error(tiny, tmp_
 
 def test_a_reward_is_a_finite_number_and_nothing_else():
     """float() read the text "0.5" as a reward, silently; None (a function without a return) and a list
-    were named only by float's own TypeError."""
+    were named only by float's own TypeError. The error names the sample too (a group's samples share the
+    prompt id)."""
     from toolkit.roles.scorer import RewardFunctionError
 
     b = make_batch()
@@ -112,7 +113,7 @@ def test_a_reward_is_a_finite_number_and_nothing_else():
         assert out.tolist() == [expected, expected], given
     for given in ("0.5", None, [1.0], float("inf"), 10**400, torch.ones(2)):
         with pytest.raises(RewardFunctionError, match=re.escape(f"reward function 'f' (m:f) returned {given!r} for "
-                                                                "prompt id 10; rewards must be finite numbers")):
+                                                                "prompt id 10, sample 0; rewards must be finite")):
             RewardRole._call_function(("f", lambda **kw: given, {}, "m:f"), b)
 
 
@@ -167,3 +168,23 @@ def test_a_reward_function_without_a_timeout_is_called_in_the_main_thread():
     assert RewardRole._call_function(("f", bounded(with_alarm, None), {}, "m:f"), make_batch()).tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match="main thread"):
         bounded(with_alarm, 30)()
+
+
+def test_eval_with_longer_responses_than_the_run_scores_the_whole_sequence(tiny, tmp_path):
+    """`eval --max-new-tokens` above the run's rollout.max_new_tokens: the reward model read prompt + response
+    cut to the run's max_prompt_tokens + max_new_tokens, so a longer response lost its prompt (two prompts
+    with the same response got one score), then its own start."""
+    from toolkit.use.evaluate import reward_scorer
+
+    cfg = load_config(write_config(tmp_path, example(
+        "tiny-grpo.yaml", tiny, rollout={"max_prompt_tokens": 8, "max_new_tokens": 8},
+        reward={"models": [{"path": str(tiny / "reward_model"), "name": "rm"}]})))
+    role = reward_scorer(cfg, max_new_tokens=30)
+    assert role.reward_models[0].same_vocab
+    prompts, response = ([5, 6, 7], [9, 10, 11]), list(range(20, 50))
+    b = make_batch(prompts=prompts, responses=(response, response))
+    role.score(b)
+    with torch.no_grad():
+        expected = [role.reward_models[0].model(torch.tensor([p + response]))[0, -1].item() for p in prompts]
+    assert np.allclose(b.rewards[:, 1], expected, atol=1e-5), (b.rewards[:, 1], expected)
+    assert abs(expected[0] - expected[1]) > 1e-4  # (the prompts tell them apart)

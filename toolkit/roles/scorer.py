@@ -253,8 +253,9 @@ class RewardRole(_Scoring):
             value = _number(given)
             if value is None or not math.isfinite(value) or abs(value) > FLOAT32_MAX:  # (rewards are float32)
                 raise RewardFunctionError(f"reward function {name!r} ({path}) returned {given!r} for prompt id "
-                                          f"{int(batch.prompt_ids[i])}; rewards must be finite numbers (a float, "
-                                          f"an int or a bool) within float32's range (±{FLOAT32_MAX:.3g})")
+                                          f"{int(batch.prompt_ids[i])}, sample {int(batch.sample_index[i])}; rewards "
+                                          f"must be finite numbers (a float, an int or a bool) within float32's "
+                                          f"range (±{FLOAT32_MAX:.3g})")
             out[i] = value
         return out
 

@@ -112,11 +112,17 @@ def check_settings(summary: Path, name: str, settings: dict) -> None:
                               "evaluation a name of its own with --name, or the settings of the others")
 
 
-def reward_scorer(cfg):
-    """The run's reward components: the scorer's RewardRole, in this process, on its device."""
+def reward_scorer(cfg, max_new_tokens: int | None = None):
+    """The run's reward components: the scorer's RewardRole, in this process, on its device. `max_new_tokens`:
+    the responses' limit where it is not the run's (`--max-new-tokens`): a reward model reads prompt + response
+    cut to rollout.max_prompt_tokens + max_new_tokens, and with the run's limit a longer response lost the
+    prompt, then its own start."""
     import torch
 
     from toolkit.roles.scorer import RewardRole
+
+    if max_new_tokens is not None:
+        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"max_new_tokens": max_new_tokens})})
 
     group = SimpleNamespace(gpus_per_worker=int(torch.cuda.is_available()), roles=["reward"], models=["reward"],
                             workers=1)
@@ -183,6 +189,11 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
         raise ConfigError(f"the longest prompt ({longest} tokens; rollout.max_prompt_tokens cuts them) and "
                           f"--max-new-tokens {params.max_new_tokens} are more than the model takes: {takes}; lower "
                           f"--max-new-tokens (the run samples {cfg.rollout.max_new_tokens})")
+    for i, rm in enumerate(cfg.reward.models):  # (each reads the whole prompt + response)
+        if (takes := over_context(Path(rm.path), longest + params.max_new_tokens)):
+            raise ConfigError(f"the longest prompt ({longest} tokens) and --max-new-tokens {params.max_new_tokens} are "
+                              f"more than reward.models.{i} ({rm.path}) takes: {takes}; lower --max-new-tokens (the "
+                              f"run samples {cfg.rollout.max_new_tokens})")
     settings = {"prompts": len(prompts), "n": params.n, "temperature": params.temperature, "top_p": params.top_p,
                 "max_new_tokens": params.max_new_tokens, "seed": seed, "ema": ema,
                 "input": str(Path(input_path).resolve()) if input_path else "held out (data.eval_fraction)"}
@@ -191,7 +202,7 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
     echo(f"evaluating {len(steps)} checkpoint(s) of {run}{' and each one it writes next' * (follow_s is not None)} "
          f"on {len(prompts)} prompt(s) ({settings['input']}), "
          f"{params.n} sample(s) each of at most {params.max_new_tokens} tokens, temperature {params.temperature:g}")
-    rewards = reward_scorer(cfg)
+    rewards = reward_scorer(cfg, params.max_new_tokens)
     sampler = None  # (one vLLM engine for every checkpoint: each next one's weights are loaded into it)
     done = set(steps)
 
