@@ -60,6 +60,42 @@ def test_a_long_prompt_loses_its_start_not_the_response(tiny, tmp_path):
     assert b.reward_names == ["digit_ratio", "rm"] and b.rewards[1, 0] == 1.0
 
 
+def test_a_reward_model_of_its_own_vocabulary_keeps_the_bos_token_of_a_cut_prompt(tiny, tmp_path):
+    """A reward model whose tokenizer adds BOS (Llama-3's, Gemma's, Mistral's) read a prompt cut to the
+    context without it, as the generator's prompts once were: it now keeps the BOS token first."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from toolkit.tiny import CHAT_TEMPLATE
+
+    rm = tmp_path / "rm"
+    shutil.copytree(tiny / "reward_model", rm)
+    build_tokenizer(rm, seed=7)  # another vocabulary, then BOS added to text
+    tok = Tokenizer.from_file(str(rm / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            padding_side="left", chat_template=CHAT_TEMPLATE).save_pretrained(rm)
+    cfg = load_config(write_config(tmp_path, example(
+        "tiny-grpo.yaml", tiny, rollout={"max_prompt_tokens": 8, "max_new_tokens": 8},
+        reward={"models": [{"path": str(rm), "name": "rm"}]})))
+    role = reward_role(cfg)
+    b = make_batch()
+    long_prompt = " ".join(["apples and rivers"] * 30)
+    b.prompts, b.responses = [long_prompt, "short"], ["the end 42", "9 9 9"]
+    role.score(b)
+    model, tokenizer = role.reward_models[0].model, role.reward_models[0].tokenizer
+    bos = tokenizer.bos_token_id
+    response = tokenizer("the end 42", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    prompt = tokenizer(long_prompt)["input_ids"]
+    room = 16 - len(response)  # (16 = max_prompt_tokens + max_new_tokens)
+    assert prompt[0] == bos and len(prompt) > room
+    with torch.no_grad():
+        expected = model(torch.tensor([[bos] + prompt[len(prompt) - room + 1:] + response]))[0, -1].item()
+        without = model(torch.tensor([prompt[len(prompt) - room:] + response]))[0, -1].item()  # (before)
+    got = b.rewards[0, b.reward_names.index("rm")]
+    assert abs(got - expected) < 1e-5 and abs(expected - without) > 1e-4, (got, expected, without)
+
+
 def trl_style(completions, **kwargs):  # (TRL's convention: lists of samples)
     return [0.0] * len(completions)
 

@@ -272,7 +272,8 @@ class RewardRole(_Scoring):
                 response = rm.tokenizer(batch.responses[i], add_special_tokens=False)["input_ids"]
                 if batch.finished[i] and rm.tokenizer.eos_token_id is not None:
                     response = [*response, rm.tokenizer.eos_token_id]
-            prompt, response = fit(prompt, response, r.max_prompt_tokens + r.max_new_tokens, keep="end")
+            prompt, response = fit(prompt, response, r.max_prompt_tokens + r.max_new_tokens, keep="end",
+                                   bos=rm.tokenizer.bos_token_id)  # (a BOS token stays first, as the generator's)
             sequences.append(prompt + response)
         pad = rm.tokenizer.pad_token_id if rm.tokenizer.pad_token_id is not None else 0
         scores = last_token_scores(rm.model, sequences, pad, self.cfg.model.forward_batch_size, self.device,
