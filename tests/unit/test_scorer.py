@@ -153,6 +153,29 @@ def test_a_reward_is_a_finite_number_and_nothing_else():
             RewardRole._call_function(("f", lambda **kw: given, {}, "m:f"), b)
 
 
+def test_a_reward_function_that_hangs_without_a_timeout_is_named_where_the_run_times_out():
+    """A function with no timeout_s that stalls (a judge's network call) held the scorer until
+    transport.step_timeout_s, and the run's error said only `scorer:0: scoring step 1`. While a function runs,
+    the worker's status (which its heartbeats carry to the driver) names it and the sample, and the driver's
+    timeout lists it with the worker; once the function is done, it is gone."""
+    from toolkit.launch.supervisor import Supervisor
+
+    status, seen = {"phase": "scoring", "step": 0}, []
+
+    def judge(prompt, response, **fields):
+        seen.append(status.get("doing"))
+        return 0.5
+
+    assert RewardRole._call_function(("judge", judge, {}, "m:judge"), make_batch(), status).tolist() == [0.5, 0.5]
+    assert seen == ["reward function 'judge' (m:judge) on prompt id 10, sample 0",
+                    "reward function 'judge' (m:judge) on prompt id 11, sample 0"] and "doing" not in status
+    status["doing"] = seen[1]  # (what the driver heard while the function hung)
+    driver = SimpleNamespace(worker_ids=["scorer:0"], coordinator=SimpleNamespace(status={"scorer:0": status}),
+                             run_dir=SimpleNamespace(log_file=lambda w: f"logs/{w}.log"))
+    assert Supervisor._who_is_where(driver) == ("worker states:\n  scorer:0: scoring step 1, in reward function "
+                                               "'judge' (m:judge) on prompt id 11, sample 0 (log: logs/scorer:0.log)")
+
+
 def test_a_reward_call_past_its_timeout_fails_naming_the_function_and_the_next_call_gets_a_new_thread():
     """Each function runs in a thread of its own, waited for at most reward.functions[].timeout_s: a call that
     stalls fails with the function's name and the sample, its thread is left to it (a daemon, which does

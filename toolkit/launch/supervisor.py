@@ -578,6 +578,7 @@ class Supervisor:
             status = self.coordinator.status.get(worker_id, {})
             rows.append(f"  {worker_id}: {status.get('phase', 'not registered')}"
                         + (f" step {status['step'] + 1}" if isinstance(status.get("step"), int) else "")
+                        + (f", in {status['doing']}" if status.get("doing") else "")  # (a reward function)
                         + f" (log: {self.run_dir.log_file(worker_id)})")
         return "worker states:\n" + "\n".join(rows)
 

@@ -200,7 +200,7 @@ class RewardRole(_Scoring):
         return [rm.model for rm in self.reward_models]
 
     def score(self, batch: SampleBatch) -> None:
-        columns = [self._call_function(f, batch) for f in self.functions]
+        columns = [self._call_function(f, batch, self.status) for f in self.functions]
         if self.deferred:  # (the trainer ranks fill these in: `complete`)
             columns += [np.full(len(batch), np.nan) for _ in self.reward_models]
         else:
@@ -235,10 +235,16 @@ class RewardRole(_Scoring):
         batch.reward_total = (np.clip(total, -clip, clip) if clip else total).astype(np.float32)
 
     @staticmethod
-    def _call_function(function, batch: SampleBatch) -> np.ndarray:
+    def _call_function(function, batch: SampleBatch, status: dict | None = None) -> np.ndarray:
+        """The function's reward of every sample; while it runs, `status["doing"]` (the worker's status, which
+        its heartbeats carry to the driver) names it and the sample: a function that hangs without a
+        `timeout_s` stops the run at transport.step_timeout_s, and the error then says which one and where."""
         name, fn, args, path = function
         out = np.zeros(len(batch), dtype=np.float64)
+        status = {} if status is None else status
         for i in range(len(batch)):
+            status["doing"] = (f"reward function {name!r} ({path}) on prompt id {int(batch.prompt_ids[i])}, "
+                               f"sample {int(batch.sample_index[i])}")
             try:
                 given = fn(prompt=prompt_text(batch.prompts[i]), response=batch.responses[i], **batch.fields[i], **args)
             except CallTimeout as e:
@@ -257,6 +263,7 @@ class RewardRole(_Scoring):
                                           f"must be finite numbers (a float, an int or a bool) within float32's "
                                           f"range (±{FLOAT32_MAX:.3g})")
             out[i] = value
+        status.pop("doing", None)
         return out
 
     def _score_model(self, rm: "RewardModel", batch: SampleBatch) -> np.ndarray:
