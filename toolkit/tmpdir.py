@@ -10,6 +10,12 @@ by SIGKILL (the OOM killer; a stop whose SIGTERM it could not act on within the 
 call into C on a busy node) leaves that one directory, named after it and its pid:
 `slurm-rlhf-<group>-<rank>-<pid>`. The local launcher removes it once the process has ended
 (`remove_left`); under Slurm it is on the worker's node, where the driver cannot reach.
+
+vLLM's tensor-parallel ranks on CPUs also exchange tensors through shared memory, files in /dev/shm named
+after the file store of their group (`/dev/shm/vllm_dist_<hex>-tp:0-[0-1]-cpushm_<rank>`, 4 MB each: RAM
+until the node reboots), which the ranks do not remove as they are ended (the worker kills them): every
+start of a generator with `rollout.vllm.tensor_parallel_size` 2 left 8 MB there (14 pairs on one machine
+after a day of test runs). They are removed with the directory, by the name of the file store it holds.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import tempfile
 
 SOCKET_PATH_MAX = 107  # bytes in the path of a Unix socket on Linux (sun_path, less its NUL)
 IPC_NAME = 37  # what vLLM adds to the directory for each IPC socket: "/" and a uuid4
+SHARED_MEMORY = "/dev/shm"
 
 _own: str | None = None
 
@@ -95,10 +102,29 @@ def remove_left(env: dict[str, str], name: str, pid: int) -> None:
     except OSError:
         return
     if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        _remove_shared_memory(path)
         shutil.rmtree(path, ignore_errors=True)
 
 
 def remove_own() -> None:
     """Remove this process's own temporary directory and what is in it (nothing if none was made)."""
     if _own is not None:
+        _remove_shared_memory(_own)
         shutil.rmtree(_own, ignore_errors=True)
+
+
+def _remove_shared_memory(path: str) -> None:
+    """Remove this user's files in /dev/shm of the vLLM file stores in the directory `path` (see above)."""
+    import glob
+
+    try:
+        stores = [name for name in os.listdir(path) if name.startswith("vllm_dist_")]
+    except OSError:
+        return
+    for store in stores:
+        for shm in glob.glob(os.path.join(SHARED_MEMORY, glob.escape(store) + "-*")):
+            try:
+                if os.lstat(shm).st_uid == os.getuid():
+                    os.unlink(shm)
+            except OSError:
+                pass

@@ -9,10 +9,13 @@ import os
 import socket
 import stat
 import tempfile
+import uuid
 
 import pytest
 
 from toolkit import tmpdir
+
+SHM = "/dev/shm"  # (where shm_open makes its files on Linux)
 
 
 @pytest.fixture
@@ -107,3 +110,36 @@ def test_what_a_killed_worker_left_is_removed_by_its_launcher(given, monkeypatch
     assert path != taken and os.path.basename(path).startswith(f"slurm-rlhf-scorer-0-{os.getpid()}-")
     tmpdir.remove_own()
     os.rmdir(taken)
+
+
+def test_shared_memory_of_vllm_ranks_is_removed_with_the_directory(given):
+    """vLLM's tensor-parallel ranks on CPUs share tensors through files in /dev/shm named after the file store
+    of their group, which is in the worker's directory; ranks ended with SIGKILL, as their worker ends them,
+    left them there (4 MB each, in RAM). They go with the directory, by the worker or by its launcher; those
+    of another file store (another worker's) stay."""
+    def shared(store: str) -> list[str]:
+        names = [f"{store}-tp:0-[0-1]-cpushm_{rank}" for rank in (0, 1)]  # (as vLLM's ranks name them)
+        for name in names:
+            fd = os.open(os.path.join(SHM, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, 4 * 2**20)
+            os.close(fd)
+        return names
+
+    stores = [f"vllm_dist_{uuid.uuid4().hex}" for _ in range(3)]
+    path = tmpdir.make_own("generator-0")
+    left = os.path.join(given, "slurm-rlhf-generator-1-4242")  # (a worker killed before it removed its own)
+    os.mkdir(left, 0o700)
+    for directory, store in ((path, stores[0]), (left, stores[1])):
+        with open(os.path.join(directory, store), "wb") as f:
+            f.write(b"x")
+    names = [shared(store) for store in stores]
+    try:
+        tmpdir.remove_own()
+        tmpdir.remove_left({"TMPDIR": given}, "generator-1", 4242)
+        there = set(os.listdir(SHM))
+        assert there.isdisjoint(names[0] + names[1]) and set(names[2]) <= there
+        assert not os.path.exists(path) and not os.path.exists(left)
+    finally:
+        for name in sum(names, []):
+            if os.path.exists(os.path.join(SHM, name)):
+                os.unlink(os.path.join(SHM, name))
