@@ -14,7 +14,7 @@ call into C on a busy node) leaves that one directory, named after it and its pi
 vLLM's tensor-parallel ranks on CPUs also exchange tensors through shared memory, files in /dev/shm named
 after the file store of their group (`/dev/shm/vllm_dist_<hex>-tp:0-[0-1]-cpushm_<rank>`, 4 MB each: RAM
 until the node reboots), which the ranks do not remove as they are ended (the worker kills them): every
-start of a generator with `rollout.vllm.tensor_parallel_size` 2 left 8 MB there (14 pairs on one machine
+start of a generator with `rollout.vllm.tensor_parallel_size` 2 left 8 MB there (13 pairs on one machine
 after a day of test runs). They are removed with the directory, by the name of the file store it holds.
 """
 
