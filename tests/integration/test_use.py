@@ -168,8 +168,8 @@ def test_generate_writes_samples_for_their_owner_alone(tiny, prompts, tmp_path):
     public.mkdir(mode=0o755)
     umask = os.umask(0o022)
     try:
-        result = cli("generate", tiny / "model", "--input", prompts, "--output", public / "out.jsonl", "--backend", "hf",
-                     "--max-new-tokens", 4)
+        result = cli("generate", tiny / "model", "--input", prompts, "--output", public / "out.jsonl",
+                     "--backend", "hf", "--max-new-tokens", 4)
     finally:
         os.umask(umask)
     assert result.returncode == 0, result.stderr
