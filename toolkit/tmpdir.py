@@ -10,6 +10,14 @@ by SIGKILL (the OOM killer; a stop whose SIGTERM it could not act on within the 
 call into C on a busy node) leaves that one directory, named after it and its pid:
 `slurm-rlhf-<group>-<rank>-<pid>`. The local launcher removes it once the process has ended
 (`remove_left`); under Slurm it is on the worker's node, where the driver cannot reach.
+
+vLLM's tensor-parallel ranks on CPUs also exchange tensors through shared memory, files in /dev/shm named
+after the file store of their group (`/dev/shm/vllm_dist_<hex>-tp:0-[0-1]-cpushm_<rank>`, 4 MB each: RAM
+until the node reboots), which the ranks do not remove as they are ended (the worker kills them): every
+start of a generator with `rollout.vllm.tensor_parallel_size` 2 left 8 MB there (13 pairs on one machine
+after a day of test runs). They are removed with the directory, by the names of the file stores it holds
+and of those it held once vLLM's ranks ran (`note_file_stores`: a clean shutdown removes the store, not
+the files in /dev/shm).
 """
 
 from __future__ import annotations
@@ -21,8 +29,10 @@ import tempfile
 
 SOCKET_PATH_MAX = 107  # bytes in the path of a Unix socket on Linux (sun_path, less its NUL)
 IPC_NAME = 37  # what vLLM adds to the directory for each IPC socket: "/" and a uuid4
+SHARED_MEMORY = "/dev/shm"
 
 _own: str | None = None
+_stores: set[str] = set()  # vLLM file stores seen in `_own` (note_file_stores)
 
 
 def make_own(name: str) -> str | None:
@@ -95,10 +105,39 @@ def remove_left(env: dict[str, str], name: str, pid: int) -> None:
     except OSError:
         return
     if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        _remove_shared_memory(_file_stores(path))
         shutil.rmtree(path, ignore_errors=True)
 
 
 def remove_own() -> None:
     """Remove this process's own temporary directory and what is in it (nothing if none was made)."""
     if _own is not None:
+        _remove_shared_memory(_stores | _file_stores(_own))
         shutil.rmtree(_own, ignore_errors=True)
+
+
+def note_file_stores() -> None:
+    """Remember the vLLM file stores in this process's own directory (once its engine's ranks run), whose files
+    in /dev/shm `remove_own` removes also where vLLM removed the store itself."""
+    if _own is not None:
+        _stores.update(_file_stores(_own))
+
+
+def _file_stores(path: str) -> set[str]:
+    try:
+        return {name for name in os.listdir(path) if name.startswith("vllm_dist_")}
+    except OSError:
+        return set()
+
+
+def _remove_shared_memory(stores: set[str]) -> None:
+    """Remove this user's files in /dev/shm of the vLLM file stores named `stores` (see above)."""
+    import glob
+
+    for store in stores:
+        for shm in glob.glob(os.path.join(SHARED_MEMORY, glob.escape(store) + "-*")):
+            try:
+                if os.lstat(shm).st_uid == os.getuid():
+                    os.unlink(shm)
+            except OSError:
+                pass

@@ -161,6 +161,22 @@ def test_generate_refuses_an_output_that_is_a_directory(tiny, prompts, tmp_path)
     assert not list(tmp_path.rglob("*.tmp-*")) and not list(target.iterdir())
 
 
+def test_generate_writes_samples_for_their_owner_alone(tiny, prompts, tmp_path):
+    """Under the usual umask 022 the samples file was readable by every user (mode 644), where a run's files,
+    its report and eval's results are the owner's alone: it is written so (600) in a folder everyone can read."""
+    public = tmp_path / "public"
+    public.mkdir(mode=0o755)
+    umask = os.umask(0o022)
+    try:
+        result = cli("generate", tiny / "model", "--input", prompts, "--output", public / "out.jsonl",
+                     "--backend", "hf", "--max-new-tokens", 4)
+    finally:
+        os.umask(umask)
+    assert result.returncode == 0, result.stderr
+    assert len((public / "out.jsonl").read_text().splitlines()) == 3
+    assert {p.name: p.stat().st_mode & 0o777 for p in public.iterdir()} == {"out.jsonl": 0o600}
+
+
 def test_generate_reads_alpaca_rows_by_their_keys(tiny, tmp_path):
     """A .json array of Alpaca rows: --prompt-key names the instruction, --input-key joins the input after a blank
     line (as data.input_key does in training); greedy, the same samples as the joined text given as "prompt"."""

@@ -9,10 +9,13 @@ import os
 import socket
 import stat
 import tempfile
+import uuid
 
 import pytest
 
 from toolkit import tmpdir
+
+SHM = "/dev/shm"  # (where shm_open makes its files on Linux)
 
 
 @pytest.fixture
@@ -24,6 +27,7 @@ def given(monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setattr(tempfile, "tempdir", "/somewhere/else")  # (as a worker forked from the fork server)
     monkeypatch.setattr(tmpdir, "_own", None)
+    monkeypatch.setattr(tmpdir, "_stores", set())
     yield base
     cache = os.path.join(base, f"torchinductor_{tmpdir._user()}")
     if os.path.isdir(cache) and not os.path.islink(cache):  # (made by make_own, or by the test)
@@ -107,3 +111,39 @@ def test_what_a_killed_worker_left_is_removed_by_its_launcher(given, monkeypatch
     assert path != taken and os.path.basename(path).startswith(f"slurm-rlhf-scorer-0-{os.getpid()}-")
     tmpdir.remove_own()
     os.rmdir(taken)
+
+
+def test_shared_memory_of_vllm_ranks_is_removed_with_the_directory(given):
+    """vLLM's tensor-parallel ranks on CPUs share tensors through files in /dev/shm named after the file store
+    of their group, which is in the worker's directory; nothing removed them (4 MB each, in RAM): not the ranks
+    killed with their worker, nor a clean shutdown of vLLM, which removes only the store. They go with the
+    directory, by the worker (also the files of a store it noted once the ranks ran, removed since) or by its
+    launcher; those of another file store (another worker's) stay."""
+    def shared(store: str) -> list[str]:
+        names = [f"{store}-tp:0-[0-1]-cpushm_{rank}" for rank in (0, 1)]  # (as vLLM's ranks name them)
+        for name in names:
+            fd = os.open(os.path.join(SHM, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, 4 * 2**20)
+            os.close(fd)
+        return names
+
+    stores = [f"vllm_dist_{uuid.uuid4().hex}" for _ in range(4)]
+    path = tmpdir.make_own("generator-0")
+    left = os.path.join(given, "slurm-rlhf-generator-1-4242")  # (a worker killed before it removed its own)
+    os.mkdir(left, 0o700)
+    for directory, store in ((path, stores[0]), (path, stores[1]), (left, stores[2])):
+        with open(os.path.join(directory, store), "wb") as f:
+            f.write(b"x")
+    names = [shared(store) for store in stores]
+    tmpdir.note_file_stores()  # (as the engine does once its ranks run)
+    os.unlink(os.path.join(path, stores[1]))  # (vLLM's clean shutdown: the store goes, its files in /dev/shm stay)
+    try:
+        tmpdir.remove_own()
+        tmpdir.remove_left({"TMPDIR": given}, "generator-1", 4242)
+        there = set(os.listdir(SHM))
+        assert there.isdisjoint(names[0] + names[1] + names[2]) and set(names[3]) <= there
+        assert not os.path.exists(path) and not os.path.exists(left)
+    finally:
+        for name in sum(names, []):
+            if os.path.exists(os.path.join(SHM, name)):
+                os.unlink(os.path.join(SHM, name))

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import zmq
 
+from toolkit.errors import ConfigError
 from toolkit.transport.sockets import Inbox, Outbox
-from toolkit.transport.wire import MAGIC, NONCE_BYTES, Codec, FrameError, new_secret
+from toolkit.transport.wire import MAGIC, NONCE_BYTES, Codec, FrameError, new_secret, read_secret
 
 SECRET = b"s" * 32
 
@@ -665,3 +666,22 @@ def test_a_receive_ends_at_its_timeout_while_bad_frames_keep_coming(receiver, ca
         flood.wait(30)
         target.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("how", ["missing", "readable by the group", "too short"])
+def test_a_secret_file_missing_open_to_others_or_short_is_a_config_error_that_names_it(tmp_path, how):
+    """A run directory copied without its secret, or shared with a group (`chmod -R g+r`): a resume ended in
+    a FileNotFoundError or PermissionError traceback; now a project error (printed without a traceback,
+    exit 2) names the file and how to fix it."""
+    path = tmp_path / "secret"
+    path.write_bytes(new_secret()[: 8 if how == "too short" else 32])
+    path.chmod(0o640 if how == "readable by the group" else 0o600)
+    if how == "missing":
+        path.unlink()
+    with pytest.raises(ConfigError) as e:
+        read_secret(path)
+    assert str(path) in str(e.value) and "head -c 32 /dev/urandom" in str(e.value)
+    assert ("chmod 600" in str(e.value)) == (how == "readable by the group")
+    path.write_bytes(new_secret())
+    path.chmod(0o600)
+    assert len(read_secret(path)) == 32

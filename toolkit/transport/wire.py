@@ -100,14 +100,28 @@ def connection_password(secret: bytes) -> bytes:
 
 
 def read_secret(path: str | os.PathLike) -> bytes:
-    """Read the run secret from a file that only its owner may read."""
-    mode = os.stat(path).st_mode
-    if mode & 0o077:
-        raise PermissionError(f"{path}: run secret is readable by others (mode {oct(mode & 0o777)}); chmod 600 it")
-    with open(path, "rb") as f:
-        secret = f.read()
+    """Read the run secret from a file that only its owner may read. ConfigError, naming the file and the fix,
+    where it is missing, open to others or too short (it authenticates only the live processes of a run, so
+    a new one may replace it: nothing kept in the run directory depends on it)."""
+    import shlex
+
+    from toolkit.errors import ConfigError
+
+    quoted = shlex.quote(str(path))
+    new = f"make a new one (nothing the run keeps depends on it): (umask 077; head -c 32 /dev/urandom > {quoted})"
+    try:
+        mode = os.stat(path).st_mode
+        if mode & 0o077:
+            raise ConfigError(f"{path}, the run's secret (the key its processes prove to each other), may be read "
+                              f"by others (mode {mode & 0o777:o}); make it yours alone with `chmod 600 {quoted}`, "
+                              f"or, if someone else may have read it, {new}")
+        with open(path, "rb") as f:
+            secret = f.read()
+    except OSError as e:
+        raise ConfigError(f"{path}, the run's secret (the key its processes prove to each other), cannot be read "
+                          f"({e.strerror}): a copy of the run directory without it?; {new}") from None
     if len(secret) < 16:
-        raise ValueError(f"{path}: run secret is too short ({len(secret)} bytes)")
+        raise ConfigError(f"{path}, the run's secret, is too short ({len(secret)} bytes; at least 16); {new}")
     return secret
 
 

@@ -6,7 +6,7 @@ another field, `--input-key` Alpaca's input, joined to a text prompt as `data.in
 Output: one line per sample, the input row's fields plus `sample` (0..n-1), `response`, `response_tokens`,
 `finished` and `logprob`; an input row with a field of those names is refused (its value would be replaced
 without a word: an SFT row's reference `response`, say). The output file is written under a temporary name
-and renamed when complete.
+and renamed when complete, readable by its owner alone (mode 600, as a run's files and its report are).
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ def generate(model: Path, input_path: str, output: str, params: Sampling, backen
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = out_path.parent / f".{out_path.name}.tmp-{os.getpid()}"
-        out = open(tmp, "w", encoding="utf-8")
+        # (0o600 whatever the umask; O_NOFOLLOW: a link made in its place in a shared folder is not written through)
+        out = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w",
+                        encoding="utf-8")
     else:
         out = sys.stdout
     written = 0

@@ -110,6 +110,9 @@ class VllmEngine:
             **whole_prefills_on_cpu(current_platform, max_model_len, vcfg.tensor_parallel_size),
         )
         if self.ranks > 1:  # (the method vLLM took, read once its ranks run: its platform code may set it)
+            from toolkit.tmpdir import note_file_stores
+
+            note_file_stores()  # (the ranks' files in /dev/shm are named after their file store: removed at the end)
             log.info("vLLM's %d tensor-parallel ranks started by %s (VLLM_WORKER_MULTIPROC_METHOD)", self.ranks,
                      os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"))
 
