@@ -702,3 +702,27 @@ def test_the_set_example_of_each_command_is_a_key_its_configs_take(tiny, tmp_pat
     loaded = load_config(config, [example])
     section, field = key.split(".")
     assert getattr(getattr(loaded, section), field) == pytest.approx(float(value))
+
+
+def test_a_pipeline_resumed_with_another_split_is_refused(tiny, tmp_path):
+    """The split is decided once for every stage: after SFT started, a pipeline file whose data.split was
+    changed gave the reward model and RL the new split (only a note said SFT kept its own), so they trained
+    on prompts SFT had trained on (5 of the reward model's 34 in the tiny pipeline). Refused now; the same
+    split goes on."""
+    from toolkit.config.pipeline import load_pipeline
+    from toolkit.errors import ConfigError
+    from toolkit.launch.pipeline import PipelineDir, check_started
+    from toolkit.store.manifest import Manifest
+
+    pipeline = load_pipeline(EXAMPLES / "tiny-pipeline.yaml")
+    pd = PipelineDir(tmp_path / "p").create(pipeline)
+    sft = pipeline.configs(pd.path)[0]
+    pd.stage("sft").create(sft)
+    Manifest(pd.stage("sft").path).append({"kind": "start"})  # (the stage started)
+    check_started(pipeline.configs(pd.path), pd)  # (the same split)
+    changed = load_pipeline(EXAMPLES / "tiny-pipeline.yaml", ["data.split.seed=99"]).configs(pd.path)
+    with pytest.raises(ConfigError) as info:
+        check_started(changed, pd)
+    assert "data.split is {'sft': 2.0, 'rm': 4.0, 'rl': 4.0, 'seed': 99} now, but stage sft started with " \
+           "{'sft': 2.0, 'rm': 4.0, 'rl': 4.0, 'seed': 1234}" in str(info.value), str(info.value)
+    assert "stage rm would train on rows of stage sft's part: put data.split back as it was" in str(info.value)

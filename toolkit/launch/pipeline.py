@@ -91,12 +91,16 @@ def check_started(configs: list, pd: PipelineDir) -> None:
     from toolkit.config import load_config
     from toolkit.store.manifest import Manifest
 
+    split_of, waiting = {}, []  # (the split each started stage keeps; the stages not started yet)
     for i, cfg in enumerate(configs):
         rd = pd.stage(cfg.stage)
         records = Manifest(rd.path).records() if rd.config.exists() else []
         if not records:  # (not started: submitted to Slurm, its config.yaml may name an export not written yet)
+            waiting.append(cfg)
             continue
-        fields = _differences(_flat(cfg.model_dump(mode="json")), _flat(load_config(rd.config).model_dump(mode="json")))
+        kept = load_config(rd.config)
+        split_of[cfg.stage] = _split(kept)
+        fields = _differences(_flat(cfg.model_dump(mode="json")), _flat(kept.model_dump(mode="json")))
         if fields:
             print(f"pipeline: stage {cfg.stage} keeps the settings it started with ({rd.config}); the pipeline file "
                   f"now says otherwise for {', '.join(fields[:6])}{' ...' if len(fields) > 6 else ''} (to change "
@@ -110,6 +114,20 @@ def check_started(configs: list, pd: PipelineDir) -> None:
                                   f"again (step {last['step']}), so its results come from the model before; move "
                                   f"{rd.path} and the stages after it aside to run them again from the new export, "
                                   f"then resume")
+    # A stage not started yet takes the pipeline file's split as it is now; one that started keeps its own. A
+    # split changed between them gave the later stages rows (prompts) an earlier stage trained on, silently.
+    for cfg in waiting:
+        for stage, kept in split_of.items():
+            if _split(cfg) != kept:
+                raise ConfigError(f"{pd.source()}: data.split is {_split(cfg)} now, but stage {stage} started with "
+                                  f"{kept} ({pd.stage(stage).config}); a pipeline splits its rows once for every "
+                                  f"stage, and stage {cfg.stage} would train on rows of stage {stage}'s part: put "
+                                  f"data.split back as it was, or run the pipeline anew in another --run-dir")
+
+
+def _split(cfg) -> dict | None:
+    """The stage's data.split, as its config gives it."""
+    return cfg.data.split.model_dump(mode="json") if cfg.data.split is not None else None
 
 
 def _flat(value, prefix: str = "") -> dict:
