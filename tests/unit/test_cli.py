@@ -726,3 +726,15 @@ def test_a_pipeline_resumed_with_another_split_is_refused(tiny, tmp_path):
     assert "data.split is {'sft': 2.0, 'rm': 4.0, 'rl': 4.0, 'seed': 99} now, but stage sft started with " \
            "{'sft': 2.0, 'rm': 4.0, 'rl': 4.0, 'seed': 1234}" in str(info.value), str(info.value)
     assert "stage rm would train on rows of stage sft's part: put data.split back as it was" in str(info.value)
+
+
+def test_a_failed_pipeline_stage_says_how_to_continue_the_pipeline(tiny, tmp_path):
+    """A stage that failed (here: its worker did not register within transport.startup_timeout_s) named the
+    stage and its log, but not the command that goes on: a resume of the pipeline's directory (a resume of
+    the stage's own directory ends with that stage)."""
+    result = cli("run", EXAMPLES / "tiny-pipeline.yaml", "--run-dir", tmp_path / "p", "--set",
+                 "sft.transport.startup_timeout_s=1", timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"pipeline stopped: stage sft failed ({tmp_path / 'p' / 'sft'}): timed out after 1 s" in result.stderr
+    assert f"log: {tmp_path / 'p' / 'sft' / 'logs' / 'trainer-0.log'}" in result.stderr, result.stderr
+    assert result.stderr.rstrip().endswith(f"continue the pipeline with: slurm-rlhf resume {tmp_path / 'p'}")

@@ -157,8 +157,10 @@ def run_pipeline_here(configs: list, pd: PipelineDir, verbose: bool) -> int:
         print(f"pipeline: stage {cfg.stage}", flush=True)
         try:
             code = run_here(cfg, rd, verbose)
-        except RunError as e:
-            raise RunError(f"pipeline stopped: stage {cfg.stage} failed ({rd.path}): {e}") from None
+        except RunError as e:  # (the pipeline goes on from its directory: a resume of the stage's ends with it)
+            again = "" if "slurm-rlhf resume" in str(e) else \
+                f"\ncontinue the pipeline with: slurm-rlhf resume {shlex.quote(str(pd.path))}"
+            raise RunError(f"pipeline stopped: stage {cfg.stage} failed ({rd.path}): {e}{again}") from None
         if code != 0 or not finished(rd):
             print(f"pipeline stopped after stage {cfg.stage} (state {rd.read_json(rd.status).get('state')}); continue "
                   f"with: slurm-rlhf resume {shlex.quote(str(pd.path))}", flush=True)
