@@ -738,3 +738,24 @@ def test_a_failed_pipeline_stage_says_how_to_continue_the_pipeline(tiny, tmp_pat
     assert f"pipeline stopped: stage sft failed ({tmp_path / 'p' / 'sft'}): timed out after 1 s" in result.stderr
     assert f"log: {tmp_path / 'p' / 'sft' / 'logs' / 'trainer-0.log'}" in result.stderr, result.stderr
     assert result.stderr.rstrip().endswith(f"continue the pipeline with: slurm-rlhf resume {tmp_path / 'p'}")
+
+
+def test_a_submitted_stage_that_never_ran_takes_the_pipeline_file_as_it_is_now(tiny, tmp_path):
+    """`submit` writes every stage's config.yaml before its sbatch; a stage whose job never ran (an earlier
+    stage failed, or it was cancelled) has not started, and a resume runs it as the pipeline file says now.
+    It kept its submission's config.yaml: a learning rate changed in the file was not used, unsaid."""
+    import yaml
+
+    from toolkit.config.pipeline import load_pipeline
+    from toolkit.launch.pipeline import PipelineDir
+
+    overrides = ["sft.transport.startup_timeout_s=1"]  # (the stage fails at once: nothing trains in the test)
+    pipeline = load_pipeline(EXAMPLES / "tiny-pipeline.yaml", overrides)
+    pd = PipelineDir(tmp_path / "p").create(pipeline, overrides)
+    for cfg in pipeline.configs(pd.path):
+        pd.stage(cfg.stage).create(cfg)  # (as submit_pipeline does before each sbatch)
+    made = json.loads(pd.file.read_text())
+    pd.file.write_text(json.dumps({**made, "overrides": [*overrides, "sft.train.lr=0.0005"]}))  # (the file edited)
+    result = cli("resume", pd.path, timeout=120)
+    assert result.returncode == 1 and "pipeline stopped: stage sft failed" in result.stderr, result.stderr
+    assert yaml.safe_load((pd.path / "sft" / "config.yaml").read_text())["train"]["lr"] == 0.0005

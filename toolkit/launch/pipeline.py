@@ -84,6 +84,25 @@ def finished(rd: RunDir) -> bool:
     return rd.read_json(rd.status).get("state") == "finished" and (rd.path / "export").is_dir()
 
 
+def started(rd: RunDir) -> bool:
+    """The stage's driver ran (its manifest has records). A stage submitted to Slurm whose job never ran (an
+    earlier stage failed, or it was cancelled) has only its config.yaml."""
+    from toolkit.store.manifest import Manifest
+
+    return rd.config.exists() and bool(Manifest(rd.path).records())
+
+
+def write_config(rd: RunDir, cfg) -> None:
+    """The config.yaml of a stage that has not started, as the pipeline file says now: a stage submitted before
+    but never run kept the config.yaml of its submission, and ran with settings the file no longer gave."""
+    from toolkit.config import dump_config
+
+    if rd.config.exists():
+        rd.write_atomic(rd.config, dump_config(cfg))
+    else:
+        rd.create(cfg)
+
+
 def check_started(configs: list, pd: PipelineDir) -> None:
     """Before a resume, of each stage that started: the pipeline file's settings that it does not follow
     (it keeps those of its config.yaml), said; and a ConfigError if an earlier stage's export it started
@@ -150,10 +169,10 @@ def run_pipeline_here(configs: list, pd: PipelineDir, verbose: bool) -> int:
         if finished(rd):
             print(f"pipeline: {cfg.stage} finished before; its model is {rd.path / 'export'}", flush=True)
             continue
-        if rd.config.exists():
+        if started(rd):
             cfg = load_config(rd.config)  # (a stage that started before: resume it as it was)
         else:
-            rd.create(cfg)
+            write_config(rd, cfg)
         print(f"pipeline: stage {cfg.stage}", flush=True)
         try:
             code = run_here(cfg, rd, verbose)
@@ -197,8 +216,8 @@ def submit_pipeline(todo: list[tuple], pd: PipelineDir) -> list[tuple[str, str]]
     jobs, previous = [], None
     for cfg, allocation in todo:
         rd = pd.stage(cfg.stage)
-        if not rd.config.exists():
-            rd.create(cfg)
+        if not started(rd):
+            write_config(rd, cfg)
         try:
             job_id = submit(cfg, allocation, rd, depends_on=previous)
         except ToolkitError as e:
