@@ -759,3 +759,27 @@ def test_a_submitted_stage_that_never_ran_takes_the_pipeline_file_as_it_is_now(t
     result = cli("resume", pd.path, timeout=120)
     assert result.returncode == 1 and "pipeline stopped: stage sft failed" in result.stderr, result.stderr
     assert yaml.safe_load((pd.path / "sft" / "config.yaml").read_text())["train"]["lr"] == 0.0005
+
+
+def test_a_finished_stage_is_not_said_to_take_an_edit_of_its_config(tiny, tmp_path, capsys):
+    """A resume named the pipeline file's settings that a started stage does not follow with "to change them,
+    edit RUN_DIR/config.yaml"; of a finished stage, that edit changed nothing (the pipeline skips it)."""
+    import shutil
+
+    from toolkit.config.pipeline import load_pipeline
+    from toolkit.launch.pipeline import PipelineDir, check_started
+    from toolkit.store.manifest import Manifest
+
+    pipeline = load_pipeline(EXAMPLES / "tiny-pipeline.yaml")
+    pd = PipelineDir(tmp_path / "p").create(pipeline)
+    for cfg in pipeline.configs(pd.path)[:2]:  # sft finished, rm started
+        rd = pd.stage(cfg.stage).create(cfg)
+        Manifest(rd.path).append({"kind": "start"})
+    pd.stage("sft").write_status({"state": "finished", "step": 54, "steps": 55})
+    shutil.copytree(tiny / "model", pd.stage("sft").path / "export")  # (the model rm's config.yaml names)
+    check_started(load_pipeline(EXAMPLES / "tiny-pipeline.yaml", ["sft.run.epochs=4", "rm.train.lr=0.01"]
+                                ).configs(pd.path), pd)
+    out = capsys.readouterr().out
+    assert "the pipeline file now says otherwise for run.epochs (it finished, and is not run again: to run the " \
+           "pipeline with them, start it anew in another --run-dir)" in out, out
+    assert f"now says otherwise for train.lr (to change them, edit {pd.stage('rm').config})" in out, out

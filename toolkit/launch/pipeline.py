@@ -120,10 +120,13 @@ def check_started(configs: list, pd: PipelineDir) -> None:
         kept = load_config(rd.config)
         split_of[cfg.stage] = _split(kept)
         fields = _differences(_flat(cfg.model_dump(mode="json")), _flat(kept.model_dump(mode="json")))
+        # (a finished stage is not run again: an edit of its config.yaml changes nothing in the pipeline)
+        fix = ("it finished, and is not run again: to run the pipeline with them, start it anew in another "
+               "--run-dir" if finished(rd) else f"to change them, edit {rd.config}")
         if fields:
             print(f"pipeline: stage {cfg.stage} keeps the settings it started with ({rd.config}); the pipeline file "
-                  f"now says otherwise for {', '.join(fields[:6])}{' ...' if len(fields) > 6 else ''} (to change "
-                  f"them, edit {rd.config})", flush=True)
+                  f"now says otherwise for {', '.join(fields[:6])}{' ...' if len(fields) > 6 else ''} ({fix})",
+                  flush=True)
         text = rd.config.read_text()
         for earlier in configs[:i]:
             export = pd.stage(earlier.stage).path / "export"
