@@ -740,10 +740,12 @@ def test_a_failed_pipeline_stage_says_how_to_continue_the_pipeline(tiny, tmp_pat
     assert result.stderr.rstrip().endswith(f"continue the pipeline with: slurm-rlhf resume {tmp_path / 'p'}")
 
 
-def test_a_submitted_stage_that_never_ran_takes_the_pipeline_file_as_it_is_now(tiny, tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--data-changed"]])
+def test_a_submitted_stage_that_never_ran_takes_the_pipeline_file_as_it_is_now(tiny, tmp_path, flags):
     """`submit` writes every stage's config.yaml before its sbatch; a stage whose job never ran (an earlier
     stage failed, or it was cancelled) has not started, and a resume runs it as the pipeline file says now.
-    It kept its submission's config.yaml: a learning rate changed in the file was not used, unsaid."""
+    It kept its submission's config.yaml: a learning rate changed in the file was not used, unsaid (with
+    --data-changed too, whose record of the data made the stage look started)."""
     import yaml
 
     from toolkit.config.pipeline import load_pipeline
@@ -756,7 +758,7 @@ def test_a_submitted_stage_that_never_ran_takes_the_pipeline_file_as_it_is_now(t
         pd.stage(cfg.stage).create(cfg)  # (as submit_pipeline does before each sbatch)
     made = json.loads(pd.file.read_text())
     pd.file.write_text(json.dumps({**made, "overrides": [*overrides, "sft.train.lr=0.0005"]}))  # (the file edited)
-    result = cli("resume", pd.path, timeout=120)
+    result = cli("resume", pd.path, *flags, timeout=120)
     assert result.returncode == 1 and "pipeline stopped: stage sft failed" in result.stderr, result.stderr
     assert yaml.safe_load((pd.path / "sft" / "config.yaml").read_text())["train"]["lr"] == 0.0005
 
