@@ -785,3 +785,23 @@ def test_a_finished_stage_is_not_said_to_take_an_edit_of_its_config(tiny, tmp_pa
     assert "the pipeline file now says otherwise for run.epochs (it finished, and is not run again: to run the " \
            "pipeline with them, start it anew in another --run-dir)" in out, out
     assert f"now says otherwise for train.lr (to change them, edit {pd.stage('rm').config})" in out, out
+
+
+def test_a_started_stage_resubmitted_is_sized_by_its_own_config(tiny, tmp_path, monkeypatch):
+    """`resume --submit` of a pipeline: a stage that started runs its config.yaml (the pipeline file's other
+    settings are only named), but its job was sized from the pipeline file: 2 trainer tasks and 5 minutes
+    for a driver that runs 1 worker with 240 (or too few tasks for the workers it starts)."""
+    from toolkit.config.pipeline import load_pipeline
+    from toolkit.launch.pipeline import PipelineDir, pipeline_jobs
+    from toolkit.store.manifest import Manifest
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # (no Slurm here: sinfo is not asked)
+    pipeline = load_pipeline(EXAMPLES / "tiny-pipeline.yaml", ["slurm.time_min=240"])
+    pd = PipelineDir(tmp_path / "p").create(pipeline)
+    sft = pipeline.configs(pd.path)[0]
+    Manifest(pd.stage("sft").create(sft).path).append({"kind": "start"})  # (sft started, did not finish)
+    edited = load_pipeline(EXAMPLES / "tiny-pipeline.yaml", ["slurm.time_min=5", "sft.placement.trainer.workers=2"])
+    (cfg, allocation), *later = pipeline_jobs(edited.configs(pd.path), pd)
+    assert cfg.stage == "sft" and cfg.slurm.time_min == 240 and cfg.placement.trainer.workers == 1
+    assert [c.tasks_per_node for c in allocation.components] == [1]
+    assert [c.slurm.time_min for c, _ in later] == [5, 5]  # (rm and rl have not started: the file as it is now)

@@ -195,10 +195,14 @@ def run_pipeline_here(configs: list, pd: PipelineDir, verbose: bool) -> int:
 def pipeline_jobs(configs: list, pd: PipelineDir) -> list[tuple]:
     """[(config, allocation)] of each stage not finished yet, every one checked against the partitions before
     any is submitted (a later stage's job that Slurm would keep waiting is named while nothing runs)."""
+    from toolkit.config import load_config
     from toolkit.launch.allocation import plan_allocation
     from toolkit.launch.submit import check_partitions
     from toolkit.placement.plan import plan
 
+    # (a stage that started runs its config.yaml: its job is sized, timed and placed from that, not from the
+    # pipeline file's settings it does not follow)
+    configs = [load_config(pd.stage(cfg.stage).config) if started(pd.stage(cfg.stage)) else cfg for cfg in configs]
     todo = [(cfg, plan_allocation(plan(cfg), cfg.slurm.heterogeneous)) for cfg in configs
             if not finished(pd.stage(cfg.stage))]
     for cfg, allocation in todo:
