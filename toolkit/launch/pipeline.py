@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from toolkit.errors import ConfigError, RunError, ToolkitError
+from toolkit.errors import ConfigError, Interrupted, RunError, ToolkitError
 from toolkit.launch.rundir import RunDir
 from toolkit.newdir import check_new
 from toolkit.table import text_table
@@ -183,6 +183,9 @@ def run_pipeline_here(configs: list, pd: PipelineDir, verbose: bool) -> int:
             again = "" if "slurm-rlhf resume" in str(e) else \
                 f"\ncontinue the pipeline with: slurm-rlhf resume {shlex.quote(str(pd.path))}"
             raise RunError(f"pipeline stopped: stage {cfg.stage} failed ({rd.path}): {e}{again}") from None
+        except Interrupted as e:
+            raise Interrupted(f"{e} (pipeline stage {cfg.stage}, {rd.path}); continue the pipeline with: "
+                              f"slurm-rlhf resume {shlex.quote(str(pd.path))}", e.exit_code) from None
         if code != 0 or not finished(rd):
             print(f"pipeline stopped after stage {cfg.stage} (state {rd.read_json(rd.status).get('state')}); continue "
                   f"with: slurm-rlhf resume {shlex.quote(str(pd.path))}", flush=True)
