@@ -401,7 +401,7 @@ def _resume_pipeline(pd, args) -> int:
     from toolkit.config.pipeline import load_pipeline
     from toolkit.launch.jobs import live_job
     from toolkit.launch.pipeline import (check_started, finished, follow_pipeline, pipeline_jobs, run_pipeline_here,
-                                         submit_pipeline)
+                                         started, submit_pipeline)
 
     overrides, folder = pd.overrides()
     if overrides:  # (as when it started: a stage not started yet must not run with the file's bare values)
@@ -421,10 +421,10 @@ def _resume_pipeline(pd, args) -> int:
             raise ConfigError(f"{pd.path} is still running: stage {stage}'s {job}; let it end, or stop the "
                               f"pipeline with `slurm-rlhf cancel {pd.path}`, then resume")
     check_started(configs, pd)
-    if args.data_changed:  # (each stage that started and did not finish)
+    if args.data_changed:  # (each stage that started and did not finish: one not started has no data record)
         for stage in pd.stages():
             rd = pd.stage(stage)
-            if rd.config.exists() and not finished(rd):
+            if started(rd) and not finished(rd):
                 _accept_data(rd, load_config(rd.config))
     if not args.submit:
         return run_pipeline_here(configs, pd, args.verbose)

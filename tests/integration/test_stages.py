@@ -265,8 +265,11 @@ def test_a_pipeline_resumed_keeps_the_overrides_it_was_started_with(tiny, tmp_pa
     proc, _ = start_held(pipeline, run_dir, "training@3", extra=command[1:], held_in=run_dir / "sft")
     with killed_at_exit(proc):
         os.kill(proc.pid, signal.SIGTERM)
-        proc.communicate(timeout=120)
+        output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143 and not (run_dir / "rl").exists()
+    # (it said only `interrupted (SIGTERM): every worker was stopped`: not which stage, nor how to go on)
+    assert f"interrupted (SIGTERM): every worker was stopped (pipeline stage sft, {run_dir / 'sft'}); continue " \
+           f"the pipeline with: slurm-rlhf resume {run_dir}" in output, output
     result = cli("resume", run_dir)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "with the --set overrides it was started with: " + " ".join(overrides) in result.stdout

@@ -732,3 +732,106 @@ def test_the_set_example_of_each_command_is_a_key_its_configs_take(tiny, tmp_pat
     loaded = load_config(config, [example])
     section, field = key.split(".")
     assert getattr(getattr(loaded, section), field) == pytest.approx(float(value))
+
+
+def test_a_pipeline_resumed_with_another_split_is_refused(tiny, tmp_path):
+    """The split is decided once for every stage: after SFT started, a pipeline file whose data.split was
+    changed gave the reward model and RL the new split (only a note said SFT kept its own), so they trained
+    on prompts SFT had trained on (5 of the reward model's 34 in the tiny pipeline). Refused now; the same
+    split goes on."""
+    from toolkit.config.pipeline import load_pipeline
+    from toolkit.errors import ConfigError
+    from toolkit.launch.pipeline import PipelineDir, check_started
+    from toolkit.store.manifest import Manifest
+
+    pipeline = load_pipeline(EXAMPLES / "tiny-pipeline.yaml")
+    pd = PipelineDir(tmp_path / "p").create(pipeline)
+    sft = pipeline.configs(pd.path)[0]
+    pd.stage("sft").create(sft)
+    Manifest(pd.stage("sft").path).append({"kind": "start"})  # (the stage started)
+    check_started(pipeline.configs(pd.path), pd)  # (the same split)
+    changed = load_pipeline(EXAMPLES / "tiny-pipeline.yaml", ["data.split.seed=99"]).configs(pd.path)
+    with pytest.raises(ConfigError) as info:
+        check_started(changed, pd)
+    assert "data.split is {'sft': 2.0, 'rm': 4.0, 'rl': 4.0, 'seed': 99} now, but stage sft started with " \
+           "{'sft': 2.0, 'rm': 4.0, 'rl': 4.0, 'seed': 1234}" in str(info.value), str(info.value)
+    assert "stage rm would train on rows of stage sft's part: put data.split back as it was" in str(info.value)
+
+
+def test_a_failed_pipeline_stage_says_how_to_continue_the_pipeline(tiny, tmp_path):
+    """A stage that failed (here: its worker did not register within transport.startup_timeout_s) named the
+    stage and its log, but not the command that goes on: a resume of the pipeline's directory (a resume of
+    the stage's own directory ends with that stage)."""
+    result = cli("run", EXAMPLES / "tiny-pipeline.yaml", "--run-dir", tmp_path / "p", "--set",
+                 "sft.transport.startup_timeout_s=1", timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"pipeline stopped: stage sft failed ({tmp_path / 'p' / 'sft'}): timed out after 1 s" in result.stderr
+    assert f"log: {tmp_path / 'p' / 'sft' / 'logs' / 'trainer-0.log'}" in result.stderr, result.stderr
+    assert result.stderr.rstrip().endswith(f"continue the pipeline with: slurm-rlhf resume {tmp_path / 'p'}")
+
+
+@pytest.mark.parametrize("flags", [[], ["--data-changed"]])
+def test_a_submitted_stage_that_never_ran_takes_the_pipeline_file_as_it_is_now(tiny, tmp_path, flags):
+    """`submit` writes every stage's config.yaml before its sbatch; a stage whose job never ran (an earlier
+    stage failed, or it was cancelled) has not started, and a resume runs it as the pipeline file says now.
+    It kept its submission's config.yaml: a learning rate changed in the file was not used, unsaid (with
+    --data-changed too, whose record of the data made the stage look started)."""
+    import yaml
+
+    from toolkit.config.pipeline import load_pipeline
+    from toolkit.launch.pipeline import PipelineDir
+
+    overrides = ["sft.transport.startup_timeout_s=1"]  # (the stage fails at once: nothing trains in the test)
+    pipeline = load_pipeline(EXAMPLES / "tiny-pipeline.yaml", overrides)
+    pd = PipelineDir(tmp_path / "p").create(pipeline, overrides)
+    for cfg in pipeline.configs(pd.path):
+        pd.stage(cfg.stage).create(cfg)  # (as submit_pipeline does before each sbatch)
+    made = json.loads(pd.file.read_text())
+    pd.file.write_text(json.dumps({**made, "overrides": [*overrides, "sft.train.lr=0.0005"]}))  # (the file edited)
+    result = cli("resume", pd.path, *flags, timeout=120)
+    assert result.returncode == 1 and "pipeline stopped: stage sft failed" in result.stderr, result.stderr
+    assert yaml.safe_load((pd.path / "sft" / "config.yaml").read_text())["train"]["lr"] == 0.0005
+
+
+def test_a_finished_stage_is_not_said_to_take_an_edit_of_its_config(tiny, tmp_path, capsys):
+    """A resume named the pipeline file's settings that a started stage does not follow with "to change them,
+    edit RUN_DIR/config.yaml"; of a finished stage, that edit changed nothing (the pipeline skips it)."""
+    import shutil
+
+    from toolkit.config.pipeline import load_pipeline
+    from toolkit.launch.pipeline import PipelineDir, check_started
+    from toolkit.store.manifest import Manifest
+
+    pipeline = load_pipeline(EXAMPLES / "tiny-pipeline.yaml")
+    pd = PipelineDir(tmp_path / "p").create(pipeline)
+    for cfg in pipeline.configs(pd.path)[:2]:  # sft finished, rm started
+        rd = pd.stage(cfg.stage).create(cfg)
+        Manifest(rd.path).append({"kind": "start"})
+    pd.stage("sft").write_status({"state": "finished", "step": 54, "steps": 55})
+    shutil.copytree(tiny / "model", pd.stage("sft").path / "export")  # (the model rm's config.yaml names)
+    check_started(load_pipeline(EXAMPLES / "tiny-pipeline.yaml", ["sft.run.epochs=4", "rm.train.lr=0.01"]
+                                ).configs(pd.path), pd)
+    out = capsys.readouterr().out
+    assert "the pipeline file now says otherwise for run.epochs (it finished, and is not run again: to run the " \
+           "pipeline with them, start it anew in another --run-dir)" in out, out
+    assert f"now says otherwise for train.lr (to change them, edit {pd.stage('rm').config})" in out, out
+
+
+def test_a_started_stage_resubmitted_is_sized_by_its_own_config(tiny, tmp_path, monkeypatch):
+    """`resume --submit` of a pipeline: a stage that started runs its config.yaml (the pipeline file's other
+    settings are only named), but its job was sized from the pipeline file: 2 trainer tasks and 5 minutes
+    for a driver that runs 1 worker with 240 (or too few tasks for the workers it starts)."""
+    from toolkit.config.pipeline import load_pipeline
+    from toolkit.launch.pipeline import PipelineDir, pipeline_jobs
+    from toolkit.store.manifest import Manifest
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # (no Slurm here: sinfo is not asked)
+    pipeline = load_pipeline(EXAMPLES / "tiny-pipeline.yaml", ["slurm.time_min=240"])
+    pd = PipelineDir(tmp_path / "p").create(pipeline)
+    sft = pipeline.configs(pd.path)[0]
+    Manifest(pd.stage("sft").create(sft).path).append({"kind": "start"})  # (sft started, did not finish)
+    edited = load_pipeline(EXAMPLES / "tiny-pipeline.yaml", ["slurm.time_min=5", "sft.placement.trainer.workers=2"])
+    (cfg, allocation), *later = pipeline_jobs(edited.configs(pd.path), pd)
+    assert cfg.stage == "sft" and cfg.slurm.time_min == 240 and cfg.placement.trainer.workers == 1
+    assert [c.tasks_per_node for c in allocation.components] == [1]
+    assert [c.slurm.time_min for c, _ in later] == [5, 5]  # (rm and rl have not started: the file as it is now)

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from toolkit.errors import ConfigError, RunError, ToolkitError
+from toolkit.errors import ConfigError, Interrupted, RunError, ToolkitError
 from toolkit.launch.rundir import RunDir
 from toolkit.newdir import check_new
 from toolkit.table import text_table
@@ -84,6 +84,25 @@ def finished(rd: RunDir) -> bool:
     return rd.read_json(rd.status).get("state") == "finished" and (rd.path / "export").is_dir()
 
 
+def started(rd: RunDir) -> bool:
+    """The stage's driver ran (its manifest has records). A stage submitted to Slurm whose job never ran (an
+    earlier stage failed, or it was cancelled) has only its config.yaml."""
+    from toolkit.store.manifest import Manifest
+
+    return rd.config.exists() and bool(Manifest(rd.path).records())
+
+
+def write_config(rd: RunDir, cfg) -> None:
+    """The config.yaml of a stage that has not started, as the pipeline file says now: a stage submitted before
+    but never run kept the config.yaml of its submission, and ran with settings the file no longer gave."""
+    from toolkit.config import dump_config
+
+    if rd.config.exists():
+        rd.write_atomic(rd.config, dump_config(cfg))
+    else:
+        rd.create(cfg)
+
+
 def check_started(configs: list, pd: PipelineDir) -> None:
     """Before a resume, of each stage that started: the pipeline file's settings that it does not follow
     (it keeps those of its config.yaml), said; and a ConfigError if an earlier stage's export it started
@@ -91,16 +110,23 @@ def check_started(configs: list, pd: PipelineDir) -> None:
     from toolkit.config import load_config
     from toolkit.store.manifest import Manifest
 
+    split_of, waiting = {}, []  # (the split each started stage keeps; the stages not started yet)
     for i, cfg in enumerate(configs):
         rd = pd.stage(cfg.stage)
         records = Manifest(rd.path).records() if rd.config.exists() else []
         if not records:  # (not started: submitted to Slurm, its config.yaml may name an export not written yet)
+            waiting.append(cfg)
             continue
-        fields = _differences(_flat(cfg.model_dump(mode="json")), _flat(load_config(rd.config).model_dump(mode="json")))
+        kept = load_config(rd.config)
+        split_of[cfg.stage] = _split(kept)
+        fields = _differences(_flat(cfg.model_dump(mode="json")), _flat(kept.model_dump(mode="json")))
+        # (a finished stage is not run again: an edit of its config.yaml changes nothing in the pipeline)
+        fix = ("it finished, and is not run again: to run the pipeline with them, start it anew in another "
+               "--run-dir" if finished(rd) else f"to change them, edit {rd.config}")
         if fields:
             print(f"pipeline: stage {cfg.stage} keeps the settings it started with ({rd.config}); the pipeline file "
-                  f"now says otherwise for {', '.join(fields[:6])}{' ...' if len(fields) > 6 else ''} (to change "
-                  f"them, edit {rd.config})", flush=True)
+                  f"now says otherwise for {', '.join(fields[:6])}{' ...' if len(fields) > 6 else ''} ({fix})",
+                  flush=True)
         text = rd.config.read_text()
         for earlier in configs[:i]:
             export = pd.stage(earlier.stage).path / "export"
@@ -110,6 +136,20 @@ def check_started(configs: list, pd: PipelineDir) -> None:
                                   f"again (step {last['step']}), so its results come from the model before; move "
                                   f"{rd.path} and the stages after it aside to run them again from the new export, "
                                   f"then resume")
+    # A stage not started yet takes the pipeline file's split as it is now; one that started keeps its own. A
+    # split changed between them gave the later stages rows (prompts) an earlier stage trained on, silently.
+    for cfg in waiting:
+        for stage, kept in split_of.items():
+            if _split(cfg) != kept:
+                raise ConfigError(f"{pd.source()}: data.split is {_split(cfg)} now, but stage {stage} started with "
+                                  f"{kept} ({pd.stage(stage).config}); a pipeline splits its rows once for every "
+                                  f"stage, and stage {cfg.stage} would train on rows of stage {stage}'s part: put "
+                                  f"data.split back as it was, or run the pipeline anew in another --run-dir")
+
+
+def _split(cfg) -> dict | None:
+    """The stage's data.split, as its config gives it."""
+    return cfg.data.split.model_dump(mode="json") if cfg.data.split is not None else None
 
 
 def _flat(value, prefix: str = "") -> dict:
@@ -132,15 +172,20 @@ def run_pipeline_here(configs: list, pd: PipelineDir, verbose: bool) -> int:
         if finished(rd):
             print(f"pipeline: {cfg.stage} finished before; its model is {rd.path / 'export'}", flush=True)
             continue
-        if rd.config.exists():
+        if started(rd):
             cfg = load_config(rd.config)  # (a stage that started before: resume it as it was)
         else:
-            rd.create(cfg)
+            write_config(rd, cfg)
         print(f"pipeline: stage {cfg.stage}", flush=True)
         try:
             code = run_here(cfg, rd, verbose)
-        except RunError as e:
-            raise RunError(f"pipeline stopped: stage {cfg.stage} failed ({rd.path}): {e}") from None
+        except RunError as e:  # (the pipeline goes on from its directory: a resume of the stage's ends with it)
+            again = "" if "slurm-rlhf resume" in str(e) else \
+                f"\ncontinue the pipeline with: slurm-rlhf resume {shlex.quote(str(pd.path))}"
+            raise RunError(f"pipeline stopped: stage {cfg.stage} failed ({rd.path}): {e}{again}") from None
+        except Interrupted as e:
+            raise Interrupted(f"{e} (pipeline stage {cfg.stage}, {rd.path}); continue the pipeline with: "
+                              f"slurm-rlhf resume {shlex.quote(str(pd.path))}", e.exit_code) from None
         if code != 0 or not finished(rd):
             print(f"pipeline stopped after stage {cfg.stage} (state {rd.read_json(rd.status).get('state')}); continue "
                   f"with: slurm-rlhf resume {shlex.quote(str(pd.path))}", flush=True)
@@ -153,10 +198,14 @@ def run_pipeline_here(configs: list, pd: PipelineDir, verbose: bool) -> int:
 def pipeline_jobs(configs: list, pd: PipelineDir) -> list[tuple]:
     """[(config, allocation)] of each stage not finished yet, every one checked against the partitions before
     any is submitted (a later stage's job that Slurm would keep waiting is named while nothing runs)."""
+    from toolkit.config import load_config
     from toolkit.launch.allocation import plan_allocation
     from toolkit.launch.submit import check_partitions
     from toolkit.placement.plan import plan
 
+    # (a stage that started runs its config.yaml: its job is sized, timed and placed from that, not from the
+    # pipeline file's settings it does not follow)
+    configs = [load_config(pd.stage(cfg.stage).config) if started(pd.stage(cfg.stage)) else cfg for cfg in configs]
     todo = [(cfg, plan_allocation(plan(cfg), cfg.slurm.heterogeneous)) for cfg in configs
             if not finished(pd.stage(cfg.stage))]
     for cfg, allocation in todo:
@@ -177,8 +226,8 @@ def submit_pipeline(todo: list[tuple], pd: PipelineDir) -> list[tuple[str, str]]
     jobs, previous = [], None
     for cfg, allocation in todo:
         rd = pd.stage(cfg.stage)
-        if not rd.config.exists():
-            rd.create(cfg)
+        if not started(rd):
+            write_config(rd, cfg)
         try:
             job_id = submit(cfg, allocation, rd, depends_on=previous)
         except ToolkitError as e:
