@@ -284,6 +284,22 @@ def running(pid: int) -> bool:
         return False
 
 
+def with_bos(tokenizer_dir: Path, out: Path):
+    """The tokenizer of `tokenizer_dir` adding BOS to text, as Llama-3's, Gemma's and Mistral's do (the tiny one
+    adds none), saved in `out` and loaded from there."""
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from toolkit.tiny import CHAT_TEMPLATE
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    bos = [("<s>", tok.token_to_id("<s>"))]
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=bos)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            padding_side="left", chat_template=CHAT_TEMPLATE).save_pretrained(out)
+    return AutoTokenizer.from_pretrained(out)
+
+
 @contextlib.contextmanager
 def killed_at_exit(proc: subprocess.Popen):
     """Ends the block with `proc`'s process group (a run started in a session of its own) killed and reaped

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import with_bos
 from toolkit.config.data import DataSection
 from toolkit.data.dataset import StageData
 from toolkit.data.prompts import PromptFeeder, prompt_text
@@ -227,24 +228,10 @@ def test_a_response_that_ends_with_the_end_of_sequence_text_gets_one_end_of_sequ
     assert tokenizer.decode(trained) == "hello 42</s>" and batch["targets"] == len(trained)
 
 
-def bos_tokenizer(tiny: Path, directory: Path):
-    """The tiny tokenizer adding BOS to text, as Llama-3's, Gemma's and Mistral's do (the tiny one adds none)."""
-    from tokenizers import Tokenizer, processors
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    from toolkit.tiny import CHAT_TEMPLATE
-
-    tok = Tokenizer.from_file(str(tiny / "model" / "tokenizer.json"))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            chat_template=CHAT_TEMPLATE).save_pretrained(directory)
-    return AutoTokenizer.from_pretrained(directory)
-
-
 def test_a_text_prompt_rendered_with_the_chat_template_already_has_one_bos_token(tiny, tmp_path):
     """A tokenizer that adds BOS to text and a prompt column written with the template (which writes BOS
     itself): the prompt started with two BOS tokens in SFT, RM and RL."""
-    tokenizer = bos_tokenizer(tiny, tmp_path / "bos")
+    tokenizer = with_bos(tiny / "model", tmp_path / "bos")
     bos = tokenizer.bos_token_id
     messages = [{"role": "user", "content": "hi there"}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -259,7 +246,7 @@ def test_ptx_text_rows_start_with_the_bos_token_a_text_prompt_has(tiny, tmp_path
     from toolkit.config.schema import PtxSection
     from toolkit.training.ptx import PtxText
 
-    tokenizer = bos_tokenizer(tiny, tmp_path / "bos")
+    tokenizer = with_bos(tiny / "model", tmp_path / "bos")
     rows = jsonl(tmp_path / "text.jsonl", [{"text": "the rivers run"}, {"text": "stars and maps</s>"}])
     ptx = PtxSection.model_validate({"coef": 1.0, "max_tokens": 64, "data": {"sources": [{"path": rows}]}})
     ids, attention, _ = PtxText(ptx, tokenizer, 0, 2, 1, 0, 1).batch(0, 0)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import example, write_config
+from tests.conftest import example, with_bos, write_config
 from tests.unit.test_samples_and_modeling import batch as make_batch
 from toolkit.config import load_config
 from toolkit.data.dataset import check_data
@@ -63,18 +63,10 @@ def test_a_long_prompt_loses_its_start_not_the_response(tiny, tmp_path):
 def test_a_reward_model_of_its_own_vocabulary_keeps_the_bos_token_of_a_cut_prompt(tiny, tmp_path):
     """A reward model whose tokenizer adds BOS (Llama-3's, Gemma's, Mistral's) read a prompt cut to the
     context without it, as the generator's prompts once were: it now keeps the BOS token first."""
-    from tokenizers import Tokenizer, processors
-    from transformers import PreTrainedTokenizerFast
-
-    from toolkit.tiny import CHAT_TEMPLATE
-
     rm = tmp_path / "rm"
     shutil.copytree(tiny / "reward_model", rm)
     build_tokenizer(rm, seed=7)  # another vocabulary, then BOS added to text
-    tok = Tokenizer.from_file(str(rm / "tokenizer.json"))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            padding_side="left", chat_template=CHAT_TEMPLATE).save_pretrained(rm)
+    with_bos(rm, rm)
     cfg = load_config(write_config(tmp_path, example(
         "tiny-grpo.yaml", tiny, rollout={"max_prompt_tokens": 8, "max_new_tokens": 8},
         reward={"models": [{"path": str(rm), "name": "rm"}]})))
