@@ -70,14 +70,17 @@ def main() -> int:
         parser.error(f"--models {args.models}: no model {', '.join(unknown)}; the models are {', '.join(MODELS)} "
                      "(Llama-2's configs in tests/fixtures/model_configs)")
 
+    from toolkit.launch.forkserver import die_with_parent
     from toolkit.table import text_table
 
     rows = [("model (PPO x4)", "nodes", "GPUs", "plans", "fit", "estimated", "search s", "peak MB", "best plan")]
     slowest, largest = 0.0, 0.0
     for model in models:
         for nodes in map(int, sizes):
+            # (each search in a process of its own, for its peak memory; it ends with this tool however this one
+            # ends: a SIGTERM while the search was being started left it running on)
             out = subprocess.run([sys.executable, __file__, "--one", str(nodes), model], capture_output=True,
-                                 text=True, check=True).stdout
+                                 text=True, check=True, preexec_fn=die_with_parent).stdout
             r = json.loads(out)
             slowest, largest = max(slowest, r["seconds"]), max(largest, r["peak_mb"])
             rows.append((f"Llama-2-{model.upper()}", str(nodes), str(nodes * 8), str(r["plans"]), str(r["fitting"]),
