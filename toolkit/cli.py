@@ -830,6 +830,15 @@ def cmd_tiny(args) -> int:
     return 0
 
 
+def _interrupt_once(signum, frame):
+    """The first SIGINT or SIGTERM ends the command through its clean-up; the ones after it are ignored, so that
+    they cannot cut that clean-up short (Ctrl-C pressed twice, or given to `timeout N slurm-rlhf ...`, which
+    passes it on a second time: it raised in vLLM's shutdown, a traceback and its file left in TMPDIR)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise_interrupt(signum, frame)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     wait_passively()  # (before any command imports torch; the workers a run starts inherit it)
@@ -842,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     # writing removed, vLLM shut down with its temporary files; also where SIGINT was inherited as ignored
     # (the background of a script). A run's driver puts its own handlers in place while its workers run.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, raise_interrupt)
+        signal.signal(sig, _interrupt_once)
     try:
         code = handler(args)
         sys.stdout.flush()  # (here, not at exit: a reader that left is met below)

@@ -439,6 +439,43 @@ def test_a_second_ctrl_c_while_the_command_exits_changes_nothing():
     assert proc.returncode == 130 and err.strip() == "interrupted (SIGINT)", (proc.returncode, err)
 
 
+def test_a_second_ctrl_c_during_the_commands_clean_up_does_not_cut_it_short(tmp_path):
+    """Ctrl-C twice, the second while the command cleans up after the first (generate's vLLM shutting down; or
+    `timeout N slurm-rlhf ...` given Ctrl-C, which passes the SIGINT on to the command a second time): the second
+    raised inside the clean-up, which printed a traceback and left the engine's `vllm_dist_*` file in TMPDIR.
+    Now the clean-up runs to its end. The clean-up here waits for the test, so no timing decides it."""
+    import signal
+
+    done = tmp_path / "cleaned"
+    code = ("import sys, time\n"
+            "import toolkit.cli as c\n"
+            "def slow(args):\n"
+            "    try:\n"
+            "        print('ready', flush=True)\n"
+            "        time.sleep(120)\n"
+            "    finally:\n"
+            "        print('cleaning', flush=True)\n"
+            "        sys.stdin.readline()\n"
+            f"        open({str(done)!r}, 'w').close()\n"
+            "c.cmd_tiny = slow\n"
+            "sys.argv = ['slurm-rlhf', 'tiny', 'none']\n"
+            "sys.exit(c.main())\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline().strip() == "cleaning"
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)  # (delivered by then: the clean-up waits in readline)
+        _, err = proc.communicate("\n", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and err.strip() == "interrupted (SIGINT)", (proc.returncode, err)
+    assert done.exists()
+
+
 # A tool's run as a user starts it: what it said, and whether torch was imported by the time it exited.
 TOOL_RUN = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
             "finally:\n    print('torch imported' if 'torch' in sys.modules else 'no torch')\n")
