@@ -102,6 +102,7 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
     from toolkit.config import load_config
     from toolkit.config.commented import commented_yaml
     from toolkit.config.schema import RunConfig
+    from toolkit.data.dataset import check_data
 
     model_dir, target = Path(model), Path(out)
     if not (model_dir / "config.json").is_file():
@@ -153,6 +154,7 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
     try:
         tmp.write_text(commented_yaml(data, RunConfig) + "\n")
         cfg = load_config(tmp)
+        check_data(cfg)  # (its rows too, as `validate` reads them: a --prompts file of no prompts was written)
         if cluster is not None:
             header.append(_plan_into(data, cfg, cluster, notes))
         text = "\n".join(f"# {line}" for line in header) + "\n" + commented_yaml(data, RunConfig) + "\n"
