@@ -266,6 +266,30 @@ def test_inspect_of_a_file_that_is_not_experience_names_it(tmp_path):
     assert result.returncode == 2 and f"{tmp_path} is not a run directory (no config.yaml)" in result.stderr
 
 
+def test_a_run_directory_given_for_a_config_file_says_how_to_go_on(tmp_path):
+    """`slurm-rlhf run runs/r1` (a run directory, where a config file goes) said `runs/r1: cannot read config
+    (Is a directory)`: what was wrong, not what to do. It says now that the directory is a run's (or a
+    pipeline's), how to continue it, and where its config is."""
+    run, pipeline, empty = tmp_path / "r1", tmp_path / "p1", tmp_path / "empty"
+    for directory in (run, pipeline, empty):
+        directory.mkdir()
+    (run / "config.yaml").write_text("run: {name: r1}\n")
+    (pipeline / "pipeline.json").write_text("{}")
+    for command in ("run", "validate", "render"):
+        result = cli(command, run, timeout=60)
+        assert result.returncode == 2 and result.stderr.strip() == (
+            f"error: {run} is a run directory, not a config file; continue its run with `slurm-rlhf resume {run}`, "
+            f"or give its config, {run / 'config.yaml'}"), result.stderr
+    result = cli("run", pipeline, timeout=60)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"error: {pipeline} is a pipeline directory, not a config file; continue its pipeline with `slurm-rlhf resume "
+        f"{pipeline}`"), result.stderr
+    result = cli("validate", empty, timeout=60)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"error: {empty} is a directory, not a config file; give a run config (YAML), e.g. "
+        "templates/examples/tiny-grpo.yaml"), result.stderr
+
+
 def test_a_reader_that_leaves_ends_the_command_quietly():
     """`slurm-rlhf plan ... | head -1` once ended in a BrokenPipeError's traceback: now the command stops with
     the status of a Unix tool killed by SIGPIPE and prints nothing more."""
