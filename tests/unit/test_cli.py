@@ -290,6 +290,22 @@ def test_a_run_directory_given_for_a_config_file_says_how_to_go_on(tmp_path):
         "templates/examples/tiny-grpo.yaml"), result.stderr
 
 
+def test_a_run_directory_that_holds_a_run_says_how_to_continue_it(tmp_path):
+    """`slurm-rlhf run tiny-grpo.yaml` a second time (after a Ctrl-C, say) into runs/tiny-grpo said to choose
+    another --run-dir or remove that directory, and nothing of resume: removing it loses the run's committed
+    experience and checkpoints. The message gives the resume command first, as a pipeline's does."""
+    from toolkit.errors import ConfigError
+    from toolkit.launch.rundir import RunDir
+
+    run = RunDir(tmp_path / "tiny grpo")
+    run.path.mkdir()
+    run.config.write_text("")
+    with pytest.raises(ConfigError) as info:
+        run.create(None)
+    assert str(info.value) == (f"{run.path} already holds a run (config.yaml); continue it with `slurm-rlhf resume "
+                               f"'{run.path}'`, or choose another --run-dir (or remove that directory)")
+
+
 def test_a_reader_that_leaves_ends_the_command_quietly():
     """`slurm-rlhf plan ... | head -1` once ended in a BrokenPipeError's traceback: now the command stops with
     the status of a Unix tool killed by SIGPIPE and prints nothing more."""
