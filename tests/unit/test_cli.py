@@ -306,6 +306,20 @@ def test_a_run_directory_that_holds_a_run_says_how_to_continue_it(tmp_path):
                                f"'{run.path}'`, or choose another --run-dir (or remove that directory)")
 
 
+def test_what_a_command_wrote_is_named_by_its_absolute_path(tiny, tmp_path):
+    """`init --out run.yaml` said `wrote run.yaml`, `plan --write planned.yaml` `wrote the best plan into
+    planned.yaml` (and report, generate, tiny likewise), where export named its absolute path: one way, the
+    absolute path, that a user can open from any folder."""
+    result = cli("init", "--model", tiny / "model", "--out", "new/run.yaml", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"wrote {tmp_path / 'new' / 'run.yaml'}: grpo on model"), result.stdout
+    assert f"example prompts in {tmp_path / 'new' / 'prompts.example.jsonl'}: " in result.stdout
+    result = cli("plan", "new/run.yaml", "--cluster", REPO / "templates" / "clusters" / "this-machine.yaml",
+                 "--write", "planned.yaml", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith(f"wrote the best plan into {tmp_path / 'planned.yaml'}\n"), result.stdout
+
+
 def test_a_reader_that_leaves_ends_the_command_quietly():
     """`slurm-rlhf plan ... | head -1` once ended in a BrokenPipeError's traceback: now the command stops with
     the status of a Unix tool killed by SIGPIPE and prints nothing more."""

@@ -133,7 +133,7 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
         if not prompts_path.exists():
             prompts_path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in EXAMPLE_PROMPTS))
             made = prompts_path
-        notes.append(f"example prompts in {prompts_path}: replace them with yours (data.prompts)")
+        notes.append(f"example prompts in {prompts_path.absolute()}: replace them with yours (data.prompts)")
     else:
         prompts_path = Path(prompts)
     if reward_model is None:
@@ -167,9 +167,8 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
         raise
     finally:
         tmp.unlink(missing_ok=True)
-    return [f"wrote {target}: {algorithm} on {model_dir.name} ({size}); {header[-1]}"
-            if cluster is not None else f"wrote {target}: {algorithm} on {model_dir.name} ({size}), to run on this "
-            "machine", *notes]
+    wrote = f"wrote {target.absolute()}: {algorithm} on {model_dir.name} ({size})"
+    return [f"{wrote}; {header[-1]}" if cluster is not None else f"{wrote}, to run on this machine", *notes]
 
 
 def _plan_into(data: dict, cfg, cluster, notes: list[str]) -> str:
