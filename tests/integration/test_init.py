@@ -100,8 +100,8 @@ def test_init_refuses_a_prompts_file_that_validate_would_refuse(tiny, tmp_path, 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(text)
     with pytest.raises(ConfigError, match=message):
-        write_starter(str(tiny / "model"), str(tmp_path / "out" / "run.yaml"), prompts=str(prompts))
-    assert not (tmp_path / "out" / "run.yaml").exists()
+        write_starter(str(tiny / "model"), str(tmp_path / "out" / "new" / "run.yaml"), prompts=str(prompts))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]  # (nor the folders it made for --out)
 
 
 def test_init_out_a_directory_is_named_even_with_force(tiny, tmp_path):

@@ -9,6 +9,7 @@ here with one worker per node group.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -126,6 +127,7 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
         cluster = load_cluster(cluster_file)
     gpus = bool(cluster and cluster.gpus_per_node)
     shape, uncounted = _shape(model_dir, cluster_file)
+    folders = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # (made here: removed on failure)
     target.parent.mkdir(parents=True, exist_ok=True)
     notes, made = [], None
     if prompts is None:
@@ -164,6 +166,10 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
     except BaseException:
         if made is not None:  # (nothing left behind by a config that was not written)
             made.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+        for folder in folders:  # (the deepest first)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
     finally:
         tmp.unlink(missing_ok=True)
