@@ -678,7 +678,7 @@ def cmd_plan(args) -> int:
         return 1
     if args.write:
         write_config(cfg, found.fit[0], args.write)
-        print(f"wrote the best plan into {args.write}", file=sys.stderr if args.json else sys.stdout)
+        print(f"wrote the best plan into {args.write.absolute()}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -734,7 +734,8 @@ def cmd_generate(args) -> int:
     count = generate(source.path, args.input, args.output, params, args.backend, args.seed, args.chat_template,
                      args.max_model_len, progress=Progress(sys.stderr), prompt_key=args.prompt_key,
                      input_key=args.input_key)
-    print(f"wrote {count} samples to {'standard output' if args.output == '-' else args.output}", file=sys.stderr)
+    print(f"wrote {count} samples to {'standard output' if args.output == '-' else Path(args.output).absolute()}",
+          file=sys.stderr)
     return 0
 
 
@@ -809,7 +810,7 @@ def cmd_report(args) -> int:
     if args.last_steps < 1:
         raise ConfigError("--last-steps must be at least 1")
     os.umask(0o077)  # (samples and the config: for the run's owner, also in an --out folder that exists)
-    print(f"wrote {write_report(args.run_dir, args.out, steps, args.last_steps, args.force)}")
+    print(f"wrote {write_report(args.run_dir, args.out, steps, args.last_steps, args.force).absolute()}")
     return 0
 
 
@@ -826,7 +827,7 @@ def cmd_tiny(args) -> int:
     from toolkit.tiny import build_tiny
 
     out = build_tiny(args.out_dir, args.seed)
-    print(f"tiny model set in {out}")
+    print(f"tiny model set in {Path(out).absolute()}")
     return 0
 
 

@@ -20,7 +20,7 @@ def run_command(command: Callable[[], int | None]) -> int:
     was inherited as ignored (the background of a script). A run's driver puts its own handlers in place while
     its workers run."""
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, raise_interrupt)
+        signal.signal(sig, _interrupt_once)
     try:
         code = command()
         sys.stdout.flush()  # (here, not at exit: a reader that left is met below)
@@ -41,3 +41,12 @@ def run_command(command: Callable[[], int | None]) -> int:
         # letting it end with what it returned (130 after "interrupted"); ignored, it changes nothing.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
+
+
+def _interrupt_once(signum, frame):
+    """The first SIGINT or SIGTERM ends the command through its clean-up; the ones after it are ignored, so that
+    they cannot cut that clean-up short (Ctrl-C pressed twice, or given to `timeout N slurm-rlhf ...`, which
+    passes it on a second time: it raised in vLLM's shutdown, a traceback and its file left in TMPDIR)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise_interrupt(signum, frame)

@@ -85,6 +85,25 @@ def test_init_names_what_is_wrong(tiny, tmp_path, args, message):
     assert not (tmp_path / "x.yaml").exists()
 
 
+@pytest.mark.parametrize("text, message", [
+    ("", "no rows in the file"),
+    ('{"prompt": "a"\n', ":1: not valid JSON"),
+    ('{"text": "a"}\n', ":1: no non-empty string field 'prompt'"),
+])
+def test_init_refuses_a_prompts_file_that_validate_would_refuse(tiny, tmp_path, text, message):
+    """`init --prompts FILE` checked the config's fields only, so a prompts file that is empty, not JSON Lines, or
+    without a `prompt` field gave `wrote run.yaml` and exit 0, and then `validate` and `run` refused what init
+    wrote. Its rows are read now, as `validate` reads them, before anything is written."""
+    from toolkit.config.starter import write_starter
+    from toolkit.errors import ConfigError
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        write_starter(str(tiny / "model"), str(tmp_path / "out" / "new" / "run.yaml"), prompts=str(prompts))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]  # (nor the folders it made for --out)
+
+
 def test_init_out_a_directory_is_named_even_with_force(tiny, tmp_path):
     result = cli("init", "--model", tiny / "model", "--out", tmp_path, "--force")
     assert result.returncode == 2 and f"--out {tmp_path} is a directory" in result.stderr, result.stderr

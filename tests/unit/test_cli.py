@@ -266,6 +266,60 @@ def test_inspect_of_a_file_that_is_not_experience_names_it(tmp_path):
     assert result.returncode == 2 and f"{tmp_path} is not a run directory (no config.yaml)" in result.stderr
 
 
+def test_a_run_directory_given_for_a_config_file_says_how_to_go_on(tmp_path):
+    """`slurm-rlhf run runs/r1` (a run directory, where a config file goes) said `runs/r1: cannot read config
+    (Is a directory)`: what was wrong, not what to do. It says now that the directory is a run's (or a
+    pipeline's), how to continue it, and where its config is."""
+    run, pipeline, empty = tmp_path / "r1", tmp_path / "p1", tmp_path / "empty"
+    for directory in (run, pipeline, empty):
+        directory.mkdir()
+    (run / "config.yaml").write_text("run: {name: r1}\n")
+    (pipeline / "pipeline.json").write_text("{}")
+    for command in ("run", "validate", "render"):
+        result = cli(command, run, timeout=60)
+        assert result.returncode == 2 and result.stderr.strip() == (
+            f"error: {run} is a run directory, not a config file; continue its run with `slurm-rlhf resume {run}`, "
+            f"or give its config, {run / 'config.yaml'}"), result.stderr
+    result = cli("run", pipeline, timeout=60)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"error: {pipeline} is a pipeline directory, not a config file; continue its pipeline with `slurm-rlhf resume "
+        f"{pipeline}`"), result.stderr
+    result = cli("validate", empty, timeout=60)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"error: {empty} is a directory, not a config file; give a run config (YAML), e.g. "
+        "templates/examples/tiny-grpo.yaml"), result.stderr
+
+
+def test_a_run_directory_that_holds_a_run_says_how_to_continue_it(tmp_path):
+    """`slurm-rlhf run tiny-grpo.yaml` a second time (after a Ctrl-C, say) into runs/tiny-grpo said to choose
+    another --run-dir or remove that directory, and nothing of resume: removing it loses the run's committed
+    experience and checkpoints. The message gives the resume command first, as a pipeline's does."""
+    from toolkit.errors import ConfigError
+    from toolkit.launch.rundir import RunDir
+
+    run = RunDir(tmp_path / "tiny grpo")
+    run.path.mkdir()
+    run.config.write_text("")
+    with pytest.raises(ConfigError) as info:
+        run.create(None)
+    assert str(info.value) == (f"{run.path} already holds a run (config.yaml); continue it with `slurm-rlhf resume "
+                               f"'{run.path}'`, or choose another --run-dir (or remove that directory)")
+
+
+def test_what_a_command_wrote_is_named_by_its_absolute_path(tiny, tmp_path):
+    """`init --out run.yaml` said `wrote run.yaml`, `plan --write planned.yaml` `wrote the best plan into
+    planned.yaml` (and report, generate, tiny likewise), where export named its absolute path: one way, the
+    absolute path, that a user can open from any folder."""
+    result = cli("init", "--model", tiny / "model", "--out", "new/run.yaml", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"wrote {tmp_path / 'new' / 'run.yaml'}: grpo on model"), result.stdout
+    assert f"example prompts in {tmp_path / 'new' / 'prompts.example.jsonl'}: " in result.stdout
+    result = cli("plan", "new/run.yaml", "--cluster", REPO / "templates" / "clusters" / "this-machine.yaml",
+                 "--write", "planned.yaml", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith(f"wrote the best plan into {tmp_path / 'planned.yaml'}\n"), result.stdout
+
+
 def test_a_reader_that_leaves_ends_the_command_quietly():
     """`slurm-rlhf plan ... | head -1` once ended in a BrokenPipeError's traceback: now the command stops with
     the status of a Unix tool killed by SIGPIPE and prints nothing more."""
@@ -464,6 +518,43 @@ def test_a_tool_ended_by_sigterm_says_so_in_one_line_and_exits_143():
     while running(search[0]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not running(search[0]), "the tool's search outlived it"
+
+
+def test_a_second_ctrl_c_during_the_commands_clean_up_does_not_cut_it_short(tmp_path):
+    """Ctrl-C twice, the second while the command cleans up after the first (generate's vLLM shutting down; or
+    `timeout N slurm-rlhf ...` given Ctrl-C, which passes the SIGINT on to the command a second time): the second
+    raised inside the clean-up, which printed a traceback and left the engine's `vllm_dist_*` file in TMPDIR.
+    Now the clean-up runs to its end. The clean-up here waits for the test, so no timing decides it."""
+    import signal
+
+    done = tmp_path / "cleaned"
+    code = ("import sys, time\n"
+            "import toolkit.cli as c\n"
+            "def slow(args):\n"
+            "    try:\n"
+            "        print('ready', flush=True)\n"
+            "        time.sleep(120)\n"
+            "    finally:\n"
+            "        print('cleaning', flush=True)\n"
+            "        sys.stdin.readline()\n"
+            f"        open({str(done)!r}, 'w').close()\n"
+            "c.cmd_tiny = slow\n"
+            "sys.argv = ['slurm-rlhf', 'tiny', 'none']\n"
+            "sys.exit(c.main())\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline().strip() == "cleaning"
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)  # (delivered by then: the clean-up waits in readline)
+        _, err = proc.communicate("\n", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and err.strip() == "interrupted (SIGINT)", (proc.returncode, err)
+    assert done.exists()
 
 
 # A tool's run as a user starts it: what it said, and whether torch was imported by the time it exited.

@@ -11,9 +11,13 @@ from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import WorkerGroup
 
 
-def given(monkeypatch, tmp_path, visible: str | None, env: dict | None = None) -> dict[str, str]:
+def given(monkeypatch, tmp_path, visible: str | None, env: dict | None = None,
+          machine: int | None = 8) -> dict[str, str]:
     """{worker: CUDA_VISIBLE_DEVICES} that a local run of a generator (1 GPU each, 2 workers), a scorer
-    without GPUs and a trainer (2 GPUs) gets, with the driver's CUDA_VISIBLE_DEVICES `visible`."""
+    without GPUs and a trainer (2 GPUs) gets, with the driver's CUDA_VISIBLE_DEVICES `visible`, on a machine
+    of `machine` GPUs (a stand-in for torch's count; None: this machine's, counted by torch)."""
+    if machine is not None:
+        monkeypatch.setattr("toolkit.launch.local.machine_gpus", lambda: machine)
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
@@ -44,3 +48,21 @@ def test_workers_get_the_gpus_the_driver_was_given(monkeypatch, tmp_path):
     with pytest.raises(RunError, match="the run's workers take 4 GPUs, and CUDA_VISIBLE_DEVICES= gives this "
                                        "driver 0"):
         given(monkeypatch, tmp_path, "")  # (set, and empty: no GPU)
+
+
+def test_a_run_that_takes_more_gpus_than_the_machine_has_is_refused(monkeypatch, tmp_path):
+    """Without CUDA_VISIBLE_DEVICES the workers took GPUs 0, 1, ... whether the machine had them or not: a config
+    planned for 1x8-a100-40g.yaml, run here (no GPU), started 8 workers on CPUs, each with a vLLM engine of
+    33.5 GB of KV cache. Now the machine's GPUs are counted (by torch, as the workers count them) first."""
+    import subprocess
+    import sys
+
+    count = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                               capture_output=True, text=True, timeout=300).stdout)
+    if count >= 4:
+        pytest.skip(f"this machine has {count} GPUs, as many as the run takes")
+    with pytest.raises(RunError, match=f"the run's workers take 4 GPUs \\(gpus_per_worker\\), and this machine "
+                                       f"has {count}; run it where there are that many"):
+        given(monkeypatch, tmp_path, None, machine=None)
+    with pytest.raises(RunError, match="this machine has 3"):
+        given(monkeypatch, tmp_path, None, machine=3)

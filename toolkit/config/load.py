@@ -10,6 +10,7 @@ The top-level `stage` key says which config it is: `rl` (the default), `sft` or 
 from __future__ import annotations
 
 import re
+import shlex
 import types
 import typing
 from pathlib import Path
@@ -76,6 +77,15 @@ def _unshared(value: Any, path: str | Path, inside: frozenset = frozenset()) -> 
 def read_yaml(path: str | Path) -> tuple[dict, str]:
     """(mapping, text) of a YAML config file; ConfigError naming the file (and line) if it is not one."""
     path = Path(path)
+    if path.is_dir():  # (a run's own, often: `run runs/r1` for `resume runs/r1`)
+        if (path / "pipeline.json").is_file():
+            raise ConfigError(f"{path} is a pipeline directory, not a config file; continue its pipeline with "
+                              f"`slurm-rlhf resume {shlex.quote(str(path))}`")
+        if (path / "config.yaml").is_file():
+            raise ConfigError(f"{path} is a run directory, not a config file; continue its run with `slurm-rlhf "
+                              f"resume {shlex.quote(str(path))}`, or give its config, {path / 'config.yaml'}")
+        raise ConfigError(f"{path} is a directory, not a config file; give a run config (YAML), e.g. "
+                          "templates/examples/tiny-grpo.yaml")
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:

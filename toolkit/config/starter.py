@@ -9,6 +9,7 @@ here with one worker per node group.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -102,6 +103,7 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
     from toolkit.config import load_config
     from toolkit.config.commented import commented_yaml
     from toolkit.config.schema import RunConfig
+    from toolkit.data.dataset import check_data
 
     model_dir, target = Path(model), Path(out)
     if not (model_dir / "config.json").is_file():
@@ -125,6 +127,7 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
         cluster = load_cluster(cluster_file)
     gpus = bool(cluster and cluster.gpus_per_node)
     shape, uncounted = _shape(model_dir, cluster_file)
+    folders = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # (made here: removed on failure)
     target.parent.mkdir(parents=True, exist_ok=True)
     notes, made = [], None
     if prompts is None:
@@ -132,7 +135,7 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
         if not prompts_path.exists():
             prompts_path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in EXAMPLE_PROMPTS))
             made = prompts_path
-        notes.append(f"example prompts in {prompts_path}: replace them with yours (data.prompts)")
+        notes.append(f"example prompts in {prompts_path.absolute()}: replace them with yours (data.prompts)")
     else:
         prompts_path = Path(prompts)
     if reward_model is None:
@@ -153,6 +156,7 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
     try:
         tmp.write_text(commented_yaml(data, RunConfig) + "\n")
         cfg = load_config(tmp)
+        check_data(cfg)  # (its rows too, as `validate` reads them: a --prompts file of no prompts was written)
         if cluster is not None:
             header.append(_plan_into(data, cfg, cluster, notes))
         text = "\n".join(f"# {line}" for line in header) + "\n" + commented_yaml(data, RunConfig) + "\n"
@@ -162,12 +166,15 @@ def write_starter(model: str, out: str, cluster_file: str | None = None, prompts
     except BaseException:
         if made is not None:  # (nothing left behind by a config that was not written)
             made.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+        for folder in folders:  # (the deepest first)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
     finally:
         tmp.unlink(missing_ok=True)
-    return [f"wrote {target}: {algorithm} on {model_dir.name} ({size}); {header[-1]}"
-            if cluster is not None else f"wrote {target}: {algorithm} on {model_dir.name} ({size}), to run on this "
-            "machine", *notes]
+    wrote = f"wrote {target.absolute()}: {algorithm} on {model_dir.name} ({size})"
+    return [f"{wrote}; {header[-1]}" if cluster is not None else f"{wrote}, to run on this machine", *notes]
 
 
 def _plan_into(data: dict, cfg, cluster, notes: list[str]) -> str:

@@ -25,10 +25,29 @@ from toolkit.placement.plan import WorkerGroup
 from toolkit.tmpdir import remove_left
 
 
+def machine_gpus() -> int:
+    """The GPUs of this machine, as torch counts them for the workers (in a process of its own: the driver does
+    not import torch)."""
+    probe = [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"]
+    try:
+        out = subprocess.run(probe, capture_output=True, text=True, timeout=300)
+        return int(out.stdout.split()[-1])
+    except (subprocess.TimeoutExpired, OSError) as e:
+        raise RunError(f"could not count this machine's GPUs with torch: {e}") from None
+    except (ValueError, IndexError):
+        raise RunError(f"could not count this machine's GPUs with torch: {out.stderr.strip()[-300:]}") from None
+
+
 def visible_gpus(environ, wanted: int) -> list[str]:
     """The `wanted` GPUs to hand out to the workers, in order: among those CUDA_VISIBLE_DEVICES gives the
-    driver where it is set (`2,3`: GPUs 2 and 3, not 0 and 1, which may be someone else's), else 0, 1, ..."""
+    driver where it is set (`2,3`: GPUs 2 and 3, not 0 and 1, which may be someone else's), else 0, 1, ...
+    of the machine's (a config planned for a GPU cluster, run on a machine without them, started its
+    workers on CPUs with the GPUs' settings: 8 vLLM engines of 33.5 GB of KV cache each)."""
     if "CUDA_VISIBLE_DEVICES" not in environ:
+        if wanted and wanted > (count := machine_gpus()):
+            raise RunError(f"the run's workers take {wanted} GPUs (gpus_per_worker), and this machine has {count}; "
+                           "run it where there are that many (slurm-rlhf submit), or give it fewer workers or "
+                           "gpus_per_worker (0: on CPUs)")
         return [str(i) for i in range(wanted)]
     visible = environ["CUDA_VISIBLE_DEVICES"].strip()
     devices = [d.strip() for d in visible.split(",")] if visible else []  # ("": no GPU at all)

@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -49,8 +50,8 @@ class RunDir:
     def create(self, cfg: RunConfig) -> "RunDir":
         """Make a new run directory for `cfg`; an existing run is never overwritten."""
         if self.config.exists():
-            raise ConfigError(f"{self.path} already holds a run (config.yaml); choose another --run-dir "
-                              "or remove that directory")
+            raise ConfigError(f"{self.path} already holds a run (config.yaml); continue it with `slurm-rlhf resume "
+                              f"{shlex.quote(str(self.path))}`, or choose another --run-dir (or remove that directory)")
         check_new(self.path, f"--run-dir {self.path}", "run")
         self.private()
         self.logs.mkdir(exist_ok=True)
