@@ -267,7 +267,7 @@ def test_fit_cuts_the_prompt_from_the_left():
 
 @pytest.mark.parametrize("text,kind,expected", [
     ('{"prompt": "a"}\n[1, 2]\n', "prompt", ":2: expected a JSON object"),
-    ('{"prompt": "a"}\n{"prompt": "b"\n', "prompt", ":2: not valid JSON"),
+    ('{"prompt": "a"}\n{"prompt": "b"\n', "prompt", ":2: not valid JSON (Expecting ',' delimiter at column 15)"),
     ('{"prompt": ""}\n', "prompt", ":1: field 'prompt' is '' (str), not non-empty text"),
     ('{"prompt": "a"}\n{"prompt": 3}\n', "prompt", ":2: field 'prompt' is 3 (int), not non-empty text"),
     ('{"question": "a"}\n', "prompt", "set data.prompt_key to the field holding the prompt"),

@@ -44,7 +44,7 @@ def _line_row(raw: bytes, path: str, number: int) -> Row | None:
     if not line.strip():
         return None
     try:
-        data = json.loads(line)
+        data = json.loads(line.rstrip("\r\n"))  # (with its line break, a cut line's error was at column 1 of the next)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}); "
                           "each line must be one JSON object (or the file one JSON array of them)") from None
