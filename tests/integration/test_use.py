@@ -413,6 +413,7 @@ def test_eval_follow_scores_each_checkpoint_as_the_run_writes_it_and_ends_with_t
     (["--follow", "--steps", "2"], "--follow scores every checkpoint as the run writes it; leave out --steps"),
     (["--follow", "--poll-s", "0"], "--poll-s 0: give a number of seconds above 0"),
     (["--input", "missing.jsonl"], "--input missing.jsonl: no such file"),
+    (["--input", "DIR"], "a directory; give a JSON Lines file of prompts"),  # (it said "no such file")
     (["--name", "../x"], "--name '../x': use letters, digits"),
     ([], "the run holds out no prompts (data.eval_fraction is 0): give prompts to evaluate on with --input FILE"),
     # (each hint names what eval has: it said --max-model-len, which eval lacks, and `set data.prompt_key`, which
@@ -425,7 +426,7 @@ def test_eval_follow_scores_each_checkpoint_as_the_run_writes_it_and_ends_with_t
 ])
 def test_eval_names_what_is_wrong(trained, prompts, tmp_path, args, message):
     (tmp_path / "nokey.jsonl").write_text('{"text": "hi"}\n')
-    files = {"PROMPTS": prompts, "NOKEY": tmp_path / "nokey.jsonl"}
+    files = {"PROMPTS": prompts, "NOKEY": tmp_path / "nokey.jsonl", "DIR": tmp_path}
     result = cli("eval", trained, *[files.get(a, a) for a in args])
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "--max-model-len" not in result.stderr and "set data.prompt_key" not in result.stderr

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from toolkit.errors import ConfigError
-from toolkit.use.sampler import Sampling
+from toolkit.use.sampler import Sampling, check_input
 
 IN_RUN = "in-run"
 """The name of the evaluations a run makes itself (eval.every_steps): RUN_DIR/eval/in-run."""
@@ -76,8 +76,7 @@ def file_prompts(path: str, cfg) -> list[EvalPrompt]:
     from toolkit.data.examples import example_of
     from toolkit.data.sources import read_source
 
-    if not Path(path).is_file():
-        raise ConfigError(f"--input {path}: no such file")
+    check_input(path)
     keys = cfg.data  # (the run's: a row without its prompt is fixed in the file, not by a setting)
     fix = (f"--input is read with the run's data keys: give every row its prompt in field {keys.prompt_key!r} (the "
            f"run's data.prompt_key) or chat messages in {keys.messages_key!r} (data.messages_key)")

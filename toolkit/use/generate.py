@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from toolkit.errors import ConfigError
-from toolkit.use.sampler import Sampler, Sampling, check_model
+from toolkit.use.sampler import Sampler, Sampling, check_input, check_model
 
 BATCH = 64  # prompts per engine call (vLLM schedules within it)
 OUTPUT_FIELDS = ("sample", "response", "response_tokens", "finished", "logprob")  # added to each row's fields
@@ -30,8 +30,7 @@ def read_rows(path: str, prompt_key: str = "prompt", input_key: str | None = Non
     from toolkit.data.examples import with_input
     from toolkit.data.jsonl import rows
 
-    if not Path(path).is_file():
-        raise ConfigError(f"--input {path}: no such file")
+    check_input(path)
     found = []
     for row in rows(path):
         prompt = row.data.get(prompt_key, row.data.get("messages"))

@@ -58,6 +58,13 @@ def check_model(model: Path) -> None:
         raise ConfigError(problem)
 
 
+def check_input(path: str) -> None:
+    """ConfigError unless `--input` names a file: missing, or a directory (it said "no such file" of one)."""
+    if not Path(path).is_file():
+        raise ConfigError(f"--input {path}: " + ("a directory; give a JSON Lines file of prompts"
+                                                 if Path(path).is_dir() else "no such file"))
+
+
 def default_context(model: Path) -> int:
     """The context an engine gets where none is given: the model's own, at most 2048 tokens."""
     limit = context_limit(model)
