@@ -494,6 +494,10 @@ def test_a_key_given_twice_is_refused_not_overwritten(tiny, tmp_path):
     clusters.write_text("name: a\nname: b\n")
     with pytest.raises(ConfigError, match=f"{clusters}:2:1: not valid YAML: key 'name' is given twice"):
         load_cluster(clusters)
+    for text, holds in (("", "nothing"), ("- 1\n", "list")):  # (it said ": Input should be a valid dictionary")
+        clusters.write_text(text)
+        with pytest.raises(ConfigError, match=f"{clusters}: not a cluster file: it holds {holds}, where a mapping"):
+            load_cluster(clusters)
 
 
 def test_a_set_on_an_aliased_section_changes_that_place_only(tiny, tmp_path):

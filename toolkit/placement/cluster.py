@@ -103,6 +103,10 @@ def load_cluster(path: str | Path) -> Cluster:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); a cluster "
                           "file is a YAML file") from None
     data = parse_yaml(text, path)
+    if not isinstance(data, dict):  # (an empty file: pydantic's words were ": Input should be a valid dictionary")
+        raise ConfigError(f"{path}: not a cluster file: it holds {'nothing' if data is None else type(data).__name__}, "
+                          "where a mapping of nodes, gpus_per_node, device, ... belongs; start from one of "
+                          "templates/clusters/ (or write one with tools/calibrate.py)")
     try:
         return Cluster.model_validate(data)
     except ValidationError as e:
