@@ -199,10 +199,11 @@ def test_every_dependency_in_pyproject_is_installed():
     assert not missing, f"in pyproject.toml but not installed (add them to tools/setup.sh): {missing}"
 
 
-@pytest.mark.parametrize("command", [["report"], ["export", "OUT"], ["generate", "--input", "x.jsonl"], ["inspect"]])
+@pytest.mark.parametrize("command", [["report"], ["export", "OUT"], ["generate", "--input", "x.jsonl"], ["inspect"],
+                                     ["eval"]])
 def test_a_pipeline_directory_is_named_with_its_stages(tmp_path, command):
-    """`report`, `export`, `generate` and `inspect` take one stage's run directory; given a pipeline's, they
-    list its stages."""
+    """`report`, `export`, `generate`, `inspect` and `eval` take one stage's run directory; given a pipeline's, they
+    list its stages (eval said `not a run directory`)."""
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "pipeline.json").write_text("{}")
     for stage in ("sft", "rm", "rl"):

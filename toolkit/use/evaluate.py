@@ -141,10 +141,12 @@ def evaluate(run_dir: str, params: Sampling, input_path: str | None = None, step
 
     from toolkit.config import load_config
     from toolkit.data.tokens import cut_left, render_prompt
+    from toolkit.launch.pipeline import refuse_pipeline_dir
     from toolkit.use.sampler import Sampler, over_context, pick_backend
     from toolkit.use.source import NO_CHECKPOINT, checkpoints, resolve
 
     run = Path(run_dir)
+    refuse_pipeline_dir(run, "evaluate")  # (its RL stage, by name, as report and export say)
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"{run_dir}: not a run directory (no config.yaml); eval scores the checkpoints of an RL run")
     cfg = load_config(run / "config.yaml")
