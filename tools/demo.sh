@@ -2,6 +2,10 @@
 # The demo: install what is missing, build the tiny model set offline, run tiny GRPO into RUN_DIR.
 #   bash tools/demo.sh [RUN_DIR]      (default runs/demo)
 set -euo pipefail
+case "${1:-}" in
+    -h|--help) sed -n '2,3s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    -*) echo "demo.sh: unknown option $1 (usage: bash tools/demo.sh [RUN_DIR])" >&2; exit 2 ;;
+esac
 RUN_DIR=${1:-}
 case "$RUN_DIR" in ""|/*) ;; *) RUN_DIR="$PWD/$RUN_DIR" ;; esac  # (a RUN_DIR given is the caller's folder's)
 cd "$(dirname "$0")/.."

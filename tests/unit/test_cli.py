@@ -927,3 +927,15 @@ def test_a_started_stage_resubmitted_is_sized_by_its_own_config(tiny, tmp_path, 
     assert cfg.stage == "sft" and cfg.slurm.time_min == 240 and cfg.placement.trainer.workers == 1
     assert [c.tasks_per_node for c in allocation.components] == [1]
     assert [c.slurm.time_min for c, _ in later] == [5, 5]  # (rm and rl have not started: the file as it is now)
+
+
+def test_the_demo_script_answers_help_without_installing_or_running(tmp_path):
+    """`bash tools/demo.sh --help` took `--help` for its run directory: it ran the setup and then a run into
+    `$PWD/--help`. It now prints its usage, and refuses an option it does not know, before anything else."""
+    helped = subprocess.run(["bash", str(REPO / "tools/demo.sh"), "--help"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert helped.returncode == 0 and "bash tools/demo.sh [RUN_DIR]" in helped.stdout, helped.stdout + helped.stderr
+    wrong = subprocess.run(["bash", str(REPO / "tools/demo.sh"), "--fast"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60)
+    assert wrong.returncode == 2 and "demo.sh: unknown option --fast" in wrong.stderr, wrong.stderr
+    assert list(tmp_path.iterdir()) == []
