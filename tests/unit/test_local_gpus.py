@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from toolkit.errors import RunError
+from toolkit.launch import local
 from toolkit.launch.local import LocalLauncher
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import WorkerGroup
@@ -31,6 +32,7 @@ def given(monkeypatch, tmp_path, visible: str | None, env: dict | None = None) -
 def test_workers_get_the_gpus_the_driver_was_given(monkeypatch, tmp_path):
     """With CUDA_VISIBLE_DEVICES=4,5,6,7 (a shared workstation, or salloc without device cgroups) the workers
     took GPUs 0-3, which may be busy or someone else's."""
+    monkeypatch.setattr(local, "gpu_count", lambda: 8, raising=False)  # (unset: GPUs 0, 1, ... of a machine of 8)
     assert given(monkeypatch, tmp_path, None) == {"generator:0": "0", "generator:1": "1", "scorer:0": None,
                                                   "trainer:0": "2,3"}
     assert given(monkeypatch, tmp_path, "4, 5,6,7,9") == {  # (a worker without GPUs is left as it was)
@@ -44,3 +46,20 @@ def test_workers_get_the_gpus_the_driver_was_given(monkeypatch, tmp_path):
     with pytest.raises(RunError, match="the run's workers take 4 GPUs, and CUDA_VISIBLE_DEVICES= gives this "
                                        "driver 0"):
         given(monkeypatch, tmp_path, "")  # (set, and empty: no GPU)
+
+
+def test_gpus_asked_of_a_machine_without_enough_is_an_error(monkeypatch, tmp_path):
+    """gpus_per_worker on a machine without GPUs (CUDA_VISIBLE_DEVICES unset) handed out GPUs 0, 1, ... that
+    do not exist: the run trained on its CPUs and said nothing. Now it stops before anything starts and
+    names the settings (this machine's own count, from torch)."""
+    import torch
+
+    have = torch.cuda.device_count()
+    if have >= 4:
+        pytest.skip(f"this machine has {have} GPUs, enough for the run")
+    with pytest.raises(RunError) as error:
+        given(monkeypatch, tmp_path, None)
+    assert str(error.value) == (
+        "the run's workers take 4 GPUs (placement.generator.gpus_per_worker 1 x 2 workers, "
+        f"placement.trainer.gpus_per_worker 2 x 1 workers), and this machine has {have}; set gpus_per_worker 0 "
+        "to run on CPUs, or run where there are enough GPUs")

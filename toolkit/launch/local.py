@@ -25,10 +25,23 @@ from toolkit.placement.plan import WorkerGroup
 from toolkit.tmpdir import remove_left
 
 
-def visible_gpus(environ, wanted: int) -> list[str]:
+def gpu_count() -> int:
+    """How many GPUs this machine has, as torch counts them (torch is imported only where GPUs are asked for)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def visible_gpus(environ, wanted: int, asked: str = "") -> list[str]:
     """The `wanted` GPUs to hand out to the workers, in order: among those CUDA_VISIBLE_DEVICES gives the
-    driver where it is set (`2,3`: GPUs 2 and 3, not 0 and 1, which may be someone else's), else 0, 1, ..."""
+    driver where it is set (`2,3`: GPUs 2 and 3, not 0 and 1, which may be someone else's), else 0, 1, ...
+    of those the machine has. `asked`: which settings ask for them, for the error. (Without the count, a
+    run asking for GPUs on a machine without any trained on its CPUs and said nothing.)"""
     if "CUDA_VISIBLE_DEVICES" not in environ:
+        count = gpu_count() if wanted else 0
+        if wanted > count:
+            raise RunError(f"the run's workers take {wanted} GPUs ({asked}), and this machine has {count}; "
+                           "set gpus_per_worker 0 to run on CPUs, or run where there are enough GPUs")
         return [str(i) for i in range(wanted)]
     visible = environ["CUDA_VISIBLE_DEVICES"].strip()
     devices = [d.strip() for d in visible.split(",")] if visible else []  # ("": no GPU at all)
@@ -49,7 +62,9 @@ class LocalLauncher:
         self.server: ForkServer | None = None  # (toolkit/launch/forkserver.py)
 
     def start(self, groups: list[WorkerGroup], env: dict[str, str]) -> None:
-        gpus = visible_gpus({**os.environ, **env}, sum(g.workers * g.gpus_per_worker for g in groups))
+        asked = ", ".join(f"placement.{g.name}.gpus_per_worker {g.gpus_per_worker} x {g.workers} workers"
+                          for g in groups if g.gpus_per_worker)
+        gpus = visible_gpus({**os.environ, **env}, sum(g.workers * g.gpus_per_worker for g in groups), asked)
         if usable(groups):
             self.server = ForkServer({**os.environ, **env}, self.run_dir.logs / "fork-server.log")
         for group in groups:
