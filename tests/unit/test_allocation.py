@@ -50,7 +50,7 @@ def test_groups_split_the_gpus_of_the_same_nodes(tiny, tmp_path):
                                                          "cpus_per_worker": 4, "same_nodes_as": "trainer",
                                                          "mem_gb": 200},
                              trainer={"workers": 8, "nodes": 2, "gpus_per_worker": 1, "cpus_per_worker": 8},
-                             scorer={"gpus_per_worker": 1})
+                             scorer={"gpus_per_worker": 1, "mem_gb": 200})  # (one job: the same memory)
     a = plan_allocation(groups)
     assert not a.heterogeneous and a.nodes == 3  # the scorer's node and the two shared ones
     (c,) = a.components
@@ -80,6 +80,31 @@ def test_groups_split_the_gpus_of_the_same_nodes(tiny, tmp_path):
     assert [g.name for g in c.groups] == ["trainer", "generator"] and c.nodes == 1
     assert (c.tasks_per_node, c.gpus_per_node) == (6, 8)
     assert _resources(c)["gpus-per-node"] == 8 and _resources(c)["gpus-per-task"] is None
+
+
+def test_memory_of_one_group_does_not_cap_the_nodes_of_the_others(tiny, tmp_path):
+    """One job's --mem holds on every node: `scorer: {mem_gb: 16}` gave the trainer's nodes, which ask for
+    none (their partition's default), 16 GB each too, while the placement table said '-' for them."""
+    from toolkit.launch.sbatch import _resources
+
+    _, groups = groups_for(tiny, tmp_path, scorer={"mem_gb": 16}, trainer={"workers": 4, "nodes": 2})
+    a = plan_allocation(groups)
+    assert a.heterogeneous and a.nodes == 4
+    memory = {g.name: _resources(a.components[a.component_of(g)])["mem"] for g in groups}
+    assert memory == {"generator": None, "scorer": "16G", "trainer": None}
+    with pytest.raises(ConfigError) as error:
+        plan_allocation(groups, "never")
+    assert str(error.value) == (
+        "slurm.heterogeneous is 'never', so every node of the job gets the same memory, but placement.<group>.mem_gb "
+        "is set for scorer 16 and not for generator, trainer (their partition's default); give those groups mem_gb "
+        "too, or allow a heterogeneous job")
+    # The same memory everywhere, or asked for by every node set under `never`: one job, the most of them
+    _, groups = groups_for(tiny, tmp_path / "all", generator={"mem_gb": 8}, scorer={"mem_gb": 16},
+                           trainer={"mem_gb": 16})
+    (c,) = plan_allocation(groups, "never").components
+    assert c.mem_gb == pytest.approx(16)
+    assert not plan_allocation(groups_for(tiny, tmp_path / "same", **{n: {"mem_gb": 16} for n in (
+        "generator", "scorer", "trainer")})[1]).heterogeneous
 
 
 def test_same_nodes_as_errors(tiny, tmp_path):

@@ -305,6 +305,9 @@ def test_vllm_splits_the_key_value_heads_too():
                                                 "a control character"),
     (["slurm.sbatch={mail-user: \"a\\nb\"}"], "holds a control character (a line break?)"),
     (["placement.trainer.env={\"A=B\": x}"], "env: 'A=B' is not an environment variable name"),
+    (["placement.trainer.env={CUDA_VISIBLE_DEVICES: \"6,7\"}", "placement.trainer.gpus_per_worker=1"],
+     "placement.trainer: env: CUDA_VISIBLE_DEVICES would not be used: each worker of a group with "
+     "gpus_per_worker gets its own GPUs"),
     (["slurm.time_min=1"], "slurm.signal_lead_s (120 s) and stop_margin_s (15 s) do not fit in the time limit"),
     (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=4", "placement.generator.cpus_per_worker=4"],
      "rollout.vllm.tensor_parallel_size (4) does not split the 2 attention heads and 2 key/value heads of "
@@ -319,7 +322,7 @@ def test_values_that_could_not_work_are_refused(tiny, tmp_path, overrides, expec
     """Each of these passed validation and failed later, or silently: NaN and infinite settings, line
     breaks in #SBATCH values, environment names Popen refuses, a time limit shorter than the checkpoint
     warning, a TP size vLLM refuses, a pair of one field twice, an adaptive KL coefficient starting at 0 (which
-    it multiplies)."""
+    it multiplies), a group's CUDA_VISIBLE_DEVICES that the launcher replaced by GPUs 0, 1, ...)."""
     assert expected in error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny)), overrides)
 
 

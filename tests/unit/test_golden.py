@@ -34,7 +34,9 @@ def check(name: str, text: str) -> None:
 
 def configs(tiny, tmp_path):
     one = example("tiny-grpo.yaml", tiny, slurm=SLURM, trainer={"micro_batch_size": 8},
-                  placement={"trainer": {"workers": 2, "nodes": 2, "cpus_per_worker": 2, "mem_gb": 16}})
+                  placement={"trainer": {"workers": 2, "nodes": 2, "cpus_per_worker": 2, "mem_gb": 16},
+                             # (one job: every node gets its --mem, so every group asks for the same)
+                             "generator": {"mem_gb": 16}, "scorer": {"mem_gb": 16}})
     het = example("tiny-ppo.yaml", tiny, slurm=SLURM,
                   placement={"generator": {"partition": "gpu-a", "gpus_per_worker": 1, "cpus_per_worker": 8},
                              "scorer": {"partition": "cpu"},

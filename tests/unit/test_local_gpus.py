@@ -61,8 +61,9 @@ def test_a_run_that_takes_more_gpus_than_the_machine_has_is_refused(monkeypatch,
                                capture_output=True, text=True, timeout=300).stdout)
     if count >= 4:
         pytest.skip(f"this machine has {count} GPUs, as many as the run takes")
-    with pytest.raises(RunError, match=f"the run's workers take 4 GPUs \\(gpus_per_worker\\), and this machine "
-                                       f"has {count}; run it where there are that many"):
+    with pytest.raises(RunError, match=f"the run's workers take 4 GPUs \\(placement.generator.gpus_per_worker 1 x 2 "
+                                       f"workers, placement.trainer.gpus_per_worker 2 x 1 workers\\), and this "
+                                       f"machine has {count}; run it where there are that many"):
         given(monkeypatch, tmp_path, None, machine=None)
     with pytest.raises(RunError, match="this machine has 3"):
         given(monkeypatch, tmp_path, None, machine=3)

@@ -362,6 +362,11 @@ class GroupSection(Section):
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
                 raise ValueError(f"env: {name!r} is not an environment variable name (letters, digits and _, "
                                  "not starting with a digit)")
+        if self.gpus_per_worker and "CUDA_VISIBLE_DEVICES" in self.env:  # (it was replaced without a word)
+            raise ValueError(f"env: CUDA_VISIBLE_DEVICES would not be used: each worker of a group with "
+                             f"gpus_per_worker gets its own GPUs, {self.gpus_per_worker} of those the driver's "
+                             "CUDA_VISIBLE_DEVICES gives it (under Slurm, of the job step's); set it where you "
+                             "start `slurm-rlhf run` instead, or remove it here")
         if self.workers % self.nodes:
             raise ValueError(f"workers ({self.workers}) must be a multiple of nodes ({self.nodes}): "
                              "each node of a group runs the same number of workers")
@@ -430,8 +435,8 @@ class SlurmSection(Section):
     job_name: OneLine | None = None
     """Name of the Slurm job (default: `run.name`)."""
     heterogeneous: Literal["auto", "always", "never"] = "auto"
-    """`auto`: a heterogeneous job when node groups need different partitions, node features or GPU
-    counts, one allocation otherwise; `always`: one job component per node set (a node group with
+    """`auto`: a heterogeneous job when node groups need different partitions, node features, GPU
+    counts or memory (`mem_gb`: one job's --mem holds on all its nodes), one allocation otherwise; `always`: one job component per node set (a node group with
     `same_nodes_as` is in the component of the group it names); `never`: one."""
     setup: list[str] = []
     """Shell lines the batch script runs before the driver (e.g. `module load cuda`)."""

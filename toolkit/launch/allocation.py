@@ -65,22 +65,35 @@ def plan_allocation(groups: list[WorkerGroup], heterogeneous: str = "auto") -> A
     """The allocation for `groups` (`heterogeneous`: auto, always or never; see SlurmSection). Groups on the
     same nodes are always in one component."""
     sets = node_sets(groups)
-    apart = {(s[0].partition, s[0].constraint, frozenset(g.gpus_per_worker for g in s)) for s in sets}
+    # (memory too: one job's --mem holds on each of its nodes, so a group's mem_gb capped the nodes of
+    # groups that asked for none, their partition's default, and trainer nodes were killed for memory)
+    apart = {(s[0].partition, s[0].constraint, frozenset(g.gpus_per_worker for g in s), _memory(s)) for s in sets}
     if heterogeneous == "never" and len({(g.partition, g.constraint) for g in groups}) > 1:
         where = ", ".join(f"{g.name}: partition {g.partition or '(default)'}, constraint {g.constraint or '-'}"
                           for g in groups)
         raise ConfigError(f"slurm.heterogeneous is 'never' but the node groups need different partitions or "
                           f"node features ({where}); allow a heterogeneous job or give them the same")
+    if heterogeneous == "never" and None in {_memory(s) for s in sets} and any(_memory(s) for s in sets):
+        asked = ", ".join(f"{g.name} {g.mem_gb:g}" for g in groups if g.mem_gb)
+        others = ", ".join(s[0].name for s in sets if not _memory(s))
+        raise ConfigError(f"slurm.heterogeneous is 'never', so every node of the job gets the same memory, but "
+                          f"placement.<group>.mem_gb is set for {asked} and not for {others} (their partition's "
+                          "default); give those groups mem_gb too, or allow a heterogeneous job")
     if heterogeneous == "always" or (heterogeneous == "auto" and len(apart) > 1):
         return Allocation(tuple(_component(s) for s in sets))
     return Allocation((_component(tuple(groups)),))
+
+
+def _memory(node_set: tuple[WorkerGroup, ...]) -> float | None:
+    """GB per node that the groups of a node set ask for together; None: none asks (the partition's default)."""
+    return sum(g.mem_gb for g in node_set if g.mem_gb) or None
 
 
 def _component(groups: tuple[WorkerGroup, ...]) -> Component:
     """Resources per node: the most any of its node sets needs (the groups of a set add up)."""
     sets = node_sets(list(groups))
     cpus = [g.cpus_per_worker for g in groups if g.cpus_per_worker]
-    mems = [sum(g.mem_gb for g in s if g.mem_gb) for s in sets]
+    mems = [_memory(s) or 0 for s in sets]
     gpus = {g.gpus_per_worker for g in groups}
     shared = any(len(s) > 1 for s in sets)
     return Component(groups, max(sum(g.tasks_per_node for g in s) for s in sets), max(cpus) if cpus else None,

@@ -38,14 +38,15 @@ def machine_gpus() -> int:
         raise RunError(f"could not count this machine's GPUs with torch: {out.stderr.strip()[-300:]}") from None
 
 
-def visible_gpus(environ, wanted: int) -> list[str]:
+def visible_gpus(environ, wanted: int, asked: str = "gpus_per_worker") -> list[str]:
     """The `wanted` GPUs to hand out to the workers, in order: among those CUDA_VISIBLE_DEVICES gives the
     driver where it is set (`2,3`: GPUs 2 and 3, not 0 and 1, which may be someone else's), else 0, 1, ...
     of the machine's (a config planned for a GPU cluster, run on a machine without them, started its
-    workers on CPUs with the GPUs' settings: 8 vLLM engines of 33.5 GB of KV cache each)."""
+    workers on CPUs with the GPUs' settings: 8 vLLM engines of 33.5 GB of KV cache each). `asked`: the
+    settings that ask for them, for the error."""
     if "CUDA_VISIBLE_DEVICES" not in environ:
         if wanted and wanted > (count := machine_gpus()):
-            raise RunError(f"the run's workers take {wanted} GPUs (gpus_per_worker), and this machine has {count}; "
+            raise RunError(f"the run's workers take {wanted} GPUs ({asked}), and this machine has {count}; "
                            "run it where there are that many (slurm-rlhf submit), or give it fewer workers or "
                            "gpus_per_worker (0: on CPUs)")
         return [str(i) for i in range(wanted)]
@@ -68,7 +69,9 @@ class LocalLauncher:
         self.server: ForkServer | None = None  # (toolkit/launch/forkserver.py)
 
     def start(self, groups: list[WorkerGroup], env: dict[str, str]) -> None:
-        gpus = visible_gpus({**os.environ, **env}, sum(g.workers * g.gpus_per_worker for g in groups))
+        asked = ", ".join(f"placement.{g.name}.gpus_per_worker {g.gpus_per_worker} x {g.workers} workers"
+                          for g in groups if g.gpus_per_worker)
+        gpus = visible_gpus({**os.environ, **env}, sum(g.workers * g.gpus_per_worker for g in groups), asked)
         if usable(groups):
             self.server = ForkServer({**os.environ, **env}, self.run_dir.logs / "fork-server.log")
         for group in groups:
