@@ -436,8 +436,9 @@ class SlurmSection(Section):
     """Name of the Slurm job (default: `run.name`)."""
     heterogeneous: Literal["auto", "always", "never"] = "auto"
     """`auto`: a heterogeneous job when node groups need different partitions, node features, GPU
-    counts or memory (`mem_gb`: one job's --mem holds on all its nodes), one allocation otherwise; `always`: one job component per node set (a node group with
-    `same_nodes_as` is in the component of the group it names); `never`: one."""
+    counts or memory (`mem_gb`: one job's --mem holds on all its nodes), one allocation otherwise;
+    `always`: one job component per node set (a node group with `same_nodes_as` is in the component of the
+    group it names); `never`: one."""
     setup: list[str] = []
     """Shell lines the batch script runs before the driver (e.g. `module load cuda`)."""
     sbatch: dict[str, str | int | float | bool] = {}
