@@ -677,7 +677,7 @@ def cmd_plan(args) -> int:
     if not found.fit:
         return 1
     if args.write:
-        write_config(cfg, found.fit[0], args.write)
+        write_config(cfg, found.fit[0], args.write, cluster.cpus_per_node)
         print(f"wrote the best plan into {args.write.absolute()}", file=sys.stderr if args.json else sys.stdout)
     return 0
 

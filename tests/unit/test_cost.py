@@ -15,6 +15,7 @@ from toolkit.placement.cluster import Cluster, load_cluster
 from toolkit.errors import ConfigError
 from toolkit.placement.cost import ModelShape, Switches, Workload, estimate, remedy, trainer_memory
 from toolkit.placement.layout import PRESETS, Group, Layout
+from toolkit.placement.plan import plan
 from toolkit.placement.planner import node_counts, search, setting_of, workload_of
 
 CLUSTERS = REPO / "templates" / "clusters"
@@ -297,6 +298,19 @@ def test_plan_writes_a_config_that_loads(tiny, tmp_path):
     assert yaml.safe_load(out.read_text())["placement"]["strategy"] == best[1]
     # the setting read back from the written config is the one the planner chose
     assert setting_of(cfg).strategy == best[1]
+    # Each GPU worker gets its share of its node's 112 cores (the template's cpus_per_node): without it,
+    # Slurm gave each task one CPU, which a trainer's CPU Adam and vLLM's scheduler then shared.
+    placed = plan(cfg)
+    groups = [g for g in placed if g.gpus_per_worker]
+    on_node = {g.name: sum(o.tasks_per_node for o in placed if (g.same_nodes_as or g.name) in (o.name, o.same_nodes_as))
+               for g in groups}
+    assert groups and all(g.cpus_per_worker == 112 // on_node[g.name] for g in groups), \
+        [(g.name, g.cpus_per_worker, on_node[g.name]) for g in groups]
+    data = example("tiny-grpo.yaml", tiny)  # (a group that sets its own keeps it)
+    data["placement"] = {"strategy": "flattening", "all": {"cpus_per_worker": 3}}
+    cli("plan", write_config(tmp_path, data, name="own.yaml"), "--cluster", CLUSTERS / "2x8-h100.yaml",
+        "--strategy", "flattening", "--write", tmp_path / "own-planned.yaml", timeout=120)
+    assert load_config(tmp_path / "own-planned.yaml").placement.group_with("actor").cpus_per_worker == 3
     # (a --write that cannot be written is refused before the search, not in a traceback after it)
     for bad, says in [(tmp_path, f"--write {tmp_path} is a directory"),
                       (tmp_path / "nodir" / "x.yaml", f"its folder {tmp_path / 'nodir'} does not exist"),

@@ -190,7 +190,7 @@ def _plan_into(data: dict, cfg, cluster, notes: list[str]) -> str:
                      "written (see `slurm-rlhf plan` and the trainer's memory switches)")
         return f"No plan fits {cluster.name} by the planner's estimate; the default placement is written."
     s = fit[0].setting
-    data["placement"] = placement_of(s)
+    data["placement"] = placement_of(s, cpus_per_node=cluster.cpus_per_node)
     data["trainer"].update(zero_stage=s.zero_stage, micro_batch_size=s.micro_batch)
     rollout_of(fit[0], data["rollout"])
     return (f"Planned for {cluster.name}: {s.strategy}, {s.describe()}, ZeRO-{s.zero_stage}, micro-batch "

@@ -79,6 +79,11 @@ class Cluster(_Section):
     nodes: int = Field(ge=1)
     gpus_per_node: int = Field(default=0, ge=0)
     """0: CPU nodes; a node is then one device."""
+    cpus_per_node: int | None = Field(default=None, ge=1)
+    """CPU cores of a node that a job may use. `plan` (and `init`) give each worker of a GPU group its share
+    (`cpus_per_worker`: the node's cores over the workers on it) where the config sets none: without it, a
+    Slurm job gives each task one CPU (Slurm's default), which a trainer's data work, its CPU Adam under
+    `offload_optimizer` and vLLM's scheduler then share. None: nothing written."""
     shared: bool = False
     """True when every node group runs on the same machine(s) (the local launcher): groups take turns on
     the devices instead of owning nodes of their own."""

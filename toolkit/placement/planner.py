@@ -535,22 +535,24 @@ def kv_cache_gb(c: Candidate) -> float:
     return max(0.1, math.floor(c.estimate.kv_cache_gb * 10) / 10)
 
 
-def as_config(cfg, c: Candidate) -> dict:
-    """`cfg` (resolved) with the placement and parallel settings of plan `c`, as a config mapping."""
+def as_config(cfg, c: Candidate, cpus_per_node: int | None = None) -> dict:
+    """`cfg` (resolved) with the placement and parallel settings of plan `c`, as a config mapping (on nodes of
+    `cpus_per_node` cores: see placement_of)."""
     s = c.setting
     data = cfg.model_dump(mode="json", exclude_none=True)
-    data["placement"] = placement_of(s, data.get("placement", {}))
+    data["placement"] = placement_of(s, data.get("placement", {}), cpus_per_node)
     data["placement"]["offload"] = s.offload
     data["trainer"].update(zero_stage=s.zero_stage, micro_batch_size=s.micro_batch)
     rollout_of(c, data["rollout"])
     return data
 
 
-def placement_of(s: Layout, before: dict | None = None) -> dict:
+def placement_of(s: Layout, before: dict | None = None, cpus_per_node: int | None = None) -> dict:
     """The `placement` mapping of layout `s`: its strategy and each group's nodes, workers, GPUs per worker
     and the group whose nodes it shares, over what `before` (a config's placement) set for a group of
     that name (its CPUs, memory, partition). A critic on ranks of its own is no preset: the groups are
-    then listed with their models (`custom`)."""
+    then listed with their models (`custom`). On nodes of `cpus_per_node` cores, a GPU group that `before`
+    gives no `cpus_per_worker` gets its workers' share of their nodes' cores (Slurm's default: one each)."""
     placement = {"strategy": "custom" if s.critic_apart else s.strategy}
     for g in s.groups:
         old = {k: v for k, v in dict((before or {}).get(g.name) or {}).items() if k not in ("models", "same_nodes_as")}
@@ -558,6 +560,10 @@ def placement_of(s: Layout, before: dict | None = None) -> dict:
                              "workers": g.workers, "gpus_per_worker": g.gpus_per_worker}
         if g.same_nodes_as:
             placement[g.name]["same_nodes_as"] = g.same_nodes_as
+        if cpus_per_node and g.gpus_per_worker and "cpus_per_worker" not in old:
+            home = g.same_nodes_as or g.name  # (the groups on these nodes: the one that owns them, and its guests)
+            tasks = sum(o.workers // o.nodes for o in s.groups if home in (o.name, o.same_nodes_as))
+            placement[g.name]["cpus_per_worker"] = max(1, cpus_per_node // tasks)
     return placement
 
 
@@ -575,12 +581,12 @@ def rollout_of(c: Candidate, rollout: dict) -> None:
         rollout["generate_batch_size"] = c.estimate.generate_batch
 
 
-def write_config(cfg, c: Candidate, path: Path) -> None:
+def write_config(cfg, c: Candidate, path: Path, cpus_per_node: int | None = None) -> None:
     import yaml
 
     from toolkit.config.load import validate
 
-    data = as_config(cfg, c)
+    data = as_config(cfg, c, cpus_per_node)
     s = c.setting
     validate(data, base_dir=path.resolve().parent, source=path)  # refuse to write what would not load
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"  # (whole or not at all)
