@@ -82,6 +82,13 @@ def test_three_strategies_same_rewards_and_losses(tiny, interleaving_whole, tmp_
         assert line in (tmp_path / name).read_text(), name
     parked = [r.get("park_s") for r in results["flattening"][1]]
     assert all(s is not None and s > 0 for s in parked[:-1]) and parked[-1] is None, parked  # (not after the last)
+    # (here nothing moves, and DeepSpeed's full gc.collect in it, 0.5-1.8 s a step, leaves out what exists)
+    assert all(s < 0.2 for s in parked[:-1]), parked
+    # (parking is a phase of the worker's own, in `status` and the report's timeline: it was `idle`, drawn as a wait)
+    phases = [json.loads(line) for line in (tmp_path / "flattening/timeline/all-0.jsonl").read_text().splitlines()]
+    spans = [(a["step"], b["t"] - a["t"]) for a, b in zip(phases, phases[1:]) if a["phase"] == "parking"]
+    assert [step for step, _ in spans] == [0, 1], phases
+    assert all(seconds >= s - 1e-3 for (_, seconds), s in zip(spans, parked)), (spans, parked)
     assert all("park_s" not in r for r in results["interleaving"][1])
 
 

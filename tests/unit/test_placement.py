@@ -73,6 +73,25 @@ def test_the_critic_on_ranks_of_its_own(tiny, tmp_path):
     assert load_config(write_config(tmp_path, data)).trainer.zero_stage == 3  # (each part shards over its own ranks)
 
 
+def test_a_lost_worker_of_a_shared_group_is_named_with_its_roles(tiny, tmp_path):
+    """The driver's error for a worker that died names its roles where its group's name does not say them: a
+    Flattening worker said only `all worker rank 0 (all:0, pid ... on node vm) exited with signal SIGKILL`."""
+    from types import SimpleNamespace
+
+    from toolkit.launch.supervisor import Supervisor
+
+    def describe(strategy: str, worker_id: str) -> str:
+        driver = SimpleNamespace(groups=plan(cfg_of(tiny, tmp_path, strategy=strategy)),
+                                 book={worker_id: {"pid": 12507, "node": "vm"}})
+        return Supervisor._describe(driver, worker_id)
+
+    assert describe("flattening", "all:0") == ("all worker rank 0 (all:0, pid 12507 on node vm; roles generator, "
+                                               "reference, reward, trainer)")
+    assert describe("colocate_all_models", "trainer:0") == ("trainer worker rank 0 (trainer:0, pid 12507 on node vm; "
+                                                            "roles trainer, reference, reward)")
+    assert describe("separation", "trainer:0") == "trainer worker rank 0 (trainer:0, pid 12507 on node vm)"
+
+
 def error_of(tiny, tmp_path, data) -> str:
     with pytest.raises(ConfigError) as info:
         load_config(write_config(tmp_path, data))

@@ -91,3 +91,19 @@ def test_a_figure_stopped_while_it_is_written_leaves_the_last_one_whole(tmp_path
     with pytest.raises(KeyboardInterrupt):
         plots.save(plots.curves(metrics), path)
     assert path.read_bytes() == whole and [p.name for p in tmp_path.iterdir()] == ["curves.png"]
+
+
+def test_parking_is_drawn_as_a_phase_of_its_own():
+    """`placement.offload`'s parking (the trainer's state to host memory while a generator in its worker runs,
+    1.3-1.7 s of a Flattening step on this machine) was left out of the step-time bars, and its timeline phase
+    was `idle`: drawn as a wait."""
+    metrics = [{"step": 0, "generate_s": 0.3, "train_s": 0.2, "park_s": 1.3, "step_s": 2.0}]
+    fig = plots.step_time(metrics)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert labels == ["step (wall)", "generate", "train", "parking (placement.offload)"]
+    phases = [{"t": t, "phase": phase, "step": 0} for t, phase in
+              ((0.0, "registering"), (0.1, "generating"), (0.5, "training"), (0.7, "parking"), (2.0, "idle"))]
+    bars = drawn(plots.timeline({"all-0": phases}, 0.0, 2.5))["all-0"]
+    assert [p for p, *_ in bars] == ["registering", "generating", "training", "parking"], bars
+    _, p0, p1 = bars[-1]
+    assert abs(p0 - 0.7) < 1e-9 and abs(p1 - 2.0) < 1e-9

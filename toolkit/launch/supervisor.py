@@ -560,6 +560,9 @@ class Supervisor:
                 where += f", Slurm step {entry['slurm_step']}"
         else:
             where = self.launcher.describe(worker_id)
+        roles = next(g.roles for g in self.groups if g.name == group)
+        if roles != (group,):  # (a group of several roles, or one named otherwise: Flattening's `all`)
+            where += f"; roles {', '.join(roles)}"
         return f"{group} worker rank {rank} ({worker_id}, {where})"
 
     def _log_hint(self, worker_id: str, lines: int = 8) -> str:

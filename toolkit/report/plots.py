@@ -16,11 +16,13 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 # What a step's seconds are spent on, as the driver records them (RL); a supervised stage has its update's
 # step_s, and evaluation and checkpoint seconds.
 PHASES = [("generate_s", "generate"), ("score_s", "score"), ("train_s", "train"), ("sync_s", "weight sync"),
-          ("checkpoint_s", "checkpoint"), ("commit_s", "HDF5 commit"), ("eval_wall_s", "in-run evaluation"),
+          ("checkpoint_s", "checkpoint"), ("park_s", "parking (placement.offload)"), ("commit_s", "HDF5 commit"),
+          ("eval_wall_s", "in-run evaluation"),
           ("eval_s", "evaluation")]  # (eval_s: a stage's evaluation, after its update, step_s)
 COLORS = {"generating": "tab:blue", "scoring": "tab:orange", "training": "tab:green", "syncing": "tab:red",
           "checkpointing": "tab:purple", "collecting": "tab:olive", "replaying": "tab:brown",
           "evaluating": "tab:cyan", "setup": "tab:gray", "registering": "lightgray", "ready": "gainsboro",
+          "parking": "tab:pink",  # (placement.offload: the trainer's state goes to host memory)
           "restarting": "black"}  # (restarting: the worker was lost; from then until it registers again; unseen_ends)
 IDLE = ("idle", "done", "ready", "collecting")  # drawn as gaps: the worker waits (the trainer for samples)
 

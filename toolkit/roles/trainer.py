@@ -486,6 +486,7 @@ class TrainerRole(Role):
 
         if not (self.cfg.placement.offload and self.generator is not None):
             return None
+        self.status["phase"] = "parking"  # (a phase of its own: not a wait in `status` and the report's timeline)
         started = time.monotonic()
         self.parked = [engine for engine in self.engines.values() if park(engine)]
         return time.monotonic() - started
