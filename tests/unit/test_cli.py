@@ -465,8 +465,6 @@ def test_a_second_ctrl_c_while_the_command_exits_changes_nothing():
     exits (here in an exit hook, as a run's driver or vLLM's clean-up has). It once raised there, or killed
     the process by the signal after Python had put back the default handlers (a run's test saw -2 instead
     of 130); now it is ignored. The hook waits for the test, so no timing decides it."""
-    import signal
-
     code = ("import atexit, sys, time\n"
             "import toolkit.cli as c\n"
             "def slow(args):\n"
@@ -479,19 +477,28 @@ def test_a_second_ctrl_c_while_the_command_exits_changes_nothing():
             "atexit.register(hook)\n"
             "sys.argv = ['slurm-rlhf', 'tiny', 'none']\n"
             "sys.exit(c.main())\n")
+    code, err = interrupted_twice(code, "exiting")
+    assert code == 130 and err.strip() == "interrupted (SIGINT)", (code, err)
+
+
+def interrupted_twice(code: str, then: str) -> tuple[int, str]:
+    """Run Python `code`, which prints `ready` and then, once Ctrl-C came, `then` and waits for a line of input:
+    SIGINT at each of the two, the line given half a second after the second; (exit code, its stderr)."""
+    import signal
+
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGINT)
-        assert proc.stdout.readline().strip() == "exiting"
+        assert proc.stdout.readline().strip() == then
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)  # (delivered or not by then, the outcome must be the same)
         _, err = proc.communicate("\n", timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130 and err.strip() == "interrupted (SIGINT)", (proc.returncode, err)
+    return proc.returncode, err
 
 
 def test_a_tool_ended_by_sigterm_says_so_in_one_line_and_exits_143():
@@ -526,8 +533,6 @@ def test_a_second_ctrl_c_during_the_commands_clean_up_does_not_cut_it_short(tmp_
     `timeout N slurm-rlhf ...` given Ctrl-C, which passes the SIGINT on to the command a second time): the second
     raised inside the clean-up, which printed a traceback and left the engine's `vllm_dist_*` file in TMPDIR.
     Now the clean-up runs to its end. The clean-up here waits for the test, so no timing decides it."""
-    import signal
-
     done = tmp_path / "cleaned"
     code = ("import sys, time\n"
             "import toolkit.cli as c\n"
@@ -542,20 +547,8 @@ def test_a_second_ctrl_c_during_the_commands_clean_up_does_not_cut_it_short(tmp_
             "c.cmd_tiny = slow\n"
             "sys.argv = ['slurm-rlhf', 'tiny', 'none']\n"
             "sys.exit(c.main())\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGINT)
-        assert proc.stdout.readline().strip() == "cleaning"
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)  # (delivered by then: the clean-up waits in readline)
-        _, err = proc.communicate("\n", timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130 and err.strip() == "interrupted (SIGINT)", (proc.returncode, err)
-    assert done.exists()
+    code, err = interrupted_twice(code, "cleaning")
+    assert code == 130 and err.strip() == "interrupted (SIGINT)" and done.exists(), (code, err)
 
 
 # A tool's run as a user starts it: what it said, and whether torch was imported by the time it exited.
