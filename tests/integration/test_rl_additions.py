@@ -118,6 +118,25 @@ def test_ema_is_the_average_of_the_weights_and_is_exported(tiny, ema_run):
     assert max((exported[k] - final[k]).abs().max().item() for k in names) > 1e-4  # not the last weights
 
 
+def test_ema_turned_on_at_a_resume_starts_from_the_resumed_weights(rloo_run, tmp_path):
+    """trainer.ema set in RUN_DIR/config.yaml of a run that had none, and run.steps raised: its checkpoint has
+    no ema.safetensors, and the resume ended in a FileNotFoundError (a traceback from the trainer). The
+    average starts from the checkpoint's weights instead, and the driver says so."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(rloo_run[0], run_dir)
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["run"]["steps"], config["trainer"]["ema"] = 4, EMA_DECAY
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    result = cli("resume", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ("trainer.ema: checkpoints/step-000003 has no EMA (trainer.ema was off when it was saved): the average "
+            "starts from its weights") in result.stdout
+    start, last = (load_file(run_dir / "checkpoints" / f"step-{s:06d}" / "hf" / "model.safetensors") for s in (3, 4))
+    exported = load_file(run_dir / "export-ema" / "model.safetensors")
+    assert max((exported[k] - (EMA_DECAY * start[k] + (1 - EMA_DECAY) * last[k])).abs().max().item()
+               for k in start) < 1e-5
+
+
 def test_ptx_mixes_a_language_modelling_loss_in(tiny, tmp_path):
     text = {"sources": [{"path": str(tiny / "pipeline.jsonl")}], "text_key": "response"}
     run_dir, metrics = run(tiny, tmp_path, "ptx", run={"steps": 6}, ptx={"coef": 1.0, "data": text, "max_tokens": 32})

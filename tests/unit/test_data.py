@@ -550,3 +550,28 @@ def test_a_resume_refuses_another_field_for_the_prompts(tmp_path):
     assert draw_changes(default, settings()) == []
     assert draw_changes(default, settings(prompt_key="question")) == ["data.prompt_key: 'prompt' then, 'question' now"]
     assert draw_changes(settings(input_key="x"), settings(input_key="y")) == ["data.input_key: 'x' then, 'y' now"]
+
+
+def test_a_resume_refuses_another_order_of_the_ptx_text(tmp_path):
+    """The PTX text of step s is rows s x (the rows a step takes) on of the order its seed, shuffle and sources'
+    weights give (training/ptx.py): a resume after ptx.data.shuffle was changed in config.yaml went on in
+    another order (5 of the first resumed step's 64 rows trained on before, in a review's run), and nothing
+    said so. A run that had no PTX, or recorded no PTX settings (from before), is not refused for them."""
+    from types import SimpleNamespace
+
+    from toolkit.config.schema import PtxSection
+    from toolkit.data.fingerprint import draw_changes, draw_settings
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "a", "text": "b"}) + "\n")
+
+    def settings(coef=1.0, **ptx_data):
+        ptx = PtxSection.model_validate({"coef": coef, "data": {"sources": [{"path": str(rows)}], **ptx_data}})
+        return draw_settings(SimpleNamespace(data=DataSection(prompts=str(rows)), stage="rl", ptx=ptx,
+                                             run=SimpleNamespace(seed=1), rollout=SimpleNamespace(prompts_per_step=4)))
+
+    assert draw_changes(settings(), settings()) == []
+    assert draw_changes(settings(), settings(shuffle=False)) == ["ptx.data.shuffle: True then, False now"]
+    assert draw_changes(settings(coef=0.0), settings(shuffle=False)) == []  # (PTX on now: its files' fingerprint)
+    before = {k: v for k, v in settings().items() if not k.startswith("ptx.")}
+    assert draw_changes(before, settings(shuffle=False)) == []

@@ -68,6 +68,10 @@ def draw_settings(cfg) -> dict:
     # from before it recorded none).
     settings.update({f"data.{key}": getattr(d, key) for key in PROMPT_KEYS
                      if getattr(d, key) != type(d).model_fields[key].default})
+    ptx = getattr(cfg, "ptx", None)
+    if ptx is not None and ptx.coef > 0 and ptx.data is not None:  # (the PTX text's order: training/ptx.py)
+        settings.update({"ptx.data.shuffle": ptx.data.shuffle,
+                         "ptx.data.sources.*.weight": [s.weight for s in ptx.data.sources]})
     return json.loads(json.dumps(settings))  # (as the manifest gives them back)
 
 
@@ -79,7 +83,10 @@ def draw_changes(then: dict, now: dict) -> list[str]:
         field = key.removeprefix("data.")
         return settings.get(key, DataSection.model_fields[field].default if field in PROMPT_KEYS else None)
 
-    return [f"{key}: {value(then, key)!r} then, {value(now, key)!r} now" for key in sorted(set(then) | set(now))
+    # (PTX settings where either has none: PTX off then or now, which its files' fingerprint names, or a run
+    # from before they were recorded)
+    keys = [key for key in sorted(set(then) | set(now)) if not key.startswith("ptx.") or key in then and key in now]
+    return [f"{key}: {value(then, key)!r} then, {value(now, key)!r} now" for key in keys
             if value(then, key) != value(now, key)]
 
 

@@ -108,6 +108,10 @@ class Driver(Supervisor):
     def _plan_resume(self) -> dict:
         resume = super()._plan_resume()
         self.feeder.skip(resume["next_step"] * self.cfg.rollout.prompts_per_step)
+        if (self.cfg.trainer.ema is not None and resume["checkpoint"]
+                and not (self.run_dir.path / resume["checkpoint"] / "ema.safetensors").exists()):
+            self.echo(f"trainer.ema: {resume['checkpoint']} has no EMA (trainer.ema was off when it was saved): "
+                      "the average starts from its weights")
         return resume
 
     def _step(self, step: int) -> dict:

@@ -184,7 +184,14 @@ class TrainerRole(Role):
             self.version = self.checkpointed = state["policy_version"]
             self.kl.load_state_dict(state["kl"])
             checkpoint.set_rng_state(state["shuffle_rng"], self.shuffle_rng)
-            if self.ema is not None and self.rank == 0:
+            if self.ema is not None and not (directory / "ema.safetensors").exists():
+                # (saved while trainer.ema was off: the average starts from the weights resumed, where loading
+                # it ended the run in a FileNotFoundError; every rank folds them in, as ZeRO-3 gathers)
+                log.warning("%s has no EMA (trainer.ema was off when it was saved): the average starts from its "
+                            "weights", directory)
+                self.ema.weights = {}
+                self._full_weights()
+            elif self.ema is not None and self.rank == 0:
                 self.ema.load(directory / "ema.safetensors")
             log.info("loaded %s (policy_version %d)", directory, self.version)
         replayed = []
