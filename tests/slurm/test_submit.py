@@ -175,7 +175,7 @@ def test_failing_role_ends_the_job_with_a_named_error(tiny, tmp_path):
     error = status["error"]
     scorer = status["workers"]["scorer:0"]
     assert f"scorer worker rank 0 (scorer:0, pid {scorer['pid']} on node {scorer['node']}, Slurm step " \
-           f"{scorer['slurm_step']}) failed" in error
+           f"{scorer['slurm_step']}; roles reference, reward) failed" in error  # (the group's roles: it hosts two)
     assert "reward function 'explode' (failing_reward:explode) failed" in error
     assert f"log: {run_dir / 'logs' / 'scorer-0.log'}" in error
     assert "this reward always fails" in result.stderr  # `submit --wait` shows the error too
