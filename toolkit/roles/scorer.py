@@ -243,25 +243,22 @@ class RewardRole(_Scoring):
         out = np.zeros(len(batch), dtype=np.float64)
         status = {} if status is None else status
         for i in range(len(batch)):
-            status["doing"] = (f"reward function {name!r} ({path}) on prompt id {int(batch.prompt_ids[i])}, "
-                               f"sample {int(batch.sample_index[i])}")
+            where = f"prompt id {int(batch.prompt_ids[i])}, sample {int(batch.sample_index[i])}"
+            status["doing"] = f"reward function {name!r} ({path}) on {where}"
             try:
                 given = fn(prompt=prompt_text(batch.prompts[i]), response=batch.responses[i], **batch.fields[i], **args)
             except CallTimeout as e:
                 raise RewardFunctionError(
-                    f"reward function {name!r} ({path}) gave no reward for prompt id {int(batch.prompt_ids[i])}, "
-                    f"sample {int(batch.sample_index[i])}: {e}; make it return sooner, or give it a larger "
-                    "timeout_s in reward.functions") from None
+                    f"reward function {name!r} ({path}) gave no reward for {where}: {e}; make it return sooner, or "
+                    "give it a larger timeout_s in reward.functions") from None
             except Exception as e:
                 raise RewardFunctionError(
-                    f"reward function {name!r} ({path}) failed on prompt id {int(batch.prompt_ids[i])}, "
-                    f"sample {int(batch.sample_index[i])}: {type(e).__name__}: {e}") from e
+                    f"reward function {name!r} ({path}) failed on {where}: {type(e).__name__}: {e}") from e
             value = _number(given)
             if value is None or not math.isfinite(value) or abs(value) > FLOAT32_MAX:  # (rewards are float32)
-                raise RewardFunctionError(f"reward function {name!r} ({path}) returned {given!r} for prompt id "
-                                          f"{int(batch.prompt_ids[i])}, sample {int(batch.sample_index[i])}; rewards "
-                                          f"must be finite numbers (a float, an int or a bool) within float32's "
-                                          f"range (±{FLOAT32_MAX:.3g})")
+                raise RewardFunctionError(f"reward function {name!r} ({path}) returned {given!r} for {where}; "
+                                          f"rewards must be finite numbers (a float, an int or a bool) within "
+                                          f"float32's range (±{FLOAT32_MAX:.3g})")
             out[i] = value
         status.pop("doing", None)
         return out
