@@ -69,6 +69,11 @@ class Group:
     same_nodes_as: str | None = None
 
     @property
+    def tasks_per_node(self) -> int:
+        """Workers on each of its nodes (as a config's group: `WorkerGroup.tasks_per_node`)."""
+        return self.workers // self.nodes
+
+    @property
     def trains(self) -> tuple[str, ...]:
         """The models this group trains: the actor (and the critic beside it), or a critic on ranks of its own."""
         return tuple(m for m in ("actor", "critic") if m in self.models)

@@ -562,7 +562,7 @@ def placement_of(s: Layout, before: dict | None = None, cpus_per_node: int | Non
             placement[g.name]["same_nodes_as"] = g.same_nodes_as
         if cpus_per_node and g.gpus_per_worker and "cpus_per_worker" not in old:
             home = g.same_nodes_as or g.name  # (the groups on these nodes: the one that owns them, and its guests)
-            tasks = sum(o.workers // o.nodes for o in s.groups if home in (o.name, o.same_nodes_as))
+            tasks = sum(o.tasks_per_node for o in s.groups if home in (o.name, o.same_nodes_as))
             placement[g.name]["cpus_per_worker"] = max(1, cpus_per_node // tasks)
     return placement
 
