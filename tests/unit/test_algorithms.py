@@ -197,6 +197,11 @@ def test_rloo_leave_one_out_by_hand():
     assert close(rloo_advantages(rewards, groups), [0.0, 2.0, -1.5, 1.5, -2.0, 0.0])
     # = k/(k-1) (r - group mean): mean of group 0 is 1, so 3/2 * [0, -1, 1]
     assert close(rloo_advantages(T([1.0, 0.0, 2.0]), T([0, 0, 0])), [0.0, -1.5, 1.5])
+    # equal rewards give exactly 0 whatever their size: in float32, sum - r_i of four 1000.1 left 6.1e-05 each,
+    # and of three 12345.7 -0.00098 each
+    advantages = rloo_advantages(T([1000.1] * 4 + [12345.7] * 3 + [0.0, 1.0]), T([0] * 4 + [1] * 3 + [2, 2]))
+    assert advantages[:7].abs().max().item() == 0.0 and close(advantages[7:], [-1.0, 1.0])
+    assert advantages.dtype == torch.float32
 
 
 def test_reinforce_pp_returns_normalised_over_the_batch_by_hand():

@@ -92,15 +92,18 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     """A_i = r_i - mean of the other samples of i's group (Ahmadian et al. 2024, "Back to Basics"): the
     leave-one-out baseline, equal to k/(k-1) (r_i - mean_g) for a group of k. One advantage per sample
     (for every token of its response); a group of one sample gets 0. `rewards` are sequence rewards,
-    KL-penalised by the caller as the paper does (r - beta * KL of the sequence)."""
-    rewards = rewards.float()
+    KL-penalised by the caller as the paper does (r - beta * KL of the sequence).
+
+    Computed in float64, as `grpo_advantages`: in float32 a group of four rewards of 12345.7 got advantages of
+    -0.00098 each (sum - r_i rounded), a push on no signal."""
+    rewards = rewards.double()
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if len(inverse) else 0
     zeros = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
     counts = zeros.index_add(0, inverse, torch.ones_like(rewards))[inverse]
     sums = zeros.index_add(0, inverse, rewards)[inverse]
     others = (sums - rewards) / (counts - 1).clamp(min=1)
-    return torch.where(counts > 1, rewards - others, torch.zeros_like(rewards))
+    return torch.where(counts > 1, rewards - others, torch.zeros_like(rewards)).float()
 
 
 def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
