@@ -20,6 +20,11 @@ def duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
+def elapsed(seconds: float) -> str:
+    """`seconds` as "42.4 s", with hours and minutes beside it from an hour on ("93784.2 s (26h03m)")."""
+    return f"{seconds:.1f} s" + (f" ({duration(seconds)})" if seconds >= 3600 else "")
+
+
 class Progress:
     def __init__(self, stream=None, live: bool | None = None):
         self.stream = stream or sys.stdout

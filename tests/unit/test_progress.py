@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import re
 
-from toolkit.progress import Progress, duration
+from toolkit.progress import Progress, duration, elapsed
 
 
 def test_plain_lines_end_with_the_time_left_from_the_measured_step_time(monkeypatch):
@@ -48,6 +48,8 @@ def test_a_terminal_gets_one_live_line_below_the_step_lines():
 
 def test_durations_read_as_a_person_writes_them():
     assert [duration(s) for s in (5, 65, 3725)] == ["5s", "1m05s", "1h02m"]
+    # (a run's closing line: seconds, and from an hour on the hours too, where 93784.2 s alone told little)
+    assert [elapsed(s) for s in (42.44, 3599.9, 93784.2)] == ["42.4 s", "3599.9 s", "93784.2 s (26h03m)"]
 
 
 def test_the_closing_line_covers_the_steps_of_every_attempt_after_a_trainer_restart():

@@ -16,7 +16,7 @@ def run_here(cfg, run_dir: RunDir, verbose: bool = False) -> int:
     from toolkit.launch.local import LocalLauncher
     from toolkit.launch.supervisor import make_driver, run_attempts
     from toolkit.log import setup_logging
-    from toolkit.progress import Progress
+    from toolkit.progress import Progress, elapsed
 
     run_dir.hold_lock()  # (before anything is written: a second driver of the directory stops here)
     setup_logging("driver", level=logging.DEBUG if verbose else logging.WARNING, file=str(run_dir.logs / "driver.log"))
@@ -34,7 +34,7 @@ def run_here(cfg, run_dir: RunDir, verbose: bool = False) -> int:
         print(f"stopped at step {driver.step + 1}/{driver.steps}; continue with: slurm-rlhf resume "
               f"{shlex.quote(str(run_dir.path))}", flush=True)
         return 0
-    print(f"done in {time.monotonic() - started:.1f} s: {driver.steps} steps{closing(cfg, records)}; metrics in "
+    print(f"done in {elapsed(time.monotonic() - started)}: {driver.steps} steps{closing(cfg, records)}; metrics in "
           f"{run_dir.metrics}" + (f"; model in {run_dir.path / 'export'}" if (run_dir.path / "export").exists() else ""),
           flush=True)
     return 0
