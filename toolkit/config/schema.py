@@ -299,7 +299,9 @@ class TrainerSection(EngineSection):
     """PPO only: critic learning rate."""
     ema: float | None = Field(default=None, gt=0, lt=1)
     """Keep an exponential moving average of the actor's weights with this decay (e.g. 0.992, as
-    DeepSpeed-Chat); it is checkpointed, resumed exactly and exported as `export-ema/`. None: off."""
+    DeepSpeed-Chat); it is checkpointed, resumed exactly and exported as `export-ema/`. None: off. It is
+    folded once per RL step (with the weight sync); DeepSpeed-Chat folds per optimizer step, so with k
+    updates per step (updates_per_step x algorithm.epochs) its decay d is d^k here."""
     updates_per_step: PositiveInt = 1
     """Optimizer updates per epoch over an experience batch (mini-batches)."""
     weight_sync_bucket_mb: float = Field(default=16, gt=0)

@@ -207,7 +207,7 @@ class TrainerRole(Role):
                             "advantages and kl_coef as recorded (the KL controller is at %s)", path,
                             record["attrs"]["policy_version"], record["attrs"]["kl_coef"], self.version, self.kl.coef)
             metrics = self._learn(batch, record=record)
-            if self.ema is not None:  # (the sync after each update folds it in; a replay has no sync)
+            if self.ema is not None:  # (the sync after each step folds it in; a replay has no sync)
                 self._full_weights()
             metrics.update(_batch_metrics(batch), **_lags(batch, record["attrs"]["policy_version"]), step=batch.step,
                            policy_version=self.version, replayed=True)

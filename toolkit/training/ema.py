@@ -1,6 +1,6 @@
 """An exponential moving average of the actor's weights (DeepSpeed-Chat's `--enable_ema`).
 
-After every update: ema = decay * ema + (1 - decay) * weights, in float32 on rank 0's host memory (one
+After every RL step: ema = decay * ema + (1 - decay) * weights, in float32 on rank 0's host memory (one
 more copy of the model there). It reads the full weights bucket by bucket as weight sync gathers them
 (under ZeRO-3 every rank takes part in the gather; rank 0 keeps the average). It is saved with every
 checkpoint (`ema.safetensors`, restored exactly on resume) and exported separately (`hf-ema/`).
