@@ -565,13 +565,17 @@ def test_a_resume_refuses_another_order_of_the_ptx_text(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"prompt": "a", "text": "b"}) + "\n")
 
-    def settings(coef=1.0, **ptx_data):
+    def settings(coef=1.0, group_size=4, epochs=1, **ptx_data):
         ptx = PtxSection.model_validate({"coef": coef, "data": {"sources": [{"path": str(rows)}], **ptx_data}})
         return draw_settings(SimpleNamespace(data=DataSection(prompts=str(rows)), stage="rl", ptx=ptx,
-                                             run=SimpleNamespace(seed=1), rollout=SimpleNamespace(prompts_per_step=4)))
+                                             run=SimpleNamespace(seed=1), algorithm=SimpleNamespace(epochs=epochs),
+                                             rollout=SimpleNamespace(prompts_per_step=4, group_size=group_size)))
 
     assert draw_changes(settings(), settings()) == []
     assert draw_changes(settings(), settings(shuffle=False)) == ["ptx.data.shuffle: True then, False now"]
+    # (a step takes a PTX row per sample trained on: another group size or number of epochs moved the slices)
+    assert draw_changes(settings(), settings(group_size=8)) == draw_changes(settings(), settings(epochs=2)) == [
+        "ptx rows per step (algorithm.epochs x rollout.prompts_per_step x rollout.group_size): 16 then, 32 now"]
     assert draw_changes(settings(coef=0.0), settings(shuffle=False)) == []  # (PTX on now: its files' fingerprint)
-    before = {k: v for k, v in settings().items() if not k.startswith("ptx.")}
-    assert draw_changes(before, settings(shuffle=False)) == []
+    before = {k: v for k, v in settings().items() if not k.startswith("ptx")}
+    assert draw_changes(before, settings(shuffle=False, group_size=8)) == []

@@ -49,6 +49,9 @@ def fingerprint(cfg, known: dict | None = None) -> dict:
     return out
 
 
+PTX_ROWS = "ptx rows per step (algorithm.epochs x rollout.prompts_per_step x rollout.group_size)"
+
+
 def draw_settings(cfg) -> dict:
     """The settings that decide which rows each step draws (the cursor of step s is s x the rows a step takes,
     in an order the seed, the shuffle, the split, the held-out share and the sources' weights and parts
@@ -71,7 +74,10 @@ def draw_settings(cfg) -> dict:
     ptx = getattr(cfg, "ptx", None)
     if ptx is not None and ptx.coef > 0 and ptx.data is not None:  # (the PTX text's order: training/ptx.py)
         settings.update({"ptx.data.shuffle": ptx.data.shuffle,
-                         "ptx.data.sources.*.weight": [s.weight for s in ptx.data.sources]})
+                         "ptx.data.sources.*.weight": [s.weight for s in ptx.data.sources],
+                         # (a step's PTX rows: one per sample trained on, so another group size or number of
+                         # epochs moved every later step's slice of the order)
+                         PTX_ROWS: cfg.algorithm.epochs * cfg.rollout.prompts_per_step * cfg.rollout.group_size})
     return json.loads(json.dumps(settings))  # (as the manifest gives them back)
 
 
@@ -85,7 +91,7 @@ def draw_changes(then: dict, now: dict) -> list[str]:
 
     # (PTX settings where either has none: PTX off then or now, which its files' fingerprint names, or a run
     # from before they were recorded)
-    keys = [key for key in sorted(set(then) | set(now)) if not key.startswith("ptx.") or key in then and key in now]
+    keys = [key for key in sorted(set(then) | set(now)) if not key.startswith("ptx") or key in then and key in now]
     return [f"{key}: {value(then, key)!r} then, {value(now, key)!r} now" for key in keys
             if value(then, key) != value(now, key)]
 
