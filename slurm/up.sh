@@ -79,6 +79,9 @@ done
 
 CPUS=4
 MEM=4000
+# Memory is counted as most clusters count it (CR_CPU_Memory; a job gets DefMemPerCPU per CPU unless it asks),
+# so that job steps sharing a node must each ask for their share (a step that asks for none takes all the
+# job's memory per node there, and the next step waits for it).
 cat > "$CONF" <<EOF
 $MARK (written by slurm/up.sh; bash slurm/down.sh stops it)
 ClusterName=rlhf
@@ -92,7 +95,8 @@ MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
+SelectTypeParameters=CR_CPU_Memory
+DefMemPerCPU=$((MEM / CPUS))
 SlurmdParameters=config_overrides
 CommunicationParameters=NoInAddrAny
 ReturnToService=2

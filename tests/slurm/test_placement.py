@@ -25,7 +25,7 @@ class Submitted(NamedTuple):
     stdout: str
 
 
-def submitted(tiny, tmp_path, strategy: str, groups: dict) -> Submitted:
+def submitted(tiny, tmp_path, strategy: str, groups: dict, env: dict | None = None) -> Submitted:
     config = run_config(tiny, tmp_path / strategy,
                         rollout={"backend": "hf", "prompts_per_step": 16, "group_size": 4, "max_new_tokens": 24},
                         placement={"strategy": strategy, **groups})
@@ -33,7 +33,7 @@ def submitted(tiny, tmp_path, strategy: str, groups: dict) -> Submitted:
     data["run"].update(seed=2, deterministic=True, name=strategy)
     config.write_text(yaml.safe_dump(data))
     run_dir = tmp_path / f"{strategy}'s run"  # (a quote in the path)
-    result, steps = submit_and_wait(config, run_dir)
+    result, steps = submit_and_wait(config, run_dir, env)
     assert result.returncode == 0, result.stdout + result.stderr
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished" and status["launcher"] == "slurm"
@@ -82,12 +82,18 @@ def test_three_strategies_on_slurm(tiny, tmp_path):
                                                    "trainer": {"workers": 2, "nodes": 2}})
     assert_each_role_in_a_job_step_of_its_own(sep, {"generator": (1, 2), "scorer": (1, 1), "trainer": (2, 2)})
     assert all(r["behaviour_logprob_diff"] < 1e-4 for r in sep.records)  # (weights broadcast to the generators)
-    # OpenRLHF's layout: the generators on the trainer's nodes, each job step taking only its own CPUs
+    # OpenRLHF's layout: the generators on the trainer's nodes, each job step taking only its own CPUs, and,
+    # in a job with memory per node (a cluster's DefMemPerNode; here sbatch's SBATCH_MEM_PER_NODE), its share
+    # of the memory: a step that asks for none takes all of it where Slurm counts memory (the local cluster
+    # does, CR_CPU_Memory), and the trainer's step waited for the generator's until start-up timed out
     shared = submitted(tiny, tmp_path / "shared", "separation", {
-        "generator": {"workers": 2, "nodes": 2, "same_nodes_as": "trainer"}, "trainer": {"workers": 2, "nodes": 2}})
+        "generator": {"workers": 2, "nodes": 2, "same_nodes_as": "trainer"}, "trainer": {"workers": 2, "nodes": 2}},
+        env={"SBATCH_MEM_PER_NODE": "3000"})
     generator, trainer = nodes_of(shared.workers, "generator"), nodes_of(shared.workers, "trainer")
     assert len(trainer) == 2 and generator == trainer and not nodes_of(shared.workers, "scorer") & trainer
     assert len({e["slurm_step"] for e in shared.workers.values()}) == 3
+    for group in ("generator", "trainer"):
+        assert "--exact --mem=1500M" in (shared.run_dir / "logs" / f"srun-{group}.log").read_text()
     # All give two generating ranks of 8 prompts each and two trainer ranks: the same samples and updates.
     for other in (inter, sep, shared):
         for a, b in zip(flat.records, other.records, strict=True):

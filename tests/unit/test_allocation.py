@@ -49,8 +49,9 @@ def test_groups_split_the_gpus_of_the_same_nodes(tiny, tmp_path):
     cfg, groups = groups_for(tiny, tmp_path, generator={"workers": 8, "nodes": 2, "gpus_per_worker": 1,
                                                          "cpus_per_worker": 4, "same_nodes_as": "trainer",
                                                          "mem_gb": 200},
-                             trainer={"workers": 8, "nodes": 2, "gpus_per_worker": 1, "cpus_per_worker": 8},
-                             scorer={"gpus_per_worker": 1, "mem_gb": 200})  # (one job: the same memory)
+                             trainer={"workers": 8, "nodes": 2, "gpus_per_worker": 1, "cpus_per_worker": 8,
+                                      "mem_gb": 300},
+                             scorer={"gpus_per_worker": 1, "mem_gb": 500})  # (one job: the same memory)
     a = plan_allocation(groups)
     assert not a.heterogeneous and a.nodes == 3  # the scorer's node and the two shared ones
     (c,) = a.components
@@ -61,7 +62,7 @@ def test_groups_split_the_gpus_of_the_same_nodes(tiny, tmp_path):
 
     script = sbatch_script(cfg, a, "/runs/x", ["true"], how="render")
     assert "#SBATCH --nodes=3" in script and "#SBATCH --ntasks-per-node=8" in script
-    assert "#SBATCH --gpus-per-task=1" in script and "#SBATCH --mem=200G" in script
+    assert "#SBATCH --gpus-per-task=1" in script and "#SBATCH --mem=500G" in script  # (the node set's sum)
     # Both steps of a shared node set take only what they ask for; a step on nodes of its own, everything
     generator, scorer, trainer = (next(g for g in groups if g.name == n) for n in ("generator", "scorer", "trainer"))
     assert {"--exact", "--mem=200G", "--gpus-per-task=1", "--nodelist=n2,n3"} <= set(srun_command(
@@ -80,6 +81,33 @@ def test_groups_split_the_gpus_of_the_same_nodes(tiny, tmp_path):
     assert [g.name for g in c.groups] == ["trainer", "generator"] and c.nodes == 1
     assert (c.tasks_per_node, c.gpus_per_node) == (6, 8)
     assert _resources(c)["gpus-per-node"] == 8 and _resources(c)["gpus-per-task"] is None
+
+
+def test_groups_sharing_nodes_split_the_jobs_memory(tiny, tmp_path):
+    """Where Slurm counts memory (CR_*_Memory) and the job has memory per node (a cluster's DefMemPerNode, or
+    sbatch's SBATCH_MEM_PER_NODE), a job step that asks for none takes all of it on its nodes: the trainer's
+    step beside the generator's waited for it (srun: 'Cancelled pending job step' when the local cluster, set
+    to CR_CPU_Memory, timed the run's start-up out: tests/slurm/test_placement.py). Each step of a shared node set now asks for its
+    CPUs' share; one group's mem_gb alone in a set left the others none and is a config error."""
+    from toolkit.launch.allocation import shares_nodes, step_mem_mb
+
+    _, groups = groups_for(tiny, tmp_path, generator={"workers": 2, "cpus_per_worker": 1, "same_nodes_as": "trainer"},
+                           trainer={"workers": 2, "cpus_per_worker": 3})
+    generator, scorer, trainer = (next(g for g in groups if g.name == n) for n in ("generator", "scorer", "trainer"))
+    assert [step_mem_mb(g, groups, 16000) for g in (generator, trainer, scorer)] == [4000, 12000, 16000]
+    assert step_mem_mb(generator, groups, None) is None  # (memory per CPU, or none counted: Slurm's share)
+    command = srun_command(generator, ["n2"], None, "py", "/l", shares_nodes(generator, groups),
+                           step_mem_mb(generator, groups, 16000))
+    assert {"--exact", "--mem=4000M"} <= set(command)
+    _, groups = groups_for(tiny, tmp_path / "asked", generator={"same_nodes_as": "trainer", "mem_gb": 8},
+                           trainer={"mem_gb": 24})
+    assert [step_mem_mb(g, groups, 32768) for g in groups if g.name != "scorer"] == [None, None]
+    with pytest.raises(ConfigError) as error:
+        groups_for(tiny, tmp_path / "one", generator={"same_nodes_as": "trainer", "mem_gb": 8})
+    assert str(error.value).endswith(
+        "placement.generator.mem_gb is set and placement.trainer.mem_gb is not, but they share nodes: the job asks "
+        "Slurm for the sum of their mem_gb on each node, which leaves trainer none where Slurm counts memory (each "
+        "job step takes only what it asks for there); give trainer mem_gb too, or neither")
 
 
 def test_memory_of_one_group_does_not_cap_the_nodes_of_the_others(tiny, tmp_path):

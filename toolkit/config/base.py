@@ -353,8 +353,9 @@ class GroupSection(Section):
     """Slurm: run on the nodes of that node group, beside its workers, instead of on nodes of its own: a
     node's GPUs split among roles, e.g. `generator: {same_nodes_as: trainer, workers: 4, gpus_per_worker: 1}`
     beside `trainer: {workers: 4, gpus_per_worker: 1}` on one 8-GPU node. Both groups need the same
-    `nodes`; each job step then gets only the CPUs and GPUs it asks for (srun --exact). On clusters that
-    count memory, give each group its `mem_gb` share of a node."""
+    `nodes`; each job step then gets only the CPUs and GPUs it asks for (srun --exact), and memory: the
+    `mem_gb` of each group (set it for all of them or none), or, in a job with memory per node (a
+    DefMemPerNode), its share of it by the CPUs its workers take."""
 
     @model_validator(mode="after")
     def _spread(self) -> "GroupSection":

@@ -599,6 +599,12 @@ class RunConfig(Section):
             if (g.partition, g.constraint) != (host.partition, host.constraint):
                 raise ValueError(f"placement.{name} runs on the nodes of {g.same_nodes_as}, so it cannot ask for "
                                  f"another partition or constraint; remove {name}'s")
+            if (g.mem_gb is None) != (host.mem_gb is None):  # (launch/allocation.py: step_mem_mb)
+                asked, unasked = (name, g.same_nodes_as) if g.mem_gb else (g.same_nodes_as, name)
+                raise ValueError(f"placement.{asked}.mem_gb is set and placement.{unasked}.mem_gb is not, but they "
+                                 f"share nodes: the job asks Slurm for the sum of their mem_gb on each node, which "
+                                 f"leaves {unasked} none where Slurm counts memory (each job step takes only what it "
+                                 f"asks for there); give {unasked} mem_gb too, or neither")
         need = sum(g.nodes for _, _, g in layout if g.same_nodes_as is None)
         if self.slurm.nodes is not None and need > self.slurm.nodes:
             raise ValueError(f"the node groups need {need} nodes (" + ", ".join(

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 from toolkit.launch import env as E
-from toolkit.launch.allocation import Allocation, assign_nodes, mem_option, shares_nodes
+from toolkit.launch.allocation import Allocation, assign_nodes, mem_option, shares_nodes, step_mem_mb
 from toolkit.launch.exits import Exit, wait_all
 from toolkit.launch.rundir import RunDir
 from toolkit.placement.plan import WorkerGroup
@@ -49,10 +49,10 @@ def component_nodes(allocation: Allocation, environ=os.environ) -> list[list[str
 
 
 def srun_command(group: WorkerGroup, nodes: list[str], het_group: int | None, python: str, log_dir: str,
-                 shared: bool = False) -> list[str]:
+                 shared: bool = False, mem_mb: int | None = None) -> list[str]:
     """The job step of `group` on `nodes`. `shared`: another group's step runs on these nodes too, so this
     step takes only the CPUs, GPUs and memory it asks for (--exact; by default a step takes every CPU of
-    its nodes and the next one waits for them). `--export=ALL`: the workers get the environment the driver
+    its nodes and the next one waits for them): its `mem_gb`, else `mem_mb` (its share, `step_mem_mb`). `--export=ALL`: the workers get the environment the driver
     gives srun (placement's env, PATH, HOME, the run's variables) even where the job was submitted with
     `--export=NONE` (sbatch or `slurm.sbatch: {export: NONE}`), which srun otherwise inherits
     (SLURM_EXPORT_ENV) and starts the workers with almost nothing."""
@@ -69,6 +69,8 @@ def srun_command(group: WorkerGroup, nodes: list[str], het_group: int | None, py
         cmd.append("--exact")
         if group.mem_gb:
             cmd.append(f"--mem={mem_option(group.mem_gb)}")
+        elif mem_mb:
+            cmd.append(f"--mem={mem_mb}M")
     return [*cmd, python, "-m", "toolkit.worker"]
 
 
@@ -97,8 +99,10 @@ class SlurmLauncher:
     def _start_step(self, group: WorkerGroup, env: dict[str, str]) -> None:
         het = self.allocation.component_of(group) if self.allocation.heterogeneous else None
         everyone = [g for c in self.allocation.components for g in c.groups]
+        job_mem = os.environ.get("SLURM_MEM_PER_NODE" if het is None else f"SLURM_MEM_PER_NODE_HET_GROUP_{het}")
         cmd = srun_command(group, self.nodes[group.name], het, self.python, str(self.run_dir.logs),
-                           shares_nodes(group, everyone))
+                           shares_nodes(group, everyone),
+                           step_mem_mb(group, everyone, int(job_mem) if job_mem and job_mem.isdigit() else None))
         child_env = {**os.environ, **env, **group.env, E.GROUP: group.name}
         child_env.pop(E.RANK, None)  # each task's rank is its SLURM_PROCID
         if self.bind_host:  # (transport.bind_host: each worker resolves it on its own node)
