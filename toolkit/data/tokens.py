@@ -49,11 +49,12 @@ def render_prompt(tokenizer, prompt, chat_template: bool) -> list[int]:
 
 
 def response_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of a response, ending with one end-of-sequence token, as a generated one ends (with the stop
-    token the reward model reads it at: `RewardRole._score_model`). A text that ends with special tokens already,
-    with whitespace after them (data written by a chat template or for a trainer that did not add the end:
-    "...</s>", Qwen's "...<|im_end|>\n", Gemma's "...<end_of_turn>\n"), ends with that one token instead: SFT
-    trained a second end after the first as a target, and a reward model read its reward there."""
+    """Token ids of a response, ending with one end-of-sequence token, as a generated one ends (a reward model
+    reads a finished one at its EOS token too, whichever stop token ended it: `RewardRole._score_model`). A text
+    that ends with special tokens already, with whitespace after them (data written by a chat template or for a
+    trainer that did not add the end: "...</s>", Qwen's "...<|im_end|>\n", Gemma's "...<end_of_turn>\n"), ends
+    with the one EOS token instead: SFT trained a second end after the first as a target, and a reward model read
+    its reward there."""
     eos = tokenizer.eos_token_id
     if eos is not None:
         ends, stripped = special_texts(tokenizer), text.rstrip()
