@@ -228,6 +228,28 @@ def test_a_response_that_ends_with_the_end_of_sequence_text_gets_one_end_of_sequ
     assert tokenizer.decode(trained) == "hello 42</s>" and batch["targets"] == len(trained)
 
 
+def test_a_response_written_by_a_chat_template_ends_with_its_end_token_once(tiny):
+    """Pairs written with a chat template end each response with the turn's end token and the newline the template
+    writes after it (Qwen's "...<|im_end|>\\n", Gemma's "...<end_of_turn>\\n"): the end-of-sequence token was added
+    after the newline, so a reward model was trained at "<|im_end|>\\n<|im_end|>", where in RL the generator stops
+    at the first <|im_end|> and the scorer reads it there; SFT trained the newline and a second end as targets."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from toolkit.training.rm import RMTask
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
+    eos, generated = tokenizer.eos_token_id, response_ids(tokenizer, "hello 42")  # (as the generator ends it)
+    for written in ("hello 42</s>\n", "hello 42</s>", "hello 42</s>\n</s>\n\n"):
+        assert response_ids(tokenizer, written) == generated, written
+    assert generated.count(eos) == 1 and generated[-1] == eos
+    # whitespace before the end is the response's own
+    assert response_ids(tokenizer, "hello 42\n</s>\n") == response_ids(tokenizer, "hello 42\n") != generated
+    cfg = SimpleNamespace(data=SimpleNamespace(chat_template=False), train=SimpleNamespace(max_tokens=64))
+    assert RMTask(cfg, tokenizer).sequence("hi there", "hello 42</s>\n")[-len(generated):] == generated
+
+
 def test_a_text_prompt_rendered_with_the_chat_template_already_has_one_bos_token(tiny, tmp_path):
     """A tokenizer that adds BOS to text and a prompt column written with the template (which writes BOS
     itself): the prompt started with two BOS tokens in SFT, RM and RL."""

@@ -234,8 +234,39 @@ def test_eval_with_longer_responses_than_the_run_scores_the_whole_sequence(tiny,
     assert role.reward_models[0].same_vocab
     prompts, response = ([5, 6, 7], [9, 10, 11]), list(range(20, 50))
     b = make_batch(prompts=prompts, responses=(response, response))
+    b.finished[:] = False  # (cut at max_new_tokens: a finished one ends with a stop token)
     role.score(b)
     with torch.no_grad():
         expected = [role.reward_models[0].model(torch.tensor([p + response]))[0, -1].item() for p in prompts]
     assert np.allclose(b.rewards[:, 1], expected, atol=1e-5), (b.rewards[:, 1], expected)
     assert abs(expected[0] - expected[1]) > 1e-4  # (the prompts tell them apart)
+
+
+def test_a_response_ended_by_an_end_of_turn_token_is_scored_at_the_eos_the_rm_stage_trained(tiny, tmp_path):
+    """The generator stops at the tokenizer's EOS and at every eos_token_id of the actor's generation_config
+    (Gemma-it's <end_of_turn> beside <eos>, Llama-3-Instruct's <|eot_id|> beside <|end_of_text|>); the `rm` stage
+    trains the reward at the EOS token. A reward model of the actor's vocabulary read a response that stopped at
+    <end_of_turn> there, at a token it was never trained to end at: the same text scored otherwise by its end."""
+    from toolkit.training.rm import RMTask
+
+    cfg = load_config(write_config(tmp_path, example(
+        "tiny-grpo.yaml", tiny, reward={"models": [{"path": str(tiny / "reward_model"), "name": "rm"}]})))
+    role = reward_role(cfg)
+    rm = role.reward_models[0]
+    assert rm.same_vocab
+    eos, turn = rm.tokenizer.eos_token_id, 7  # (7: the end-of-turn token of a generation_config's eos list)
+    trained = RMTask(SimpleNamespace(data=cfg.data, train=SimpleNamespace(max_tokens=64)), rm.tokenizer).sequence(
+        "Write about apples:", "apples 42")
+    prompt = rm.tokenizer("Write about apples:")["input_ids"]
+    body = trained[len(prompt):-1]
+    assert trained == prompt + body + [eos]
+    b = make_batch(prompts=(prompt, prompt, prompt), responses=(body + [turn], body + [eos], body + [turn]),
+                   group=(0, 0, 1))
+    b.finished = np.array([True, True, False])  # (the last was cut at max_new_tokens after drawing token 7)
+    role.score(b)
+    with torch.no_grad():
+        at_eos = rm.model(torch.tensor([trained]))[0, -1].item()
+        at_turn = rm.model(torch.tensor([prompt + body + [turn]]))[0, -1].item()
+    got = b.rewards[:, b.reward_names.index("rm")]
+    assert abs(at_eos - at_turn) > 1e-4  # (the two ends tell the readings apart)
+    assert np.allclose(got, [at_eos, at_eos, at_turn], atol=1e-5), (got, at_eos, at_turn)

@@ -10,6 +10,7 @@ stays first); then the response loses its end (SFT) or its start (a reward model
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 
@@ -48,12 +49,28 @@ def render_prompt(tokenizer, prompt, chat_template: bool) -> list[int]:
 
 
 def response_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of a response, ending with one end-of-sequence token: a text that ends with it already (data
-    written for a trainer that did not add it, e.g. "...</s>" or "...<|im_end|>") gets no second one, which
-    SFT trained as a target and a reward model was trained to read its reward at (a generated response has one)."""
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """Token ids of a response, ending with one end-of-sequence token, as a generated one ends (a reward model
+    reads a finished one at its EOS token too, whichever stop token ended it: `RewardRole._score_model`). A text
+    that ends with special tokens already, with whitespace after them (data written by a chat template or for a
+    trainer that did not add the end: "...</s>", Qwen's "...<|im_end|>\n", Gemma's "...<end_of_turn>\n"), ends
+    with the one EOS token instead: SFT trained a second end after the first as a target, and a reward model read
+    its reward there."""
     eos = tokenizer.eos_token_id
-    return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
+    if eos is not None:
+        ends, stripped = special_texts(tokenizer), text.rstrip()
+        while (end := next((s for s in ends if stripped.endswith(s)), None)) is not None:
+            text = stripped[:-len(end)]  # (the whitespace before the first end token is the response's)
+            stripped = text.rstrip()
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids + [eos] if eos is not None else ids
+
+
+@lru_cache(maxsize=8)
+def special_texts(tokenizer) -> tuple[str, ...]:
+    """The texts of the special tokens of `tokenizer` (its EOS, and every added token marked special: Gemma's
+    <end_of_turn>, Llama-3's <|eot_id|>, Qwen's <|im_end|>); for each tokenizer once (Llama-3 has 256)."""
+    specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special} | {tokenizer.eos_token}
+    return tuple(s for s in specials if s)
 
 
 def text_ids(tokenizer, text: str) -> list[int]:

@@ -265,17 +265,24 @@ class RewardRole(_Scoring):
 
     def _score_model(self, rm: "RewardModel", batch: SampleBatch) -> np.ndarray:
         """The reward model's score at the last token of prompt + response, the prompt cut from the left
-        to fit (the end of the response is what the reward judges), normalised when asked."""
+        to fit (the end of the response is what the reward judges), normalised when asked. A finished
+        response ends with the reward model's end-of-sequence token, where the `rm` stage trained its reward
+        (`response_ids`), whichever of the generator's stop tokens it ended at."""
         r = self.cfg.rollout
+        eos = rm.tokenizer.eos_token_id
         sequences = []
         for i in range(len(batch)):
             if rm.same_vocab:
                 prompt, response = batch.prompt(i).tolist(), batch.response(i).tolist()
+                if batch.finished[i] and eos is not None and response and response[-1] != eos:
+                    # (it stopped at another of the actor's stop tokens, e.g. Gemma-it's <end_of_turn> where the
+                    # tokenizer's EOS is <eos>: read there, the reward came from a token the model never ended at)
+                    response[-1] = eos
             else:
                 prompt = render_prompt(rm.tokenizer, batch.prompts[i], self.cfg.data.chat_template)
                 response = rm.tokenizer(batch.responses[i], add_special_tokens=False)["input_ids"]
-                if batch.finished[i] and rm.tokenizer.eos_token_id is not None:
-                    response = [*response, rm.tokenizer.eos_token_id]
+                if batch.finished[i] and eos is not None:
+                    response = [*response, eos]
             prompt, response = fit(prompt, response, r.max_prompt_tokens + r.max_new_tokens, keep="end",
                                    bos=rm.tokenizer.bos_token_id)  # (a BOS token stays first, as the generator's)
             sequences.append(prompt + response)
