@@ -701,6 +701,10 @@ def _sampling(args):
     if getattr(args, "n", 1) > 1 and args.temperature == 0:
         raise ConfigError(f"--n {args.n} with --temperature 0 (greedy): every sample of a prompt would be the same; "
                           "give --temperature (e.g. 0.7), or --n 1")
+    from toolkit.config.schema import temperature_problem
+
+    if problem := temperature_problem("--temperature", args.temperature):
+        raise ConfigError(problem + " (or 0: greedy)")
     if args.max_model_len is not None and args.max_model_len <= args.max_new_tokens:
         raise ConfigError(f"--max-model-len {args.max_model_len}: the context must hold a prompt and "
                           f"--max-new-tokens {args.max_new_tokens}; give more, or leave it out (the model's own)")

@@ -243,6 +243,15 @@ def test_several_greedy_samples_of_a_prompt_are_refused(tmp_path, command):
     assert "--n 4 with --temperature 0 (greedy): every sample of a prompt would be the same" in result.stderr
 
 
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_a_temperature_vllm_would_raise_is_refused(tmp_path, command):
+    """vLLM raises a temperature below 0.01 to 0.01 (a warning per request): `--temperature 0.005` sampled at
+    0.01 with vLLM and at 0.005 with transformers, and `eval` recorded 0.005 either way."""
+    result = cli(command, tmp_path, "--input", tmp_path / "p.jsonl", "--temperature", "0.005", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "--temperature is 0.005; vLLM samples at no less than 0.01" in result.stderr
+
+
 @pytest.mark.parametrize("command", ["run", "sft", "rm", "submit", "render"])
 def test_an_empty_run_dir_is_refused(tmp_path, command):
     """`--run-dir ''` once fell back to runs/<run.name> without a word."""

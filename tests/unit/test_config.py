@@ -317,12 +317,16 @@ def test_vllm_splits_the_key_value_heads_too():
     (["transport.bind_host=*"], "'*' listens on every interface of the node"),
     (["algorithm.kl.adaptive=true", "algorithm.kl.coef=0"],
      "algorithm.kl: adaptive needs a starting coef above 0: the controller multiplies the coefficient"),
+    (["rollout.temperature=0.005"], "rollout.temperature is 0.005; vLLM samples at no less than 0.01 (it raises "
+                                    "lower temperatures to it), transformers at 0.005, and the trainer scores"),
+    (["eval.temperature=0.001"], "eval.temperature is 0.001; vLLM samples at no less than 0.01"),
 ])
 def test_values_that_could_not_work_are_refused(tiny, tmp_path, overrides, expected):
     """Each of these passed validation and failed later, or silently: NaN and infinite settings, line
     breaks in #SBATCH values, environment names Popen refuses, a time limit shorter than the checkpoint
     warning, a TP size vLLM refuses, a pair of one field twice, an adaptive KL coefficient starting at 0 (which
-    it multiplies), a group's CUDA_VISIBLE_DEVICES that the launcher replaced by GPUs 0, 1, ...)."""
+    it multiplies), a group's CUDA_VISIBLE_DEVICES that the launcher replaced by GPUs 0, 1, ...), a temperature
+    below 0.01 (vLLM sampled at 0.01, transformers and the trainer at the one given)."""
     assert expected in error_of(write_config(tmp_path, example("tiny-grpo.yaml", tiny)), overrides)
 
 

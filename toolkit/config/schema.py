@@ -100,6 +100,20 @@ class ModelSection(Section):
     Only with `attn_implementation: sdpa`, and not with `ptx.coef` > 0."""
 
 
+LOWEST_TEMPERATURE = 0.01
+"""vLLM raises a sampling temperature between 0 and this to this (with a warning per request), while
+transformers samples and the trainer scores at the one configured: below it the engines differed and vLLM's
+behaviour log-probs were not the trainer's."""
+
+
+def temperature_problem(field: str, value: float, also: str = "") -> str | None:
+    """Why `value` of sampling temperature `field` cannot be used (None: it can); `also`: what else uses it."""
+    if 0 < value < LOWEST_TEMPERATURE:
+        return (f"{field} is {value:g}; vLLM samples at no less than {LOWEST_TEMPERATURE:g} (it raises lower "
+                f"temperatures to it), transformers at {value:g}{also}: set it to at least {LOWEST_TEMPERATURE:g}")
+    return None
+
+
 class VllmSection(Section):
     kv_cache_gb: float = Field(default=0.5, gt=0)
     """Memory for the KV cache of each tensor-parallel rank of a generator worker, in GiB (a worker with
@@ -121,7 +135,8 @@ class RolloutSection(Section):
     max_new_tokens: PositiveInt = 64
     """Most tokens a response may have."""
     temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature (the trainer scores log-probs at the same temperature)."""
+    """Sampling temperature (the trainer scores log-probs at the same temperature); at least 0.01, the lowest
+    vLLM samples at."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
     ignore_eos: bool = False
@@ -160,6 +175,14 @@ class RolloutSection(Section):
     max_policy_lag of it; `drop` sends them one step earlier (the generators never wait for weights), drops
     the groups that turn out older than max_policy_lag and generates them again with newer weights."""
 
+    @model_validator(mode="after")
+    def _temperature_both_engines_use(self) -> "RolloutSection":
+        problem = temperature_problem("rollout.temperature", self.temperature,
+                                      f", and the trainer scores the samples at {self.temperature:g}")
+        if problem:
+            raise ValueError(problem)
+        return self
+
 
 class EvalSection(Section):
     every_steps: Annotated[int, Field(ge=0)] = 0
@@ -171,7 +194,7 @@ class EvalSection(Section):
     n: PositiveInt = 1
     """Samples per held-out prompt (more than 1: the best of them is reported too)."""
     temperature: float = Field(default=0.0, ge=0)
-    """Sampling temperature of the evaluation; 0: greedy."""
+    """Sampling temperature of the evaluation; 0: greedy, else at least 0.01 (the lowest vLLM samples at)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling threshold of the evaluation (with temperature > 0)."""
 
@@ -180,6 +203,9 @@ class EvalSection(Section):
         if self.n > 1 and self.temperature == 0:
             raise ValueError(f"eval.n is {self.n} with eval.temperature 0 (greedy): every sample of a prompt would "
                              "be the same, and best of n the mean; set eval.temperature (e.g. 0.7), or eval.n: 1")
+        problem = temperature_problem("eval.temperature", self.temperature)
+        if problem:
+            raise ValueError(problem + " (or 0: greedy)")
         return self
 
 
