@@ -87,8 +87,8 @@ def test_groups_sharing_nodes_split_the_jobs_memory(tiny, tmp_path):
     """Where Slurm counts memory (CR_*_Memory) and the job has memory per node (a cluster's DefMemPerNode, or
     sbatch's SBATCH_MEM_PER_NODE), a job step that asks for none takes all of it on its nodes: the trainer's
     step beside the generator's waited for it (srun: 'Cancelled pending job step' when the local cluster, set
-    to CR_CPU_Memory, timed the run's start-up out: tests/slurm/test_placement.py). Each step of a shared node set now asks for its
-    CPUs' share; one group's mem_gb alone in a set left the others none and is a config error."""
+    to CR_CPU_Memory, timed the run's start-up out: tests/slurm/test_placement.py). Each step of a shared node
+    set now asks for its CPUs' share; one group's mem_gb alone in a set left the others none and is a config error."""
     from toolkit.launch.allocation import shares_nodes, step_mem_mb
 
     _, groups = groups_for(tiny, tmp_path, generator={"workers": 2, "cpus_per_worker": 1, "same_nodes_as": "trainer"},

@@ -52,10 +52,10 @@ def srun_command(group: WorkerGroup, nodes: list[str], het_group: int | None, py
                  shared: bool = False, mem_mb: int | None = None) -> list[str]:
     """The job step of `group` on `nodes`. `shared`: another group's step runs on these nodes too, so this
     step takes only the CPUs, GPUs and memory it asks for (--exact; by default a step takes every CPU of
-    its nodes and the next one waits for them): its `mem_gb`, else `mem_mb` (its share, `step_mem_mb`). `--export=ALL`: the workers get the environment the driver
-    gives srun (placement's env, PATH, HOME, the run's variables) even where the job was submitted with
-    `--export=NONE` (sbatch or `slurm.sbatch: {export: NONE}`), which srun otherwise inherits
-    (SLURM_EXPORT_ENV) and starts the workers with almost nothing."""
+    its nodes and the next one waits for them): its `mem_gb`, else `mem_mb` (its share, `step_mem_mb`).
+    `--export=ALL`: the workers get the environment the driver gives srun (placement's env, PATH, HOME, the
+    run's variables) even where the job was submitted with `--export=NONE` (sbatch or `slurm.sbatch: {export:
+    NONE}`), which srun otherwise inherits (SLURM_EXPORT_ENV) and starts the workers with almost nothing."""
     cmd = ["srun", "--verbose", f"--job-name={group.name}", f"--nodes={group.nodes}", f"--ntasks={group.workers}",
            f"--ntasks-per-node={group.tasks_per_node}", f"--nodelist={','.join(nodes)}", "--export=ALL",
            "--kill-on-bad-exit=1", "--unbuffered", f"--output={log_dir}/{group.name}-%t.log"]
