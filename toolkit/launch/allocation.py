@@ -133,8 +133,8 @@ def step_mem_mb(group: WorkerGroup, groups, job_mem_mb: int | None) -> int | Non
     partition's DefMemPerNode, or sbatch's SBATCH_MEM_PER_NODE): where Slurm counts memory, a step that asks
     for none takes all the job's memory on its nodes, and the other group's step waited for it (srun:
     'Cancelled pending job step') until the run's start-up timed out. Each group of the node set gets the
-    job's memory in proportion to the CPUs its workers take there. None: the group asks for its own (`mem_gb`), or the job has memory per
-    CPU or none counted (Slurm gives a step its CPUs' share then)."""
+    job's memory in proportion to the CPUs its workers take there. None: the group asks for its own
+    (`mem_gb`), or the job has memory per CPU or none counted (Slurm gives a step its CPUs' share then)."""
     if group.mem_gb or not job_mem_mb:
         return None
     home = group.same_nodes_as or group.name
