@@ -93,6 +93,32 @@ def test_export_refuses_a_damaged_copy_and_a_used_target(trained, prompts, tmp_p
     assert result.returncode == 2 and "is a model directory already" in result.stderr
 
 
+def test_export_of_a_checkpoint_the_run_removes_while_it_is_copied_names_the_steps_it_has(trained, tmp_path,
+                                                                                          monkeypatch):
+    """A live run removes its older checkpoints (checkpoint.keep) after each new one: the run's own removal
+    (store/checkpoint.py) is made to happen once the export has copied its first file (the moment cannot be
+    held otherwise). It ended in shutil's traceback listing every file; now an error names the steps left."""
+    from toolkit.errors import ConfigError
+    from toolkit.store import checkpoint
+    from toolkit.store.manifest import Manifest
+    from toolkit.use.export import export
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    real = shutil.copyfile
+
+    def copyfile(src, dst, **kwargs):
+        out = real(src, dst, **kwargs)
+        if (copy / "checkpoints" / "step-000002").exists():
+            checkpoint._remove_old(copy, Manifest(copy), 2, 4)  # (the run, keep 2, after saving step 4)
+        return out
+
+    monkeypatch.setattr(shutil, "copyfile", copyfile)
+    with pytest.raises(ConfigError, match=r"checkpoint step 2 was removed while it was copied .*it has now \(3, 4\)"):
+        export(str(copy), str(tmp_path / "out"), 2)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
 def samples(result) -> list[dict]:
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in result.stdout.splitlines()]
