@@ -119,6 +119,24 @@ def test_export_of_a_checkpoint_the_run_removes_while_it_is_copied_names_the_ste
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
+def test_export_removes_what_a_killed_export_left_beside_it_and_not_a_build_going_on(trained, tmp_path):
+    """An export killed mid-copy (SIGKILL, the OOM killer, a lost node) left its hidden .OUT.building-PID, as
+    big as the model; the next export to OUT left it there too, and nothing ever removed it. One that a live
+    process builds in (it holds a flock on it) is not touched."""
+    from toolkit.flock import flock_held
+    from toolkit.use.export import export
+
+    killed = tmp_path / ".out.building-999999"
+    (killed / "partial").mkdir(parents=True)
+    (killed / "partial" / "model.safetensors").write_bytes(b"\0" * 4096)
+    going = tmp_path / ".out.building-999998"
+    going.mkdir()
+    with flock_held(going, 1, lambda: AssertionError("lock not free")):
+        export(str(trained), str(tmp_path / "out"))
+    same_files(trained / "checkpoints" / "step-000004" / "hf", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [going.name, "out"]
+
+
 def samples(result) -> list[dict]:
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in result.stdout.splitlines()]
