@@ -47,6 +47,11 @@ def build_beside(target: str | os.PathLike, build: Callable[[Path], None]) -> Pa
         if target.exists():
             target.rename(replaced)
         tmp.rename(target)
+        fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # (the rename on disk too)
+        finally:
+            os.close(fd)
     finally:
         os.close(held)
         shutil.rmtree(tmp, ignore_errors=True)

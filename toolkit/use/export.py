@@ -14,6 +14,7 @@ from pathlib import Path
 
 from toolkit.errors import ConfigError
 from toolkit.newdir import build_beside, check_new
+from toolkit.store.durable import settle
 from toolkit.use.source import checkpoints, resolve
 
 
@@ -44,5 +45,6 @@ def export(run_dir: str, out: str, step: int | None = None, ema: bool = False) -
         origin.write_text(json.dumps({"run_dir": str(source.run_dir), "step": source.step, "ema": ema,
                                       "lora_merged": (tmp / "adapter").is_dir()}, indent=1) + "\n")
         origin.chmod(0o600)  # (as the weights copied beside it: the run's files are their owner's alone)
+        settle(tmp)  # (on disk before it is named: a rename alone does not order the files' data before it)
 
     return build_beside(out, build)
