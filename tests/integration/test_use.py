@@ -157,6 +157,36 @@ def test_export_is_on_disk_before_it_is_named(trained, tmp_path, monkeypatch):
     assert synced[-1] == str(tmp_path)  # and then the rename
 
 
+def test_generate_from_a_checkpoint_the_run_removes_before_it_loads_names_the_steps_it_has(trained, prompts, tmp_path,
+                                                                                          monkeypatch):
+    """A live run removes its older checkpoints (checkpoint.keep); one removed after `generate` chose it and
+    before its engine loaded it (vLLM's start takes 20-60 s) was said to hold no tokenizer, with the advice
+    to save one there. The run's own removal (store/checkpoint.py) is made to happen at that moment."""
+    from toolkit.errors import ConfigError
+    from toolkit.store import checkpoint
+    from toolkit.store.manifest import Manifest
+    from toolkit.use import generate as generating
+    from toolkit.use.sampler import Sampling
+    from toolkit.use.source import resolve
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    source = resolve(str(copy), 2)
+    read = generating.read_prompts
+
+    def read_prompts(*args, **kwargs):
+        found = read(*args, **kwargs)
+        checkpoint._remove_old(copy, Manifest(copy), 2, 4)  # (the run, keep 2, after saving step 4)
+        return found
+
+    monkeypatch.setattr(generating, "read_prompts", read_prompts)
+    with pytest.raises(ConfigError, match=r"checkpoint step 2 was removed by the run before it was read .*it has "
+                                          r"now \(3, 4\)"):
+        generating.generate(source.path, str(prompts), str(tmp_path / "out.jsonl"), Sampling(4), "hf",
+                            removed=source.removed)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def samples(result) -> list[dict]:
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in result.stdout.splitlines()]
