@@ -737,7 +737,7 @@ def cmd_generate(args) -> int:
     print(f"sampling from {source.describe()} ({libraries})", file=sys.stderr, flush=True)
     count = generate(source.path, args.input, args.output, params, args.backend, args.seed, args.chat_template,
                      args.max_model_len, progress=Progress(sys.stderr), prompt_key=args.prompt_key,
-                     input_key=args.input_key)
+                     input_key=args.input_key, removed=source.removed)
     print(f"wrote {count} samples to {'standard output' if args.output == '-' else Path(args.output).absolute()}",
           file=sys.stderr)
     return 0
@@ -751,11 +751,16 @@ def cmd_chat(args) -> int:
     params = _sampling(args)
     libraries = _as_a_worker()
     source = resolve(args.model, args.step, args.ema)
-    check_model(source.path)
-    context = context_of(source.path, params, args.max_model_len)  # (before the engine loads)
-    print(f"chatting with {source.describe()} ('clear' starts over, 'quit' or Ctrl-D ends; {libraries})",
-          file=sys.stderr, flush=True)
-    sampler = Sampler(source.path, args.backend, context, args.seed)
+    try:
+        check_model(source.path)
+        context = context_of(source.path, params, args.max_model_len)  # (before the engine loads)
+        print(f"chatting with {source.describe()} ('clear' starts over, 'quit' or Ctrl-D ends; {libraries})",
+              file=sys.stderr, flush=True)
+        sampler = Sampler(source.path, args.backend, context, args.seed)
+    except Exception:
+        if (removed := source.removed()):  # (a live run's: it named a missing tokenizer, or vLLM's traceback)
+            raise ConfigError(removed) from None
+        raise
     try:
         chat(sampler, params)
     finally:

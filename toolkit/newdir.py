@@ -2,11 +2,14 @@
 
 It must be new or empty, so that nothing of the user's is mixed with its files, made private with them,
 replaced, or removed with them (a submission that fails). One that is written in a single go is built beside
-its place and then moved in whole, so that an interrupted build leaves nothing half-written there.
+its place and then moved in whole, so that an interrupted build leaves nothing half-written there; what a
+build killed outright left beside it the next build there removes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -32,14 +35,40 @@ def build_beside(target: str | os.PathLike, build: Callable[[Path], None]) -> Pa
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.building-{os.getpid()}")
     replaced = tmp.with_name(tmp.name + "-replaced")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in target.parent.glob(f".{target.name}.building-*"):  # (what a build killed by SIGKILL, OOM or a
+        if not _building(stale):                                    # lost node left, a model's size, hidden)
+            shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
+    held = os.open(tmp, os.O_RDONLY)
+    with contextlib.suppress(OSError):  # (a file system without locks: then no build is taken as dead)
+        fcntl.flock(held, fcntl.LOCK_EX)  # (while it builds: a build of the same target elsewhere leaves it)
     try:
         build(tmp)
         if target.exists():
             target.rename(replaced)
         tmp.rename(target)
+        fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # (the rename on disk too)
+        finally:
+            os.close(fd)
     finally:
+        os.close(held)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(replaced, ignore_errors=True)
     return target
+
+
+def _building(path: Path) -> bool:
+    """Whether a live process builds in `path` (it holds a flock on it; the kernel lets go when it dies)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return True  # (gone already, or not ours to remove)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:  # (held; or a file system without locks, where nothing can be told)
+        return True
+    finally:
+        os.close(fd)

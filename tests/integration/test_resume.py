@@ -210,6 +210,25 @@ def test_a_run_killed_between_its_last_checkpoint_and_its_export_exports_on_resu
     assert [r["step"] for r in map(json.loads, manifest.read_text().splitlines()) if r["kind"] == "export"] == [STEPS]
 
 
+def test_a_run_resumed_further_with_its_ema_off_leaves_no_export_ema_of_its_earlier_end(baseline, tmp_path):
+    """Resumed with run.steps raised and trainer.ema off: the new export is of the new last step, and the
+    export-ema/ of the earlier end (step STEPS) stood beside it, unchanged, as if it were that step's average."""
+    import yaml
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(baseline, run_dir)
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["run"]["steps"] = STEPS + 1
+    config["trainer"]["ema"] = None
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    result = cli("resume", run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    final = run_dir / "checkpoints" / f"step-{STEPS + 1:06d}"
+    assert (run_dir / "export" / "model.safetensors").read_bytes() == (final / "hf" / "model.safetensors").read_bytes()
+    assert not (run_dir / "export-ema").exists()
+    assert not list(run_dir.glob(".export-ema*"))
+
+
 def test_damaged_checkpoint_falls_back_to_an_older_state(baseline, killed, tmp_path):
     def truncate(run_dir: Path) -> None:
         shard = next((run_dir / "checkpoints" / "step-000002" / "actor").rglob("*optim_states.pt"))

@@ -93,6 +93,100 @@ def test_export_refuses_a_damaged_copy_and_a_used_target(trained, prompts, tmp_p
     assert result.returncode == 2 and "is a model directory already" in result.stderr
 
 
+def test_export_of_a_checkpoint_the_run_removes_while_it_is_copied_names_the_steps_it_has(trained, tmp_path,
+                                                                                          monkeypatch):
+    """A live run removes its older checkpoints (checkpoint.keep) after each new one: the run's own removal
+    (store/checkpoint.py) is made to happen once the export has copied its first file (the moment cannot be
+    held otherwise). It ended in shutil's traceback listing every file; now an error names the steps left."""
+    from toolkit.errors import ConfigError
+    from toolkit.store import checkpoint
+    from toolkit.store.manifest import Manifest
+    from toolkit.use.export import export
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    real = shutil.copyfile
+
+    def copyfile(src, dst, **kwargs):
+        out = real(src, dst, **kwargs)
+        if (copy / "checkpoints" / "step-000002").exists():
+            checkpoint._remove_old(copy, Manifest(copy), 2, 4)  # (the run, keep 2, after saving step 4)
+        return out
+
+    monkeypatch.setattr(shutil, "copyfile", copyfile)
+    with pytest.raises(ConfigError, match=r"checkpoint step 2 was removed while it was copied .*it has now \(3, 4\)"):
+        export(str(copy), str(tmp_path / "out"), 2)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_export_removes_what_a_killed_export_left_beside_it_and_not_a_build_going_on(trained, tmp_path):
+    """An export killed mid-copy (SIGKILL, the OOM killer, a lost node) left its hidden .OUT.building-PID, as
+    big as the model; the next export to OUT left it there too, and nothing ever removed it. One that a live
+    process builds in (it holds a flock on it) is not touched."""
+    from toolkit.flock import flock_held
+    from toolkit.use.export import export
+
+    killed = tmp_path / ".out.building-999999"
+    (killed / "partial").mkdir(parents=True)
+    (killed / "partial" / "model.safetensors").write_bytes(b"\0" * 4096)
+    going = tmp_path / ".out.building-999998"
+    going.mkdir()
+    with flock_held(going, 1, lambda: AssertionError("lock not free")):
+        export(str(trained), str(tmp_path / "out"))
+    same_files(trained / "checkpoints" / "step-000004" / "hf", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [going.name, "out"]
+
+
+def test_export_is_on_disk_before_it_is_named(trained, tmp_path, monkeypatch):
+    """`export` renamed its copy into place with no fsync at all (strace: 0 calls), so after a node crash OUT
+    could be there with empty files, where the run's own export/ is settled first. A power loss cannot be
+    staged here: os.fsync is watched (and called through) to see what reached the disk before the rename."""
+    from toolkit.use.export import export
+
+    synced, real = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    export(str(trained), str(tmp_path / "out"))
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    building = [Path(p) for p in synced if ".out.building-" in p]
+    assert sorted(p.name for p in building if p.name in files) == files  # every file, under its temporary name
+    assert synced[-1] == str(tmp_path)  # and then the rename
+
+
+def test_generate_from_a_checkpoint_the_run_removes_before_it_loads_names_the_steps_it_has(trained, prompts, tmp_path,
+                                                                                          monkeypatch):
+    """A live run removes its older checkpoints (checkpoint.keep); one removed after `generate` chose it and
+    before its engine loaded it (vLLM's start takes 20-60 s) was said to hold no tokenizer, with the advice
+    to save one there. The run's own removal (store/checkpoint.py) is made to happen at that moment."""
+    from toolkit.errors import ConfigError
+    from toolkit.store import checkpoint
+    from toolkit.store.manifest import Manifest
+    from toolkit.use import generate as generating
+    from toolkit.use.sampler import Sampling
+    from toolkit.use.source import resolve
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    source = resolve(str(copy), 2)
+    read = generating.read_prompts
+
+    def read_prompts(*args, **kwargs):
+        found = read(*args, **kwargs)
+        checkpoint._remove_old(copy, Manifest(copy), 2, 4)  # (the run, keep 2, after saving step 4)
+        return found
+
+    monkeypatch.setattr(generating, "read_prompts", read_prompts)
+    with pytest.raises(ConfigError, match=r"checkpoint step 2 was removed by the run before it was read .*it has "
+                                          r"now \(3, 4\)"):
+        generating.generate(source.path, str(prompts), str(tmp_path / "out.jsonl"), Sampling(4), "hf",
+                            removed=source.removed)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def samples(result) -> list[dict]:
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in result.stdout.splitlines()]

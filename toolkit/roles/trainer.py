@@ -670,12 +670,15 @@ class TrainerRole(Role):
         """After the last step: the final actor (and its EMA) as RUN_DIR/export (export-ema), for the next stage."""
         if self.rank != 0:
             return
-        from toolkit.training.export import publish
+        from toolkit.training.export import publish, withdraw
 
         directory = checkpoint.directory_of(self.run_dir, self.version)
         publish(self.run_dir, directory / "hf")
         if self.ema is not None:
             publish(self.run_dir, directory / "hf-ema", "export-ema")
+        elif (self.run_dir / "export-ema").exists():  # (an earlier end's average, the run resumed with trainer.ema
+            withdraw(self.run_dir, "export-ema")     # off: it stood beside the new export as if of its step)
+            log.warning("removed export-ema/, the EMA of an earlier end of this run: trainer.ema is off now")
         Manifest(self.run_dir).append({"kind": "export", "step": self.version, "dir": "export"})
 
     def _sync(self, fold_ema: bool = True, to: list[str] | None = None) -> tuple[float, float]:

@@ -8,6 +8,7 @@ An export is written under a temporary name and renamed into place, so `export/`
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -69,3 +70,15 @@ def publish(run_dir: Path, source: Path, name: str = "export") -> Path:
         settle(tmp)
         put_in_place(tmp, final)
     return final
+
+
+def withdraw(run_dir: Path, name: str) -> None:
+    """Remove RUN_DIR/<name> (an export no longer of the run's end), renamed aside first: it is there whole or
+    gone, never half removed under its name."""
+    from toolkit.store.experience import fsync_dir
+
+    final = Path(run_dir) / name
+    aside = final.parent / f".{name}.old-{os.getpid()}"
+    os.replace(final, aside)
+    fsync_dir(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)

@@ -71,17 +71,23 @@ def read_prompts(found: list[tuple[str, dict, object]], tokenizer, chat_template
 
 def generate(model: Path, input_path: str, output: str, params: Sampling, backend: str = "auto", seed: int = 0,
              chat_template: str = "auto", max_model_len: int | None = None, progress=None,
-             prompt_key: str = "prompt", input_key: str | None = None) -> int:
+             prompt_key: str = "prompt", input_key: str | None = None, removed=lambda: None) -> int:
     """Sample every prompt of `input_path` (its `prompt_key` field, Alpaca's `input_key` joined) into `output`
-    ('-': standard output); the number of samples."""
+    ('-': standard output); the number of samples. `removed`: where `model` is a live run's checkpoint that
+    the run may remove (ModelSource.removed), what to say if it is gone when the model loads."""
     found = read_rows(input_path, prompt_key, input_key)
-    check_model(model)
-    from transformers import AutoTokenizer
+    try:
+        check_model(model)
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    rows, prompts = read_prompts(found, tokenizer, chat_template)
-    needed = max(len(p) for p in prompts) + params.max_new_tokens
-    sampler = Sampler(model, backend, max_model_len or needed, seed, tokenizer=tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        rows, prompts = read_prompts(found, tokenizer, chat_template)
+        needed = max(len(p) for p in prompts) + params.max_new_tokens
+        sampler = Sampler(model, backend, max_model_len or needed, seed, tokenizer=tokenizer)
+    except Exception:
+        if (why := removed()):  # (it named a missing tokenizer, or gave vLLM's traceback)
+            raise ConfigError(why) from None
+        raise
     out_path = None if output == "-" else Path(output).resolve()
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)

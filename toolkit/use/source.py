@@ -29,6 +29,15 @@ class ModelSource:
             return str(self.path)
         return f"{self.run_dir} step {self.step}{' (EMA)' if self.ema else ''}"
 
+    def removed(self) -> str | None:
+        """Where the run removed this checkpoint since it was resolved (a live run keeps its newest
+        checkpoint.keep): what to say, naming the steps it has now; else None."""
+        if self.run_dir is None or (self.step in checkpoints(self.run_dir) and self.path.is_dir()):
+            return None
+        has = ", ".join(map(str, sorted(checkpoints(self.run_dir)))) or "none now"
+        return (f"{self.run_dir}: checkpoint step {self.step} was removed by the run before it was read (it keeps its "
+                f"newest checkpoint.keep); choose a step it has now ({has}), or the newest (no --step)")
+
 
 def checkpoints(run_dir: Path) -> dict[int, dict]:
     """{step: manifest record} of the checkpoints a run still has."""
