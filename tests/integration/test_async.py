@@ -143,6 +143,94 @@ def test_a_generator_lost_while_the_trainer_runs_ahead_rejoins_with_later_weight
         assert sorted(np.bincount(r["samples"]["group_index"]).tolist()) == [4] * 16 and lags(r).max() <= 1
 
 
+def test_the_steps_sent_while_a_scorer_started_again_loads_are_generated_once(tiny, tmp_path):
+    """Lag 2: the scorer is killed while the trainer trains step 2 with the samples of steps 3 and 4 in. The
+    trainer trains them, so steps 5 and 6 go out and are generated while the new scorer, registered, loads.
+    Once it was ready the driver asked the trainer what was lost for every step out; the trainer had nothing
+    of steps 5 and 6 yet (their samples waited in the new scorer), and both were generated and scored twice.
+    Only the steps out when the new process registered can have lost work: each step is generated once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from toolkit.hold import ENV, held_file
+    from toolkit.timeline import read_timelines
+
+    data = example("tiny-grpo.yaml", tiny, run={"steps": 6, "seed": 2, "name": "twice"}, placement=ONE_CPU_EACH)
+    data["rollout"].update(max_policy_lag=2, backend="hf")
+    run_dir = tmp_path / "run"
+    registered, training = held_file(run_dir, "registered"), held_file(run_dir, "training")
+
+    def until(what, limit_s: float = 120) -> None:
+        deadline = time.monotonic() + limit_s
+        while not what():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+
+    # (the workers that register first are held too, and let go; the scorer started again is held there next)
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(write_config(tmp_path, data)), "--run-dir",
+                             str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, ENV: "registered,training@2"})
+    with killed_at_exit(proc):
+        until(lambda: training.exists() or registered.unlink(missing_ok=True))
+        wait_until_done(proc, run_dir, ("scorer-0", "scoring"), step=3)
+        scorer = json.loads((run_dir / "status.json").read_text())["workers"]["scorer:0"]["pid"]
+        os.kill(scorer, signal.SIGKILL)
+        training.unlink()
+        until(lambda: registered.exists() and registered.read_text().strip())
+        wait_until_done(proc, run_dir, ("generator-0", "generating"), step=5)
+        registered.unlink()
+        out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "is back; the run goes on" in out, out
+    generated = [r["step"] for r in read_timelines(run_dir)["generator-0"] if r["phase"] == "generating"]
+    assert sorted(generated) == list(range(6)), generated
+    records = [experience.read(p) for p in sorted((run_dir / "experience").glob("*.h5"))]
+    assert [r["attrs"]["step"] for r in records] == list(range(6))
+    for r in records:
+        assert sorted(np.bincount(r["samples"]["group_index"]).tolist()) == [4] * 16 and lags(r).max() <= 2
+
+
+def test_samples_in_the_trainers_inbox_are_not_generated_again_after_a_generator_is_started_again(tiny, tmp_path):
+    """Lag 2: the generator is killed while the trainer trains step 2 with the samples of steps 3 and 4 in its
+    inbox, and the trainer is let go once the new generator asked to rejoin. The trainer takes commands
+    before samples: it rejoined the generator, then answered the driver's `missing` before reading the
+    samples waiting for it, so steps 3 and 4 were generated again, whole, and the copies dropped. Now it
+    takes in what waits in its inbox first, and every step is generated once."""
+    import os
+    import signal
+
+    from tests.conftest import start_held
+    from toolkit.hold import held_file, held_pid
+    from toolkit.timeline import read_timelines
+
+    data = example("tiny-grpo.yaml", tiny, run={"steps": 6, "seed": 2, "name": "inbox"}, placement=ONE_CPU_EACH)
+    data["rollout"].update(max_policy_lag=2, backend="hf")
+    run_dir = tmp_path / "run"
+    proc, _ = start_held(write_config(tmp_path, data), run_dir, "training@2,rejoining")
+    with killed_at_exit(proc):
+        wait_until_done(proc, run_dir, ("scorer-0", "scoring"), step=3)  # (steps 3 and 4: in the trainer's inbox)
+        generator = json.loads((run_dir / "status.json").read_text())["workers"]["generator:0"]["pid"]
+        os.kill(generator, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not held_pid(run_dir, "rejoining"):  # (the new generator asked for its weight-sync group)
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        held_file(run_dir, "training").unlink()
+        held_file(run_dir, "rejoining").unlink()
+        out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "is back; the run goes on" in out, out
+    generated = [r["step"] for r in read_timelines(run_dir)["generator-0"] if r["phase"] == "generating"]
+    assert sorted(generated) == list(range(6)), generated
+    for step in range(6):
+        record = experience.read(run_dir / "experience" / experience.file_name(step))
+        assert sorted(np.bincount(record["samples"]["group_index"]).tolist()) == [4] * 16
+        assert lags(record).max() <= 2
+
+
 def test_a_time_limit_stop_before_the_last_step_ends_finished_when_the_trainer_trains_it_anyway(tiny, tmp_path):
     """Lag 2: SIGUSR1 (the time limit is near) while the trainer trains step 3 of 4. The driver stops stepping
     after step 3, but the last step's prompts are out and its samples in, so the trainer trains it before it

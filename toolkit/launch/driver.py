@@ -64,6 +64,8 @@ class Driver(Supervisor):
         self.next_dispatch = 0  # the next step whose prompts go out
         self.in_flight: dict[int, list] = {}  # prompts of the steps sent and not yet trained
         self.regenerate: list[tuple[int, list[int]]] = []  # (step, prompt slots) the trainer dropped
+        # The steps and evaluations out when a worker was started again: what it may have lost (`_restarted`)
+        self.out_at_restart: tuple[set[int], set[int]] = (set(), set())
         self.sending = False
         self.last_done: float | None = None  # when the last step finished (this attempt)
         self.eval_prompts = []  # the prompts held out of training, when the run evaluates itself (eval.every_steps)
@@ -239,16 +241,28 @@ class Driver(Supervisor):
             elif not evaluation and step in self.in_flight:  # (not a step trained meanwhile)
                 self._send_prompts(step, slots)
 
+    def _restart(self, worker_id: str, why: str) -> None:
+        super()._restart(worker_id, why)
+        # (the process lost has ended: what goes out from now on reaches the new one, or waits for it)
+        self.out_at_restart[0].update(self.in_flight)
+        self.out_at_restart[1].update(self.evaluating)
+
     def _restarted(self, worker_id: str) -> None:
         """A generator or scorer started again: the work it held is lost. The trainer says which sample
         groups of the steps not finished it still misses, and their prompts go out again (`regenerate`;
         the same seeds give the same samples, and the trainer keeps the first copy of a group that comes
         twice, one that a worker still held). Before, every prompt of those steps went out again.
         The same for an evaluation still out: its missing held-out prompts go out again, ahead of the
-        steps' (synchronously no step trains before them, so they sample the weights it was sent for)."""
-        if not self.in_flight and not self.evaluating:
+        steps' (synchronously no step trains before them, so they sample the weights it was sent for).
+        Only the steps already out when the worker was started again can have lost work: asynchronously the
+        next steps' prompts go out while it starts and loads (their samples reach it, or wait for it), and the
+        trainer, asked before those came in, had each of those steps generated twice."""
+        out_steps, out_evals = self.out_at_restart
+        steps = sorted(s for s in self.in_flight if s in out_steps)
+        evals = sorted(s for s in self.evaluating if s in out_evals)
+        self.out_at_restart = (set(), set())
+        if not steps and not evals:
             return
-        steps, evals = sorted(self.in_flight), sorted(self.evaluating)
         self.coordinator.send(self.trainer_id, "missing", steps=[[s, len(self.in_flight[s])] for s in steps],
                               evals=[[s, len(self.eval_prompts)] for s in evals])
         what = [f"step(s) {', '.join(str(s + 1) for s in steps)}"] * bool(steps) + \

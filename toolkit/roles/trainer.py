@@ -408,7 +408,14 @@ class TrainerRole(Role):
         """Rank 0, after a generator or scorer was started again: for each [step, prompts] not trained
         yet, the prompts whose sample groups have not come in (lost with the worker, or still on their
         way from another: those come twice then, and the second copy is dropped) go to the driver to be
-        generated again; first those of each [step, held-out prompts] of an evaluation not written yet."""
+        generated again; first those of each [step, held-out prompts] of an evaluation not written yet.
+        The samples already in this worker's inbox are taken in first: commands come before samples, and
+        asynchronously the samples of the steps ahead wait there while the trainer trains and rejoins the
+        generator; they were reported missing, and whole steps were generated twice."""
+        if "generator" not in self.worker.roles:  # (else the inbox holds prompts, which the loop hands out)
+            while self.worker.inbox.socket.poll(0):
+                if (msg := self.worker.inbox.recv(0)) is not None:
+                    self.worker.run_stages(msg.meta["stage"], SampleBatch.from_message(msg))
         for step, prompts in evals:
             if step in self.evaluated:
                 continue
