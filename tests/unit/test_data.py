@@ -166,6 +166,26 @@ def test_blend_follows_the_weights(tmp_path):
     assert [e.id for e in again.next(50)] == [e.id for e in drawn[1234:1284]]  # any cursor resumes
 
 
+def test_a_resume_skips_a_long_run_s_draws_at_once():
+    """A resume skips the draws of the steps before it: drawing every row took 46 s after 10M draws (10,000
+    steps of 1,000 prompts, one source of 1M rows). The cursor is the one `next` leaves, at the turn of a
+    pass too, for one source and for several."""
+    import time
+
+    from toolkit.data.blend import Blend
+
+    for sizes, weights in (([5], [1.0]), ([7, 3, 11], [3.0, 1.0, 2.0])):
+        drawn = Blend(sizes, weights, True, 3).next(300)
+        for cursor in [*range(45), 99, 100, 233]:
+            again = Blend(sizes, weights, True, 3)
+            again.next(17)  # (a feeder that drew already skips from the start as well)
+            again.skip(cursor)
+            assert again.next(60) == drawn[cursor:cursor + 60], (sizes, cursor)
+    started = time.monotonic()
+    Blend([1000], [1.0], True, 0).skip(10_000_000)
+    Blend([1000, 10], [1.0, 1.0], True, 0).skip(500_000)
+    assert time.monotonic() - started < 3.0, time.monotonic() - started
+
 def test_prompt_feeder_order_epochs_and_resume(tmp_path):
     path = jsonl(tmp_path / "p.jsonl", [{"q": str(i), "answer": i} for i in range(5)])
     section = data(sources=[{"path": path}], prompt_key="q")
