@@ -47,7 +47,21 @@ class Blend:
         return out
 
     def skip(self, draws: int) -> None:
-        """Go to the cursor after `draws` draws from the start."""
-        self.reset()
-        while self.drawn < draws:
-            self.next(min(4096, draws - self.drawn))
+        """Go to the cursor after `draws` draws from the start, as `next` leaves it. Only the sources' choices
+        are drawn (one `random()` each, as `next` draws them); each source's pass and position follow from its
+        count, and only its current pass is shuffled. Drawing every row took 46 s for a resume after 10M draws
+        (10,000 steps of 1,000 prompts), 4 s after 160k (most of it shuffling the first pass twice)."""
+        self.drawn = draws
+        self._choice = random.Random(f"{self.seed}:blend")
+        counts = [draws] + [0] * (len(self.sizes) - 1)
+        if len(self.sizes) > 1:
+            counts = [0] * len(self.sizes)
+            for done in range(0, draws, 1 << 20):  # (in chunks: a list of every choice held 80 MB per 10M draws)
+                for source in self._choice.choices(range(len(self.sizes)), self.weights, k=min(1 << 20, draws - done)):
+                    counts[source] += 1
+        # (a source's pass turns over at its next draw after the last row: `next` leaves position == size)
+        passes = [(n - 1) // size if n else 0 for n, size in zip(counts, self.sizes)]
+        self.orders = [order if p == before else self._order(s, p)  # (a pass's order is a function of the pass)
+                       for s, (order, p, before) in enumerate(zip(self.orders, passes, self.passes))]
+        self.passes = passes
+        self.positions = [n - p * size for n, p, size in zip(counts, self.passes, self.sizes)]

@@ -25,6 +25,7 @@ COLORS = {"generating": "tab:blue", "scoring": "tab:orange", "training": "tab:gr
           "parking": "tab:pink",  # (placement.offload: the trainer's state goes to host memory)
           "restarting": "black"}  # (restarting: the worker was lost; from then until it registers again; unseen_ends)
 IDLE = ("idle", "done", "ready", "collecting")  # drawn as gaps: the worker waits (the trainer for samples)
+MAX_BARS = 200  # steps drawn as bars in the step-time figure; more are drawn as bands (a bar is under 4 px wide)
 
 
 def curves(metrics: list[dict]):
@@ -69,11 +70,16 @@ def step_time(metrics: list[dict]):
         bottom = [0.0] * len(metrics)
         for key, label in phases:
             values = [m.get(key, 0.0) for m in metrics]
-            ax.bar(steps, values, bottom=bottom, label=label, width=0.85)
-            bottom = [b + v for b, v in zip(bottom, values)]
+            top = [b + v for b, v in zip(bottom, values)]
+            if len(metrics) <= MAX_BARS:
+                ax.bar(steps, values, bottom=bottom, label=label, width=0.85)
+            else:  # (one band per phase: a bar per step and phase took 13 s at 1,000 steps, 176 s at 10,000)
+                ax.fill_between(steps, bottom, top, step="mid", label=label, linewidth=0)
+            bottom = top
     if any("step_s" in m for m in metrics):
         points = [(m["step"] + 1, m["step_s"]) for m in metrics if "step_s" in m]
-        ax.plot(*zip(*points), color="black", marker=".", linewidth=1, label="step (wall)")
+        ax.plot(*zip(*points), color="black", marker="." if len(points) <= MAX_BARS else None, linewidth=1,
+                label="step (wall)")
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("seconds")
