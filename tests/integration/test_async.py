@@ -249,6 +249,13 @@ def test_a_time_limit_stop_before_the_last_step_ends_finished_when_the_trainer_t
     proc, _ = start_held(write_config(tmp_path, data), run_dir, "training@3")
     with killed_at_exit(proc):
         wait_until_done(proc, run_dir, ("scorer-0", "scoring"), step=3)  # (the last step's samples: sent on)
+        # (and the driver waits for step 3: it checks the time left before each step, and on a loaded machine,
+        # still waiting for step 2's weights to reach the generator, it took the signal before step 3, stopped
+        # after step 2, and the trainer took the checkpoint command before the last step's samples)
+        deadline = time.monotonic() + 120
+        while (json.loads((run_dir / "status.json").read_text()).get("running_step") or 0) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
         os.kill(proc.pid, signal.SIGUSR1)
         deadline = time.monotonic() + 60  # (the driver has it: it logs so at once)
         while "SIGUSR1: the job ends soon" not in (run_dir / "logs" / "driver.log").read_text():
